@@ -1,0 +1,207 @@
+"""Aho-Corasick automaton over a session's token n-grams, bounded by LRU eviction of leaves.
+
+The trie holds every substring of the context of length <= ``window`` (n). Appending a token ``c``
+adds, for each current suffix ``s`` of length < n (the failure chain of the match state),
+the node ``s + c``. The trie is therefore closed under prefixes *and* suffixes, which gives
+every node an exact failure link: ``fail(s) = s[1:]``, the longest proper suffix present.
+
+Recency. A node's recency key is the position of its most recent occurrence,
+``(start, -length)``: later start is more recent, and of two substrings with the same start the
+shorter is more recent. A prefix or suffix of a substring occurs wherever the substring does, with
+a larger key, so every node is strictly more recent than its children and than the nodes whose
+failure link points at it. Hence the least recently used node is always a leaf that no failure link
+targets: evicting it keeps the trie prefix- and suffix-closed, never orphans a subtree and never
+leaves a dangling failure link. (Touching an insert path root-first, as some implementations do,
+breaks this: a parent ends up older than its child.)
+
+Keys only grow, and a touch at step ``j`` always has start in ``(j - n, j]``, so nodes are kept in
+buckets by start; the oldest bucket holds the victim (its longest member).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+ROOT = 0
+
+
+class Automaton:
+    __slots__ = (
+        "window", "max_nodes", "children", "parent", "token", "depth", "freq", "fail",
+        "start", "_free", "_buckets", "frontier", "length",
+    )
+
+    def __init__(self, window: int = 10, max_nodes: int = 10_000):
+        if window < 1:
+            raise ValueError("window must be >= 1")
+        # Frontier nodes of the last `window` steps must survive one step of evictions: at most
+        # window*(window+1)/2 nodes have a start inside that span.
+        if max_nodes < window * (window + 1) + 1:
+            raise ValueError(f"max_nodes must be >= window*(window+1)+1 = {window * (window + 1) + 1}")
+        self.window = window
+        self.max_nodes = max_nodes  # root included
+        self.children: list[dict[int, int]] = [{}]
+        self.parent: list[int] = [-1]
+        self.token: list[int] = [-1]
+        self.depth: list[int] = [0]
+        self.freq: list[int] = [0]
+        self.fail: list[int] = [ROOT]
+        self.start: list[int] = [-1]  # start position of the most recent occurrence
+        self._free: list[int] = []
+        self._buckets: OrderedDict[int, dict[int, int]] = OrderedDict()  # start -> {node: depth}
+        # frontier[L] = node of the context's last L tokens (L = 0 .. min(length, window)).
+        # frontier[-1] is the match state: the longest suffix of the context present in the trie.
+        self.frontier: list[int] = [ROOT]
+        self.length = 0  # tokens consumed
+
+    # -- queries ---------------------------------------------------------------------------------
+    @property
+    def state(self) -> int:
+        return self.frontier[-1]
+
+    def __len__(self) -> int:
+        """Live nodes, root included."""
+        return len(self.children) - len(self._free)
+
+    def string(self, node: int) -> tuple[int, ...]:
+        out = []
+        while node != ROOT:
+            out.append(self.token[node])
+            node = self.parent[node]
+        return tuple(reversed(out))
+
+    def find(self, tokens) -> int:
+        """Node of ``tokens`` or -1."""
+        node = ROOT
+        for t in tokens:
+            node = self.children[node].get(t, -1)
+            if node < 0:
+                return -1
+        return node
+
+    # -- updates ---------------------------------------------------------------------------------
+    def extend(self, tokens) -> None:
+        for t in tokens:
+            self.append(t)
+
+    def append(self, c: int) -> None:
+        """Consumes one context token: inserts every suffix ending at it, advances the match state."""
+        pos = self.length
+        n = self.window
+        old = self.frontier
+        top = min(len(old), n)  # suffixes of length 0 .. top-1 can be extended by c
+        new = [ROOT]
+        children = self.children
+        for L in range(top):  # new node for string old[L] + c has length L + 1
+            u = old[L]
+            v = children[u].get(c)
+            if v is None:
+                v = self._new_node(u, c, fail=new[L])
+            new.append(v)
+        # Touch longest first: the shorter suffixes end up strictly more recent.
+        freq, start, buckets = self.freq, self.start, self._buckets
+        for L in range(top, 0, -1):
+            v = new[L]
+            freq[v] += 1
+            s = pos - L + 1
+            old_s = start[v]
+            if old_s != s:
+                if old_s >= 0:
+                    b = buckets.get(old_s)
+                    if b is not None:
+                        b.pop(v, None)
+                start[v] = s
+                b = buckets.get(s)
+                if b is None:
+                    b = buckets[s] = {}
+                b[v] = L
+        self.frontier = new
+        self.length = pos + 1
+
+    def _new_node(self, parent: int, c: int, fail: int) -> int:
+        if len(self) >= self.max_nodes:
+            self._evict_one()
+        if self._free:
+            v = self._free.pop()
+            self.children[v] = {}
+            self.parent[v] = parent
+            self.token[v] = c
+            self.depth[v] = self.depth[parent] + 1
+            self.freq[v] = 0
+            self.fail[v] = fail
+            self.start[v] = -1
+        else:
+            v = len(self.children)
+            self.children.append({})
+            self.parent.append(parent)
+            self.token.append(c)
+            self.depth.append(self.depth[parent] + 1)
+            self.freq.append(0)
+            self.fail.append(fail)
+            self.start.append(-1)
+        self.children[parent][c] = v
+        return v
+
+    def _evict_one(self) -> None:
+        buckets = self._buckets
+        while True:
+            s, members = next(iter(buckets.items()))
+            if members:
+                break
+            del buckets[s]
+        victim = max(members, key=members.__getitem__)  # longest = least recent within the bucket
+        del members[victim]
+        if not members:
+            del buckets[s]
+        # Invariant (see module doc): the victim is a leaf and no failure link points at it.
+        assert not self.children[victim], "LRU victim has children"
+        del self.children[self.parent[victim]][self.token[victim]]
+        self.parent[victim] = -1
+        self.start[victim] = -1
+        self._free.append(victim)
+
+    # -- snapshots -------------------------------------------------------------------------------
+    def to_state(self) -> dict:
+        return {
+            "window": self.window,
+            "max_nodes": self.max_nodes,
+            "parent": list(self.parent),
+            "token": list(self.token),
+            "freq": list(self.freq),
+            "fail": list(self.fail),
+            "start": list(self.start),
+            "free": list(self._free),
+            "buckets": [(s, list(m.items())) for s, m in self._buckets.items()],
+            "frontier": list(self.frontier),
+            "length": self.length,
+        }
+
+    @classmethod
+    def from_state(cls, st: dict) -> "Automaton":
+        a = cls(st["window"], st["max_nodes"])
+        a.parent = list(st["parent"])
+        a.token = list(st["token"])
+        a.freq = list(st["freq"])
+        a.fail = list(st["fail"])
+        a.start = list(st["start"])
+        a._free = list(st["free"])
+        free = set(a._free)
+        n = len(a.parent)
+        a.children = [{} for _ in range(n)]
+        a.depth = [0] * n
+        order = []
+        for v in range(1, n):
+            if v not in free:
+                a.children[a.parent[v]][a.token[v]] = v
+                order.append(v)
+        # depths: parents may have larger ids than children after recycling; resolve iteratively
+        for v in order:
+            d, u = 0, v
+            while u != ROOT:
+                d += 1
+                u = a.parent[u]
+            a.depth[v] = d
+        a._buckets = OrderedDict((s, dict(m)) for s, m in st["buckets"])
+        a.frontier = list(st["frontier"])
+        a.length = st["length"]
+        return a

@@ -1,0 +1,140 @@
+"""The drafter's per-session façade: learn from verified positions, build the next draft tree.
+
+Pure: no I/O, no clocks. The service layer owns sessions, snapshots and timing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .automaton import Automaton
+from .copy_logits import CopyLogitTable
+from .tree import DraftTree, _Trie, add_logits, add_retrieval
+
+MODES = ("racer", "retrieval", "logits", "last-logit", "pld", "off")
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    window: int = 10  # n: longest n-gram in the automaton
+    max_nodes: int = 10_000  # automaton capacity per session (root included)
+    topk: int = 8  # k: copy-logit row width and root breadth of the logits tree
+    min_depth: int = 2  # shortest (suffix + root) string that counts as a retrieval border
+    retrieval_min_prob: float = 0.0  # drop retrieval candidates less likely than this
+    pld_ngram: int = 3  # longest n-gram prompt lookup matches
+
+    def __post_init__(self):
+        if self.topk < 1 or self.min_depth < 1 or self.pld_ngram < 1:
+            raise ValueError("topk, min_depth and pld_ngram must be >= 1")
+        Automaton(self.window, self.max_nodes)  # validates window / capacity
+
+
+class DraftSession:
+    """State of one session: the context (committed tokens), automaton, copy-logit table."""
+
+    def __init__(self, config: DrafterConfig = DrafterConfig()):
+        self.config = config
+        self.automaton = Automaton(config.window, config.max_nodes)
+        self.table = CopyLogitTable(config.topk)
+        self.last_topk: tuple[int, ...] = ()  # distribution that chose the current root
+        self.history: list[int] = []  # committed tokens, for prompt lookup and snapshots' replay
+        # n-gram -> end indices of its last two occurrences (the last may have no continuation yet)
+        self._ngram_last: dict[tuple[int, ...], tuple[int, int]] = {}
+
+    # -- learning ---------------------------------------------------------------------------------
+    def extend(self, tokens, topk_rows=None) -> None:
+        """Commits context tokens; ``topk_rows[i]`` (optional) is the target's top-k after tokens[i]."""
+        tokens = list(tokens)
+        self.automaton.extend(tokens)
+        if topk_rows is not None:
+            if len(topk_rows) != len(tokens):
+                raise ValueError("need one top-k row per token")
+            self.table.put_many(tokens, topk_rows)
+            if tokens:
+                self.last_topk = tuple(topk_rows[-1])
+        hist = self.history
+        idx = self._ngram_last
+        g = self.config.pld_ngram
+        for t in tokens:
+            hist.append(t)
+            end = len(hist) - 1
+            for size in range(1, min(g, len(hist)) + 1):
+                key = tuple(hist[end - size + 1 :])
+                idx[key] = (end, idx.get(key, (-1, -1))[0])
+
+    def observe_tree(self, tree_tokens, tree_topk, accepted: list[int]) -> None:
+        """Learns from a verified tree: every node's top-k, accepted path last (most recent wins).
+
+        ``accepted`` are indices into the tree of the accepted path (root first). Call ``extend``
+        with the accepted tokens afterwards.
+        """
+        acc = set(accepted)
+        put = self.table.put
+        for i, (t, row) in enumerate(zip(tree_tokens, tree_topk)):
+            if i not in acc:
+                put(t, row)
+        for i in accepted:
+            put(tree_tokens[i], tree_topk[i])
+        if accepted:
+            self.last_topk = tuple(tree_topk[accepted[-1]])
+
+    def step(self, tree_tokens, tree_topk, accepted: list[int], root: int, budget: int, mode: str = "racer") -> DraftTree:
+        """One message's worth of work: learn from the last round, then draft from ``root``."""
+        self.observe_tree(tree_tokens, tree_topk, accepted)
+        self.extend([tree_tokens[i] for i in accepted])
+        return self.draft(root, budget, mode)
+
+    # -- drafting ---------------------------------------------------------------------------------
+    def draft(self, root: int, budget: int, mode: str = "racer") -> DraftTree:
+        """A tree of at most ``budget`` nodes (root included) rooted at ``root``."""
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        if budget < 1:
+            raise ValueError("budget must be >= 1")
+        cfg = self.config
+        trie = _Trie(root, budget)
+        if mode == "off" or budget == 1:
+            return trie.flatten(0)
+        n_retrieval = 0
+        if mode in ("racer", "retrieval"):
+            n_retrieval = add_retrieval(trie, self.automaton, root, cfg.min_depth, cfg.retrieval_min_prob)
+        if mode in ("racer", "logits"):
+            add_logits(trie, self.table.get, cfg.topk)
+        elif mode == "last-logit":
+            last = self.last_topk
+            add_logits(trie, lambda _tok: last, cfg.topk)
+        elif mode == "pld":
+            self._add_prompt_lookup(trie, root)
+        return trie.flatten(n_retrieval)
+
+    def _add_prompt_lookup(self, trie: _Trie, root: int) -> None:
+        """One chain copied after the most recent earlier occurrence of the longest matching n-gram."""
+        hist = self.history
+        for size in range(min(self.config.pld_ngram, len(hist) + 1), 0, -1):
+            key = (*hist[len(hist) - size + 1 :], root) if size > 1 else (root,)
+            ends = self._ngram_last.get(key)
+            if ends is None:
+                continue
+            end = ends[0] if ends[0] < len(hist) - 1 else ends[1]
+            if end < 0:
+                continue
+            node = 0
+            for t in hist[end + 1 : end + trie.budget]:
+                node = trie.add(node, t)
+                if node < 0:
+                    return
+            if node != 0:
+                return
+
+    # -- introspection ----------------------------------------------------------------------------
+    def memory_estimate(self) -> int:
+        """Rough bytes held by this session (automaton lists and dicts, table rows, history)."""
+        import sys
+
+        a = self.automaton
+        total = sum(sys.getsizeof(d) for d in a.children)
+        total += sum(sys.getsizeof(x) for x in (a.parent, a.token, a.depth, a.freq, a.fail, a.start))
+        total += 28 * 6 * len(a.children)  # small ints are shared; count boxed slots roughly
+        total += sys.getsizeof(self.table.rows) + sum(sys.getsizeof(r) for r in self.table.rows.values())
+        total += sys.getsizeof(self.history) + sys.getsizeof(self._ngram_last) + 100 * len(self._ngram_last)
+        return total

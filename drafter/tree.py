@@ -1,0 +1,155 @@
+"""Draft trees: retrieval paths from the automaton, copy-logit expansion, and their merge.
+
+A draft tree is rooted at the token the target already chose (``root``). It is built as a trie
+(shared prefixes merge, so every node counts once against the budget) and flattened breadth-first
+into ``tokens[]`` and ``parents[]`` (``parents[0] == -1``, ``parents[i] < i``).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from .automaton import ROOT, Automaton
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+    n_retrieval: int = 0  # nodes (root excluded) that came from the automaton
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class _Trie:
+    __slots__ = ("tokens", "parents", "depth", "index", "budget")
+
+    def __init__(self, root: int, budget: int):
+        self.tokens = [root]
+        self.parents = [-1]
+        self.depth = [0]
+        self.index: dict[tuple[int, int], int] = {}
+        self.budget = budget
+
+    def full(self) -> bool:
+        return len(self.tokens) >= self.budget
+
+    def child(self, parent: int, token: int) -> int:
+        return self.index.get((parent, token), -1)
+
+    def add(self, parent: int, token: int) -> int:
+        """Returns the node for (parent, token), adding it if absent; -1 when the budget is spent."""
+        key = (parent, token)
+        i = self.index.get(key)
+        if i is not None:
+            return i
+        if len(self.tokens) >= self.budget:
+            return -1
+        i = len(self.tokens)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depth.append(self.depth[parent] + 1)
+        self.index[key] = i
+        return i
+
+    def flatten(self, n_retrieval: int) -> DraftTree:
+        order = sorted(range(len(self.tokens)), key=self.depth.__getitem__)  # stable: BFS
+        if order == list(range(len(order))):
+            return DraftTree(tuple(self.tokens), tuple(self.parents), n_retrieval)
+        new_of = {old: new for new, old in enumerate(order)}
+        return DraftTree(
+            tuple(self.tokens[i] for i in order),
+            tuple(-1 if self.parents[i] < 0 else new_of[self.parents[i]] for i in order),
+            n_retrieval,
+        )
+
+
+def retrieval_borders(auto: Automaton, root: int, min_depth: int = 2) -> list[int]:
+    """Automaton nodes for (suffix + root) over the match state's failure chain, longest first.
+
+    The frontier of the automaton *is* the failure chain of the match state (fail(s) = s[1:]).
+    """
+    borders = []
+    children = auto.children
+    for node in reversed(auto.frontier):
+        if auto.depth[node] + 1 < min_depth:
+            break
+        b = children[node].get(root)
+        if b is not None:
+            borders.append(b)
+    return borders
+
+
+def add_retrieval(
+    trie: _Trie, auto: Automaton, root: int, min_depth: int = 2, min_prob: float = 0.0, backoff: float = 0.5
+) -> int:
+    """Adds the best retrieval continuations to ``trie``; returns the number of nodes added.
+
+    Candidates are ranked best-first by an estimated probability of acceptance: the product along
+    the path of freq(child) / freq(node) taken in the longest matching context (the deepest
+    border whose sub-trie holds the path), ties broken by raw frequency.
+    """
+    borders = retrieval_borders(auto, root, min_depth)
+    if not borders:
+        return 0
+    children, freq = auto.children, auto.freq
+    # A draft node maps to the automaton nodes (one per border still matching), deepest first.
+    heap: list[tuple[float, int, int, int, tuple[int, ...]]] = []
+    counter = 0
+
+    def push(draft_parent: int, prob: float, autos: tuple[int, ...]) -> None:
+        nonlocal counter
+        # Children of every matching automaton node, grouped by token, deepest context first.
+        seen: dict[int, list[int]] = {}
+        for a in autos:
+            for tok, ch in children[a].items():
+                seen.setdefault(tok, []).append(ch)
+        deepest = autos[0]
+        for tok, chs in seen.items():
+            top = chs[0]
+            parent_auto = auto.parent[top]
+            p = prob * freq[top] / max(freq[parent_auto], 1)
+            if parent_auto != deepest:  # the longer context has seen other continuations only
+                p *= backoff
+            if p < min_prob:
+                continue
+            counter += 1
+            heapq.heappush(heap, (-p, -freq[chs[-1]], counter, draft_parent, (tok, *chs)))
+
+    push(0, 1.0, tuple(borders))
+    added = 0
+    while heap and not trie.full():
+        negp, _, _, draft_parent, (tok, *chs) = heapq.heappop(heap)
+        before = len(trie.tokens)
+        node = trie.add(draft_parent, tok)
+        if node < 0:
+            break
+        added += len(trie.tokens) - before
+        push(node, -negp, tuple(chs))
+    return added
+
+
+def add_logits(trie: _Trie, table_get, root_breadth: int) -> None:
+    """Breadth-first copy-logit expansion with breadth halving, until the budget is spent.
+
+    ``table_get(token)`` returns ranked next-token ids. The root expands ``root_breadth`` children;
+    a node's first child gets half its breadth, each next sibling half of the previous, never < 1.
+    Nodes already in the trie (from retrieval) are shared, not paid for twice.
+    """
+    queue = [(0, trie.tokens[0], root_breadth)]
+    head = 0
+    while head < len(queue) and not trie.full():
+        node, tok, breadth = queue[head]
+        head += 1
+        nxt = table_get(tok)
+        if not nxt:
+            continue
+        child_breadth = breadth
+        for t in nxt[:breadth]:
+            child_breadth = max(1, child_breadth // 2)
+            child = trie.add(node, t)
+            if child < 0:
+                return
+            queue.append((child, t, child_breadth))

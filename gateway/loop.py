@@ -1,0 +1,111 @@
+"""The draft -> verify -> commit loop, readable top to bottom.
+
+``generate`` drives any drafter and verifier that speak the small protocols below: the in-process
+cores for ``racer generate`` and the benchmark, gRPC clients in the services.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol
+
+
+class Drafter(Protocol):
+    def extend(self, tokens, topk_rows=None) -> None: ...
+    def observe_tree(self, tree_tokens, tree_topk, accepted) -> None: ...
+    def draft(self, root: int, budget: int, mode: str): ...  # -> .tokens, .parents
+
+
+class Verifier(Protocol):
+    def prefill(self, tokens: list[int]): ...  # -> .next_token, .topk
+    def verify(self, tokens: list[int], parents: list[int]): ...  # -> .accepted, .bonus, .topk
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    mode: str = "racer"
+    budget: int = 64
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if self.budget < 1:
+            raise ValueError(f"budget={self.budget}: must be >= 1")
+
+
+@dataclass
+class Stats:
+    new_tokens: int = 0
+    rounds: int = 0  # verification forwards after prefill
+    drafted: int = 0  # tree nodes beyond the root, summed over rounds
+    accepted: int = 0  # accepted tree nodes beyond the root, summed over rounds
+    prefill_s: float = 0.0
+    draft_s: float = 0.0  # drafter update + draft, summed
+    verify_s: float = 0.0
+    total_s: float = 0.0
+    draft_step_s: list[float] = field(default_factory=list)  # per round, for latency percentiles
+
+    @property
+    def mat(self) -> float:
+        """Mean accepted tokens per verification round, bonus included."""
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s else 0.0
+
+
+def generate(
+    drafter: Drafter, verifier: Verifier, prompt_ids: list[int], params: GenerationParams, stats: Stats | None = None
+) -> Iterator[list[int]]:
+    """Yields the new token ids as they are verified (a list per round). Fills ``stats``."""
+    stats = stats if stats is not None else Stats()
+    stop = set(params.stop_token_ids)
+    t0 = time.perf_counter()
+    pre = verifier.prefill(prompt_ids)
+    stats.prefill_s = time.perf_counter() - t0
+    t = time.perf_counter()
+    drafter.extend(prompt_ids, pre.topk)
+    stats.draft_s += time.perf_counter() - t
+    root = pre.next_token
+    pending = [root]  # chosen by the target, not yet emitted
+    while True:
+        out, done = _cut(pending, stop, params.max_new_tokens - stats.new_tokens)
+        stats.new_tokens += len(out)
+        stats.total_s = time.perf_counter() - t0
+        if out:
+            yield out
+        if done:
+            return
+        t = time.perf_counter()
+        tree = drafter.draft(root, params.budget, params.mode)
+        t_draft = time.perf_counter() - t
+        t = time.perf_counter()
+        res = verifier.verify(list(tree.tokens), list(tree.parents))
+        stats.verify_s += time.perf_counter() - t
+        t = time.perf_counter()
+        drafter.observe_tree(tree.tokens, res.topk, res.accepted)
+        drafter.extend([tree.tokens[i] for i in res.accepted])
+        t_draft += time.perf_counter() - t
+        stats.draft_s += t_draft
+        stats.draft_step_s.append(t_draft)
+        stats.rounds += 1
+        stats.drafted += len(tree.tokens) - 1
+        stats.accepted += len(res.accepted) - 1
+        pending = [tree.tokens[i] for i in res.accepted[1:]] + [res.bonus]
+        root = res.bonus
+
+
+def _cut(tokens: list[int], stop: set[int], room: int) -> tuple[list[int], bool]:
+    """Tokens to emit (through the first stop token, at most ``room``) and whether to stop."""
+    out = []
+    for tok in tokens:
+        if len(out) >= room:
+            return out, True
+        out.append(tok)
+        if tok in stop:
+            return out, True
+    return out, len(out) >= room

@@ -1,0 +1,118 @@
+"""The ``racer`` command: ``racer generate`` (the main job) and ``racer bench``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from drafter.session import MODES
+
+
+def _csv(kind):
+    def parse(s: str):
+        try:
+            return [kind(x) for x in s.split(",") if x]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
+
+
+def cmd_generate(args) -> int:
+    from gateway.loop import Stats
+    from verifier.sampling import SamplingParams
+
+    from .engine import Detokenizer, Engine, chat_ids
+
+    engine = Engine.load(args.model, backend=args.backend)
+    ids = chat_ids(engine.tokenizer, args.prompt, args.system or None)
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    params = engine.default_params(max_new_tokens=args.max_new_tokens, mode=args.mode, budget=args.budget)
+    stats = Stats()
+    detok = Detokenizer(engine.tokenizer)
+    for chunk in engine.stream(ids, params, sampling, stats):
+        sys.stdout.write(detok.push(chunk))
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    print(
+        f"[{args.mode} C={args.budget}] tokens={stats.new_tokens} rounds={stats.rounds} MAT={stats.mat:.2f} "
+        f"tok/s={stats.tokens_per_s:.1f} prefill={stats.prefill_s * 1e3:.0f}ms "
+        f"verify={stats.verify_s:.2f}s draft={stats.draft_s * 1e3:.0f}ms",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from . import bench
+    from .engine import Engine
+    from .prompts import DEFAULT_PROMPTS, load_humaneval, load_spec_bench
+
+    prompts = []
+    if args.per_category:
+        prompts += load_spec_bench(args.prompts or DEFAULT_PROMPTS, args.per_category)
+    if args.humaneval:
+        prompts += load_humaneval(args.humaneval)
+    if not prompts:
+        print("no prompts: use --per-category N and/or --humaneval N", file=sys.stderr)
+        return 2
+    for m in args.modes:
+        if m not in bench.HF_MODES and m not in MODES:
+            print(f"unknown mode {m!r}", file=sys.stderr)
+            return 2
+    engine = Engine.load(args.model, backend=args.backend)
+    records = bench.run(engine, prompts, args.modes, args.budget, args.max_new_tokens, args.system or None)
+    rows = bench.summarize(records)
+    print(bench.format_table(rows))
+    if args.json:
+        bench.write_json(records, args.json)
+    if args.plot:
+        bench.plot(rows, args.plot)
+    return 0
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=os.environ.get("RACER_LOG", "WARNING"), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    p = argparse.ArgumentParser(prog="racer", description="RACER speculative decoding")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def common(sp):
+        sp.add_argument("--model", default="default", help="Hugging Face model directory (default: bundled SmolLM2-135M-Instruct)")
+        sp.add_argument("--backend", default="auto", choices=("auto", "fast", "hf"), help="verifier forward implementation")
+        sp.add_argument("--system", default="You are a helpful assistant.", help="system prompt ('' for none)")
+        sp.add_argument("--max-new-tokens", type=int, default=256)
+
+    g = sub.add_parser("generate", help="stream an answer to a prompt")
+    common(g)
+    g.add_argument("prompt", nargs="?", default="Explain speculative decoding in three sentences.")
+    g.add_argument("--mode", default="racer", choices=MODES)
+    g.add_argument("--budget", type=int, default=16, help="draft tree nodes per round (C)")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmark against HF greedy and prompt lookup")
+    common(b)
+    b.add_argument("--prompts", default=None, help="Spec-Bench-format JSONL (default: ../shared/data/spec_bench/question.jsonl)")
+    b.add_argument("--per-category", type=int, default=0, help="first N prompts of each category")
+    b.add_argument("--humaneval", type=int, default=0, help="first N HumanEval prompts")
+    b.add_argument("--modes", type=_csv(str), default=["greedy", "hf-pld", "off", "racer", "retrieval", "logits", "last-logit", "pld"])
+    b.add_argument("--budget", type=_csv(int), default=[16])
+    b.add_argument("--json", default=None, help="write one record per prompt x mode x budget")
+    b.add_argument("--plot", default=None, help="write a PNG chart")
+    b.set_defaults(func=cmd_bench)
+
+    args = p.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"racer: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

