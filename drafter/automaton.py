@@ -92,31 +92,32 @@ class Automaton:
         top = min(len(old), n)  # suffixes of length 0 .. top-1 can be extended by c
         new = [ROOT]
         children = self.children
-        for L in range(top):  # new node for string old[L] + c has length L + 1
+        for L in range(top):  # new node for string old[L] + c has length L + 1, starts at pos - L
             u = old[L]
             v = children[u].get(c)
             if v is None:
                 v = self._new_node(u, c, fail=new[L])
             new.append(v)
-        # Touch longest first: the shorter suffixes end up strictly more recent.
-        freq, start, buckets = self.freq, self.start, self._buckets
-        for L in range(top, 0, -1):
-            v = new[L]
-            freq[v] += 1
-            s = pos - L + 1
-            old_s = start[v]
-            if old_s != s:
-                if old_s >= 0:
-                    b = buckets.get(old_s)
-                    if b is not None:
-                        b.pop(v, None)
-                start[v] = s
-                b = buckets.get(s)
-                if b is None:
-                    b = buckets[s] = {}
-                b[v] = L
+            # Touch at once: a reached node must not stay old while later creations evict.
+            self.freq[v] += 1
+            self._touch(v, pos - L, L + 1)
         self.frontier = new
         self.length = pos + 1
+
+    def _touch(self, v: int, s: int, length: int) -> None:
+        old_s = self.start[v]
+        if old_s == s:
+            return
+        buckets = self._buckets
+        if old_s >= 0:
+            b = buckets.get(old_s)
+            if b is not None:
+                b.pop(v, None)
+        self.start[v] = s
+        b = buckets.get(s)
+        if b is None:
+            b = buckets[s] = {}
+        b[v] = length
 
     def _new_node(self, parent: int, c: int, fail: int) -> int:
         if len(self) >= self.max_nodes:
@@ -171,6 +172,7 @@ class Automaton:
             "fail": list(self.fail),
             "start": list(self.start),
             "free": list(self._free),
+            "children": [list(ch.values()) for ch in self.children],  # keeps each node's child order
             "buckets": [(s, list(m.items())) for s, m in self._buckets.items()],
             "frontier": list(self.frontier),
             "length": self.length,
@@ -189,11 +191,9 @@ class Automaton:
         n = len(a.parent)
         a.children = [{} for _ in range(n)]
         a.depth = [0] * n
-        order = []
-        for v in range(1, n):
-            if v not in free:
-                a.children[a.parent[v]][a.token[v]] = v
-                order.append(v)
+        order = [v for v in range(1, n) if v not in free]
+        for u, kids in enumerate(st["children"]):
+            a.children[u] = {a.token[v]: v for v in kids}
         # depths: parents may have larger ids than children after recycling; resolve iteratively
         for v in order:
             d, u = 0, v

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 
 class CopyLogitTable:
-    """Sparse: a session only pays for the token ids it has seen (a dict of tuples)."""
+    """Sparse: a session only pays for the token ids it has seen (a dict of tuples).
 
-    __slots__ = ("k", "rows")
+    ``prior`` (optional, shared read-only by all sessions) answers for tokens the session has not
+    seen yet: a [vocab, >= k] array of the model's own top-k successors (verifier/prior.py).
+    """
 
-    def __init__(self, k: int = 8):
+    __slots__ = ("k", "rows", "prior")
+
+    def __init__(self, k: int = 8, prior=None):
         if k < 1:
             raise ValueError("k must be >= 1")
         self.k = k
         self.rows: dict[int, tuple[int, ...]] = {}
+        self.prior = prior
 
     def put(self, token: int, topk) -> None:
         self.rows[token] = tuple(topk[: self.k])
@@ -24,7 +29,13 @@ class CopyLogitTable:
             rows[t] = tuple(row[:k])
 
     def get(self, token: int) -> tuple[int, ...]:
-        return self.rows.get(token, ())
+        row = self.rows.get(token)
+        if row is not None:
+            return row
+        prior = self.prior
+        if prior is not None and 0 <= token < len(prior):
+            return tuple(int(x) for x in prior[token][: self.k])
+        return ()
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from .automaton import Automaton
 from .copy_logits import CopyLogitTable
-from .tree import DraftTree, _Trie, add_logits, add_retrieval
+from .tree import DraftTree, _Trie, add_logits, add_logits_best_first, add_retrieval
 
 MODES = ("racer", "retrieval", "logits", "last-logit", "pld", "off")
 
@@ -22,20 +22,25 @@ class DrafterConfig:
     min_depth: int = 2  # shortest (suffix + root) string that counts as a retrieval border
     retrieval_min_prob: float = 0.0  # drop retrieval candidates less likely than this
     pld_ngram: int = 3  # longest n-gram prompt lookup matches
+    # Logits-tree shape: "halving" (RACER: breadth-first, breadth halves per level and sibling) or
+    # "best-first" (spend the budget on the nodes most likely to be accepted, by rank prior).
+    logits_tree: str = "halving"
 
     def __post_init__(self):
         if self.topk < 1 or self.min_depth < 1 or self.pld_ngram < 1:
             raise ValueError("topk, min_depth and pld_ngram must be >= 1")
+        if self.logits_tree not in ("halving", "best-first"):
+            raise ValueError(f"logits_tree={self.logits_tree!r}: expected 'halving' or 'best-first'")
         Automaton(self.window, self.max_nodes)  # validates window / capacity
 
 
 class DraftSession:
     """State of one session: the context (committed tokens), automaton, copy-logit table."""
 
-    def __init__(self, config: DrafterConfig = DrafterConfig()):
+    def __init__(self, config: DrafterConfig = DrafterConfig(), prior=None):
         self.config = config
         self.automaton = Automaton(config.window, config.max_nodes)
-        self.table = CopyLogitTable(config.topk)
+        self.table = CopyLogitTable(config.topk, prior)
         self.last_topk: tuple[int, ...] = ()  # distribution that chose the current root
         self.history: list[int] = []  # committed tokens, for prompt lookup and snapshots' replay
         # n-gram -> end indices of its last two occurrences (the last may have no continuation yet)
@@ -45,10 +50,10 @@ class DraftSession:
     def extend(self, tokens, topk_rows=None) -> None:
         """Commits context tokens; ``topk_rows[i]`` (optional) is the target's top-k after tokens[i]."""
         tokens = list(tokens)
+        if topk_rows is not None and len(topk_rows) != len(tokens):
+            raise ValueError(f"topk_rows: {len(topk_rows)} rows for {len(tokens)} tokens")
         self.automaton.extend(tokens)
         if topk_rows is not None:
-            if len(topk_rows) != len(tokens):
-                raise ValueError("need one top-k row per token")
             self.table.put_many(tokens, topk_rows)
             if tokens:
                 self.last_topk = tuple(topk_rows[-1])
@@ -98,11 +103,15 @@ class DraftSession:
         n_retrieval = 0
         if mode in ("racer", "retrieval"):
             n_retrieval = add_retrieval(trie, self.automaton, root, cfg.min_depth, cfg.retrieval_min_prob)
-        if mode in ("racer", "logits"):
-            add_logits(trie, self.table.get, cfg.topk)
-        elif mode == "last-logit":
-            last = self.last_topk
-            add_logits(trie, lambda _tok: last, cfg.topk)
+        if mode in ("racer", "logits", "last-logit"):
+            get = self.table.get
+            if mode == "last-logit":
+                last = self.last_topk
+                get = lambda _tok: last  # noqa: E731
+            if cfg.logits_tree == "halving":
+                add_logits(trie, get, cfg.topk)
+            else:
+                add_logits_best_first(trie, get)
         elif mode == "pld":
             self._add_prompt_lookup(trie, root)
         return trie.flatten(n_retrieval)

@@ -153,3 +153,37 @@ def add_logits(trie: _Trie, table_get, root_breadth: int) -> None:
             if child < 0:
                 return
             queue.append((child, t, child_breadth))
+
+
+# Acceptance rate of the i-th ranked copy-logit successor given its parent was accepted: a prior
+# with a sharp head, as the copy-logit rank distribution is (Token Recycling, RACER fig. 3).
+RANK_PRIOR = (0.45, 0.14, 0.07, 0.045, 0.03, 0.022, 0.017, 0.013)
+
+
+def add_logits_best_first(trie: _Trie, table_get, rank_prob=RANK_PRIOR) -> None:
+    """Copy-logit expansion that spends the budget on the most probable nodes first.
+
+    A node's value is the product of its ancestors' rank probabilities, i.e. the chance that the
+    target accepts the whole path; taking nodes best-first maximises the expected accepted length
+    for the budget. Nodes already in the trie are expanded without being paid for.
+    """
+    heap: list[tuple[float, int, int, int]] = []
+    counter = 0
+
+    def push(node: int, prob: float) -> None:
+        nonlocal counter
+        for rank, t in enumerate(table_get(trie.tokens[node])[: len(rank_prob)]):
+            counter += 1
+            heapq.heappush(heap, (-prob * rank_prob[rank], counter, node, t))
+
+    expanded = {0}
+    push(0, 1.0)
+    while heap and not trie.full():
+        negp, _, parent, t = heapq.heappop(heap)
+        before = len(trie.tokens)
+        child = trie.add(parent, t)
+        if child < 0:
+            return
+        if len(trie.tokens) > before or child not in expanded:
+            expanded.add(child)
+            push(child, -negp)

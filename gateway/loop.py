@@ -18,8 +18,11 @@ class Drafter(Protocol):
 
 
 class Verifier(Protocol):
+    length: int  # tokens in the KV cache
+
     def prefill(self, tokens: list[int]): ...  # -> .next_token, .topk
     def verify(self, tokens: list[int], parents: list[int]): ...  # -> .accepted, .bonus, .topk
+    def truncate(self, length: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -71,9 +74,10 @@ def generate(
     drafter.extend(prompt_ids, pre.topk)
     stats.draft_s += time.perf_counter() - t
     root = pre.next_token
-    pending = [root]  # chosen by the target, not yet emitted
+    out, done = _cut([root], stop, params.max_new_tokens)
+    # Invariant between rounds: the verifier's cache and the drafter's context hold the prompt and
+    # every emitted token but the last one (``root``: chosen by the target, not yet fed).
     while True:
-        out, done = _cut(pending, stop, params.max_new_tokens - stats.new_tokens)
         stats.new_tokens += len(out)
         stats.total_s = time.perf_counter() - t0
         if out:
@@ -83,20 +87,26 @@ def generate(
         t = time.perf_counter()
         tree = drafter.draft(root, params.budget, params.mode)
         t_draft = time.perf_counter() - t
+        if not tree.tokens or tree.tokens[0] != root:
+            raise ValueError(f"drafter returned a tree rooted at {tree.tokens[:1]}, expected root {root}")
         t = time.perf_counter()
         res = verifier.verify(list(tree.tokens), list(tree.parents))
         stats.verify_s += time.perf_counter() - t
+        path = [tree.tokens[i] for i in res.accepted]  # root first
+        out, done = _cut(path[1:] + [res.bonus], stop, params.max_new_tokens - stats.new_tokens)
+        fed = path[: len(out)]  # a cut round keeps only what precedes the last emitted token
+        if len(fed) < len(path):
+            verifier.truncate(verifier.length - (len(path) - len(fed)))
         t = time.perf_counter()
         drafter.observe_tree(tree.tokens, res.topk, res.accepted)
-        drafter.extend([tree.tokens[i] for i in res.accepted])
+        drafter.extend(fed)
         t_draft += time.perf_counter() - t
         stats.draft_s += t_draft
         stats.draft_step_s.append(t_draft)
         stats.rounds += 1
         stats.drafted += len(tree.tokens) - 1
         stats.accepted += len(res.accepted) - 1
-        pending = [tree.tokens[i] for i in res.accepted[1:]] + [res.bonus]
-        root = res.bonus
+        root = out[-1] if out else res.bonus
 
 
 def _cut(tokens: list[int], stop: set[int], room: int) -> tuple[list[int], bool]:

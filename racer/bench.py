@@ -58,9 +58,7 @@ def run_hf(engine: Engine, prompt_ids: list[int], max_new_tokens: int, lookup: i
 
 
 def run_engine(engine: Engine, prompt_ids: list[int], mode: str, budget: int, max_new_tokens: int):
-    from drafter.session import DraftSession
-
-    drafter = DraftSession(engine.drafter_config)
+    drafter = engine.new_drafter()
     stats = Stats()
     params = engine.default_params(max_new_tokens=max_new_tokens, mode=mode, budget=budget)
     out: list[int] = []

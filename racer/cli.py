@@ -26,7 +26,7 @@ def cmd_generate(args) -> int:
 
     from .engine import Detokenizer, Engine, chat_ids
 
-    engine = Engine.load(args.model, backend=args.backend)
+    engine = Engine.load(args.model, backend=args.backend, prior=args.prior, logits_tree=args.logits_tree)
     ids = chat_ids(engine.tokenizer, args.prompt, args.system or None)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     params = engine.default_params(max_new_tokens=args.max_new_tokens, mode=args.mode, budget=args.budget)
@@ -62,7 +62,7 @@ def cmd_bench(args) -> int:
         if m not in bench.HF_MODES and m not in MODES:
             print(f"unknown mode {m!r}", file=sys.stderr)
             return 2
-    engine = Engine.load(args.model, backend=args.backend)
+    engine = Engine.load(args.model, backend=args.backend, prior=args.prior, logits_tree=args.logits_tree)
     records = bench.run(engine, prompts, args.modes, args.budget, args.max_new_tokens, args.system or None)
     rows = bench.summarize(records)
     print(bench.format_table(rows))
@@ -70,6 +70,22 @@ def cmd_bench(args) -> int:
         bench.write_json(records, args.json)
     if args.plot:
         bench.plot(rows, args.plot)
+    return 0
+
+
+def cmd_prior(args) -> int:
+    """Computes (or finds) the copy-logit prior of a model and writes it where ``find_or_compute`` looks."""
+    from pathlib import Path
+
+    from verifier.model import load
+    from verifier.prior import find_or_compute
+
+    loaded = load(args.model)
+    table = find_or_compute(loaded.model, loaded.tokenizer, args.topk, cache_dir=Path(args.out) if args.out else None)
+    if table is None:
+        print("racer: no prior for this model type", file=sys.stderr)
+        return 1
+    print(f"prior: {table.shape[0]} tokens x top-{table.shape[1]}")
     return 0
 
 
@@ -83,6 +99,10 @@ def main(argv=None) -> int:
         sp.add_argument("--backend", default="auto", choices=("auto", "fast", "hf"), help="verifier forward implementation")
         sp.add_argument("--system", default="You are a helpful assistant.", help="system prompt ('' for none)")
         sp.add_argument("--max-new-tokens", type=int, default=256)
+        sp.add_argument("--no-prior", dest="prior", action="store_false",
+                        help="no model-derived copy-logit prior for tokens a session has not seen yet")
+        sp.add_argument("--logits-tree", default="halving", choices=("halving", "best-first"),
+                        help="shape of the copy-logit tree")
 
     g = sub.add_parser("generate", help="stream an answer to a prompt")
     common(g)
@@ -105,6 +125,12 @@ def main(argv=None) -> int:
     b.add_argument("--json", default=None, help="write one record per prompt x mode x budget")
     b.add_argument("--plot", default=None, help="write a PNG chart")
     b.set_defaults(func=cmd_bench)
+
+    pr = sub.add_parser("prior", help="compute a model's copy-logit prior (cached; shipped for the default model)")
+    pr.add_argument("--model", default="default")
+    pr.add_argument("--topk", type=int, default=8)
+    pr.add_argument("--out", default=None, help="directory (default: ~/.cache/racer/priors)")
+    pr.set_defaults(func=cmd_prior)
 
     args = p.parse_args(argv)
     try:

@@ -46,10 +46,21 @@ class Engine:
     loaded: LoadedModel
     drafter_config: DrafterConfig = field(default_factory=DrafterConfig)
     backend: str = "auto"
+    prior: object = None  # [vocab, k] copy-logit prior shared by all sessions (verifier/prior.py)
 
     @classmethod
-    def load(cls, model: str = DEFAULT_MODEL, backend: str = "auto", **drafter) -> "Engine":
-        return cls(load(model), DrafterConfig(**drafter), backend)
+    def load(cls, model: str = DEFAULT_MODEL, backend: str = "auto", prior: bool = True, **drafter) -> "Engine":
+        loaded = load(model)
+        config = DrafterConfig(**drafter)
+        table = None
+        if prior:
+            from verifier.prior import find_or_compute
+
+            table = find_or_compute(loaded.model, loaded.tokenizer, config.topk)
+        return cls(loaded, config, backend, table)
+
+    def new_drafter(self) -> DraftSession:
+        return DraftSession(self.drafter_config, self.prior)
 
     @property
     def tokenizer(self):
@@ -63,7 +74,7 @@ class Engine:
         stats: Stats | None = None,
         drafter: DraftSession | None = None,
     ) -> Iterator[list[int]]:
-        drafter = drafter or DraftSession(self.drafter_config)
+        drafter = drafter or self.new_drafter()
         verifier = VerifierSession(self.loaded.model, self.drafter_config.topk, self.backend, sampling)
         return generate(drafter, verifier, prompt_ids, params, stats)
 

@@ -36,8 +36,9 @@ class FastLlamaBackend:
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.dtype = self.lm_head_w.dtype
+        self.device = self.lm_head_w.device
         self.cache = torch.empty(
-            (len(self.layers), 2, self.n_kv, capacity, self.head_dim), dtype=self.dtype
+            (len(self.layers), 2, self.n_kv, capacity, self.head_dim), dtype=self.dtype, device=self.device
         )
         self.length = 0  # rows of the cache that hold committed context
 
@@ -66,7 +67,7 @@ class FastLlamaBackend:
         if needed <= cap:
             return
         new_cap = max(needed, cap * 2)
-        grown = torch.empty((*self.cache.shape[:3], new_cap, self.head_dim), dtype=self.dtype)
+        grown = torch.empty((*self.cache.shape[:3], new_cap, self.head_dim), dtype=self.dtype, device=self.device)
         grown[:, :, :, : self.length] = self.cache[:, :, :, : self.length]
         self.cache = grown
 
@@ -81,6 +82,8 @@ class FastLlamaBackend:
         past = self.length
         total = past + n
         self._ensure_capacity(total)
+        tokens, positions = tokens.to(self.device), positions.to(self.device)
+        mask = None if mask is None else mask.to(self.device)
         x = self.embed(tokens)[None]  # [1, n, hidden]
         cos, sin = self.rotary(x, positions[None])  # [1, n, head_dim]
         cos, sin = cos[:, None], sin[:, None]
@@ -127,7 +130,7 @@ class FastLlamaBackend:
             return
         m = len(keep)
         if keep != list(range(m)):
-            idx = torch.tensor(keep, dtype=torch.long) + past
+            idx = torch.tensor(keep, dtype=torch.long, device=self.device) + past
             self.cache[:, :, :, past : past + m] = self.cache[:, :, :, idx]
         self.length = past + m
 
@@ -150,10 +153,12 @@ class HFBackend:
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         n = tokens.shape[0]
         total = self.length + n
+        dev = self.model.device
         if mask is None:
             mask = torch.ones((n, total), dtype=torch.bool)
-        additive = torch.zeros((1, 1, n, total), dtype=self.model.dtype)
-        additive.masked_fill_(~mask[None, None], torch.finfo(self.model.dtype).min)
+        additive = torch.zeros((1, 1, n, total), dtype=self.model.dtype, device=dev)
+        additive.masked_fill_(~mask.to(dev)[None, None], torch.finfo(self.model.dtype).min)
+        tokens, positions = tokens.to(dev), positions.to(dev)
         out = self.model.model(
             input_ids=tokens[None],
             position_ids=positions[None],
@@ -173,7 +178,7 @@ class HFBackend:
             self.length = past + n_new
             return
         m = len(keep)
-        idx = torch.tensor([*range(past), *(past + i for i in keep)], dtype=torch.long)
+        idx = torch.tensor([*range(past), *(past + i for i in keep)], dtype=torch.long, device=self.model.device)
         for layer in self.cache.layers:
             layer.keys = layer.keys.index_select(2, idx)
             layer.values = layer.values.index_select(2, idx)

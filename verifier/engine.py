@@ -51,7 +51,7 @@ class VerifierSession:
     def _choose(self, logits_row: torch.Tensor) -> int:
         if self._sampler is None:
             return int(torch.argmax(logits_row))
-        return self._sampler(logits_row)
+        return self._sampler(logits_row.cpu())
 
     @torch.inference_mode()
     def prefill(self, tokens: list[int]) -> PrefillResult:
@@ -90,6 +90,6 @@ class VerifierSession:
             argmax = torch.argmax(logits, dim=-1).tolist()
             path, bonus = accept(tokens, parents, argmax.__getitem__)
         else:
-            path, bonus = accept(tokens, parents, lambda i: self._sampler(logits[i]))
+            path, bonus = accept(tokens, parents, lambda i: self._sampler(logits[i].cpu()))
         self.backend.commit(path, len(tokens))
         return VerifyResult(path, bonus, topk)

@@ -30,7 +30,9 @@ class SamplingParams:
 
 def processed_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """logits [V] -> probabilities [V] after temperature, top-k and top-p (nucleus) filtering."""
-    x = logits.float() / p.temperature
+    x = logits.float()
+    # Shift first: the top logit becomes 0, so a tiny temperature gives -inf tails, never inf - inf.
+    x = (x - x.max()) / p.temperature
     if p.top_k and p.top_k < x.shape[-1]:
         kth = torch.topk(x, p.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))

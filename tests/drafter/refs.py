@@ -7,7 +7,7 @@ follow a recycled id blindly: a corrupted automaton must fail an assertion, not 
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 
 from drafter.automaton import ROOT, Automaton
 from drafter.tree import DraftTree
@@ -199,3 +199,58 @@ def pld_reference(history, root: int, ngram: int, budget: int) -> tuple:
             if hist[e - n + 1 : e + 1] == pat:
                 return hist[e + 1 : e + budget]
     return ()
+
+
+def logits_reference(table: dict, root: int, root_breadth: int, budget: int) -> list[tuple]:
+    """Breadth-first, node by node: a node of breadth b takes the first b of its row; the j-th of
+    them (0-based) gets breadth max(1, b >> (j+1)). Paths of the first budget-1 nodes."""
+    out: list[tuple] = []
+    seen = set()
+    queue = deque([((), root, root_breadth)])
+    while queue and len(out) < budget - 1:
+        path, tok, b = queue.popleft()
+        for j, t in enumerate(table.get(tok, ())[:b]):
+            child = path + (t,)
+            if child not in seen:
+                if len(out) >= budget - 1:
+                    break
+                seen.add(child)
+                out.append(child)
+            queue.append((child, t, max(1, b >> (j + 1))))
+    return out
+
+
+def rank_value(table_get, root: int, path, rank_prob) -> float:
+    """Best-first logits value of ``path`` (after the root): the product of the rank probabilities
+    of each token in its parent's row, multiplied in path order (as the implementation does)."""
+    v = 1.0
+    tok = root
+    for t in path:
+        row = tuple(table_get(tok))[: len(rank_prob)]
+        assert t in row, f"token {t} is not among the first {len(rank_prob)} successors {row} of {tok}"
+        v = v * rank_prob[row.index(t)]
+        tok = t
+    return v
+
+
+def table_consistent(table_get, root: int, path, width: int) -> bool:
+    tok = root
+    for t in path:
+        if t not in tuple(table_get(tok))[:width]:
+            return False
+        tok = t
+    return True
+
+
+def best_first_frontier(table_get, root: int, drafted: set, width: int) -> set:
+    """Children (by the table, first ``width`` of each row) of the table-consistent drafted nodes
+    and of the root that are not drafted."""
+    out = set()
+    for p in drafted | {()}:
+        if not table_consistent(table_get, root, p, width):
+            continue
+        tok = p[-1] if p else root
+        for t in tuple(table_get(tok))[:width]:
+            if p + (t,) not in drafted:
+                out.add(p + (t,))
+    return out

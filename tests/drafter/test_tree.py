@@ -9,13 +9,16 @@ from __future__ import annotations
 from collections import deque
 from fractions import Fraction
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from drafter.automaton import Automaton
-from drafter.tree import _Trie, add_logits, add_retrieval, retrieval_borders
+from drafter.tree import _Trie, add_logits, add_logits_best_first, add_retrieval, retrieval_borders
 
 from .refs import (
+    best_first_frontier,
+    rank_value,
+    logits_reference,
     check_tree_shape,
     retrieval_paths_reference,
     substring_counts,
@@ -90,7 +93,7 @@ def _retrieval(ctx, window, root, budget, min_depth, min_prob=0.0):
     return tree
 
 
-def _acceptance_estimates(ctx, window, root, min_depth, backoff=Fraction(1, 2)):
+def _acceptance_estimates(ctx, window, root, min_depth, backoff=Fraction(1, 2), with_ties=False):
     """Exact p for every reference path, following the documented ranking: the product along the
     path of count(ctx'+child)/count(ctx') in the deepest border context that still holds the child,
     times ``backoff`` when that context is shallower than the deepest one holding the parent."""
@@ -105,6 +108,8 @@ def _acceptance_estimates(ctx, window, root, min_depth, backoff=Fraction(1, 2)):
         return [L for L in Ls if suffix(ctx, L) + (root,) + path in counts]
 
     p = {(): Fraction(1)}
+    pf = {(): 1.0}  # the same estimate in float, operation for operation (what the heap compares)
+    tie = {}  # secondary key: count of the child in the shallowest context still holding it
     todo = deque([()])
     while todo:
         path = todo.popleft()
@@ -118,11 +123,17 @@ def _acceptance_estimates(ctx, window, root, min_depth, backoff=Fraction(1, 2)):
             top = ch[0]
             head = suffix(ctx, top) + (root,) + path
             q = p[path] * Fraction(counts[head + (x,)], counts[head])
+            qf = pf[path] * counts[head + (x,)] / max(counts[head], 1)
             if top != hs[0]:
                 q *= backoff
+                qf *= float(backoff)
             p[child] = q
+            pf[child] = qf
+            tie[child] = counts[suffix(ctx, ch[-1]) + (root,) + child]
             todo.append(child)
     del p[()]
+    if with_ties:
+        return p, pf, tie
     return p
 
 
@@ -164,6 +175,24 @@ def test_retrieval_keeps_the_most_probable_candidates(window, ctx, root, min_dep
 
 
 @FAST
+@given(st.integers(2, 6), small_ctx_st | ctx_st, st.integers(0, 5), st.integers(1, 3), st.integers(2, 40))
+# continuations 0 and 2 of "0 1" both get p = 1/2 * backoff; 0 follows "1" twice, 2 once: 0 wins
+@example(3, [1, 0, 1, 2, 0, 1, 0], 1, 1, 2)
+def test_retrieval_ties_broken_by_raw_frequency(window, ctx, root, min_depth, budget):
+    """Among candidates with the same estimate (as compared in float), the more frequent one (count
+    in the shallowest context that still holds it) is drafted first: no left-out candidate beats a
+    drafted node on (estimate, frequency)."""
+    p, pf, tie = _acceptance_estimates(ctx, window, root, min_depth, with_ties=True)
+    drafted = set(tree_paths(_retrieval(ctx, window, root, budget, min_depth)))
+    if not drafted:
+        return
+    worst = min((pf[d], tie[d]) for d in drafted)
+    for path in p:
+        if path not in drafted and path[:-1] in drafted | {()}:
+            assert (pf[path], tie[path]) <= worst, f"left out {path} {(pf[path], tie[path])} > drafted {worst}"
+
+
+@FAST
 @given(
     st.integers(2, 6),
     small_ctx_st | ctx_st,
@@ -180,25 +209,6 @@ def test_retrieval_min_prob_prunes_exactly(window, ctx, root, min_depth, min_pro
 
 
 # -- logits expansion --------------------------------------------------------------------------------
-def _logits_reference(table: dict, root: int, root_breadth: int, budget: int) -> list[tuple]:
-    """Breadth-first, node by node: a node of breadth b takes the first b of its row; the j-th of
-    them (0-based) gets breadth max(1, b >> (j+1)). Paths of the first budget-1 nodes."""
-    out: list[tuple] = []
-    seen = set()
-    queue = deque([((), root, root_breadth)])
-    while queue and len(out) < budget - 1:
-        path, tok, b = queue.popleft()
-        for j, t in enumerate(table.get(tok, ())[:b]):
-            child = path + (t,)
-            if child not in seen:
-                if len(out) >= budget - 1:
-                    break
-                seen.add(child)
-                out.append(child)
-            queue.append((child, t, max(1, b >> (j + 1))))
-    return out
-
-
 table_st = st.dictionaries(
     st.integers(0, 5), st.lists(st.integers(0, 5), unique=True, max_size=6), max_size=6
 )
@@ -211,7 +221,7 @@ def test_add_logits_matches_reference_bfs(root, table, breadth, budget):
     add_logits(trie, lambda t: tuple(table.get(t, ())), breadth)
     tree = trie.flatten(0)
     check_tree_shape(tree, root, budget)
-    assert tree_paths(tree) == _logits_reference(table, root, breadth, budget)
+    assert tree_paths(tree) == logits_reference(table, root, breadth, budget)
     kids = tree_children(tree)
     assert len(kids[0]) <= breadth
     for i, ch in enumerate(kids):
@@ -225,4 +235,70 @@ def test_add_logits_fills_budget_with_complete_table(root, k, budget, rnd):
     table = {t: rnd.sample(range(6), k) for t in range(6)}
     trie = _Trie(root, budget)
     add_logits(trie, lambda t: tuple(table[t]), k)
+    assert len(trie.tokens) == budget
+
+
+# -- best-first logits expansion ---------------------------------------------------------------------
+rank_prob_st = st.one_of(
+    st.just(None),  # the module default (RANK_PRIOR)
+    st.lists(st.sampled_from([1.0, 0.5, 0.45, 0.25, 0.14, 0.1, 0.07, 0.03, 0.01]), min_size=1, max_size=8).map(
+        lambda xs: tuple(sorted(xs, reverse=True))
+    ),
+)
+
+
+def _run_best_first(trie, get, rank_prob):
+    if rank_prob is None:
+        add_logits_best_first(trie, get)
+        import drafter.tree as tree_mod
+
+        return tree_mod.RANK_PRIOR
+    add_logits_best_first(trie, get, rank_prob)
+    return rank_prob
+
+
+@FAST
+@given(
+    st.integers(0, 5),
+    table_st,
+    rank_prob_st,
+    st.integers(1, 70),
+    st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=4), max_size=6),
+)
+def test_add_logits_best_first_spends_budget_on_the_most_probable_nodes(root, table, rank_prob, budget, pre):
+    """Optionally on top of pre-existing (retrieval-like) paths: the added nodes are table successors
+    (within the rank prior's width), no unexplored table successor is worth more than an added node,
+    the budget is only left unused when there is nothing left to expand, pre-existing nodes stay
+    and are not paid for twice."""
+    get = lambda t: tuple(table.get(t, ()))  # noqa: E731
+    trie = _Trie(root, budget)
+    for path in pre:
+        node = 0
+        for t in path:
+            node = trie.add(node, t)
+            if node < 0:
+                break
+    before = set(tree_paths(trie.flatten(0)))
+    rp = _run_best_first(trie, get, rank_prob)
+    tree = trie.flatten(0)
+    check_tree_shape(tree, root, budget)
+    after = set(tree_paths(tree))
+    assert before <= after
+    added = after - before
+    width = len(rp)
+    values = {p: rank_value(get, root, p, rp) for p in added}  # asserts table-consistency
+    frontier = best_first_frontier(get, root, after, width)
+    if len(tree) < budget:
+        assert not frontier, f"budget left unused but {sorted(frontier)[:3]} could be expanded"
+    if added and frontier:
+        best_left = max(rank_value(get, root, p, rp) for p in frontier)
+        assert best_left <= min(values.values()), "a more probable successor was left out"
+
+
+@FAST
+@given(st.integers(0, 5), st.integers(1, 6), st.integers(1, 70), st.randoms(use_true_random=False))
+def test_add_logits_best_first_fills_budget_with_complete_table(root, k, budget, rnd):
+    table = {t: rnd.sample(range(6), k) for t in range(6)}
+    trie = _Trie(root, budget)
+    add_logits_best_first(trie, lambda t: tuple(table[t]))
     assert len(trie.tokens) == budget

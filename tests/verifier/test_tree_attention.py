@@ -57,6 +57,7 @@ def decode_sequentially(model, backend: str, context: list[int], path: list[int]
 def tree_forward_logits(session: VerifierSession, tokens, parents) -> torch.Tensor:
     positions, mask = tree_inputs(parents, session.length)
     hidden = session.backend.forward(torch.tensor(tokens), positions, mask)
+    session.backend.commit([], len(tokens))
     return session.backend.logits(hidden)
 
 
@@ -67,10 +68,15 @@ def plain_logits(model, seq: list[int]) -> torch.Tensor:
 
 
 def chain_logits(session: VerifierSession, tokens: list[int]) -> torch.Tensor:
-    """Feeds ``tokens`` as a causal chain on top of the session's cache (no commit); their logits."""
+    """Feeds ``tokens`` as a causal chain on top of the session's cache; their logits. The new rows
+    are dropped again (``commit([])``), so the session is left as it was."""
     n = len(tokens)
-    positions, mask = tree_inputs([-1, *range(n - 1)], session.length)
-    return session.backend.logits(session.backend.forward(torch.tensor(tokens), positions, mask))
+    before = session.length
+    positions, mask = tree_inputs([-1, *range(n - 1)], before)
+    logits = session.backend.logits(session.backend.forward(torch.tensor(tokens), positions, mask))
+    session.backend.commit([], n)
+    assert session.length == before
+    return logits
 
 
 @torch.inference_mode()
