@@ -1,6 +1,7 @@
 """The copy-logit prior: the model's own top-k after each token in a neutral context."""
 
 import numpy as np
+import pytest
 import torch
 
 from drafter.copy_logits import CopyLogitTable
@@ -48,3 +49,21 @@ def test_prior_feeds_the_logits_tree_of_an_unseen_root():
     primed = DraftSession(prior=prior).draft(42, 8, "logits")
     assert plain.tokens == (42,)
     assert primed.tokens[:4] == (42, 7, 8, 9)
+
+
+@pytest.mark.slow
+def test_shipped_prior_matches_the_default_model(default_model):
+    from verifier.prior import SHIPPED, fingerprint, neutral_prefix
+
+    model, tok = default_model.model, default_model.tokenizer
+    path = SHIPPED / f"prior-{fingerprint(model)}-k8.npy"
+    assert path.exists(), f"no shipped prior for these weights ({path.name}); run: racer prior --out verifier/data"
+    table = np.load(path)
+    assert table.shape == (model.config.vocab_size, 8)
+    prefix = neutral_prefix(tok)
+    for t in (0, 2, 198, 1000, 4093, 28120, 49151):
+        with torch.inference_mode():
+            logits = model(torch.tensor([prefix + [t]])).logits[0, -1]
+        want = torch.topk(logits, 8).indices.tolist()
+        assert table[t][0] == want[0], t  # the argmax exactly; lower ranks may swap on near-ties
+        assert len(set(table[t].tolist()) & set(want)) >= 6, t
