@@ -1,9 +1,33 @@
-"""Shared fixtures: a tiny randomly initialised Llama (fast) and the bundled default model (slow)."""
+"""Shared fixtures: a tiny randomly initialised Llama (fast) and the bundled default model (slow).
+
+Tests run with one intra-op thread: a forward of the tiny Llama takes ~1 ms, and with two OpenMP
+threads on a busy two-core machine the threads' spin-waits make every op 5-20x slower (the default
+model too: 48 tokens of SmolLM2-135M took 6 s with one thread vs 30 s with two while the other core
+was busy). One thread costs at most ~1.6x on an idle machine.
+"""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+
+
+@contextlib.contextmanager
+def single_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    with single_thread():
+        yield
 
 
 def make_tiny_llama(seed: int = 0, vocab_size: int = 96, layers: int = 2):

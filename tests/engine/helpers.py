@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import random
 from dataclasses import dataclass
 
@@ -12,17 +11,7 @@ from drafter.session import DraftSession
 from gateway.loop import GenerationParams, Stats, generate
 from verifier.engine import VerifierSession
 
-
-@contextlib.contextmanager
-def single_thread():
-    """For module-scoped fixtures on the tiny model (the autouse fixture in conftest.py covers tests
-    only): one intra-op thread, restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+from ..conftest import single_thread  # noqa: F401  (module-scoped fixtures use it)
 
 
 @torch.inference_mode()
