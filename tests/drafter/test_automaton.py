@@ -23,17 +23,9 @@ from drafter.tree import _Trie, add_retrieval
 
 from .refs import check_automaton, freq_map, live_nodes, safe_string, substring_counts, suffix, trie_strings
 
-KNOWN_EVICTION_BUG = (
-    "Automaton.append evicts a node already reached for the current token: with window=2, "
-    "max_nodes=7, tokens [0,2,3,1,0], the last append reaches the existing leaf (0,) (the LRU "
-    "node, start 0) as new[1], then creating (1,0) evicts (0,) and recycles its id for (1,0): the "
-    "trie holds (1,0) but not its suffix (0,), fail[(1,0)] points at itself, and frontier == "
-    "[root, id, id] so frontier[1] spells (1,0) instead of (0,)"
-)
+# append() once evicted (0,) here while reaching it for (1,0): the trie lost the suffix of a live node.
 MIN_REPRO = dict(window=2, max_nodes=7, tokens=[0, 2, 3, 1, 0])
-# Consequence of the same bug a few tokens later: the corrupted trie makes append() itself fail its
-# internal ``assert not self.children[victim], "LRU victim has children"`` (under ``python -O`` it
-# would silently orphan a subtree instead).
+# The same fault a few tokens later made append() evict a node with children.
 CRASH_REPRO = dict(window=2, max_nodes=8, tokens=[0, 3, 1, 2, 1, 0, 0, 2, 0, 0])
 
 
@@ -41,17 +33,7 @@ def _case(r):
     return (r["window"], r["max_nodes"], list(r["tokens"]))
 
 
-# Snapshot bug, independent of the eviction bug (the automaton below satisfies every invariant):
-# from_state() rebuilds children dicts in node-id order, not in the original insertion order; with
-# recycled ids the two differ, and add_retrieval's tie-break (heap counter in children-iteration
-# order) and the BFS order of the flattened tree depend on it.
-KNOWN_SNAPSHOT_BUG = (
-    "Automaton.from_state rebuilds children dicts in node-id order, losing insertion order once ids "
-    "are recycled: window=3, max_nodes=13, tokens [1,1,0,0,1,0,2]: node (1,0) has children "
-    "[0 -> (1,0,0), 2 -> (1,0,2)] in the original but [2, 0] after the round trip, so "
-    "add_retrieval(root=1, budget=4, min_depth=1) drafts tokens (1,0,1,0) from the original and "
-    "(1,0,1,2) from the restored automaton (freq ties broken by children order)"
-)
+# from_state() once rebuilt children in node-id order; with recycled ids the drafts then differed.
 SNAPSHOT_REPRO = dict(window=3, max_nodes=13, tokens=[1, 1, 0, 0, 1, 0, 2])
 
 FAST = settings(max_examples=150, deadline=None)
@@ -82,24 +64,23 @@ def unbounded(draw, max_len=60):
 
 class Spy(Automaton):
     """Records every eviction (victim, its string, whether it had children, its LRU key and the
-    minimum key at that moment) and flags the known bug: the victim is a node that the current
-    append walks to (an existing ``s + c`` for a suffix ``s`` on the frontier)."""
+    minimum key at that moment) and flags a victim that the current append walks to (an existing ``s + c`` for a suffix ``s`` on the frontier)."""
 
-    __slots__ = ("evictions", "path", "hit_known_bug")
+    __slots__ = ("evictions", "path", "reached_node_evicted")
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.evictions = []
         self.path = set()
-        self.hit_known_bug = False
+        self.reached_node_evicted = False
 
     def append(self, c):
-        if not self.hit_known_bug:
+        if not self.reached_node_evicted:
             self.path = {self.children[u].get(c) for u in self.frontier} - {None}
         super().append(c)
 
     def _evict_one(self):
-        if self.hit_known_bug:  # state already corrupted: do not inspect it
+        if self.reached_node_evicted:  # state already corrupted: do not inspect it
             return super()._evict_one()
         free_before = set(self._free)
         live = [v for v in range(1, len(self.children)) if v not in free_before]
@@ -111,7 +92,7 @@ class Spy(Automaton):
         victim = self._free[-1]
         self.evictions.append((victim, strings[victim], had_children[victim], keys.get(victim), min(keys.values())))
         if victim in self.path:
-            self.hit_known_bug = True
+            self.reached_node_evicted = True
 
 
 def run_checked(window, max_nodes, tokens, cls=Automaton):
@@ -123,38 +104,6 @@ def run_checked(window, max_nodes, tokens, cls=Automaton):
         ctx.append(t)
         check_automaton(a, ctx)
     return a, ctx
-
-
-def run_until_known_bug(window, max_nodes, tokens):
-    """Feeds ``tokens`` checking every invariant after each append, and every eviction, stopping
-    (without checking) at the first append in which the known eviction bug fires. Returns
-    (automaton, tokens consumed before the bug, whether the bug fired)."""
-    a = Spy(window, max_nodes)
-    ctx = []
-    check_automaton(a, ctx)
-    for t in tokens:
-        before = {v: (safe_string(a, v), dict(a.children[v])) for v in live_nodes(a) if v != ROOT}
-        try:
-            a.append(t)
-        except AssertionError:
-            if a.hit_known_bug:
-                return a, ctx, True
-            raise
-        if a.hit_known_bug:
-            return a, ctx, True
-        ctx.append(t)
-        after = check_automaton(a, ctx)
-        assert len(a) <= max_nodes
-        # nodes gone in this append (freed, or id recycled for another string) took their children along
-        gone = {v for v, (s, _) in before.items() if after.get(s) != v}
-        for v in gone:
-            s, kids = before[v]
-            assert all(ch in gone for ch in kids.values()), f"evicted {s} leaving live children (orphans)"
-    for victim, s, had_children, key, min_key in a.evictions:
-        assert not had_children, f"evicted {s} while it had children"
-        assert key is not None, f"evicted {s}, a node created in this very append (never touched)"
-        assert key == min_key, f"evicted {s} with key {key}, but the LRU key is {min_key}"
-    return a, ctx, False
 
 
 # -- invariants after every append ----------------------------------------------------------------
@@ -173,15 +122,15 @@ def test_invariants_with_eviction(case):
     run_checked(*case)
 
 
-def test_known_eviction_bug_minimal_repro_state():
-    """Pins the buggy behaviour's *visible symptoms* precisely, without asserting them as correct."""
+def test_regression_state_before_the_eviction_repro():
+    """The state MIN_REPRO's last token starts from: (0,) is an old leaf, the LRU node."""
     a = Automaton(2, 7)
     a.extend([0, 2, 3, 1])
     assert trie_strings(a).keys() == {(0,), (1,), (2,), (2, 3), (3,), (3, 1)}
     assert a.find((0,)) > 0 and not a.children[a.find((0,))]  # (0,) is an old leaf: the LRU node
 
 
-def test_known_eviction_bug_minimal_repro():
+def test_regression_reached_node_is_not_evicted():
     a = Automaton(MIN_REPRO["window"], MIN_REPRO["max_nodes"])
     a.extend(MIN_REPRO["tokens"])
     assert a.find((0,)) != -1, "suffix (0,) of the live node (1,0) was evicted"
@@ -189,9 +138,10 @@ def test_known_eviction_bug_minimal_repro():
     assert [a.string(v) for v in a.frontier] == [(), (0,), (1, 0)]
 
 
-def test_known_eviction_bug_crash_repro():
+def test_regression_no_victim_with_children():
     a = Automaton(CRASH_REPRO["window"], CRASH_REPRO["max_nodes"])
-    a.extend(CRASH_REPRO["tokens"])  # AssertionError: LRU victim has children
+    a.extend(CRASH_REPRO["tokens"])  # once raised: LRU victim has children
+    check_automaton(a, list(CRASH_REPRO["tokens"]))
 
 
 # -- exact content without eviction ---------------------------------------------------------------
@@ -242,18 +192,6 @@ def test_capacity_never_exceeded(case):
         assert len(a) == len(live_nodes(a))
 
 
-@EVICT
-@given(evicting(max_len=120))
-def test_eviction_invariants_until_the_known_bug_fires(case):
-    """Passing guard for the eviction logic while the known bug exists: up to the first append in
-    which it fires, every invariant holds after every append, capacity is respected, evicted nodes
-    are leaves holding the minimum LRU key (start, -length), and eviction does happen."""
-    window, max_nodes, tokens = case
-    a, ctx, hit = run_until_known_bug(window, max_nodes, tokens)
-    if not hit and len(substring_counts(tokens, window)) + 1 > max_nodes:
-        assert a.evictions, "distinct substrings exceed the capacity but nothing was evicted"
-
-
 @FAST
 @given(evicting(max_len=200))
 @example(_case(MIN_REPRO))
@@ -263,7 +201,7 @@ def test_eviction_is_lru_of_leaves(case):
     window, max_nodes, tokens = case
     a = Spy(window, max_nodes)
     a.extend(tokens)
-    assert not a.hit_known_bug, "evicted a node the current append had just reached"
+    assert not a.reached_node_evicted, "evicted a node the current append had just reached"
     distinct = len(substring_counts(tokens, window))
     if distinct + 1 > max_nodes:
         assert a.evictions, "capacity exceeded by distinct substrings but nothing was evicted"
@@ -340,38 +278,9 @@ def test_snapshot_roundtrip_without_eviction(case, after, via_json):
     _roundtrip_check(window, max_nodes, before, after, via_json)
 
 
-@EVICT
-@given(evicting(max_len=100), st.lists(st.integers(0, 5), max_size=30), st.booleans())
-def test_snapshot_state_roundtrip_with_eviction_until_the_known_bug_fires(case, after, via_json):
-    """Passing guard for from_state under eviction (drafts excluded, see KNOWN_SNAPSHOT_BUG): the
-    restored automaton evolves exactly like the original, field by field, until the known eviction
-    bug fires in either."""
-    window, max_nodes, before = case
-    a, ctx, hit = run_until_known_bug(window, max_nodes, before)
-    if hit:
-        return
-    st_ = a.to_state()
-    if via_json:
-        st_ = json.loads(json.dumps(st_))
-    b = Spy.from_state(st_)
-    check_automaton(b, ctx)
-    for t in after:
-        a.append(t)
-        b.append(t)
-        if a.hit_known_bug or b.hit_known_bug:
-            assert a.hit_known_bug and b.hit_known_bug
-            return
-        ctx.append(t)
-        check_automaton(a, ctx)
-        check_automaton(b, ctx)
-        assert a.to_state() == b.to_state()
-        assert freq_map(a) == freq_map(b)
-        assert [safe_string(a, v) for v in a.frontier[1:]] == [safe_string(b, v) for v in b.frontier[1:]]
-
-
 @FAST
 @given(evicting(max_len=120), st.lists(st.integers(0, 5), max_size=15), st.booleans())
-@example(_case(SNAPSHOT_REPRO), [], False)  # fails on the snapshot bug alone
+@example(_case(SNAPSHOT_REPRO), [], False)
 @example(_case(MIN_REPRO), [], False)
 def test_snapshot_roundtrip_with_eviction(case, after, via_json):
     window, max_nodes, before = case
@@ -379,16 +288,16 @@ def test_snapshot_roundtrip_with_eviction(case, after, via_json):
 
 
 def test_snapshot_repro_is_a_valid_automaton():
-    """The snapshot repro does not depend on the eviction bug: every invariant holds throughout."""
+    """Every invariant holds throughout the snapshot repro, and node ids were recycled."""
     a, _ = run_checked(**SNAPSHOT_REPRO)
     assert a._free == [] and len(a) == SNAPSHOT_REPRO["max_nodes"]  # ids were recycled
 
 
-def test_known_snapshot_bug_minimal_repro():
+def test_regression_snapshot_keeps_child_order():
     a, _ = run_checked(**SNAPSHOT_REPRO)
     b = Automaton.from_state(a.to_state())
     assert a.to_state() == b.to_state()  # the persisted fields agree ...
-    assert _draft(a, 1, 4, 1) == _draft(b, 1, 4, 1)  # ... but the drafts do not
+    assert _draft(a, 1, 4, 1) == _draft(b, 1, 4, 1)  # ... and so do the drafts
 
 
 # -- constructor ------------------------------------------------------------------------------------

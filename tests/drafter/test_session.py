@@ -1,7 +1,7 @@
 """Property tests for drafter.session.DraftSession: every mode against brute force on the history.
 
 Sessions here use an unbounded automaton (max_nodes far above the distinct substrings), so the
-retrieval references are exact; the automaton's eviction bug is covered in test_automaton.py.
+retrieval references are exact.
 """
 
 from __future__ import annotations
@@ -340,13 +340,6 @@ def test_extend_records_history_table_and_last_topk(sess, tokens, data):
     assert s.last_topk == tuple(rows[-1])
 
 
-KNOWN_EXTEND_BUG = (
-    "DraftSession.extend validates len(topk_rows) == len(tokens) only after feeding the tokens to "
-    "the automaton: extend([1, 2], topk_rows=[[3]]) raises ValueError but leaves "
-    "automaton.length == 2 while history == [] (automaton and history/n-gram index diverge)"
-)
-
-
 def test_extend_with_mismatched_rows_leaves_state_unchanged():
     s = DraftSession(DrafterConfig(window=3, max_nodes=BIG))
     s.extend([0, 1, 2])
@@ -354,17 +347,6 @@ def test_extend_with_mismatched_rows_leaves_state_unchanged():
     with pytest.raises(ValueError):
         s.extend([1, 2], topk_rows=[[3]])
     assert (s.automaton.to_state(), list(s.history), dict(s.table.rows)) == before
-
-
-KNOWN_EVICTION_BUG = (
-    "Automaton.append can evict a node it has just reached for the current token (see "
-    "test_automaton.KNOWN_EVICTION_BUG); at the session level the corrupted automaton later makes "
-    "extend() raise AssertionError('LRU victim has children'): "
-    "DraftSession(DrafterConfig(window=2, max_nodes=8)).extend([0,3,1,2,1,0,0,2,0,0]); and "
-    "window=3, max_nodes=16, min_depth=1, history [0,0,1,1,0,2,2,0,0,0], root 2: the retrieval "
-    "draft holds the path 2,0,0,0 (depth 3 under the root, 4 tokens) although the automaton holds "
-    "no string longer than window=3"
-)
 
 
 @FAST
