@@ -187,20 +187,13 @@ class Automaton:
         a.fail = list(st["fail"])
         a.start = list(st["start"])
         a._free = list(st["free"])
-        free = set(a._free)
-        n = len(a.parent)
-        a.children = [{} for _ in range(n)]
-        a.depth = [0] * n
-        order = [v for v in range(1, n) if v not in free]
-        for u, kids in enumerate(st["children"]):
-            a.children[u] = {a.token[v]: v for v in kids}
-        # depths: parents may have larger ids than children after recycling; resolve iteratively
-        for v in order:
-            d, u = 0, v
-            while u != ROOT:
-                d += 1
-                u = a.parent[u]
-            a.depth[v] = d
+        a.children = [{a.token[v]: v for v in kids} for kids in st["children"]]
+        a.depth = [0] * len(a.parent)
+        queue = [ROOT]  # breadth-first: ids are recycled, so a parent may have a larger id
+        for u in queue:
+            for v in a.children[u].values():
+                a.depth[v] = a.depth[u] + 1
+                queue.append(v)
         a._buckets = OrderedDict((s, dict(m)) for s, m in st["buckets"])
         a.frontier = list(st["frontier"])
         a.length = st["length"]
