@@ -57,6 +57,10 @@ class DraftSession:
             self.table.put_many(tokens, topk_rows)
             if tokens:
                 self.last_topk = tuple(topk_rows[-1])
+        self._index(tokens)
+
+    def _index(self, tokens) -> None:
+        """Appends ``tokens`` to the history and its n-gram index (prompt lookup)."""
         hist = self.history
         idx = self._ngram_last
         g = self.config.pld_ngram

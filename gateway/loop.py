@@ -51,6 +51,12 @@ class Stats:
     total_s: float = 0.0
     draft_step_s: list[float] = field(default_factory=list)  # per round, for latency percentiles
 
+    def count_round(self, tree_nodes: int, accepted_nodes: int) -> None:
+        """One verification of ``tree_nodes`` nodes whose accepted path had ``accepted_nodes`` (root included)."""
+        self.rounds += 1
+        self.drafted += tree_nodes - 1
+        self.accepted += accepted_nodes - 1
+
     @property
     def mat(self) -> float:
         """Mean accepted tokens per verification round, bonus included."""
@@ -93,8 +99,7 @@ def generate(
         res = verifier.verify(list(tree.tokens), list(tree.parents))
         stats.verify_s += time.perf_counter() - t
         path = [tree.tokens[i] for i in res.accepted]  # root first
-        out, done = _cut(path[1:] + [res.bonus], stop, params.max_new_tokens - stats.new_tokens)
-        fed = path[: len(out)]  # a cut round keeps only what precedes the last emitted token
+        out, fed, done = settle(path, res.bonus, stop, params.max_new_tokens - stats.new_tokens)
         if len(fed) < len(path):
             verifier.truncate(verifier.length - (len(path) - len(fed)))
         t = time.perf_counter()
@@ -103,10 +108,19 @@ def generate(
         t_draft += time.perf_counter() - t
         stats.draft_s += t_draft
         stats.draft_step_s.append(t_draft)
-        stats.rounds += 1
-        stats.drafted += len(tree.tokens) - 1
-        stats.accepted += len(res.accepted) - 1
+        stats.count_round(len(tree.tokens), len(res.accepted))
         root = out[-1] if out else res.bonus
+
+
+def settle(path: list[int], bonus: int, stop: set[int], room: int) -> tuple[list[int], list[int], bool]:
+    """After a verification: the tokens to emit, the tokens to commit, and whether to stop.
+
+    ``path`` is the accepted path, root first; the emitted tokens are ``path[1:] + [bonus]`` up to
+    the first stop token and at most ``room``. A cut round commits only what precedes its last
+    emitted token, which keeps the invariant: committed = prompt + emitted, minus the last.
+    """
+    out, done = _cut(path[1:] + [bonus], stop, room)
+    return out, path[: len(out)], done
 
 
 def _cut(tokens: list[int], stop: set[int], room: int) -> tuple[list[int], bool]:

@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field
 
 from gateway.loop import Stats
 
-from .engine import Engine, chat_ids
+from .engine import Engine
+from .text import chat_ids
 from .prompts import Prompt
 
 HF_MODES = ("greedy", "hf-pld")

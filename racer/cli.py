@@ -24,7 +24,8 @@ def cmd_generate(args) -> int:
     from gateway.loop import Stats
     from verifier.sampling import SamplingParams
 
-    from .engine import Detokenizer, Engine, chat_ids
+    from .engine import Engine
+    from .text import Detokenizer, chat_ids
 
     engine = Engine.load(args.model, backend=args.backend, prior=args.prior, logits_tree=args.logits_tree)
     ids = chat_ids(engine.tokenizer, args.prompt, args.system or None)
@@ -89,6 +90,76 @@ def cmd_prior(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import asyncio
+
+    from . import services
+    from .serving import serve_forever, setup_logging, start_metrics
+
+    setup_logging(args.log_level)
+    start = {"drafter": services.start_drafter, "verifier": services.start_verifier, "gateway": services.start_gateway}
+
+    async def go():
+        srv, _ = await start[args.service](args)
+        start_metrics(args.metrics_port)
+        await serve_forever(srv, args.drain_seconds)
+
+    asyncio.run(go())
+    return 0
+
+
+def cmd_stack(args) -> int:
+    from . import stack
+
+    return stack.run(args)
+
+
+def cmd_client(args) -> int:
+    import grpc
+
+    from .client import Client, format_stats
+
+    with Client(args.target, args.api_key or os.environ.get("RACER_API_KEY")) as c:
+        try:
+            if args.action == "sessions":
+                for s in c.list_sessions():
+                    print(f"{s.session_id}\tturns={s.turns}\ttokens={s.tokens}\tdrafter={s.drafter}\tverifier={s.verifier}")
+                return 0
+            if args.action == "close":
+                s = c.close_session(args.session)
+                print(f"closed {s.session_id} after {s.turns} turns")
+                return 0
+            session = args.session or ""
+            turns = [args.prompt] if args.action == "generate" else None
+            while True:
+                text = turns.pop(0) if turns else _read_turn()
+                if text is None:
+                    return 0
+                last = None
+                for r in c.generate(text, session_id=session, max_new_tokens=args.max_new_tokens, mode=args.mode,
+                                    budget=args.budget, temperature=args.temperature, seed=args.seed,
+                                    system=args.system if not session else ""):
+                    sys.stdout.write(r.text)
+                    sys.stdout.flush()
+                    last = r
+                sys.stdout.write("\n")
+                print(format_stats(last), file=sys.stderr)
+                session = last.session_id
+                if args.action == "generate":
+                    return 0
+        except grpc.RpcError as e:
+            print(f"racer: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+
+
+def _read_turn():
+    try:
+        line = input("> ")
+    except EOFError:
+        return None
+    return line if line.strip() else _read_turn()
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=os.environ.get("RACER_LOG", "WARNING"), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     p = argparse.ArgumentParser(prog="racer", description="RACER speculative decoding")
@@ -104,7 +175,7 @@ def main(argv=None) -> int:
         sp.add_argument("--logits-tree", default="halving", choices=("halving", "best-first"),
                         help="shape of the copy-logit tree")
 
-    g = sub.add_parser("generate", help="stream an answer to a prompt")
+    g = sub.add_parser("generate", help="stream an answer to a prompt (the engine in this process, no services)")
     common(g)
     g.add_argument("prompt", nargs="?", default="Explain speculative decoding in three sentences.")
     g.add_argument("--mode", default="racer", choices=MODES)
@@ -125,6 +196,41 @@ def main(argv=None) -> int:
     b.add_argument("--json", default=None, help="write one record per prompt x mode x budget")
     b.add_argument("--plot", default=None, help="write a PNG chart")
     b.set_defaults(func=cmd_bench)
+
+    from .settings import add_arguments
+
+    sv = sub.add_parser("serve", help="run one service (settings from flags or RACER_* environment variables)")
+    svsub = sv.add_subparsers(dest="service", required=True)
+    for name in ("drafter", "verifier", "gateway"):
+        add_arguments(svsub.add_parser(name, help=f"the {name} service"), name)
+    sv.set_defaults(func=cmd_serve)
+
+    st = sub.add_parser("stack", help="drafter, verifier and gateway on localhost; stream an answer through them")
+    st.add_argument("prompt", nargs="?", default="Explain speculative decoding in three sentences.")
+    st.add_argument("--model", default="default")
+    st.add_argument("--system", default="You are a helpful assistant.")
+    st.add_argument("--max-new-tokens", type=int, default=256)
+    st.add_argument("--mode", default="racer", choices=MODES)
+    st.add_argument("--budget", type=int, default=16)
+    st.add_argument("--keep", action="store_true", help="keep the stack up for other clients until Ctrl-C")
+    st.add_argument("--port-base", type=int, default=0, help="gateway, drafter, verifier on this port and the next two")
+    st.add_argument("--metrics-base", type=int, default=9100)
+    st.add_argument("--log-level", default="WARNING")
+    st.set_defaults(func=cmd_stack)
+
+    cl = sub.add_parser("client", help="talk to a running gateway")
+    cl.add_argument("action", choices=("generate", "chat", "sessions", "close"))
+    cl.add_argument("prompt", nargs="?", default="Explain speculative decoding in three sentences.")
+    cl.add_argument("--target", default="localhost:50051")
+    cl.add_argument("--api-key", default=None, help="tenant API key (or env RACER_API_KEY)")
+    cl.add_argument("--session", default=None, help="continue (or, with close, close) this session")
+    cl.add_argument("--system", default="You are a helpful assistant.")
+    cl.add_argument("--max-new-tokens", type=int, default=256)
+    cl.add_argument("--mode", default="racer", choices=MODES)
+    cl.add_argument("--budget", type=int, default=16)
+    cl.add_argument("--temperature", type=float, default=0.0)
+    cl.add_argument("--seed", type=int, default=None)
+    cl.set_defaults(func=cmd_client)
 
     pr = sub.add_parser("prior", help="compute a model's copy-logit prior (cached; shipped for the default model)")
     pr.add_argument("--model", default="default")

@@ -11,35 +11,6 @@ from verifier.engine import VerifierSession
 from verifier.model import DEFAULT_MODEL, LoadedModel, load
 from verifier.sampling import SamplingParams
 
-DEFAULT_SYSTEM = "You are a helpful assistant."
-
-
-def chat_ids(tokenizer, user: str, system: str | None = DEFAULT_SYSTEM) -> list[int]:
-    """Token ids of a one-turn chat with the model's template and the assistant prompt opened."""
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if hasattr(out, "keys"):  # BatchEncoding in transformers 5
-        out = out["input_ids"]
-    return list(out)
-
-
-class Detokenizer:
-    """Incremental text from a growing id list; holds back an incomplete UTF-8 sequence."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.text = ""
-
-    def push(self, ids: list[int]) -> str:
-        self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        delta = text[len(self.text) :] if text.startswith(self.text) else text
-        self.text = text
-        return delta
-
 
 @dataclass
 class Engine:

@@ -101,3 +101,20 @@ def load(model: str = DEFAULT_MODEL, dtype: str = "float32", threads: int | None
     model_obj = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     model_obj.eval()
     return LoadedModel(model_obj, tokenizer, path)
+
+
+def eos_token_ids(path: Path, tokenizer) -> tuple[int, ...]:
+    """End-of-turn ids of a model directory without loading its weights (for the gateway)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        eos = None
+    if eos is None:
+        eos = getattr(AutoConfig.from_pretrained(path), "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)

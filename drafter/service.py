@@ -1,0 +1,288 @@
+"""The drafter service: per-session automaton and copy-logit table behind a gRPC stream.
+
+State is keyed by (tenant, session id). A session's snapshot goes to the store at every turn end
+and every ``snapshot_every`` rounds, after the response is sent; another replica that is handed
+the session restores the snapshot and replays the tokens after it, or rebuilds from the history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+
+import grpc
+import numpy as np
+
+from racer import metrics as M
+from racer.v1 import drafter_pb2 as pb
+from racer.v1 import drafter_pb2_grpc as pb_grpc
+
+from .session import MODES, DrafterConfig, DraftSession
+from .snapshot import SnapshotError, dumps, loads
+
+log = logging.getLogger("racer.drafter")
+
+MAX_BUDGET = 4096
+
+
+def load_prior(spec: str, topk: int):
+    """'none', a .npy path, or 'default': the prior shipped for the bundled default model."""
+    if spec in ("", "none"):
+        return None
+    if spec == "default":
+        shipped = sorted(p for p in (resources.files("verifier") / "data").iterdir() if p.name.endswith(f"-k{topk}.npy"))
+        if not shipped:
+            log.warning("no shipped copy-logit prior for topk=%d; drafting without one", topk)
+            return None
+        spec = str(shipped[0])
+    table = np.load(spec, allow_pickle=False)
+    if table.ndim != 2 or table.shape[1] < topk:
+        raise ValueError(f"prior {spec}: shape {table.shape}, need [vocab, >= {topk}]")
+    return table
+
+
+@dataclass
+class Entry:
+    tenant: str
+    session_id: str
+    session: DraftSession
+    tree: list[int] = field(default_factory=list)  # last tree sent, for the next step's feedback
+    parents: list[int] = field(default_factory=list)
+    last_used: float = field(default_factory=time.monotonic)
+    rounds_since_save: int = 0
+    saved_length: int = -1
+    streaming: bool = False  # one stream at a time per session
+
+    @property
+    def key(self) -> str:
+        return snapshot_key(self.tenant, self.session_id)
+
+
+def snapshot_key(tenant: str, session_id: str) -> str:
+    return f"racer:drafter:{tenant}:{session_id}"
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        self.code, self.message = code, message
+
+
+def _check(cond: bool, code: grpc.StatusCode, message: str) -> None:
+    if not cond:
+        raise _Abort(code, message)
+
+
+class DrafterService(pb_grpc.DrafterServicer):
+    def __init__(self, config: DrafterConfig, store, prior=None, snapshot_every: int = 32, ttl: float = 1800.0):
+        self.config = config
+        self.store = store
+        self.prior = prior
+        self.snapshot_every = snapshot_every
+        self.ttl = ttl
+        self.sessions: dict[tuple[str, str], Entry] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- the stream ---------------------------------------------------------------------------
+    async def Session(self, request_iterator, context):
+        entry: Entry | None = None
+        try:
+            async for req in request_iterator:
+                t0 = time.perf_counter()
+                kind = req.WhichOneof("kind")
+                if kind == "open":
+                    _check(entry is None, grpc.StatusCode.FAILED_PRECONDITION, "open: this stream already has a session")
+                    entry, source = await self._open(req.open)
+                    resp = pb.DraftResponse(tokens=len(entry.session.history), restored_from=source)
+                elif kind == "step":
+                    _check(entry is not None, grpc.StatusCode.FAILED_PRECONDITION, "step: open the session first")
+                    tree = self._step(entry, req.step)
+                    resp = pb.DraftResponse(tree=tree, tokens=len(entry.session.history))
+                    M.DRAFT_MS.observe((time.perf_counter() - t0) * 1e3)
+                elif kind == "end_turn":
+                    _check(entry is not None, grpc.StatusCode.FAILED_PRECONDITION, "end_turn: open the session first")
+                    self._save_later(entry)
+                    resp = pb.DraftResponse(tokens=len(entry.session.history))
+                else:
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "request: set one of open, step, end_turn")
+                resp.elapsed_ms = (time.perf_counter() - t0) * 1e3
+                yield resp
+        except _Abort as e:
+            await context.abort(e.code, e.message)
+        finally:
+            if entry is not None:
+                entry.streaming = False
+                entry.last_used = time.monotonic()
+                if len(entry.session.history) != entry.saved_length and (entry.tenant, entry.session_id) in self.sessions:
+                    self._save_later(entry)
+
+    async def _open(self, req: pb.DrafterOpen) -> tuple[Entry, str]:
+        _check(bool(req.session_id), grpc.StatusCode.INVALID_ARGUMENT, "open.session_id: required")
+        history = list(req.history)
+        _check(len(history) > 0, grpc.StatusCode.INVALID_ARGUMENT, "open.history: empty")
+        _check(all(t >= 0 for t in history), grpc.StatusCode.INVALID_ARGUMENT, "open.history: negative token id")
+        k = self.config.topk
+        _check(req.topk in (0, k), grpc.StatusCode.INVALID_ARGUMENT, f"open.topk: {req.topk}, this drafter uses {k}")
+        _check(len(req.history_topk) % k == 0, grpc.StatusCode.INVALID_ARGUMENT, f"open.history_topk: not a multiple of topk={k}")
+        n_rows = len(req.history_topk) // k
+        _check(n_rows <= len(history), grpc.StatusCode.INVALID_ARGUMENT, "open.history_topk: more rows than history tokens")
+        key = (req.tenant, req.session_id)
+        entry = self.sessions.get(key)
+        if entry is not None:
+            _check(not entry.streaming, grpc.StatusCode.ABORTED, f"session {req.session_id}: another stream is open on it")
+        source = "memory"
+        if entry is None or not _is_prefix(entry.session.history, history):
+            session = await self._restore(req.tenant, req.session_id, history)
+            source = "snapshot" if session is not None else "new"
+            if session is None:
+                session = DraftSession(self.config, self.prior)
+            entry = Entry(req.tenant, req.session_id, session)
+            entry.saved_length = len(session.history) if source == "snapshot" else -1
+            self.sessions[key] = entry
+        M.RESTORES.labels(source).inc()
+        entry.streaming = True
+        entry.last_used = time.monotonic()
+        entry.tree = []
+        s = entry.session
+        have = len(s.history)
+        rows = np.asarray(req.history_topk, dtype=np.int64).reshape(n_rows, k).tolist()
+        first_row = len(history) - n_rows  # position of rows[0]
+        plain_end = max(have, first_row)
+        s.extend(history[have:plain_end])
+        if plain_end < len(history):
+            s.extend(history[plain_end:], rows[plain_end - first_row :])
+        M.DRAFTER_SESSIONS.set(len(self.sessions))
+        return entry, source
+
+    def _step(self, entry: Entry, st: pb.DraftStep) -> pb.DraftTree:
+        s = entry.session
+        k = self.config.topk
+        if entry.tree:
+            n = len(entry.tree)
+            _check(len(st.tree_topk) == n * k, grpc.StatusCode.INVALID_ARGUMENT,
+                   f"step.tree_topk: {len(st.tree_topk)} ids, expected {n} nodes x topk {k}")
+            acc = list(st.accepted)
+            _check(bool(acc) and acc[0] == 0, grpc.StatusCode.INVALID_ARGUMENT, "step.accepted: must start at the root (0)")
+            _check(all(0 <= a < n for a in acc), grpc.StatusCode.INVALID_ARGUMENT, "step.accepted: index outside the tree")
+            parents = entry.parents
+            _check(all(parents[acc[i + 1]] == acc[i] for i in range(len(acc) - 1)), grpc.StatusCode.INVALID_ARGUMENT,
+                   "step.accepted: not a root-to-node path of the last tree")
+            _check(1 <= st.commit <= len(acc), grpc.StatusCode.INVALID_ARGUMENT, f"step.commit: {st.commit}, accepted {len(acc)}")
+            rows = np.asarray(st.tree_topk, dtype=np.int64).reshape(n, k).tolist()
+            s.observe_tree(entry.tree, rows, acc)
+            s.extend([entry.tree[i] for i in acc[: st.commit]])
+            entry.rounds_since_save += 1
+        else:
+            _check(not st.tree_topk and not st.accepted, grpc.StatusCode.INVALID_ARGUMENT,
+                   "step: feedback for a tree this stream never sent")
+        _check(st.root >= 0, grpc.StatusCode.INVALID_ARGUMENT, f"step.root: {st.root}")
+        _check(1 <= st.budget <= MAX_BUDGET, grpc.StatusCode.INVALID_ARGUMENT, f"step.budget: {st.budget}, expected 1..{MAX_BUDGET}")
+        mode = st.mode or "racer"
+        _check(mode in MODES, grpc.StatusCode.INVALID_ARGUMENT, f"step.mode: {mode!r}, expected one of {', '.join(MODES)}")
+        tree = s.draft(st.root, st.budget, mode)
+        entry.tree = list(tree.tokens)
+        entry.parents = list(tree.parents)
+        entry.last_used = time.monotonic()
+        if entry.rounds_since_save >= self.snapshot_every:
+            self._save_later(entry)
+        return pb.DraftTree(tokens=tree.tokens, parents=tree.parents, retrieval_nodes=tree.n_retrieval)
+
+    # -- snapshots ----------------------------------------------------------------------------
+    def _save_later(self, entry: Entry) -> None:
+        """Serializes now (consistent with this point of the stream), writes in the background."""
+        entry.rounds_since_save = 0
+        length = len(entry.session.history)
+        if length == entry.saved_length:
+            return
+        t0 = time.perf_counter()
+        data = dumps(entry.session)
+        encode_ms = (time.perf_counter() - t0) * 1e3
+        entry.saved_length = length
+        task = asyncio.create_task(self._write(entry.key, data, length, encode_ms))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _write(self, key: str, data: bytes, length: int, encode_ms: float) -> None:
+        t0 = time.perf_counter()
+        try:
+            await self.store.set(key, data, self.ttl)
+        except Exception as e:  # noqa: BLE001 - a lost snapshot costs draft quality, never output
+            M.SNAPSHOT_FAILURES.labels("save").inc()
+            log.warning("snapshot save failed", extra={"key": key, "error": repr(e)})
+            return
+        M.SNAPSHOT_BYTES.observe(len(data))
+        M.SNAPSHOT_MS.labels("save").observe(encode_ms + (time.perf_counter() - t0) * 1e3)
+
+    async def _restore(self, tenant: str, session_id: str, history: list[int]) -> DraftSession | None:
+        t0 = time.perf_counter()
+        try:
+            data = await self.store.get(snapshot_key(tenant, session_id))
+        except Exception as e:  # noqa: BLE001
+            M.SNAPSHOT_FAILURES.labels("restore").inc()
+            log.warning("snapshot read failed", extra={"session_id": session_id, "error": repr(e)})
+            return None
+        if data is None:
+            return None
+        try:
+            session = loads(data, self.config, self.prior)
+        except SnapshotError as e:
+            M.SNAPSHOT_FAILURES.labels("restore").inc()
+            log.warning("snapshot unusable", extra={"session_id": session_id, "error": str(e)})
+            return None
+        if not _is_prefix(session.history, history):
+            log.info("snapshot does not match the history; rebuilding", extra={"session_id": session_id})
+            return None
+        M.SNAPSHOT_MS.labels("restore").observe((time.perf_counter() - t0) * 1e3)
+        return session
+
+    async def flush(self) -> None:
+        """Saves every session that changed since its last snapshot and waits for the writes."""
+        for entry in list(self.sessions.values()):
+            if len(entry.session.history) != entry.saved_length:
+                self._save_later(entry)
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def expire(self) -> int:
+        """Drops sessions idle longer than the TTL (their snapshots expire in the store on their own)."""
+        now = time.monotonic()
+        gone = [k for k, e in self.sessions.items() if not e.streaming and now - e.last_used > self.ttl]
+        for k in gone:
+            del self.sessions[k]
+        M.DRAFTER_SESSIONS.set(len(self.sessions))
+        return len(gone)
+
+    # -- unary calls --------------------------------------------------------------------------
+    async def Drop(self, request, context):
+        entry = self.sessions.pop((request.tenant, request.session_id), None)
+        try:
+            in_store = await self.store.delete(snapshot_key(request.tenant, request.session_id))
+        except Exception as e:  # noqa: BLE001
+            log.warning("snapshot delete failed", extra={"session_id": request.session_id, "error": repr(e)})
+            in_store = False
+        M.DRAFTER_SESSIONS.set(len(self.sessions))
+        return pb.DropResponse(existed=entry is not None or in_store)
+
+    async def Stats(self, request, context):
+        return pb.DrafterStatsResponse(
+            sessions=[
+                pb.DrafterSessionStats(
+                    session_id=e.session_id, tenant=e.tenant, tokens=len(e.session.history),
+                    nodes=len(e.session.automaton.parent) - len(e.session.automaton._free),
+                    memory_bytes=e.session.memory_estimate(), streaming=e.streaming,
+                )
+                for e in self.sessions.values()
+            ]
+        )
+
+
+def _is_prefix(a: list[int], b: list[int]) -> bool:
+    return len(a) <= len(b) and b[: len(a)] == a
+
+
+async def janitor(service, every: float = 30.0) -> None:
+    while True:
+        await asyncio.sleep(every)
+        await service.expire()

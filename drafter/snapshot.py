@@ -1,0 +1,128 @@
+"""A drafter session as bytes and back: the snapshot another replica restores.
+
+The format is an ``.npz`` archive of flat integer arrays, read with ``allow_pickle=False``: a
+snapshot from a store can never run code. ``meta`` holds the format version, the configuration the
+state was built with and the token count the snapshot stands for (its version).
+"""
+
+from __future__ import annotations
+
+import io
+from collections import OrderedDict
+
+import numpy as np
+
+from .automaton import ROOT, Automaton
+from .session import DrafterConfig, DraftSession
+
+FORMAT = 1
+_META = ("format", "window", "max_nodes", "topk", "length", "nodes")
+
+
+class SnapshotError(ValueError):
+    """The bytes are not a snapshot this code can restore."""
+
+
+def _i64(xs) -> np.ndarray:
+    return np.asarray(xs, dtype=np.int64).reshape(-1)
+
+
+def _csr(groups) -> tuple[np.ndarray, np.ndarray]:
+    ptr = [0]
+    flat: list[int] = []
+    for g in groups:
+        flat.extend(g)
+        ptr.append(len(flat))
+    return _i64(ptr), _i64(flat)
+
+
+def dumps(session: DraftSession) -> bytes:
+    a = session.automaton
+    cfg = session.config
+    child_ptr, child_ids = _csr(list(ch.values()) for ch in a.children)
+    bucket_starts = list(a._buckets.keys())
+    bucket_ptr, bucket_nodes = _csr(list(m.keys()) for m in a._buckets.values())
+    rows = session.table.rows
+    width = cfg.topk
+    table = np.full((len(rows), width), -1, dtype=np.int64)
+    for i, row in enumerate(rows.values()):
+        table[i, : len(row)] = row
+    arrays = {
+        "meta": _i64([FORMAT, cfg.window, cfg.max_nodes, cfg.topk, len(session.history), len(a.parent)]),
+        "parent": _i64(a.parent), "token": _i64(a.token), "freq": _i64(a.freq), "fail": _i64(a.fail),
+        "start": _i64(a.start), "free": _i64(a._free), "child_ptr": child_ptr, "child_ids": child_ids,
+        "bucket_starts": _i64(bucket_starts), "bucket_ptr": bucket_ptr, "bucket_nodes": bucket_nodes,
+        "frontier": _i64(a.frontier), "a_length": _i64([a.length]),
+        "table_tokens": _i64(list(rows.keys())), "table_rows": table,
+        "last_topk": _i64(session.last_topk), "history": _i64(session.history),
+    }
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def snapshot_length(data: bytes) -> int:
+    """The token count a snapshot stands for, without restoring it."""
+    return int(_load(data)["meta"][4])
+
+
+def _load(data: bytes) -> dict[str, np.ndarray]:
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except Exception as e:  # noqa: BLE001 - any decoding failure means "not a snapshot"
+        raise SnapshotError(f"not a drafter snapshot: {e}") from None
+    meta = arrays.get("meta")
+    if meta is None or meta.shape != (len(_META),) or int(meta[0]) != FORMAT:
+        raise SnapshotError(f"unsupported snapshot format (expected {FORMAT})")
+    return arrays
+
+
+def loads(data: bytes, config: DrafterConfig, prior=None) -> DraftSession:
+    """Restores a session; its configuration must match ``config`` where it shapes the state."""
+    z = _load(data)
+    fmt, window, max_nodes, topk, length, nodes = (int(x) for x in z["meta"])
+    if (window, max_nodes, topk) != (config.window, config.max_nodes, config.topk):
+        raise SnapshotError(
+            f"snapshot built with window={window} max_nodes={max_nodes} topk={topk}, "
+            f"drafter runs window={config.window} max_nodes={config.max_nodes} topk={config.topk}"
+        )
+    try:
+        s = DraftSession(config, prior)
+        a = Automaton(window, max_nodes)
+        a.parent = z["parent"].tolist()
+        a.token = z["token"].tolist()
+        a.freq = z["freq"].tolist()
+        a.fail = z["fail"].tolist()
+        a.start = z["start"].tolist()
+        a._free = z["free"].tolist()
+        ptr, ids = z["child_ptr"].tolist(), z["child_ids"].tolist()
+        token = a.token
+        a.children = [{token[v]: v for v in ids[ptr[i] : ptr[i + 1]]} for i in range(nodes)]
+        a.depth = [0] * nodes
+        queue = [ROOT]
+        for u in queue:
+            for v in a.children[u].values():
+                a.depth[v] = a.depth[u] + 1
+                queue.append(v)
+        bptr, bnodes = z["bucket_ptr"].tolist(), z["bucket_nodes"].tolist()
+        a._buckets = OrderedDict(
+            (s_, {v: a.depth[v] for v in bnodes[bptr[i] : bptr[i + 1]]}) for i, s_ in enumerate(z["bucket_starts"].tolist())
+        )
+        a.frontier = z["frontier"].tolist()
+        a.length = int(z["a_length"][0])
+        if not (len(a.parent) == len(a.token) == len(a.freq) == len(a.fail) == len(a.start) == nodes):
+            raise SnapshotError("snapshot arrays disagree on the node count")
+        s.automaton = a
+        rows = s.table.rows
+        for t, row in zip(z["table_tokens"].tolist(), z["table_rows"].tolist()):
+            rows[t] = tuple(x for x in row if x >= 0)
+        s.last_topk = tuple(z["last_topk"].tolist())
+        s._index(z["history"].tolist())
+    except SnapshotError:
+        raise
+    except (IndexError, KeyError, ValueError, TypeError) as e:
+        raise SnapshotError(f"corrupt drafter snapshot: {e}") from None
+    if len(s.history) != length:
+        raise SnapshotError("snapshot history disagrees with its version")
+    return s

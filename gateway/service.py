@@ -1,0 +1,543 @@
+"""The gateway: the public ``Generation`` API over drafter and verifier streams.
+
+Stateless itself: a session's token history lives in the session store (Redis in a deployment), so
+any gateway replica can serve any turn. Per turn it opens one stream to the session's drafter
+(rendezvous hashing) and one to its verifier (sticky), and runs the rounds: two messages per round.
+
+A turn is all or nothing for the session record: it is saved when the turn ends, so a cancelled or
+failed turn leaves the session as it was before (the client may retry it). Drafter and verifier
+reconcile their state with the history at every open, whatever happened before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+
+import grpc
+
+from drafter.session import MODES
+from racer import metrics as M
+from racer.text import Detokenizer, continue_ids, messages_ids
+from racer.v1 import drafter_pb2 as dpb
+from racer.v1 import drafter_pb2_grpc as dgrpc
+from racer.v1 import generation_pb2 as pb
+from racer.v1 import generation_pb2_grpc as pb_grpc
+from racer.v1 import verifier_pb2 as vpb
+from racer.v1 import verifier_pb2_grpc as vgrpc
+
+from .loop import Stats, _cut, settle
+from .routing import Endpoints
+
+log = logging.getLogger("racer.gateway")
+
+DEFAULT_MAX_NEW_TOKENS = 256
+DEFAULT_BUDGET = 64
+LOCAL_TENANT = "local"
+# Errors that say the request is wrong: failing over would not help.
+_CALLER_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
+}
+FAILOVERS = 3  # per service kind and turn
+
+
+@dataclass
+class Limits:
+    max_prompt_tokens: int = 8192
+    max_new_tokens: int = 2048
+    max_budget: int = 256
+
+
+@dataclass
+class Record:
+    session_id: str
+    tenant: str
+    history: list[int] = field(default_factory=list)
+    turns: int = 0
+    verifier: str = ""
+    created: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.time)
+
+    def dumps(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def loads(cls, data: bytes) -> "Record":
+        return cls(**json.loads(data))
+
+
+def record_key(tenant: str, session_id: str) -> str:
+    return f"racer:session:{tenant}:{session_id}"
+
+
+def load_api_keys(path: str) -> dict[str, str]:
+    """A file of ``key tenant`` lines (``#`` comments); empty path: no keys (local use)."""
+    keys: dict[str, str] = {}
+    if not path:
+        return keys
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            parts = line.split()
+            if len(parts) != 2:
+                raise ValueError(f"{path}:{n}: expected 'key tenant'")
+            keys[parts[0]] = parts[1]
+    return keys
+
+
+class _Fail(Exception):
+    """Ends the call with a status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        self.code, self.message = code, message
+
+
+class _Lost(Exception):
+    """A drafter or verifier stream broke in a way another replica can repair."""
+
+    def __init__(self, endpoint: str, error: str):
+        self.endpoint, self.error = endpoint, error
+
+
+class _Link:
+    """One bidi stream to one endpoint: ``ask`` sends a request and waits for its response."""
+
+    def __init__(self, endpoint: str, call):
+        self.endpoint = endpoint
+        self.call = call
+
+    async def ask(self, request):
+        try:
+            await self.call.write(request)
+            resp = await self.call.read()
+        except grpc.aio.AioRpcError as e:
+            raise self._classify(e) from None
+        if resp is grpc.aio.EOF:
+            code = await self.call.code()
+            raise self._classify(None, code, await self.call.details())
+        return resp
+
+    def _classify(self, e, code=None, details=None):
+        code = e.code() if e is not None else code
+        details = e.details() if e is not None else details
+        if code in _CALLER_ERRORS:
+            return _Fail(code, details or str(code))
+        return _Lost(self.endpoint, f"{code}: {details}")
+
+    async def close(self, cancel: bool = False) -> None:
+        if cancel:
+            self.call.cancel()
+            return
+        try:
+            await self.call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass
+
+
+class GatewayService(pb_grpc.GenerationServicer):
+    def __init__(self, tokenizer, eos_ids, drafters: Endpoints, verifiers: Endpoints, store,
+                 api_keys: dict[str, str] | None = None, limits: Limits = Limits(), ttl: float = 1800.0,
+                 vocab_size: int | None = None):
+        self.tokenizer = tokenizer
+        self.eos_ids = tuple(eos_ids)
+        self.drafters = drafters
+        self.verifiers = verifiers
+        self.store = store
+        self.api_keys = api_keys or {}
+        self.limits = limits
+        self.ttl = ttl
+        self.vocab_size = vocab_size or (len(tokenizer) if tokenizer is not None else None)
+        self._busy: set[tuple[str, str]] = set()  # sessions with a turn running on this gateway
+        self._verifier_load: dict[str, int] = {}
+
+    # -- auth ---------------------------------------------------------------------------------
+    def tenant(self, context) -> str:
+        if not self.api_keys:
+            return LOCAL_TENANT
+        md = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
+        key = md.get("x-api-key", "")
+        auth = md.get("authorization", "")
+        if auth.lower().startswith("bearer "):
+            key = auth[7:].strip()
+        tenant = self.api_keys.get(key) if key else None
+        if tenant is None:
+            raise _Fail(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key (metadata 'authorization: Bearer <key>')")
+        return tenant
+
+    async def _record(self, tenant: str, session_id: str) -> Record:
+        try:
+            data = await self.store.get(record_key(tenant, session_id))
+        except Exception as e:  # noqa: BLE001
+            raise _Fail(grpc.StatusCode.UNAVAILABLE, f"session store unavailable: {e!r}") from None
+        if data is None:
+            raise _Fail(grpc.StatusCode.NOT_FOUND, f"session_id {session_id!r}: no such session")
+        return Record.loads(data)
+
+    # -- Generate -----------------------------------------------------------------------------
+    async def Generate(self, request: pb.GenerateRequest, context):
+        M.ACTIVE_STREAMS.inc()
+        code = "OK"
+        try:
+            tenant = self.tenant(context)
+            async for resp in self._generate(tenant, request):
+                yield resp
+        except _Fail as e:
+            code = e.code.name
+            await context.abort(e.code, e.message)
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        finally:
+            M.ACTIVE_STREAMS.dec()
+            M.REQUESTS.labels(code).inc()
+
+    def _check_request(self, r: pb.GenerateRequest):
+        from verifier.sampling import SamplingParams
+
+        lim = self.limits
+        max_new = r.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+        if not 1 <= max_new <= lim.max_new_tokens:
+            raise _Fail(grpc.StatusCode.INVALID_ARGUMENT, f"max_new_tokens: {r.max_new_tokens}, expected 1..{lim.max_new_tokens}")
+        mode = r.speculation.mode or "racer"
+        if mode not in MODES:
+            raise _Fail(grpc.StatusCode.INVALID_ARGUMENT, f"speculation.mode: {mode!r}, expected one of {', '.join(MODES)}")
+        budget = r.speculation.budget or DEFAULT_BUDGET
+        if not 1 <= budget <= lim.max_budget:
+            raise _Fail(grpc.StatusCode.INVALID_ARGUMENT, f"speculation.budget: {r.speculation.budget}, expected 1..{lim.max_budget}")
+        try:
+            SamplingParams(r.temperature, r.top_p or 1.0, r.top_k, r.seed if r.HasField("seed") else None)
+        except ValueError as e:
+            raise _Fail(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        if any(s == "" for s in r.stop):
+            raise _Fail(grpc.StatusCode.INVALID_ARGUMENT, "stop: empty stop string")
+        if any(t < 0 or (self.vocab_size and t >= self.vocab_size) for t in r.stop_ids):
+            raise _Fail(grpc.StatusCode.INVALID_ARGUMENT, "stop_ids: token id outside the vocabulary")
+        return max_new, mode, budget
+
+    def _turn_ids(self, r: pb.GenerateRequest, history: list[int]) -> list[int]:
+        kind = r.WhichOneof("input")
+        if kind is None:
+            raise _Fail(grpc.StatusCode.INVALID_ARGUMENT, "input: set one of prompt, chat, prompt_ids")
+        if kind == "prompt_ids":
+            ids = list(r.prompt_ids.ids)
+            if not ids:
+                raise _Fail(grpc.StatusCode.INVALID_ARGUMENT, "prompt_ids: empty")
+            bad = next((t for t in ids if t < 0 or (self.vocab_size and t >= self.vocab_size)), None)
+            if bad is not None:
+                raise _Fail(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_ids: token id {bad} outside the vocabulary [0, {self.vocab_size})")
+            return ids
+        if self.tokenizer is None:
+            raise _Fail(grpc.StatusCode.FAILED_PRECONDITION, f"{kind}: this gateway has no tokenizer; send prompt_ids")
+        if kind == "prompt":
+            if not r.prompt:
+                raise _Fail(grpc.StatusCode.INVALID_ARGUMENT, "prompt: empty")
+            messages = [{"role": "user", "content": r.prompt}]
+            if r.system and not history:
+                messages.insert(0, {"role": "system", "content": r.system})
+        else:
+            messages = [{"role": m.role, "content": m.content} for m in r.chat.messages]
+            if not messages:
+                raise _Fail(grpc.StatusCode.INVALID_ARGUMENT, "chat.messages: empty")
+            bad = next((m["role"] for m in messages if m["role"] not in ("system", "user", "assistant")), None)
+            if bad is not None:
+                raise _Fail(grpc.StatusCode.INVALID_ARGUMENT, f"chat.messages.role: {bad!r}, expected system, user or assistant")
+        try:
+            return continue_ids(self.tokenizer, history, messages, self.eos_ids) if history else messages_ids(self.tokenizer, messages)
+        except Exception as e:  # noqa: BLE001 - template errors are the caller's input
+            raise _Fail(grpc.StatusCode.INVALID_ARGUMENT, f"{kind}: the chat template rejected it: {e}") from None
+
+    async def _generate(self, tenant: str, r: pb.GenerateRequest):
+        from verifier.sampling import SamplingParams  # noqa: F401 - validated in _check_request
+
+        max_new, mode, budget = self._check_request(r)
+        if r.session_id:
+            record = await self._record(tenant, r.session_id)
+        else:
+            record = Record(secrets.token_urlsafe(18), tenant)
+        key = (tenant, record.session_id)
+        if key in self._busy:
+            raise _Fail(grpc.StatusCode.ABORTED, f"session_id {record.session_id!r}: a turn is already running")
+        turn = self._turn_ids(r, record.history)
+        history = record.history + turn
+        if len(history) + max_new > self.limits.max_prompt_tokens + self.limits.max_new_tokens or len(history) > self.limits.max_prompt_tokens:
+            raise _Fail(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"prompt: the session would hold {len(history)} tokens, limit {self.limits.max_prompt_tokens}")
+        self._busy.add(key)
+        try:
+            run = _Turn(self, record, history, len(turn), r, max_new, mode, budget)
+            async for resp in run.stream():
+                yield resp
+        finally:
+            self._busy.discard(key)
+
+    # -- sessions -----------------------------------------------------------------------------
+    async def _info(self, rec: Record, closed: bool = False) -> pb.SessionInfo:
+        ranked = self.drafters.ranked(rec.session_id)
+        return pb.SessionInfo(
+            session_id=rec.session_id, turns=rec.turns, tokens=len(rec.history), drafter=ranked[0] if ranked else "",
+            verifier=rec.verifier, created_unix=rec.created, last_used_unix=rec.last_used, closed=closed,
+        )
+
+    async def GetSession(self, request, context):
+        try:
+            rec = await self._record(self.tenant(context), request.session_id)
+            return await self._info(rec)
+        except _Fail as e:
+            await context.abort(e.code, e.message)
+
+    async def CloseSession(self, request, context):
+        try:
+            tenant = self.tenant(context)
+            rec = await self._record(tenant, request.session_id)
+            if (tenant, rec.session_id) in self._busy:
+                raise _Fail(grpc.StatusCode.FAILED_PRECONDITION, f"session_id {rec.session_id!r}: a turn is running")
+            await self.store.delete(record_key(tenant, rec.session_id))
+            await self._drop_everywhere(tenant, rec)
+            return await self._info(rec, closed=True)
+        except _Fail as e:
+            await context.abort(e.code, e.message)
+
+    async def _drop_everywhere(self, tenant: str, rec: Record) -> None:
+        """Best effort: every drafter (any may hold a copy after a failover) and the verifier."""
+        calls = [dgrpc.DrafterStub(self.drafters.channel(ep)).Drop(dpb.DropRequest(session_id=rec.session_id, tenant=tenant), timeout=5)
+                 for ep in self.drafters.endpoints]
+        if rec.verifier:
+            calls.append(vgrpc.VerifierStub(self.verifiers.channel(rec.verifier)).Drop(
+                vpb.VerifierDropRequest(session_id=rec.session_id, tenant=tenant), timeout=5))
+        for res in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(res, Exception):
+                log.warning("drop failed", extra={"session_id": rec.session_id, "error": repr(res)})
+
+    async def ListSessions(self, request, context):
+        try:
+            tenant = self.tenant(context)
+            out = []
+            for k in await self.store.keys(record_key(tenant, "")):
+                data = await self.store.get(k)
+                if data is not None:
+                    out.append(await self._info(Record.loads(data)))
+            return pb.ListSessionsResponse(sessions=sorted(out, key=lambda s: s.created_unix))
+        except _Fail as e:
+            await context.abort(e.code, e.message)
+
+
+class _Turn:
+    """One turn of one session: opens the streams, runs the rounds, fails over, saves the record."""
+
+    def __init__(self, gw: GatewayService, record: Record, history: list[int], n_turn: int, r: pb.GenerateRequest,
+                 max_new: int, mode: str, budget: int):
+        self.gw = gw
+        self.record = record
+        self.history = history
+        self.n_turn = n_turn
+        self.r = r
+        self.max_new = max_new
+        self.mode = mode
+        self.budget = budget
+        self.stop_ids = set(gw.eos_ids) | set(r.stop_ids)
+        self.sampling = vpb.Sampling(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+        if r.HasField("seed"):
+            self.sampling.seed = r.seed
+        self.stats = Stats()
+        self.draft_ms = 0.0
+        self.verify_ms = 0.0
+        self.prefill_ms = 0.0
+        self.drafter: _Link | None = None
+        self.verifier: _Link | None = None
+        self.failed: dict[str, set[str]] = {"drafter": set(), "verifier": set()}
+
+    # -- links --------------------------------------------------------------------------------
+    async def _open_verifier(self, ctx: list[int]) -> vpb.VerifyResponse:
+        gw = self.gw
+        while True:
+            await gw.verifiers.refresh()
+            live = [e for e in gw.verifiers.live() if e not in self.failed["verifier"]]
+            if not live:
+                raise _Fail(grpc.StatusCode.UNAVAILABLE, f"no verifier reachable ({len(self.failed['verifier'])} failed)")
+            sticky = self.record.verifier
+            ep = sticky if sticky in live else min(live, key=lambda e: gw._verifier_load.get(e, 0))
+            call = vgrpc.VerifierStub(gw.verifiers.channel(ep)).Session()
+            link = _Link(ep, call)
+            try:
+                resp = await link.ask(vpb.VerifyRequest(open=vpb.VerifierOpen(
+                    session_id=self.record.session_id, tenant=self.record.tenant, history=ctx, sampling=self.sampling)))
+            except (_Lost, _Fail) as e:
+                await link.close(cancel=True)
+                if isinstance(e, _Fail):
+                    raise
+                self._lost("verifier", e)
+                continue
+            self.verifier = link
+            self.record.verifier = ep
+            gw._verifier_load[ep] = gw._verifier_load.get(ep, 0) + 1
+            self.prefill_ms += resp.elapsed_ms
+            return resp
+
+    async def _open_drafter(self, ctx: list[int], topk: list[int], width: int) -> None:
+        gw = self.gw
+        while True:
+            await gw.drafters.refresh()
+            ranked = gw.drafters.ranked(self.record.session_id, exclude=self.failed["drafter"])
+            if not ranked:
+                raise _Fail(grpc.StatusCode.UNAVAILABLE, f"no drafter reachable ({len(self.failed['drafter'])} failed)")
+            ep = ranked[0]
+            link = _Link(ep, dgrpc.DrafterStub(gw.drafters.channel(ep)).Session())
+            try:
+                resp = await link.ask(dpb.DraftRequest(open=dpb.DrafterOpen(
+                    session_id=self.record.session_id, tenant=self.record.tenant, history=ctx,
+                    history_topk=topk, topk=width)))
+            except (_Lost, _Fail) as e:
+                await link.close(cancel=True)
+                if isinstance(e, _Fail):
+                    raise
+                self._lost("drafter", e)
+                continue
+            self.drafter = link
+            self.draft_ms += resp.elapsed_ms
+            log.debug("drafter open", extra={"session_id": self.record.session_id, "drafter": ep, "restored_from": resp.restored_from})
+            return
+
+    def _lost(self, kind: str, e: _Lost) -> None:
+        log.warning(f"{kind} lost; failing over", extra={"session_id": self.record.session_id, "endpoint": e.endpoint, "error": e.error})
+        self.failed[kind].add(e.endpoint)
+        (self.gw.drafters if kind == "drafter" else self.gw.verifiers).mark_down(e.endpoint)
+        if len(self.failed[kind]) > FAILOVERS:
+            raise _Fail(grpc.StatusCode.UNAVAILABLE, f"{kind}s keep failing: {e.error}")
+
+    async def _release(self, cancel: bool) -> None:
+        for link in (self.drafter, self.verifier):
+            if link is not None:
+                await link.close(cancel=cancel)
+        if self.verifier is not None:
+            self.gw._verifier_load[self.verifier.endpoint] -= 1
+        self.drafter = self.verifier = None
+
+    # -- rounds -------------------------------------------------------------------------------
+    async def stream(self):
+        t0 = time.perf_counter()
+        sid = self.record.session_id
+        detok = Detokenizer(self.gw.tokenizer) if self.gw.tokenizer is not None else None
+        emitted: list[int] = []
+        finished = False
+        try:
+            ctx = list(self.history)  # committed in drafter and verifier: history + emitted, minus the last
+            opened = await self._open_verifier(ctx)
+            await self._open_drafter(ctx, list(opened.topk), opened.topk_width)
+            root = opened.next_token
+            out, done = _cut([root], self.stop_ids, self.max_new)
+            feedback: tuple[list[int], list[int], int] = ([], [], 0)
+            while True:
+                out, done, text = self._stop_strings(detok, emitted, out, done)
+                if out:
+                    if not emitted:
+                        M.TTFT_MS.observe((time.perf_counter() - t0) * 1e3)
+                    emitted.extend(out)
+                    self.stats.new_tokens += len(out)
+                    M.GENERATED_TOKENS.inc(len(out))
+                    yield pb.GenerateResponse(session_id=sid, text=text, token_ids=out)
+                if done:
+                    break
+                t_round = time.perf_counter()
+                tree = await self._draft(ctx, root, feedback)
+                res = await self._verify(ctx, root, tree)
+                path = [tree.tokens[i] for i in res.accepted]
+                out, fed, done = settle(path, res.next_token, self.stop_ids, self.max_new - self.stats.new_tokens)
+                ctx.extend(fed)
+                feedback = (list(res.topk), list(res.accepted), len(fed))
+                self._count(tree, res)
+                M.ROUND_MS.observe((time.perf_counter() - t_round) * 1e3)
+                root = out[-1] if out else res.next_token
+            finished = True
+            yield await self._finish(emitted, t0)
+        finally:
+            await self._release(cancel=not finished)
+
+    def _stop_strings(self, detok, emitted, out, done):
+        """Text of ``out``; cut after the token that completes a stop string (which ends the turn)."""
+        if detok is None:
+            return out, done, ""
+        stops = self.r.stop
+        text = ""
+        for i, tok in enumerate(out):
+            before = len(detok.text)
+            text += detok.push([tok])
+            if stops and any(s in detok.text[max(0, before - max(map(len, stops))):] for s in stops):
+                return out[: i + 1], True, text
+        return out, done, text
+
+    async def _draft(self, ctx, root, feedback):
+        topk, accepted, commit = feedback
+        step = dpb.DraftStep(tree_topk=topk, accepted=accepted, commit=commit, root=root, budget=self.budget, mode=self.mode)
+        while True:
+            if self.drafter is None:
+                await self._open_drafter(ctx, [], 0)
+                step = dpb.DraftStep(root=root, budget=self.budget, mode=self.mode)  # a fresh stream has no tree to learn from
+            try:
+                resp = await self.drafter.ask(dpb.DraftRequest(step=step))
+            except _Lost as e:
+                await self.drafter.close(cancel=True)
+                self.drafter = None
+                self._lost("drafter", e)
+                continue
+            self.draft_ms += resp.elapsed_ms
+            if not resp.tree.tokens or resp.tree.tokens[0] != root:
+                raise _Fail(grpc.StatusCode.INTERNAL, f"drafter {self.drafter.endpoint} returned a tree with the wrong root")
+            return resp.tree
+
+    async def _verify(self, ctx, root, tree):
+        while True:
+            if self.verifier is None:
+                await self._open_verifier(ctx)  # its next token is ``root`` again (greedy) or a discarded draw
+            try:
+                resp = await self.verifier.ask(vpb.VerifyRequest(tree=vpb.VerifyTree(tokens=tree.tokens, parents=tree.parents)))
+            except _Lost as e:
+                await self.verifier.close(cancel=True)
+                self.gw._verifier_load[self.verifier.endpoint] -= 1
+                self.verifier = None
+                self._lost("verifier", e)
+                continue
+            self.verify_ms += resp.elapsed_ms
+            return resp
+
+    def _count(self, tree, res) -> None:
+        self.stats.count_round(len(tree.tokens), len(res.accepted))
+        M.NUM_DRAFTS.labels(self.mode).inc()
+        M.NUM_DRAFT_TOKENS.labels(self.mode).inc(len(tree.tokens) - 1)
+        M.NUM_ACCEPTED_TOKENS.labels(self.mode).inc(len(res.accepted) - 1)
+        for pos in range(1, len(res.accepted)):
+            M.ACCEPTED_PER_POS.labels(str(pos)).inc()
+
+    async def _finish(self, emitted: list[int], t0: float) -> pb.GenerateResponse:
+        rec = self.record
+        try:
+            await self.drafter.ask(dpb.DraftRequest(end_turn=dpb.EndTurn()))
+        except (_Lost, _Fail) as e:  # the snapshot is an optimisation; the turn is done
+            log.warning("end_turn failed", extra={"session_id": rec.session_id, "error": getattr(e, "error", repr(e))})
+        rec.history = self.history + emitted
+        rec.turns += 1
+        rec.last_used = time.time()
+        try:
+            await self.gw.store.set(record_key(rec.tenant, rec.session_id), rec.dumps(), self.gw.ttl)
+        except Exception as e:  # noqa: BLE001
+            raise _Fail(grpc.StatusCode.UNAVAILABLE, f"session store unavailable, turn not saved: {e!r}") from None
+        total = time.perf_counter() - t0
+        s = self.stats
+        last = emitted[-1] if emitted else None
+        stop_hit = last in self.stop_ids or (s.new_tokens < self.max_new)
+        return pb.GenerateResponse(
+            session_id=rec.session_id,
+            finish_reason="stop" if stop_hit else "length",
+            usage=pb.Usage(prompt_tokens=self.n_turn, completion_tokens=s.new_tokens, session_tokens=len(rec.history)),
+            stats=pb.SpeculationStats(
+                rounds=s.rounds, drafted=s.drafted, accepted=s.accepted, mat=s.mat, prefill_ms=self.prefill_ms,
+                draft_ms=self.draft_ms, verify_ms=self.verify_ms, total_ms=total * 1e3,
+                tokens_per_second=s.new_tokens / total if total else 0.0,
+            ),
+        )

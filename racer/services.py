@@ -1,0 +1,134 @@
+"""Builds and starts each service from its settings (racer/settings.py): used by ``racer serve``,
+``racer stack`` and the tests (which pass an already loaded model)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from types import SimpleNamespace
+
+from .serving import Server, start_server
+
+log = logging.getLogger("racer")
+
+
+def defaults(service: str, **overrides) -> SimpleNamespace:
+    """The settings of ``service`` as ``racer serve`` would parse them with no flags, then ``overrides``."""
+    import argparse
+
+    from .settings import add_arguments
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap, service)
+    ns = ap.parse_args([])
+    for k, v in overrides.items():
+        if not hasattr(ns, k):
+            raise TypeError(f"{service}: unknown setting {k!r}")
+        setattr(ns, k, v)
+    return ns
+
+
+async def start_drafter(args) -> tuple[Server, object]:
+    from drafter.service import DrafterService, janitor, load_prior
+    from drafter.session import DrafterConfig
+    from racer.v1 import drafter_pb2_grpc
+
+    from .store import open_store
+
+    config = DrafterConfig(window=args.window, max_nodes=args.max_nodes, topk=args.topk)
+    store = open_store(args.snapshot_url)
+    svc = DrafterService(config, store, load_prior(args.prior, args.topk), args.snapshot_every, args.session_ttl)
+    tasks = []
+
+    async def drain():
+        for t in tasks:
+            t.cancel()
+        await svc.flush()
+        await store.close()
+
+    srv = await start_server("drafter", lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(svc, s),
+                             args.host, args.port, args.max_message_bytes, drain)
+    tasks.append(asyncio.ensure_future(janitor(svc, min(30.0, args.session_ttl))))
+    return srv, svc
+
+
+async def start_verifier(args, model=None) -> tuple[Server, object]:
+    from racer.v1 import verifier_pb2_grpc
+    from verifier.service import VerifierService
+
+    if model is None:
+        from verifier.model import load
+
+        model = (await asyncio.to_thread(load, args.model, "float32", args.threads or None)).model
+        if args.device not in ("auto", "cpu") or (args.device == "auto" and _cuda()):
+            model = model.to("cuda" if args.device == "auto" else args.device)
+    svc = VerifierService(model, args.topk, args.backend, args.max_sessions, args.max_cache_tokens, args.session_ttl)
+    tasks = []
+
+    async def janitor():
+        while True:
+            await asyncio.sleep(min(30.0, args.session_ttl))
+            await svc.expire()
+
+    async def drain():
+        for t in tasks:
+            t.cancel()
+
+    srv = await start_server("verifier", lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(svc, s),
+                             args.host, args.port, args.max_message_bytes, drain)
+    tasks.append(asyncio.ensure_future(janitor()))
+    return srv, svc
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, resolver=None) -> tuple[Server, object]:
+    from gateway.routing import Endpoints
+    from gateway.service import GatewayService, Limits, load_api_keys
+    from racer.v1 import generation_pb2_grpc
+
+    from .serving import server_options
+    from .store import open_store
+
+    if tokenizer is None and args.model != "none":
+        from transformers import AutoTokenizer
+
+        from transformers import AutoConfig
+
+        from verifier.model import eos_token_ids, resolve_model_dir
+
+        path = await asyncio.to_thread(resolve_model_dir, args.model)
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path)
+        eos_ids = eos_token_ids(path, tokenizer)
+        vocab_size = AutoConfig.from_pretrained(path).vocab_size
+    opts = server_options(args.max_message_bytes)
+    kw = {"resolver": resolver} if resolver else {}
+    drafters = Endpoints(args.drafters, args.resolve_every, channel_options=opts, **kw)
+    verifiers = Endpoints(args.verifiers, args.resolve_every, channel_options=opts, **kw)
+    await drafters.refresh(force=True)
+    await verifiers.refresh(force=True)
+    store = open_store(args.session_url)
+    limits = Limits(args.max_prompt_tokens, args.max_new_tokens, args.max_budget)
+    svc = GatewayService(tokenizer, eos_ids or (), drafters, verifiers, store, load_api_keys(args.api_keys), limits,
+                         args.session_ttl, vocab_size)
+
+    async def drain():
+        pass
+
+    srv = await start_server("gateway", lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(svc, s),
+                             args.host, args.port, args.max_message_bytes, drain)
+
+    orig_stop = srv.stop
+
+    async def stop(grace: float = 5.0):
+        await orig_stop(grace)
+        await drafters.close()
+        await verifiers.close()
+        await store.close()
+
+    srv.stop = stop
+    return srv, svc

@@ -1,0 +1,94 @@
+"""Every service setting in one place: its flag, its environment variable and its default.
+
+Deployment files (docker-compose.yml, k8s/) name these variables and ports; tests compare them with
+this table, so the files cannot drift from what the services read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Setting:
+    flag: str
+    env: str
+    default: object
+    help: str
+    type: type = str
+
+
+# Ports each service listens on by default: gRPC (health and reflection on the same port) and the
+# Prometheus metrics HTTP port.
+PORTS = {
+    "gateway": (50051, 9100),
+    "drafter": (50061, 9101),
+    "verifier": (50062, 9102),
+}
+
+# gRPC service names each server registers with grpc.health.v1 (besides the overall "" entry).
+HEALTH_SERVICES = {
+    "gateway": "racer.v1.Generation",
+    "drafter": "racer.v1.Drafter",
+    "verifier": "racer.v1.Verifier",
+}
+
+COMMON = [
+    Setting("--host", "RACER_HOST", "0.0.0.0", "address to bind"),
+    Setting("--log-level", "RACER_LOG_LEVEL", "INFO", "logging level"),
+    Setting("--drain-seconds", "RACER_DRAIN_SECONDS", 20.0, "on SIGTERM, time in-flight streams get to finish", float),
+    Setting("--max-message-bytes", "RACER_MAX_MESSAGE_BYTES", 16 * 1024 * 1024, "largest gRPC message accepted", int),
+]
+
+SERVICE = {
+    "drafter": [
+        Setting("--snapshot-url", "RACER_SNAPSHOT_URL", "memory://", "snapshot store: memory:// or redis://host:port/db"),
+        Setting("--snapshot-every", "RACER_SNAPSHOT_EVERY", 32, "rounds between snapshots (also at every turn end)", int),
+        Setting("--session-ttl", "RACER_SESSION_TTL", 1800.0, "seconds an idle session (and its snapshot) is kept", float),
+        Setting("--max-nodes", "RACER_MAX_NODES", 10_000, "automaton capacity per session", int),
+        Setting("--window", "RACER_WINDOW", 10, "longest n-gram in the automaton", int),
+        Setting("--topk", "RACER_TOPK", 8, "copy-logit row width", int),
+        Setting("--prior", "RACER_PRIOR", "default", "copy-logit prior: 'default' (shipped for the default model), a .npy path, or 'none'"),
+    ],
+    "verifier": [
+        Setting("--model", "RACER_MODEL", "default", "target model: 'default' or a Hugging Face causal-LM directory"),
+        Setting("--backend", "RACER_BACKEND", "auto", "forward implementation: auto, fast or hf"),
+        Setting("--device", "RACER_DEVICE", "auto", "torch device: auto, cpu or cuda"),
+        Setting("--threads", "RACER_THREADS", 0, "torch CPU threads (0: torch's default, one per core)", int),
+        Setting("--topk", "RACER_TOPK", 8, "top-k ids returned per position", int),
+        Setting("--session-ttl", "RACER_SESSION_TTL", 1800.0, "seconds an idle KV cache is kept", float),
+        Setting("--max-sessions", "RACER_MAX_SESSIONS", 64, "KV caches kept; the least recently used goes first", int),
+        Setting("--max-cache-tokens", "RACER_MAX_CACHE_TOKENS", 262_144, "tokens held in all KV caches together", int),
+    ],
+    "gateway": [
+        Setting("--model", "RACER_MODEL", "default", "tokenizer source: 'default' or a Hugging Face model directory"),
+        Setting("--drafters", "RACER_DRAFTERS", "localhost:50061", "drafter endpoints: host:port,... or dns:///name:port"),
+        Setting("--verifiers", "RACER_VERIFIERS", "localhost:50062", "verifier endpoints: host:port,... or dns:///name:port"),
+        Setting("--session-url", "RACER_SESSION_URL", "memory://", "session store: memory:// or redis://host:port/db"),
+        Setting("--session-ttl", "RACER_SESSION_TTL", 1800.0, "seconds an idle session record is kept", float),
+        Setting("--api-keys", "RACER_API_KEYS", "", "file of 'key tenant' lines; empty: no auth (local use only)"),
+        Setting("--resolve-every", "RACER_RESOLVE_EVERY", 10.0, "seconds between DNS re-resolutions of endpoints", float),
+        Setting("--max-prompt-tokens", "RACER_MAX_PROMPT_TOKENS", 8192, "longest session history accepted", int),
+        Setting("--max-new-tokens", "RACER_MAX_NEW_TOKENS", 2048, "largest max_new_tokens accepted", int),
+        Setting("--max-budget", "RACER_MAX_BUDGET", 256, "largest draft budget accepted", int),
+    ],
+}
+
+
+def env_names(service: str) -> set[str]:
+    return {s.env for s in COMMON + SERVICE[service]}
+
+
+def add_arguments(parser: argparse.ArgumentParser, service: str) -> None:
+    """Flags for ``service``; each defaults to its environment variable, then to the table."""
+    port, metrics = PORTS[service]
+    settings = COMMON + SERVICE[service] + [
+        Setting("--port", "RACER_PORT", port, "gRPC port", int),
+        Setting("--metrics-port", "RACER_METRICS_PORT", metrics, "Prometheus metrics HTTP port (0: off)", int),
+    ]
+    for s in settings:
+        raw = os.environ.get(s.env)
+        default = s.type(raw) if raw is not None else s.default
+        parser.add_argument(s.flag, type=s.type, default=default, help=f"{s.help} (env {s.env}; default {s.default})")

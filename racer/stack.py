@@ -1,0 +1,81 @@
+"""``racer stack``: drafter, verifier and gateway as separate processes on localhost.
+
+Starts them, waits for their health, streams one answer through the gateway, prints the stats
+and stops them cleanly (SIGTERM, drain). ``--keep`` leaves the stack up for other clients until
+Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from .settings import HEALTH_SERVICES, PORTS
+
+
+def _spawn(service: str, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "racer.cli", "serve", service], env=env, start_new_session=True)
+
+
+def run(args) -> int:
+    from verifier.model import resolve_model_dir
+
+    from .client import Client, format_stats
+    from .serving import wait_healthy
+
+    resolve_model_dir(args.model)  # convert the default model once, before two services want it
+    base = dict(os.environ, RACER_MODEL=args.model, RACER_HOST="127.0.0.1", RACER_LOG_LEVEL=args.log_level)
+    ports = {s: (args.port_base + i, args.metrics_base + i) if args.port_base else PORTS[s]
+             for i, s in enumerate(("gateway", "drafter", "verifier"))}
+    envs = {
+        s: dict(base, RACER_PORT=str(p), RACER_METRICS_PORT=str(m)) for s, (p, m) in ports.items()
+    }
+    envs["gateway"].update(RACER_DRAFTERS=f"127.0.0.1:{ports['drafter'][0]}", RACER_VERIFIERS=f"127.0.0.1:{ports['verifier'][0]}")
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        for s in ("verifier", "drafter", "gateway"):
+            procs[s] = _spawn(s, envs[s])
+        t0 = time.monotonic()
+        for s, p in procs.items():
+            asyncio.run(_wait(wait_healthy, f"127.0.0.1:{ports[s][0]}", HEALTH_SERVICES[s], p))
+        gateway = f"127.0.0.1:{ports['gateway'][0]}"
+        print(f"stack up in {time.monotonic() - t0:.1f} s: gateway {gateway}, metrics on "
+              + ", ".join(f"{s} :{m}" for s, (_, m) in ports.items()), file=sys.stderr)
+        if args.prompt:
+            with Client(gateway) as c:
+                last = None
+                for r in c.generate(args.prompt, max_new_tokens=args.max_new_tokens, mode=args.mode, budget=args.budget,
+                                    system=args.system):
+                    sys.stdout.write(r.text)
+                    sys.stdout.flush()
+                    last = r
+                sys.stdout.write("\n")
+                print(format_stats(last), file=sys.stderr)
+        if args.keep:
+            print("stack running; Ctrl-C stops it", file=sys.stderr)
+            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        return 0
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for s, p in procs.items():
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                print(f"{s} did not stop in 30 s; killing it", file=sys.stderr)
+                p.kill()
+
+
+async def _wait(wait_healthy, target: str, service: str, proc: subprocess.Popen) -> None:
+    task = asyncio.ensure_future(wait_healthy(target, service, timeout=300))
+    while not task.done():
+        if proc.poll() is not None:
+            task.cancel()
+            raise RuntimeError(f"{service} exited with status {proc.returncode} before it was healthy")
+        await asyncio.sleep(0.2)
+    task.result()

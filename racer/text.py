@@ -1,0 +1,62 @@
+"""Text <-> token ids for chat sessions: first turns, later turns, incremental detokenization.
+
+No torch here: the gateway only needs a tokenizer.
+"""
+
+from __future__ import annotations
+
+DEFAULT_SYSTEM = "You are a helpful assistant."
+
+
+def _ids(out) -> list[int]:
+    if hasattr(out, "keys"):  # BatchEncoding in transformers 5
+        out = out["input_ids"]
+    return list(out)
+
+
+def chat_ids(tokenizer, user: str, system: str | None = DEFAULT_SYSTEM) -> list[int]:
+    """Token ids of a one-turn chat with the model's template and the assistant prompt opened."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    return messages_ids(tokenizer, messages)
+
+
+def messages_ids(tokenizer, messages: list[dict]) -> list[int]:
+    return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+
+
+def continue_ids(tokenizer, history: list[int], messages: list[dict], eos_ids=()) -> list[int]:
+    """Ids that continue a chat session whose ``history`` ends with the assistant's last answer.
+
+    The template decides what closes an assistant turn and opens the next ones; a probe
+    conversation finds that text. If the answer ended with an end-of-turn token, the part of the
+    closing text that token already wrote is not repeated.
+    """
+    probe = [{"role": "user", "content": "\x00u"}, {"role": "assistant", "content": "\x00a"}]
+    base = tokenizer.apply_chat_template(probe, tokenize=False)
+    full = tokenizer.apply_chat_template(probe + list(messages), tokenize=False, add_generation_prompt=True)
+    if not full.startswith(base) or "\x00a" not in base:
+        raise ValueError("this model's chat template cannot continue a conversation turn by turn")
+    close = base[base.rindex("\x00a") + 2 :]  # e.g. "<|im_end|>\n"
+    if history and history[-1] in eos_ids:
+        eos_text = tokenizer.decode([history[-1]], skip_special_tokens=False)
+        if close.startswith(eos_text):
+            close = close[len(eos_text) :]
+    return _ids(tokenizer(close + full[len(base) :], add_special_tokens=False))
+
+
+class Detokenizer:
+    """Incremental text from a growing id list; holds back an incomplete UTF-8 sequence."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        delta = text[len(self.text) :] if text.startswith(self.text) else text
+        self.text = text
+        return delta

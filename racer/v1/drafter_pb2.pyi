@@ -1,0 +1,113 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DrafterOpen(_message.Message):
+    __slots__ = ("session_id", "tenant", "history", "history_topk", "topk")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_TOPK_FIELD_NUMBER: _ClassVar[int]
+    TOPK_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tenant: str
+    history: _containers.RepeatedScalarFieldContainer[int]
+    history_topk: _containers.RepeatedScalarFieldContainer[int]
+    topk: int
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., history: _Optional[_Iterable[int]] = ..., history_topk: _Optional[_Iterable[int]] = ..., topk: _Optional[int] = ...) -> None: ...
+
+class DraftRequest(_message.Message):
+    __slots__ = ("open", "step", "end_turn")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    END_TURN_FIELD_NUMBER: _ClassVar[int]
+    open: DrafterOpen
+    step: DraftStep
+    end_turn: EndTurn
+    def __init__(self, open: _Optional[_Union[DrafterOpen, _Mapping]] = ..., step: _Optional[_Union[DraftStep, _Mapping]] = ..., end_turn: _Optional[_Union[EndTurn, _Mapping]] = ...) -> None: ...
+
+class DraftStep(_message.Message):
+    __slots__ = ("tree_topk", "accepted", "commit", "root", "budget", "mode")
+    TREE_TOPK_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    tree_topk: _containers.RepeatedScalarFieldContainer[int]
+    accepted: _containers.RepeatedScalarFieldContainer[int]
+    commit: int
+    root: int
+    budget: int
+    mode: str
+    def __init__(self, tree_topk: _Optional[_Iterable[int]] = ..., accepted: _Optional[_Iterable[int]] = ..., commit: _Optional[int] = ..., root: _Optional[int] = ..., budget: _Optional[int] = ..., mode: _Optional[str] = ...) -> None: ...
+
+class EndTurn(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DraftTree(_message.Message):
+    __slots__ = ("tokens", "parents", "retrieval_nodes")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    RETRIEVAL_NODES_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    retrieval_nodes: int
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., retrieval_nodes: _Optional[int] = ...) -> None: ...
+
+class DraftResponse(_message.Message):
+    __slots__ = ("tree", "tokens", "restored_from", "elapsed_ms")
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FROM_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
+    tree: DraftTree
+    tokens: int
+    restored_from: str
+    elapsed_ms: float
+    def __init__(self, tree: _Optional[_Union[DraftTree, _Mapping]] = ..., tokens: _Optional[int] = ..., restored_from: _Optional[str] = ..., elapsed_ms: _Optional[float] = ...) -> None: ...
+
+class DropRequest(_message.Message):
+    __slots__ = ("session_id", "tenant")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tenant: str
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class DropResponse(_message.Message):
+    __slots__ = ("existed",)
+    EXISTED_FIELD_NUMBER: _ClassVar[int]
+    existed: bool
+    def __init__(self, existed: _Optional[bool] = ...) -> None: ...
+
+class DrafterStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrafterSessionStats(_message.Message):
+    __slots__ = ("session_id", "tenant", "tokens", "nodes", "memory_bytes", "streaming")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STREAMING_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tenant: str
+    tokens: int
+    nodes: int
+    memory_bytes: int
+    streaming: bool
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., tokens: _Optional[int] = ..., nodes: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., streaming: _Optional[bool] = ...) -> None: ...
+
+class DrafterStatsResponse(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[DrafterSessionStats]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[DrafterSessionStats, _Mapping]]] = ...) -> None: ...

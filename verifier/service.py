@@ -1,0 +1,217 @@
+"""The verifier service: the target model and one KV cache per session, behind a gRPC stream.
+
+Model work runs on one worker thread (the forward releases the GIL), so health checks and other
+streams stay responsive while a tree is verified. Caches outlive streams: a session's next turn
+prefills only its new tokens. They are bounded by count and by total tokens; the least recently
+used idle cache goes first, and an evicted session is simply re-prefilled when it comes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+
+from racer import metrics as M
+from racer.v1 import verifier_pb2 as pb
+from racer.v1 import verifier_pb2_grpc as pb_grpc
+
+from .engine import VerifierSession
+from .sampling import SamplingParams
+
+log = logging.getLogger("racer.verifier")
+
+MAX_TREE = 4096
+
+
+@dataclass
+class Entry:
+    tenant: str
+    session_id: str
+    session: VerifierSession
+    tokens: list[int] = field(default_factory=list)  # what the KV cache holds, in order
+    last_used: float = field(default_factory=time.monotonic)
+    streaming: bool = False
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        self.code, self.message = code, message
+
+
+class VerifierService(pb_grpc.VerifierServicer):
+    def __init__(self, model, topk: int = 8, backend: str = "auto", max_sessions: int = 64,
+                 max_cache_tokens: int = 262_144, ttl: float = 1800.0):
+        self.model = model
+        self.topk = topk
+        self.backend = backend
+        self.vocab_size = model.config.vocab_size
+        self.max_sessions = max_sessions
+        self.max_cache_tokens = max_cache_tokens
+        self.ttl = ttl
+        self.sessions: dict[tuple[str, str], Entry] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="verifier-model")
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # -- the stream ---------------------------------------------------------------------------
+    async def Session(self, request_iterator, context):
+        entry: Entry | None = None
+        try:
+            async for req in request_iterator:
+                kind = req.WhichOneof("kind")
+                if kind == "open":
+                    if entry is not None:
+                        raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "open: this stream already has a session")
+                    entry = self._claim(req.open)
+                    yield await self._open(entry, req.open)
+                elif kind == "tree":
+                    if entry is None:
+                        raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "tree: open the session first")
+                    yield await self._verify(entry, req.tree)
+                else:
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "request: set one of open, tree")
+        except _Abort as e:
+            await context.abort(e.code, e.message)
+        finally:
+            if entry is not None:
+                entry.streaming = False
+                entry.last_used = time.monotonic()
+
+    def _claim(self, op: pb.VerifierOpen) -> Entry:
+        if not op.session_id:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "open.session_id: required")
+        if not op.history:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "open.history: empty")
+        bad = next((t for t in op.history if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"open.history: token id {bad} outside the vocabulary [0, {self.vocab_size})")
+        if len(op.history) > self.max_cache_tokens:
+            raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"open.history: {len(op.history)} tokens, this verifier holds at most {self.max_cache_tokens}")
+        try:
+            sampling = SamplingParams(op.sampling.temperature, op.sampling.top_p or 1.0, op.sampling.top_k,
+                                      op.sampling.seed if op.sampling.HasField("seed") else None)
+        except ValueError as e:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"open.sampling: {e}") from None
+        key = (op.tenant, op.session_id)
+        entry = self.sessions.get(key)
+        if entry is not None and entry.streaming:
+            raise _Abort(grpc.StatusCode.ABORTED, f"session {op.session_id}: another stream is open on it")
+        self._make_room(len(op.history), keep=key)
+        if entry is None:
+            entry = Entry(op.tenant, op.session_id, VerifierSession(self.model, self.topk, self.backend, sampling))
+            self.sessions[key] = entry
+        entry.session.set_sampling(sampling)
+        entry.streaming = True
+        entry.last_used = time.monotonic()
+        M.VERIFIER_SESSIONS.set(len(self.sessions))
+        return entry
+
+    def _make_room(self, tokens: int, keep: tuple[str, str]) -> None:
+        """Evicts idle caches, least recently used first, until a session of ``tokens`` fits."""
+        def over() -> bool:
+            held = sum(len(e.tokens) for k, e in self.sessions.items() if k != keep)
+            count = len(self.sessions) + (keep not in self.sessions)
+            return count > self.max_sessions or held + tokens > self.max_cache_tokens
+
+        while over():
+            idle = [e for k, e in self.sessions.items() if not e.streaming and k != keep]
+            if not idle:
+                raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "verifier full: every KV cache is in use by a stream")
+            victim = min(idle, key=lambda e: e.last_used)
+            del self.sessions[(victim.tenant, victim.session_id)]
+            M.EVICTIONS.labels("capacity").inc()
+
+    async def _open(self, entry: Entry, op: pb.VerifierOpen) -> pb.VerifyResponse:
+        history = list(op.history)
+        have = entry.tokens
+        common = 0
+        for a, b in zip(have, history):
+            if a != b:
+                break
+            common += 1
+        reuse = min(common, len(history) - 1)  # at least one token is fed: its logits pick the next
+        t0 = time.perf_counter()
+
+        def work():
+            entry.session.truncate(reuse)
+            return entry.session.prefill(history[reuse:])
+
+        try:
+            res = await self._run(work)
+        except BaseException:
+            self._forget(entry)  # a half-done prefill leaves the cache unknown
+            raise
+        entry.tokens = history
+        elapsed = (time.perf_counter() - t0) * 1e3
+        M.PREFILL_MS.observe(elapsed)
+        M.REUSED_TOKENS.inc(reuse)
+        self._gauge()
+        return pb.VerifyResponse(
+            next_token=res.next_token, topk=[t for row in res.topk for t in row], topk_width=self.topk,
+            reused_tokens=reuse, cache_tokens=len(entry.tokens), elapsed_ms=elapsed,
+        )
+
+    async def _verify(self, entry: Entry, tree: pb.VerifyTree) -> pb.VerifyResponse:
+        tokens, parents = list(tree.tokens), list(tree.parents)
+        if len(tokens) > MAX_TREE:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"tree.tokens: {len(tokens)} nodes, at most {MAX_TREE}")
+        t0 = time.perf_counter()
+        try:
+            res = await self._run(entry.session.verify, tokens, parents)
+        except ValueError as e:  # validation happens before the forward: the cache is untouched
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"tree: {e}") from None
+        except BaseException:
+            self._forget(entry)
+            raise
+        entry.tokens.extend(tokens[i] for i in res.accepted)
+        entry.last_used = time.monotonic()
+        elapsed = (time.perf_counter() - t0) * 1e3
+        M.VERIFY_MS.observe(elapsed)
+        return pb.VerifyResponse(
+            next_token=res.bonus, accepted=res.accepted, topk=[t for row in res.topk for t in row],
+            topk_width=self.topk, cache_tokens=len(entry.tokens), elapsed_ms=elapsed,
+        )
+
+    def _forget(self, entry: Entry) -> None:
+        self.sessions.pop((entry.tenant, entry.session_id), None)
+        self._gauge()
+
+    def _gauge(self) -> None:
+        M.VERIFIER_SESSIONS.set(len(self.sessions))
+        M.CACHE_TOKENS.set(sum(len(e.tokens) for e in self.sessions.values()))
+
+    async def expire(self) -> int:
+        now = time.monotonic()
+        gone = [k for k, e in self.sessions.items() if not e.streaming and now - e.last_used > self.ttl]
+        for k in gone:
+            del self.sessions[k]
+            M.EVICTIONS.labels("idle").inc()
+        self._gauge()
+        return len(gone)
+
+    # -- unary calls --------------------------------------------------------------------------
+    async def Drop(self, request, context):
+        entry = self.sessions.pop((request.tenant, request.session_id), None)
+        self._gauge()
+        return pb.VerifierDropResponse(existed=entry is not None)
+
+    async def Stats(self, request, context):
+        now = time.monotonic()
+        return pb.VerifierStatsResponse(
+            sessions=[
+                pb.VerifierSessionStats(session_id=e.session_id, tenant=e.tenant, cache_tokens=len(e.tokens),
+                                        streaming=e.streaming, idle_seconds=now - e.last_used)
+                for e in self.sessions.values()
+            ],
+            cache_tokens=sum(len(e.tokens) for e in self.sessions.values()),
+        )
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
