@@ -119,6 +119,8 @@ class _Link:
             resp = await self.call.read()
         except grpc.aio.AioRpcError as e:
             raise self._classify(e) from None
+        except asyncio.InvalidStateError:  # the call ended before this write (the server went away)
+            resp = grpc.aio.EOF
         if resp is grpc.aio.EOF:
             code = await self.call.code()
             raise self._classify(None, code, await self.call.details())

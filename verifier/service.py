@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 
 from racer import metrics as M
 from racer.v1 import verifier_pb2 as pb
@@ -54,7 +55,10 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.max_cache_tokens = max_cache_tokens
         self.ttl = ttl
         self.sessions: dict[tuple[str, str], Entry] = {}
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="verifier-model")
+        # OpenMP thread settings are per thread: the worker takes the creating thread's count.
+        threads = torch.get_num_threads()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="verifier-model", initializer=torch.set_num_threads,
+                                        initargs=(threads,))
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

@@ -1,0 +1,153 @@
+"""Services in this process on a background event loop, real gRPC on loopback, a real Redis.
+
+Redis: a ``redis-server`` started here (scripts/setup.sh installs it), or a container through
+testcontainers when a Docker engine is reachable instead. Neither: the tests fail and say so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from racer import services
+from racer.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    exe = shutil.which("redis-server")
+    if exe:
+        port = free_port()
+        proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+
+        r = redis.Redis(port=port)
+        for _ in range(100):
+            try:
+                r.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        else:
+            proc.kill()
+            pytest.fail("redis-server did not answer PING")
+        yield f"redis://127.0.0.1:{port}/0"
+        proc.terminate()
+        proc.wait(10)
+        return
+    try:
+        from testcontainers.redis import RedisContainer
+
+        with RedisContainer("redis:7-alpine") as c:
+            yield f"redis://{c.get_container_host_ip()}:{c.get_exposed_port(6379)}/0"
+    except Exception as e:  # noqa: BLE001
+        pytest.fail(f"no redis-server on PATH and no Docker engine for testcontainers ({e!r}); run scripts/setup.sh")
+
+
+class LoopThread:
+    """An asyncio loop in a daemon thread; ``run`` executes a coroutine there and waits."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="session")
+def loop_thread():
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+@dataclass
+class Stack:
+    """Started services; ``gateway`` is the target clients use."""
+
+    lt: LoopThread
+    drafters: list = field(default_factory=list)  # (server, service)
+    verifiers: list = field(default_factory=list)
+    gateway_pair: tuple | None = None
+
+    @property
+    def gateway(self) -> str:
+        return f"127.0.0.1:{self.gateway_pair[0].port}"
+
+    def drafter_target(self, i: int) -> str:
+        return f"127.0.0.1:{self.drafters[i][0].port}"
+
+    def verifier_target(self, i: int = 0) -> str:
+        return f"127.0.0.1:{self.verifiers[i][0].port}"
+
+    def drafter_sessions(self, i: int):
+        with grpc.insecure_channel(self.drafter_target(i)) as ch:
+            return list(drafter_pb2_grpc.DrafterStub(ch).Stats(drafter_pb2.DrafterStatsRequest(), timeout=10).sessions)
+
+    def verifier_sessions(self, i: int = 0):
+        with grpc.insecure_channel(self.verifier_target(i)) as ch:
+            return list(verifier_pb2_grpc.VerifierStub(ch).Stats(verifier_pb2.VerifierStatsRequest(), timeout=10).sessions)
+
+    def stop_drafter(self, i: int, grace: float = 0.0):
+        self.lt.run(self.drafters[i][0].stop(grace))
+
+    def stop(self):
+        servers = [p[0] for p in self.drafters + self.verifiers] + ([self.gateway_pair[0]] if self.gateway_pair else [])
+        for srv in servers:
+            self.lt.run(srv.stop(0))
+        for _, svc in self.verifiers:
+            svc.close()
+
+
+def start_stack(lt: LoopThread, model, *, drafters: int = 1, verifiers: int = 1, snapshot_url: str = "memory://",
+                session_url: str = "memory://", api_keys: str = "", tokenizer=None, eos_ids=(), snapshot_every: int = 32,
+                **gateway) -> Stack:
+    st = Stack(lt)
+
+    async def go():
+        for _ in range(verifiers):
+            st.verifiers.append(await services.start_verifier(
+                services.defaults("verifier", host="127.0.0.1", port=0, max_sessions=16), model=model))
+        for _ in range(drafters):
+            st.drafters.append(await services.start_drafter(
+                services.defaults("drafter", host="127.0.0.1", port=0, snapshot_url=snapshot_url, prior="none",
+                                  snapshot_every=snapshot_every)))
+        args = services.defaults(
+            "gateway", host="127.0.0.1", port=0, model="none", session_url=session_url, api_keys=api_keys,
+            drafters=",".join(f"127.0.0.1:{s.port}" for s, _ in st.drafters),
+            verifiers=",".join(f"127.0.0.1:{s.port}" for s, _ in st.verifiers), **gateway)
+        st.gateway_pair = await services.start_gateway(args, tokenizer=tokenizer, eos_ids=eos_ids,
+                                                       vocab_size=model.config.vocab_size)
+
+    lt.run(go())
+    return st
+
+
+def wait_until(cond, timeout: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{what} not reached within {timeout} s")

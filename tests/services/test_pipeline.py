@@ -1,0 +1,220 @@
+"""End to end through the gateway: lossless, multi-turn, routing, failover, tenants, cancellation."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import grpc
+import pytest
+import redis
+from prometheus_client import REGISTRY
+
+from drafter.session import MODES
+from gateway.loop import GenerationParams, generate
+from drafter.session import DraftSession
+from racer.client import Client
+from verifier.engine import VerifierSession
+from verifier.sampling import SamplingParams
+
+from ..engine.helpers import hf_greedy
+from .conftest import start_stack, wait_until
+
+N = 40
+
+
+def prompt(seed: int, n: int = 12, vocab: int = 96) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def stack(loop_thread, tiny_llama, redis_url):
+    st = start_stack(loop_thread, tiny_llama, drafters=2, snapshot_url=redis_url, session_url=redis_url)
+    yield st
+    st.stop()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_output_is_plain_greedy_for_every_mode(stack, tiny_llama, mode):
+    p = prompt(1)
+    with Client(stack.gateway, timeout=60) as c:
+        ids, _, last = c.complete(p, max_new_tokens=N, mode=mode, budget=16)
+    assert ids == hf_greedy(tiny_llama, p, N)
+    assert last.finish_reason == "length" and last.usage.completion_tokens == N
+    s = last.stats
+    assert s.rounds >= 1 and s.accepted <= s.drafted
+    assert s.mat == pytest.approx((s.accepted + s.rounds) / s.rounds)
+    if mode == "off":
+        assert s.drafted == 0
+
+
+def test_budget_one_and_stop_ids(stack, tiny_llama):
+    p = prompt(2)
+    ref = hf_greedy(tiny_llama, p, N)
+    stop = ref[17]
+    with Client(stack.gateway, timeout=60) as c:
+        ids, _, last = c.complete(p, max_new_tokens=N, budget=1)
+        assert ids == ref
+        ids, _, last = c.complete(p, max_new_tokens=N, stop_ids=(stop,))
+    assert ids == ref[: ref.index(stop) + 1]
+    assert last.finish_reason == "stop"
+
+
+def test_three_turn_session_equals_greedy_on_the_concatenation(stack, tiny_llama):
+    history: list[int] = []
+    session = ""
+    with Client(stack.gateway, timeout=60) as c:
+        for turn in range(3):
+            p = prompt(10 + turn, n=5)
+            ids, _, last = c.complete(p, session_id=session, max_new_tokens=25, budget=8)
+            history += p
+            assert ids == hf_greedy(tiny_llama, history, 25), f"turn {turn}"
+            history += ids
+            session = last.session_id
+            assert last.usage.prompt_tokens == 5 and last.usage.session_tokens == len(history)
+        info = c.get_session(session)
+    assert info.turns == 3 and info.tokens == len(history)
+    # the KV cache carried over: the verifier holds the whole session (minus what was never fed)
+    held = {s.session_id: s.cache_tokens for s in stack.verifier_sessions()}
+    assert held[session] >= len(history) - 1
+
+
+def test_sessions_spread_over_both_drafters(stack):
+    with Client(stack.gateway, timeout=60) as c:
+        sids = [c.complete(prompt(100 + i), max_new_tokens=4)[2].session_id for i in range(12)]
+    per = [{s.session_id for s in stack.drafter_sessions(i)} for i in range(2)]
+    assert len(per[0] & set(sids)) >= 1 and len(per[1] & set(sids)) >= 1
+    assert not (per[0] & per[1] & set(sids)), "a session lives on one drafter"
+
+
+def test_unknown_session_and_bad_requests_get_clear_statuses(stack):
+    with Client(stack.gateway, timeout=30) as c:
+        cases = [
+            (dict(prompt=[5, 6], session_id="nope"), grpc.StatusCode.NOT_FOUND, "session_id"),
+            (dict(prompt=[5, 600]), grpc.StatusCode.INVALID_ARGUMENT, "prompt_ids"),
+            (dict(prompt=[5, 6], mode="magic"), grpc.StatusCode.INVALID_ARGUMENT, "speculation.mode"),
+            (dict(prompt=[5, 6], max_new_tokens=10**6), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
+            (dict(prompt=[5, 6], temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+            (dict(prompt=None), grpc.StatusCode.INVALID_ARGUMENT, "input"),
+            (dict(prompt="text but no tokenizer"), grpc.StatusCode.FAILED_PRECONDITION, "prompt_ids"),
+        ]
+        for kw, code, field in cases:
+            p = kw.pop("prompt")
+            with pytest.raises(grpc.RpcError) as e:
+                c.complete(p, **kw)
+            assert e.value.code() == code, (kw, e.value.details())
+            assert field in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            c.get_session("nope")
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_sampling_through_the_services_equals_the_in_process_engine(stack, tiny_llama):
+    p = prompt(3)
+    with Client(stack.gateway, timeout=60) as c:
+        ids, _, _ = c.complete(p, max_new_tokens=N, temperature=0.8, top_p=0.9, seed=1234, budget=8)
+    sampling = SamplingParams(0.8, 0.9, 0, 1234)
+    local = [t for ch in generate(DraftSession(), VerifierSession(tiny_llama, sampling=sampling), p,
+                                  GenerationParams(max_new_tokens=N, budget=8)) for t in ch]
+    assert ids == local
+
+
+def test_close_session_frees_state_everywhere(stack, redis_url):
+    with Client(stack.gateway, timeout=60) as c:
+        sid = c.complete(prompt(4), max_new_tokens=10)[2].session_id
+        r = redis.Redis.from_url(redis_url)
+        wait_until(lambda: r.exists(f"racer:drafter:local:{sid}"), what="snapshot written at turn end")
+        info = c.close_session(sid)
+        assert info.closed and info.turns == 1
+        with pytest.raises(grpc.RpcError) as e:
+            c.complete([5], session_id=sid, max_new_tokens=2)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert not r.exists(f"racer:drafter:local:{sid}") and not r.exists(f"racer:session:local:{sid}")
+    assert sid not in {s.session_id for i in range(2) for s in stack.drafter_sessions(i)}
+    assert sid not in {s.session_id for s in stack.verifier_sessions()}
+
+
+def test_cancelled_stream_frees_drafter_and_verifier_streams(stack):
+    c = Client(stack.gateway)
+    call = c.generate(prompt(5), max_new_tokens=1000, budget=2, mode="off")
+    first = next(call)
+    sid = first.session_id
+    call.cancel()
+    c.close()
+
+    def released():
+        d = [s for i in range(2) for s in stack.drafter_sessions(i) if s.session_id == sid]
+        v = [s for s in stack.verifier_sessions() if s.session_id == sid]
+        return all(not s.streaming for s in d + v)
+
+    wait_until(released, timeout=10, what="drafter and verifier streams closed")
+    with Client(stack.gateway) as c2, pytest.raises(grpc.RpcError) as e:
+        c2.get_session(sid)  # a cancelled first turn leaves no session behind
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_drafter_stopping_mid_session_does_not_change_the_output(loop_thread, tiny_llama, redis_url):
+    st = start_stack(loop_thread, tiny_llama, drafters=2, snapshot_url=redis_url, session_url=redis_url, snapshot_every=4)
+    try:
+        p = prompt(6)
+        with Client(st.gateway, timeout=60) as c:
+            ids1, _, last = c.complete(p, max_new_tokens=30, budget=8)
+            sid = last.session_id
+            owner = next(i for i in range(2) if sid in {s.session_id for s in st.drafter_sessions(i)})
+            p2 = prompt(7, n=4)
+            # the next turn starts on the owner; stop it after the first chunk of the stream
+            restored = REGISTRY.get_sample_value("racer_drafter_restores_total", {"source": "snapshot"}) or 0
+            call = c.generate(p2, session_id=sid, max_new_tokens=120, budget=4)
+            got = list(next(call).token_ids)
+            st.stop_drafter(owner, grace=0)
+            for r in call:
+                got.extend(r.token_ids)
+                last = r
+        other = 1 - owner
+        assert sid in {s.session_id for s in st.drafter_sessions(other)}, "the other drafter took the session over"
+        assert REGISTRY.get_sample_value("racer_drafter_restores_total", {"source": "snapshot"}) == restored + 1
+        assert got == hf_greedy(tiny_llama, p + ids1 + p2, 120)
+        assert last.usage.completion_tokens == 120
+    finally:
+        st.stop()
+
+
+def test_tenants_are_isolated(loop_thread, tiny_llama, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# key tenant\nkey-a acme\nkey-b globex\n")
+    st = start_stack(loop_thread, tiny_llama, api_keys=str(keys))
+    try:
+        with Client(st.gateway, api_key="key-a", timeout=30) as a, Client(st.gateway, api_key="key-b", timeout=30) as b:
+            sid = a.complete(prompt(8), max_new_tokens=5)[2].session_id
+            for call in (lambda: b.get_session(sid), lambda: b.close_session(sid),
+                         lambda: b.complete([5, 6], session_id=sid, max_new_tokens=2)):
+                with pytest.raises(grpc.RpcError) as e:
+                    call()
+                assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            assert [s.session_id for s in a.list_sessions()] == [sid]
+            assert b.list_sessions() == []
+            assert a.get_session(sid).turns == 1
+        for key in (None, "wrong"):
+            with Client(st.gateway, api_key=key, timeout=30) as anon, pytest.raises(grpc.RpcError) as e:
+                anon.complete([5], max_new_tokens=2)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        tenants = {s.tenant for s in st.drafter_sessions(0)} | {s.tenant for s in st.verifier_sessions()}
+        assert tenants == {"acme"}
+    finally:
+        st.stop()
+
+
+def test_concurrent_sessions_all_lossless(stack, tiny_llama):
+    results = {}
+
+    def one(i):
+        with Client(stack.gateway, timeout=120) as c:
+            results[i] = c.complete(prompt(200 + i), max_new_tokens=24, budget=8)[0]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {i: results.get(i) for i in range(6)} == {i: hf_greedy(tiny_llama, prompt(200 + i), 24) for i in range(6)}
