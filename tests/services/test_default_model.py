@@ -1,0 +1,72 @@
+"""The bundled model through the services: chat turns from text, and the README's main command."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from racer.client import Client
+from racer.text import DEFAULT_SYSTEM, chat_ids, continue_ids
+
+from ..engine.helpers import hf_greedy
+from .conftest import free_port, start_stack
+
+pytestmark = pytest.mark.slow
+
+
+def test_chat_turns_from_text_equal_greedy_on_the_whole_conversation(loop_thread, default_model):
+    tok = default_model.tokenizer
+    eos = default_model.eos_token_ids
+    st = start_stack(loop_thread, default_model.model, tokenizer=tok, eos_ids=eos)
+    try:
+        turns = ["Name three primary colors.", "Which of them is warmest?"]
+        history: list[int] = []
+        sid = ""
+        with Client(st.gateway, timeout=300) as c:
+            for i, text in enumerate(turns):
+                ids, streamed, last = c.complete(text, session_id=sid, max_new_tokens=24, system=DEFAULT_SYSTEM, budget=16)
+                expect_in = chat_ids(tok, text, DEFAULT_SYSTEM) if i == 0 else continue_ids(tok, history, [{"role": "user", "content": text}], eos)
+                history += expect_in
+                assert ids == hf_greedy(default_model.model, history, 24, eos), f"turn {i}"
+                assert streamed == tok.decode(ids, skip_special_tokens=True)
+                history += ids
+                sid = last.session_id
+        # the token-level continuation is what the chat template renders for the whole conversation
+        answers = tok.decode(history[len(chat_ids(tok, turns[0], DEFAULT_SYSTEM)):], skip_special_tokens=False)
+        assert "<|im_start|>user\nWhich of them is warmest?<|im_end|>" in answers
+    finally:
+        st.stop()
+
+
+def _three_free_ports() -> int:
+    for _ in range(50):
+        base = free_port()
+        if base + 2 < 65536 and all(_free(base + i) for i in (1, 2)):
+            return base
+    raise RuntimeError("no three consecutive free ports")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_stack_command_streams_an_answer_and_stops_cleanly():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "racer.cli", "stack", "Name three primary colors.", "--max-new-tokens", "16",
+         "--port-base", str(_three_free_ports()), "--metrics-base", str(_three_free_ports())],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip(), "no answer streamed"
+    assert "tokens=16" in proc.stderr and "MAT=" in proc.stderr
+    assert "did not stop" not in proc.stderr
