@@ -103,12 +103,15 @@ class DrafterService(pb_grpc.DrafterServicer):
                     M.DRAFT_MS.observe((time.perf_counter() - t0) * 1e3)
                 elif kind == "end_turn":
                     _check(entry is not None, grpc.StatusCode.FAILED_PRECONDITION, "end_turn: open the session first")
-                    self._save_later(entry)
+                    entry.rounds_since_save = self.snapshot_every  # saved right after the response
                     resp = pb.DraftResponse(tokens=len(entry.session.history))
                 else:
                     raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "request: set one of open, step, end_turn")
                 resp.elapsed_ms = (time.perf_counter() - t0) * 1e3
                 yield resp
+                # Off the round's critical path: the response is on its way before the snapshot is encoded.
+                if entry is not None and entry.rounds_since_save >= self.snapshot_every:
+                    self._save_later(entry)
         except _Abort as e:
             await context.abort(e.code, e.message)
         finally:
@@ -185,8 +188,6 @@ class DrafterService(pb_grpc.DrafterServicer):
         entry.tree = list(tree.tokens)
         entry.parents = list(tree.parents)
         entry.last_used = time.monotonic()
-        if entry.rounds_since_save >= self.snapshot_every:
-            self._save_later(entry)
         return pb.DraftTree(tokens=tree.tokens, parents=tree.parents, retrieval_nodes=tree.n_retrieval)
 
     # -- snapshots ----------------------------------------------------------------------------

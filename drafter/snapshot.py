@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 from collections import OrderedDict
+from itertools import chain
 
 import numpy as np
 
@@ -27,21 +28,18 @@ def _i64(xs) -> np.ndarray:
     return np.asarray(xs, dtype=np.int64).reshape(-1)
 
 
-def _csr(groups) -> tuple[np.ndarray, np.ndarray]:
-    ptr = [0]
-    flat: list[int] = []
-    for g in groups:
-        flat.extend(g)
-        ptr.append(len(flat))
-    return _i64(ptr), _i64(flat)
+def _csr(groups: list) -> tuple[np.ndarray, np.ndarray]:
+    ptr = np.zeros(len(groups) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, groups), dtype=np.int64, count=len(groups)), out=ptr[1:])
+    return ptr, np.fromiter(chain.from_iterable(groups), dtype=np.int64, count=int(ptr[-1]))
 
 
 def dumps(session: DraftSession) -> bytes:
     a = session.automaton
     cfg = session.config
-    child_ptr, child_ids = _csr(list(ch.values()) for ch in a.children)
+    child_ptr, child_ids = _csr([ch.values() for ch in a.children])
     bucket_starts = list(a._buckets.keys())
-    bucket_ptr, bucket_nodes = _csr(list(m.keys()) for m in a._buckets.values())
+    bucket_ptr, bucket_nodes = _csr([m.keys() for m in a._buckets.values()])
     rows = session.table.rows
     width = cfg.topk
     table = np.full((len(rows), width), -1, dtype=np.int64)

@@ -76,10 +76,8 @@ def record_key(tenant: str, session_id: str) -> str:
 
 
 def load_api_keys(path: str) -> dict[str, str]:
-    """A file of ``key tenant`` lines (``#`` comments); empty path: no keys (local use)."""
+    """A file of ``key tenant`` lines (``#`` comments). A file without keys lets nobody in."""
     keys: dict[str, str] = {}
-    if not path:
-        return keys
     with open(path) as f:
         for n, line in enumerate(f, 1):
             line = line.split("#", 1)[0].strip()
@@ -152,7 +150,7 @@ class GatewayService(pb_grpc.GenerationServicer):
         self.drafters = drafters
         self.verifiers = verifiers
         self.store = store
-        self.api_keys = api_keys or {}
+        self.api_keys = api_keys  # None: no auth; a dict (possibly empty: nobody gets in) otherwise
         self.limits = limits
         self.ttl = ttl
         self.vocab_size = vocab_size or (len(tokenizer) if tokenizer is not None else None)
@@ -161,7 +159,7 @@ class GatewayService(pb_grpc.GenerationServicer):
 
     # -- auth ---------------------------------------------------------------------------------
     def tenant(self, context) -> str:
-        if not self.api_keys:
+        if self.api_keys is None:  # auth explicitly off (local use)
             return LOCAL_TENANT
         md = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
         key = md.get("x-api-key", "")

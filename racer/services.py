@@ -113,7 +113,7 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
     await verifiers.refresh(force=True)
     store = open_store(args.session_url)
     limits = Limits(args.max_prompt_tokens, args.max_new_tokens, args.max_budget)
-    svc = GatewayService(tokenizer, eos_ids or (), drafters, verifiers, store, load_api_keys(args.api_keys), limits,
+    svc = GatewayService(tokenizer, eos_ids or (), drafters, verifiers, store, load_api_keys(args.api_keys) if args.api_keys else None, limits,
                          args.session_ttl, vocab_size)
 
     async def drain():

@@ -68,7 +68,7 @@ SERVICE = {
         Setting("--verifiers", "RACER_VERIFIERS", "localhost:50062", "verifier endpoints: host:port,... or dns:///name:port"),
         Setting("--session-url", "RACER_SESSION_URL", "memory://", "session store: memory:// or redis://host:port/db"),
         Setting("--session-ttl", "RACER_SESSION_TTL", 1800.0, "seconds an idle session record is kept", float),
-        Setting("--api-keys", "RACER_API_KEYS", "", "file of 'key tenant' lines; empty: no auth (local use only)"),
+        Setting("--api-keys", "RACER_API_KEYS", "", "file of 'key tenant' lines (a file without keys refuses every call); unset: no auth, local use only"),
         Setting("--resolve-every", "RACER_RESOLVE_EVERY", 10.0, "seconds between DNS re-resolutions of endpoints", float),
         Setting("--max-prompt-tokens", "RACER_MAX_PROMPT_TOKENS", 8192, "longest session history accepted", int),
         Setting("--max-new-tokens", "RACER_MAX_NEW_TOKENS", 2048, "largest max_new_tokens accepted", int),

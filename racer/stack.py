@@ -8,6 +8,7 @@ Ctrl-C.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -21,19 +22,18 @@ def _spawn(service: str, env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "racer.cli", "serve", service], env=env, start_new_session=True)
 
 
-def run(args) -> int:
+@contextlib.contextmanager
+def running(model: str = "default", port_base: int = 0, metrics_base: int = 9100, log_level: str = "WARNING"):
+    """Starts the three services, waits for their health, yields the gateway target, stops them."""
     from verifier.model import resolve_model_dir
 
-    from .client import Client, format_stats
     from .serving import wait_healthy
 
-    resolve_model_dir(args.model)  # convert the default model once, before two services want it
-    base = dict(os.environ, RACER_MODEL=args.model, RACER_HOST="127.0.0.1", RACER_LOG_LEVEL=args.log_level)
-    ports = {s: (args.port_base + i, args.metrics_base + i) if args.port_base else PORTS[s]
+    resolve_model_dir(model)  # convert the default model once, before two services want it
+    base = dict(os.environ, RACER_MODEL=model, RACER_HOST="127.0.0.1", RACER_LOG_LEVEL=log_level)
+    ports = {s: (port_base + i, metrics_base + i) if port_base else (PORTS[s][0], metrics_base + i)
              for i, s in enumerate(("gateway", "drafter", "verifier"))}
-    envs = {
-        s: dict(base, RACER_PORT=str(p), RACER_METRICS_PORT=str(m)) for s, (p, m) in ports.items()
-    }
+    envs = {s: dict(base, RACER_PORT=str(p), RACER_METRICS_PORT=str(m)) for s, (p, m) in ports.items()}
     envs["gateway"].update(RACER_DRAFTERS=f"127.0.0.1:{ports['drafter'][0]}", RACER_VERIFIERS=f"127.0.0.1:{ports['verifier'][0]}")
     procs: dict[str, subprocess.Popen] = {}
     try:
@@ -45,6 +45,23 @@ def run(args) -> int:
         gateway = f"127.0.0.1:{ports['gateway'][0]}"
         print(f"stack up in {time.monotonic() - t0:.1f} s: gateway {gateway}, metrics on "
               + ", ".join(f"{s} :{m}" for s, (_, m) in ports.items()), file=sys.stderr)
+        yield gateway
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for s, p in procs.items():
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                print(f"{s} did not stop in 30 s; killing it", file=sys.stderr)
+                p.kill()
+
+
+def run(args) -> int:
+    from .client import Client, format_stats
+
+    with running(args.model, args.port_base, args.metrics_base, args.log_level) as gateway:
         if args.prompt:
             with Client(gateway) as c:
                 last = None
@@ -58,17 +75,7 @@ def run(args) -> int:
         if args.keep:
             print("stack running; Ctrl-C stops it", file=sys.stderr)
             signal.sigwait({signal.SIGINT, signal.SIGTERM})
-        return 0
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for s, p in procs.items():
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                print(f"{s} did not stop in 30 s; killing it", file=sys.stderr)
-                p.kill()
+    return 0
 
 
 async def _wait(wait_healthy, target: str, service: str, proc: subprocess.Popen) -> None:

@@ -218,3 +218,16 @@ def test_concurrent_sessions_all_lossless(stack, tiny_llama):
     for t in threads:
         t.join()
     assert {i: results.get(i) for i in range(6)} == {i: hf_greedy(tiny_llama, prompt(200 + i), 24) for i in range(6)}
+
+
+def test_a_key_file_without_keys_lets_nobody_in(loop_thread, tiny_llama, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# no keys yet\n")
+    st = start_stack(loop_thread, tiny_llama, api_keys=str(keys))
+    try:
+        for key in (None, "anything"):
+            with Client(st.gateway, api_key=key, timeout=30) as c, pytest.raises(grpc.RpcError) as e:
+                c.complete([5], max_new_tokens=2)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        st.stop()

@@ -1,0 +1,126 @@
+"""Benchmarks of the distributed pipeline (scripts that print tables, not tests).
+
+``racer bench-stack``: the same prompts in this process (the engine) and through the gateway of a
+local stack (three processes), interleaved prompt by prompt; tokens/s side by side, outputs
+compared, and the per-round orchestration overhead (round wall time minus the drafter's and the
+verifier's own time).
+
+``racer bench-snapshot``: size and save/restore time of a full drafter session's snapshot, in
+memory and through a store (Redis when given a URL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import sys
+import time
+
+from .bench import _pct
+
+
+def bench_stack(args) -> int:
+    from tqdm import tqdm
+
+    from gateway.loop import Stats
+
+    from . import stack
+    from .bench import run_engine
+    from .client import Client
+    from .engine import Engine
+    from .prompts import DEFAULT_PROMPTS, load_spec_bench
+    from .text import chat_ids
+
+    prompts = load_spec_bench(args.prompts or DEFAULT_PROMPTS, args.per_category)
+    engine = Engine.load(args.model)
+    rows = []
+    with stack.running(args.model, args.port_base, args.metrics_base) as gateway, Client(gateway, timeout=600) as c:
+        warm = chat_ids(engine.tokenizer, "Hello", args.system)
+        run_engine(engine, warm, args.mode, args.budget, 4)
+        c.complete(warm, max_new_tokens=4, mode=args.mode, budget=args.budget)
+        for p in tqdm(prompts, file=sys.stderr, unit="prompt"):
+            ids = chat_ids(engine.tokenizer, p.text, args.system)
+            order = ("local", "stack") if len(rows) % 2 == 0 else ("stack", "local")
+            got = {}
+            for where in order:
+                if where == "local":
+                    out, secs, st, _ = run_engine(engine, ids, args.mode, args.budget, args.max_new_tokens)
+                    got[where] = (out, secs, st.rounds, None)
+                else:
+                    t0 = time.perf_counter()
+                    out, _, last = c.complete(ids, max_new_tokens=args.max_new_tokens, mode=args.mode, budget=args.budget)
+                    secs = time.perf_counter() - t0
+                    s = last.stats
+                    overhead = (s.total_ms - s.prefill_ms - s.draft_ms - s.verify_ms) / max(1, s.rounds)
+                    got[where] = (out, secs, s.rounds, overhead)
+                    c.close_session(last.session_id)
+            (lo, ls, lr, _), (so, ss, sr, oh) = got["local"], got["stack"]
+            rows.append(dict(category=p.category, tokens=len(so), local_tps=len(lo) / ls, stack_tps=len(so) / ss,
+                             ratio=(len(so) / ss) / (len(lo) / ls), overhead_ms=oh, rounds=sr, same=lo == so))
+    del Stats
+    print(f"mode={args.mode} C={args.budget} prompts={len(rows)} max_new_tokens={args.max_new_tokens}")
+    print("| prompt | category | tokens | rounds | in-process tok/s | gateway tok/s | ratio | overhead/round ms | identical |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for i, r in enumerate(rows):
+        print(f"| {i} | {r['category']} | {r['tokens']} | {r['rounds']} | {r['local_tps']:.2f} | {r['stack_tps']:.2f} | "
+              f"{r['ratio']:.3f} | {r['overhead_ms']:.2f} | {'yes' if r['same'] else 'NO'} |")
+    print(f"| median | | | | {statistics.median(r['local_tps'] for r in rows):.2f} | "
+          f"{statistics.median(r['stack_tps'] for r in rows):.2f} | {statistics.median(r['ratio'] for r in rows):.3f} | "
+          f"{statistics.median(r['overhead_ms'] for r in rows):.2f} | {sum(r['same'] for r in rows)}/{len(rows)} |")
+    return 0 if all(r["same"] for r in rows) else 1
+
+
+def bench_snapshot(args) -> int:
+    from drafter.service import load_prior
+    from drafter.session import DrafterConfig, DraftSession
+    from drafter.snapshot import dumps, loads
+
+    from .store import open_store
+
+    cfg = DrafterConfig()
+    prior = load_prior("default", cfg.topk)
+    rng = random.Random(0)
+    # A session that fills the automaton: text-like token stream (Zipf-ish over 8k ids), 8 top-k per token.
+    vocab = 8000
+    weights = [1 / (i + 1) for i in range(vocab)]
+    s = DraftSession(cfg, prior)
+    while len(s.automaton.parent) - len(s.automaton._free) < cfg.max_nodes or len(s.history) < args.tokens:
+        toks = rng.choices(range(vocab), weights, k=256)
+        s.extend(toks, [rng.choices(range(vocab), weights, k=cfg.topk) for _ in toks])
+    nodes = len(s.automaton.parent) - len(s.automaton._free)
+    enc, dec = [], []
+    data = b""
+    for _ in range(args.repeat):
+        t0 = time.perf_counter()
+        data = dumps(s)
+        enc.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        loads(data, cfg, prior)
+        dec.append((time.perf_counter() - t0) * 1e3)
+    store = open_store(args.store)
+    put, get = [], []
+
+    async def io():
+        for i in range(args.repeat):
+            t0 = time.perf_counter()
+            await store.set(f"racer:bench:snapshot:{i}", data, 60)
+            put.append((time.perf_counter() - t0) * 1e3)
+            t0 = time.perf_counter()
+            got = await store.get(f"racer:bench:snapshot:{i}")
+            get.append((time.perf_counter() - t0) * 1e3)
+            assert got == data
+            await store.delete(f"racer:bench:snapshot:{i}")
+        await store.close()
+
+    asyncio.run(io())
+    print(f"session: {nodes} automaton nodes, {len(s.history)} tokens, {len(s.table)} copy-logit rows; "
+          f"store {args.store}; {args.repeat} repeats")
+    print("| step | p50 ms | p99 ms |")
+    print("|---|---|---|")
+    for name, xs in (("encode (dumps)", enc), ("store write", put), ("store read", get), ("decode (loads)", dec),
+                     ("save = encode + write", [a + b for a, b in zip(enc, put)]),
+                     ("restore = read + decode", [a + b for a, b in zip(get, dec)])):
+        print(f"| {name} | {_pct(xs, 0.5):.1f} | {_pct(xs, 0.99):.1f} |")
+    print(f"snapshot size: {len(data) / 1024:.0f} KiB")
+    return 0
