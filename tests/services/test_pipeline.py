@@ -231,3 +231,59 @@ def test_a_key_file_without_keys_lets_nobody_in(loop_thread, tiny_llama, tmp_pat
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         st.stop()
+
+
+def test_evicted_kv_cache_is_re_prefilled_and_output_unchanged(loop_thread, tiny_llama):
+    st = start_stack(loop_thread, tiny_llama)
+    try:
+        st.verifiers[0][1].max_sessions = 2
+        with Client(st.gateway, timeout=60) as c:
+            first = c.complete(prompt(20), max_new_tokens=10)
+            sid = first[2].session_id
+            for i in range(2):  # two more sessions push the first one's cache out
+                c.complete(prompt(21 + i), max_new_tokens=10)
+            assert sid not in {s.session_id for s in st.verifier_sessions()}
+            before = REGISTRY.get_sample_value("racer_verifier_reused_tokens_total") or 0
+            p2 = prompt(30, n=4)
+            ids, _, last = c.complete(p2, session_id=sid, max_new_tokens=20)
+        assert ids == hf_greedy(tiny_llama, prompt(20) + first[0] + p2, 20)
+        assert REGISTRY.get_sample_value("racer_verifier_reused_tokens_total") == before  # a full re-prefill
+        assert len(st.verifier_sessions()) == 2
+    finally:
+        st.stop()
+
+
+def test_idle_sessions_expire_in_drafter_and_verifier(loop_thread, tiny_llama):
+    st = start_stack(loop_thread, tiny_llama)
+    try:
+        with Client(st.gateway, timeout=60) as c:
+            c.complete(prompt(40), max_new_tokens=5)
+        (_, drafter), (_, verifier) = st.drafters[0], st.verifiers[0]
+        assert len(drafter.sessions) == 1 and len(verifier.sessions) == 1
+        assert loop_thread.run(drafter.expire()) == 0 and loop_thread.run(verifier.expire()) == 0  # not idle yet
+        drafter.ttl = verifier.ttl = 0.0
+        assert loop_thread.run(drafter.expire()) == 1 and loop_thread.run(verifier.expire()) == 1
+        assert not drafter.sessions and not verifier.sessions
+    finally:
+        st.stop()
+
+
+def test_speculation_metrics_count_what_the_stream_reports(stack):
+    def value(name, **labels):
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    before = (value("racer_spec_decode_num_drafts_total", mode="racer"),
+              value("racer_spec_decode_num_draft_tokens_total", mode="racer"),
+              value("racer_spec_decode_num_accepted_tokens_total", mode="racer"),
+              value("racer_spec_decode_num_accepted_tokens_per_pos_total", position="1"))
+    with Client(stack.gateway, timeout=60) as c:
+        _, _, last = c.complete(prompt(50), max_new_tokens=N, budget=16)
+    after = (value("racer_spec_decode_num_drafts_total", mode="racer"),
+             value("racer_spec_decode_num_draft_tokens_total", mode="racer"),
+             value("racer_spec_decode_num_accepted_tokens_total", mode="racer"),
+             value("racer_spec_decode_num_accepted_tokens_per_pos_total", position="1"))
+    s = last.stats
+    assert after[0] - before[0] == s.rounds
+    assert after[1] - before[1] == s.drafted
+    assert after[2] - before[2] == s.accepted
+    assert 0 < after[3] - before[3] <= s.rounds  # rounds that accepted at least one draft token
