@@ -118,9 +118,7 @@ class FastLlamaBackend:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, V]."""
-        if hidden.shape[0] == 1:
-            return F.linear(hidden, self.lm_head_w)
-        return (self.lm_head_w @ hidden.t()).t()
+        return _mm(hidden, self.lm_head_w, None)
 
     def commit(self, keep: list[int] | None, n_new: int) -> None:
         """Keeps the new rows at offsets ``keep`` (ascending; None = all ``n_new``), drops the rest."""
@@ -192,9 +190,15 @@ class HFBackend:
 
 def _mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [n, in] -> [n, out]. For 2+ rows MKL runs ``W @ x.T`` (one tall GEMM) much faster than
-    ``x @ W.T`` on a CPU; a single row stays a GEMV."""
+    ``x @ W.T`` on a CPU. A single row on a CPU is computed as two: MKL's GEMV reads the weights
+    at ~12 GB/s here, its two-column GEMM at ~19 GB/s (a whole SmolLM2-135M forward's
+    projections: 47 ms vs 30 ms at one thread)."""
     if x.shape[0] == 1:
-        return F.linear(x, weight, bias)
+        if not x.is_cpu:
+            return F.linear(x, weight, bias)
+        x = torch.cat((x, x))
+        y = (weight @ x.t())[:, :1].t()
+        return y if bias is None else y + bias
     y = (weight @ x.t()).t()
     return y if bias is None else y + bias
 
