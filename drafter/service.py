@@ -145,6 +145,12 @@ class DrafterService(pb_grpc.DrafterServicer):
             entry.saved_length = len(session.history) if source == "snapshot" else -1
             self.sessions[key] = entry
         M.RESTORES.labels(source).inc()
+        if req.cost.sizes:
+            _check(len(req.cost.sizes) == len(req.cost.ms), grpc.StatusCode.INVALID_ARGUMENT, "open.cost: sizes and ms differ in length")
+            try:
+                entry.session.set_costs(dict(zip(req.cost.sizes, req.cost.ms)), req.overhead_ms)
+            except ValueError as e:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"open.cost: {e}") from None
         entry.streaming = True
         entry.last_used = time.monotonic()
         entry.tree = []
@@ -181,7 +187,9 @@ class DrafterService(pb_grpc.DrafterServicer):
             _check(not st.tree_topk and not st.accepted, grpc.StatusCode.INVALID_ARGUMENT,
                    "step: feedback for a tree this stream never sent")
         _check(st.root >= 0, grpc.StatusCode.INVALID_ARGUMENT, f"step.root: {st.root}")
-        _check(1 <= st.budget <= MAX_BUDGET, grpc.StatusCode.INVALID_ARGUMENT, f"step.budget: {st.budget}, expected 1..{MAX_BUDGET}")
+        _check(0 <= st.budget <= MAX_BUDGET, grpc.StatusCode.INVALID_ARGUMENT, f"step.budget: {st.budget}, expected 0 (adaptive) or 1..{MAX_BUDGET}")
+        _check(st.budget > 0 or s.chooser is not None or (st.mode or "racer") == "off", grpc.StatusCode.FAILED_PRECONDITION,
+               "step.budget: 0 (adaptive) needs a cost curve at open")
         mode = st.mode or "racer"
         _check(mode in MODES, grpc.StatusCode.INVALID_ARGUMENT, f"step.mode: {mode!r}, expected one of {', '.join(MODES)}")
         tree = s.draft(st.root, st.budget, mode)

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .adaptive import BudgetChooser
 from .automaton import Automaton
 from .copy_logits import CopyLogitTable
 from .tree import DraftTree, _Trie, add_logits, add_logits_best_first, add_retrieval
 
 MODES = ("racer", "retrieval", "logits", "last-logit", "pld", "off")
+AUTO = 0  # budget: chosen per round from the verifier's cost curve (``DraftSession.set_costs``)
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,11 @@ class DraftSession:
         self.history: list[int] = []  # committed tokens, for prompt lookup and snapshots' replay
         # n-gram -> end indices of its last two occurrences (the last may have no continuation yet)
         self._ngram_last: dict[tuple[int, ...], tuple[int, int]] = {}
+        self.chooser: BudgetChooser | None = None
+
+    def set_costs(self, cost_ms: dict[int, float], overhead_ms: float = 1.0) -> None:
+        """The verifier's cost curve (ms per forward by tree size): enables ``budget=AUTO``."""
+        self.chooser = BudgetChooser(cost_ms, overhead_ms)
 
     # -- learning ---------------------------------------------------------------------------------
     def extend(self, tokens, topk_rows=None) -> None:
@@ -58,6 +65,8 @@ class DraftSession:
             if tokens:
                 self.last_topk = tuple(topk_rows[-1])
         self._index(tokens)
+        if self.chooser is not None and tokens:
+            self.chooser.observe(self.history)
 
     def _index(self, tokens) -> None:
         """Appends ``tokens`` to the history and its n-gram index (prompt lookup)."""
@@ -98,8 +107,14 @@ class DraftSession:
         """A tree of at most ``budget`` nodes (root included) rooted at ``root``."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
-        if budget < 1:
-            raise ValueError("budget must be >= 1")
+        if budget == AUTO and mode != "off":
+            if self.chooser is None:
+                raise ValueError("budget=0 (adaptive) needs the verifier's cost curve (set_costs)")
+            full = self.draft(root, self.chooser.largest, mode)
+            self.chooser.drafted(len(self.history), full)
+            return full.prefix(self.chooser.choose())
+        if budget < 1 and not (budget == AUTO and mode == "off"):
+            raise ValueError("budget must be >= 1 (or 0: adaptive)")
         cfg = self.config
         trie = _Trie(root, budget)
         if mode == "off" or budget == 1:

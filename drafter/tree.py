@@ -18,9 +18,25 @@ class DraftTree:
     tokens: tuple[int, ...]
     parents: tuple[int, ...]
     n_retrieval: int = 0  # nodes (root excluded) that came from the automaton
+    # Insertion order of each node (0 = root): retrieval best-first, then the logits tree. The
+    # nodes ranked below C form the tree this drafter builds with budget C (see ``prefix``).
+    ranks: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def prefix(self, budget: int) -> "DraftTree":
+        """The sub-tree of the ``budget`` first-inserted nodes (a parent is inserted before its children)."""
+        if budget >= len(self.tokens):
+            return self
+        keep = [i for i, r in enumerate(self.ranks) if r < budget]
+        new_of = {old: new for new, old in enumerate(keep)}
+        return DraftTree(
+            tuple(self.tokens[i] for i in keep),
+            tuple(-1 if self.parents[i] < 0 else new_of[self.parents[i]] for i in keep),
+            min(self.n_retrieval, budget - 1),
+            tuple(self.ranks[i] for i in keep),
+        )
 
 
 class _Trie:
@@ -57,12 +73,13 @@ class _Trie:
     def flatten(self, n_retrieval: int) -> DraftTree:
         order = sorted(range(len(self.tokens)), key=self.depth.__getitem__)  # stable: BFS
         if order == list(range(len(order))):
-            return DraftTree(tuple(self.tokens), tuple(self.parents), n_retrieval)
+            return DraftTree(tuple(self.tokens), tuple(self.parents), n_retrieval, tuple(order))
         new_of = {old: new for new, old in enumerate(order)}
         return DraftTree(
             tuple(self.tokens[i] for i in order),
             tuple(-1 if self.parents[i] < 0 else new_of[self.parents[i]] for i in order),
             n_retrieval,
+            tuple(order),
         )
 
 

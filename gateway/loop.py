@@ -30,13 +30,13 @@ class GenerationParams:
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     mode: str = "racer"
-    budget: int = 64
+    budget: int = 64  # tree nodes per round, root included; 0: adaptive (drafter.adaptive)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
-        if self.budget < 1:
-            raise ValueError(f"budget={self.budget}: must be >= 1")
+        if self.budget < 0:
+            raise ValueError(f"budget={self.budget}: must be >= 1, or 0 for the cost-aware adaptive budget")
 
 
 @dataclass

@@ -36,7 +36,8 @@ from .routing import Endpoints
 log = logging.getLogger("racer.gateway")
 
 DEFAULT_MAX_NEW_TOKENS = 256
-DEFAULT_BUDGET = 64
+DEFAULT_BUDGET = 16  # when the request asks for the adaptive budget but the verifier has no cost curve
+ROUND_OVERHEAD_MS = 1.5  # per round outside the verifier's forward: drafter, two RPCs, this loop
 LOCAL_TENANT = "local"
 # Errors that say the request is wrong: failing over would not help.
 _CALLER_ERRORS = {
@@ -208,9 +209,9 @@ class GatewayService(pb_grpc.GenerationServicer):
         mode = r.speculation.mode or "racer"
         if mode not in MODES:
             raise _Fail(grpc.StatusCode.INVALID_ARGUMENT, f"speculation.mode: {mode!r}, expected one of {', '.join(MODES)}")
-        budget = r.speculation.budget or DEFAULT_BUDGET
-        if not 1 <= budget <= lim.max_budget:
-            raise _Fail(grpc.StatusCode.INVALID_ARGUMENT, f"speculation.budget: {r.speculation.budget}, expected 1..{lim.max_budget}")
+        budget = r.speculation.budget  # 0: adaptive
+        if not 0 <= budget <= lim.max_budget:
+            raise _Fail(grpc.StatusCode.INVALID_ARGUMENT, f"speculation.budget: {r.speculation.budget}, expected 0 (adaptive) or 1..{lim.max_budget}")
         try:
             SamplingParams(r.temperature, r.top_p or 1.0, r.top_k, r.seed if r.HasField("seed") else None)
         except ValueError as e:
@@ -351,6 +352,7 @@ class _Turn:
         self.prefill_ms = 0.0
         self.drafter: _Link | None = None
         self.verifier: _Link | None = None
+        self.cost = None  # the verifier's cost curve (adaptive budget)
         self.failed: dict[str, set[str]] = {"drafter": set(), "verifier": set()}
 
     # -- links --------------------------------------------------------------------------------
@@ -376,11 +378,14 @@ class _Turn:
                 continue
             self.verifier = link
             self.record.verifier = ep
+            if resp.cost.sizes:
+                self.cost = resp.cost
             gw._verifier_load[ep] = gw._verifier_load.get(ep, 0) + 1
             self.prefill_ms += resp.elapsed_ms
             return resp
 
     async def _open_drafter(self, ctx: list[int], topk: list[int], width: int) -> None:
+        adaptive = self.budget == 0 and self.cost is not None and len(self.cost.sizes) > 0
         gw = self.gw
         while True:
             await gw.drafters.refresh()
@@ -392,7 +397,8 @@ class _Turn:
             try:
                 resp = await link.ask(dpb.DraftRequest(open=dpb.DrafterOpen(
                     session_id=self.record.session_id, tenant=self.record.tenant, history=ctx,
-                    history_topk=topk, topk=width)))
+                    history_topk=topk, topk=width, cost=self.cost if adaptive else None,
+                    overhead_ms=ROUND_OVERHEAD_MS)))
             except (_Lost, _Fail) as e:
                 await link.close(cancel=True)
                 if isinstance(e, _Fail):
@@ -401,6 +407,8 @@ class _Turn:
                 continue
             self.drafter = link
             self.draft_ms += resp.elapsed_ms
+            if self.budget == 0 and not adaptive:
+                self.budget = DEFAULT_BUDGET
             log.debug("drafter open", extra={"session_id": self.record.session_id, "drafter": ep, "restored_from": resp.restored_from})
             return
 

@@ -83,6 +83,9 @@ def run(
     runs = [(m, 0) for m in modes if m in HF_MODES] + [(m, b) for m in modes if m not in HF_MODES for b in budgets]
     if not any(m == "greedy" for m, _ in runs):
         raise ValueError("--modes must include greedy: it is the baseline and the lossless reference")
+    if 0 in budgets and engine._costs is None:
+        costs = engine.measure_costs()
+        print("verifier cost curve (ms by tree size): " + ", ".join(f"{n}: {c:.1f}" for n, c in costs.items()), file=sys.stderr)
     records: list[Record] = []
     bar = tqdm(total=len(prompts) * len(runs), disable=not progress, file=sys.stderr, unit="run")
     # Warm-up: the first forward of a process pays for allocation and kernel selection.
@@ -93,7 +96,7 @@ def run(
         ids = chat_ids(engine.tokenizer, p.text, system)
         reference = None
         for mode, budget in runs:
-            bar.set_description(f"{p.category[:12]} {mode}{'@' + str(budget) if budget else ''}")
+            bar.set_description(f"{p.category[:12]} {mode}{'' if mode in HF_MODES else '@' + budget_name(budget)}")
             if mode in HF_MODES:
                 out, secs = run_hf(engine, ids, max_new_tokens, lookup=10 if mode == "hf-pld" else 0)
                 rec = Record(mode, 0, p.question_id, p.category, ids, out, len(out), len(out), secs, mat=1.0)
@@ -111,6 +114,10 @@ def run(
             rec.lossless = rec.output_ids == reference
     bar.close()
     return records
+
+
+def budget_name(budget: int) -> str:
+    return "auto" if budget == 0 else str(budget)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -172,7 +179,7 @@ def format_table(rows: list[dict]) -> str:
     lines = []
     for r in rows:
         lines.append((
-            r["category"], r["mode"], str(r["budget"] or "-"), str(r["prompts"]), str(r["new_tokens"]),
+            r["category"], r["mode"], "-" if r["mode"] in HF_MODES else budget_name(r["budget"]), str(r["prompts"]), str(r["new_tokens"]),
             str(r["rounds"]), f"{r['mat']:.2f}", f"{r['tok_s']:.1f}", f"{r['speedup']:.2f}",
             f"{r['speedup_off']:.2f}", r["lossless"], _fmt(r["step_p50_ms"], 3), _fmt(r["step_p99_ms"], 3),
             _fmt(r["drafter_kib"], 0),

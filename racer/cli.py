@@ -20,6 +20,10 @@ def _csv(kind):
     return parse
 
 
+def _budget(s: str) -> int:
+    return 0 if s == "auto" else int(s)
+
+
 def cmd_generate(args) -> int:
     from gateway.loop import Stats
     from verifier.sampling import SamplingParams
@@ -28,6 +32,8 @@ def cmd_generate(args) -> int:
     from .text import Detokenizer, chat_ids
 
     engine = Engine.load(args.model, backend=args.backend, prior=args.prior, logits_tree=args.logits_tree)
+    if args.budget == 0:
+        engine.measure_costs()
     ids = chat_ids(engine.tokenizer, args.prompt, args.system or None)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     params = engine.default_params(max_new_tokens=args.max_new_tokens, mode=args.mode, budget=args.budget)
@@ -179,7 +185,7 @@ def main(argv=None) -> int:
     common(g)
     g.add_argument("prompt", nargs="?", default="Explain speculative decoding in three sentences.")
     g.add_argument("--mode", default="racer", choices=MODES)
-    g.add_argument("--budget", type=int, default=16, help="draft tree nodes per round (C)")
+    g.add_argument("--budget", type=_budget, default=16, help="draft tree nodes per round (C); 'auto': cost-aware adaptive")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -192,7 +198,7 @@ def main(argv=None) -> int:
     b.add_argument("--per-category", type=int, default=0, help="first N prompts of each category")
     b.add_argument("--humaneval", type=int, default=0, help="first N HumanEval prompts")
     b.add_argument("--modes", type=_csv(str), default=["greedy", "hf-pld", "off", "racer", "retrieval", "logits", "last-logit", "pld"])
-    b.add_argument("--budget", type=_csv(int), default=[16])
+    b.add_argument("--budget", type=_csv(_budget), default=[16], help="comma-separated tree sizes; 'auto': cost-aware adaptive")
     b.add_argument("--json", default=None, help="write one record per prompt x mode x budget")
     b.add_argument("--plot", default=None, help="write a PNG chart")
     b.set_defaults(func=cmd_bench)

@@ -62,7 +62,13 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
         model = (await asyncio.to_thread(load, args.model, "float32", args.threads or None)).model
         if args.device not in ("auto", "cpu") or (args.device == "auto" and _cuda()):
             model = model.to("cuda" if args.device == "auto" else args.device)
-    svc = VerifierService(model, args.topk, args.backend, args.max_sessions, args.max_cache_tokens, args.session_ttl)
+    cost = None
+    if args.measure_cost:
+        from verifier.engine import measure_cost
+
+        cost = await asyncio.to_thread(measure_cost, model, backend=args.backend, topk=args.topk)
+        log.info("cost curve", extra={"ms_by_size": {n: round(c, 2) for n, c in cost.items()}})
+    svc = VerifierService(model, args.topk, args.backend, args.max_sessions, args.max_cache_tokens, args.session_ttl, cost)
     tasks = []
 
     async def janitor():

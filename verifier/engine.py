@@ -93,3 +93,32 @@ class VerifierSession:
             path, bonus = accept(tokens, parents, lambda i: self._sampler(logits[i].cpu()))
         self.backend.commit(path, len(tokens))
         return VerifyResult(path, bonus, topk)
+
+
+COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def measure_cost(model, sizes=COST_SIZES, context: int = 256, reps: int = 3, backend: str = "auto",
+                 topk: int = 8) -> dict[int, float]:
+    """Median milliseconds of one verification (forward, logits, top-k, acceptance) by tree size,
+    over a ``context``-token cache: the curve the adaptive budget weighs acceptance against."""
+    import random
+    import statistics
+    import time
+
+    rng = random.Random(0)
+    vocab = model.config.vocab_size
+    session = VerifierSession(model, topk, backend)
+    session.prefill([rng.randrange(vocab) for _ in range(context)])
+    out: dict[int, float] = {}
+    for n in sizes:
+        tokens = [rng.randrange(vocab) for _ in range(n)]
+        parents = [-1, *range(n - 1)]
+        times = []
+        for _ in range(reps + 1):  # the first run of a size pays for kernel selection
+            t0 = time.perf_counter()
+            session.verify(tokens, parents)
+            times.append((time.perf_counter() - t0) * 1e3)
+            session.truncate(context)
+        out[n] = statistics.median(times[1:])
+    return out

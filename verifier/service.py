@@ -18,6 +18,7 @@ import grpc
 import torch
 
 from racer import metrics as M
+from racer.v1 import common_pb2 as cpb
 from racer.v1 import verifier_pb2 as pb
 from racer.v1 import verifier_pb2_grpc as pb_grpc
 
@@ -46,7 +47,7 @@ class _Abort(Exception):
 
 class VerifierService(pb_grpc.VerifierServicer):
     def __init__(self, model, topk: int = 8, backend: str = "auto", max_sessions: int = 64,
-                 max_cache_tokens: int = 262_144, ttl: float = 1800.0):
+                 max_cache_tokens: int = 262_144, ttl: float = 1800.0, cost: dict[int, float] | None = None):
         self.model = model
         self.topk = topk
         self.backend = backend
@@ -55,6 +56,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.max_cache_tokens = max_cache_tokens
         self.ttl = ttl
         self.sessions: dict[tuple[str, str], Entry] = {}
+        # ms per verification by tree size: measured at start-up, kept current by every verification
+        self.cost: dict[int, float] = dict(cost or {})
         # OpenMP thread settings are per thread: the worker takes the creating thread's count.
         threads = torch.get_num_threads()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="verifier-model", initializer=torch.set_num_threads,
@@ -160,21 +163,30 @@ class VerifierService(pb_grpc.VerifierServicer):
         return pb.VerifyResponse(
             next_token=res.next_token, topk=[t for row in res.topk for t in row], topk_width=self.topk,
             reused_tokens=reuse, cache_tokens=len(entry.tokens), elapsed_ms=elapsed,
+            cost=cpb.CostCurve(sizes=list(self.cost), ms=list(self.cost.values())),
         )
 
     async def _verify(self, entry: Entry, tree: pb.VerifyTree) -> pb.VerifyResponse:
         tokens, parents = list(tree.tokens), list(tree.parents)
         if len(tokens) > MAX_TREE:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"tree.tokens: {len(tokens)} nodes, at most {MAX_TREE}")
+        def work():
+            t = time.perf_counter()
+            out = entry.session.verify(tokens, parents)
+            return out, (time.perf_counter() - t) * 1e3
+
         t0 = time.perf_counter()
         try:
-            res = await self._run(entry.session.verify, tokens, parents)
+            res, forward_ms = await self._run(work)
         except ValueError as e:  # validation happens before the forward: the cache is untouched
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"tree: {e}") from None
         except BaseException:
             self._forget(entry)
             raise
         entry.tokens.extend(tokens[i] for i in res.accepted)
+        n = len(tokens)
+        if n in self.cost:  # an exponential average follows drift (load, thermal, context length)
+            self.cost[n] += 0.05 * (forward_ms - self.cost[n])
         entry.last_used = time.monotonic()
         elapsed = (time.perf_counter() - t0) * 1e3
         M.VERIFY_MS.observe(elapsed)

@@ -1,3 +1,4 @@
+from racer.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -7,18 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DrafterOpen(_message.Message):
-    __slots__ = ("session_id", "tenant", "history", "history_topk", "topk")
+    __slots__ = ("session_id", "tenant", "history", "history_topk", "topk", "cost", "overhead_ms")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     HISTORY_TOPK_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    OVERHEAD_MS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     history: _containers.RepeatedScalarFieldContainer[int]
     history_topk: _containers.RepeatedScalarFieldContainer[int]
     topk: int
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., history: _Optional[_Iterable[int]] = ..., history_topk: _Optional[_Iterable[int]] = ..., topk: _Optional[int] = ...) -> None: ...
+    cost: _common_pb2.CostCurve
+    overhead_ms: float
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., history: _Optional[_Iterable[int]] = ..., history_topk: _Optional[_Iterable[int]] = ..., topk: _Optional[int] = ..., cost: _Optional[_Union[_common_pb2.CostCurve, _Mapping]] = ..., overhead_ms: _Optional[float] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("open", "step", "end_turn")

@@ -1,3 +1,4 @@
+from racer.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -47,7 +48,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[VerifierOpen, _Mapping]] = ..., tree: _Optional[_Union[VerifyTree, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("next_token", "accepted", "topk", "topk_width", "reused_tokens", "cache_tokens", "elapsed_ms")
+    __slots__ = ("next_token", "accepted", "topk", "topk_width", "reused_tokens", "cache_tokens", "elapsed_ms", "cost")
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +56,7 @@ class VerifyResponse(_message.Message):
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
     next_token: int
     accepted: _containers.RepeatedScalarFieldContainer[int]
     topk: _containers.RepeatedScalarFieldContainer[int]
@@ -62,7 +64,8 @@ class VerifyResponse(_message.Message):
     reused_tokens: int
     cache_tokens: int
     elapsed_ms: float
-    def __init__(self, next_token: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., topk: _Optional[_Iterable[int]] = ..., topk_width: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., cache_tokens: _Optional[int] = ..., elapsed_ms: _Optional[float] = ...) -> None: ...
+    cost: _common_pb2.CostCurve
+    def __init__(self, next_token: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., topk: _Optional[_Iterable[int]] = ..., topk_width: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., cache_tokens: _Optional[int] = ..., elapsed_ms: _Optional[float] = ..., cost: _Optional[_Union[_common_pb2.CostCurve, _Mapping]] = ...) -> None: ...
 
 class VerifierDropRequest(_message.Message):
     __slots__ = ("session_id", "tenant")

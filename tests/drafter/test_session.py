@@ -127,10 +127,16 @@ def test_invalid_mode_and_budget_raise(sess, root, mode):
     if mode not in MODES:
         with pytest.raises(ValueError):
             s.draft(root, 8, mode)
-    for bad in (0, -1, -70):
+    for bad in (-1, -70):
         for m in MODES:
             with pytest.raises(ValueError):
                 s.draft(root, bad, m)
+    for m in MODES:  # 0 is the adaptive budget: it needs the verifier's cost curve, except for "off"
+        if m == "off":
+            assert s.draft(root, 0, m).tokens == (root,)
+        else:
+            with pytest.raises(ValueError, match="cost curve"):
+                s.draft(root, 0, m)
 
 
 @given(st.integers(1, 6), st.integers(-3, 0), st.sampled_from(["topk", "min_depth", "pld_ngram"]))

@@ -282,3 +282,35 @@ def test_verifier_holds_prompt_plus_output_but_last_after_a_cut(tiny_llama, refs
     out, _, _ = run(ScriptedDrafter(list(prompt) + ref, vocab, "exact"), verifier, list(prompt), params)
     assert out == ref[: k + 1]
     assert verifier.length == len(prompt) + len(out) - 1
+
+
+# -- the adaptive budget --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_costs(tiny_llama):
+    from verifier.engine import measure_cost
+
+    with single_thread():
+        costs = measure_cost(tiny_llama, sizes=(1, 2, 4, 8, 16, 32), context=32, reps=1)
+    assert all(c > 0 for c in costs.values())
+    return costs
+
+
+@pytest.mark.parametrize("costs", ["measured", "flat", "steep"])
+@pytest.mark.parametrize("mode", ["racer", "retrieval", "logits", "pld", "off"])
+def test_adaptive_budget_is_lossless(tiny_llama, refs, tiny_costs, mode, costs):
+    curve = {"measured": tiny_costs, "flat": {1: 1.0, 8: 1.0, 32: 1.0},  # big trees free: budget 32
+             "steep": {1: 1.0, 2: 5.0, 8: 50.0}}[costs]  # speculation never pays: budget 1
+    sizes = []
+    for prompt, ref in refs.items():
+        drafter = DraftSession()
+        drafter.set_costs(curve)
+        verifier = RecordingVerifier(VerifierSession(tiny_llama, backend="fast"))
+        out, stats, _ = run(drafter, verifier, list(prompt), GenerationParams(max_new_tokens=N, mode=mode, budget=0))
+        assert out == ref[:N], f"prompt {list(prompt)}"
+        sizes += [len(t) for t, _, _ in verifier.rounds]
+    if mode == "off" or costs == "steep":
+        assert set(sizes) == {1}
+    elif costs == "flat" and mode in ("racer", "logits"):
+        assert max(sizes) > 8

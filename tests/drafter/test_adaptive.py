@@ -1,0 +1,101 @@
+"""The adaptive budget: prefixes of the big tree are the smaller trees, and the choice follows
+acceptance and cost."""
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from drafter.adaptive import BudgetChooser
+from drafter.session import AUTO, DrafterConfig, DraftSession
+
+
+def _paths(tree) -> set[tuple[int, ...]]:
+    out = set()
+    for i in range(len(tree.tokens)):
+        path, j = [], i
+        while j >= 0:
+            path.append(tree.tokens[j])
+            j = tree.parents[j]
+        out.add(tuple(reversed(path)))
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), vocab=st.integers(3, 30), mode=st.sampled_from(["racer", "retrieval", "logits", "pld"]))
+def test_the_tree_of_budget_c_is_the_prefix_of_the_big_tree(seed, vocab, mode):
+    rng = random.Random(seed)
+    s = DraftSession(DrafterConfig(window=5, max_nodes=200, topk=4))
+    toks = [rng.randrange(vocab) for _ in range(rng.randint(1, 300))]
+    s.extend(toks, [[rng.randrange(vocab) for _ in range(4)] for _ in toks])
+    for root in range(vocab):
+        full = s.draft(root, 64, mode)
+        for c in (1, 2, 3, 4, 6, 8, 16, 32):
+            small = full.prefix(c)
+            assert _paths(small) == _paths(s.draft(root, c, mode))
+            assert len(small.tokens) <= c and small.parents[0] == -1
+            assert all(p < i for i, p in enumerate(small.parents) if i)
+
+
+def _session_with(costs):
+    s = DraftSession(DrafterConfig(window=12, max_nodes=1000, topk=2))
+    s.set_costs(costs, overhead_ms=0.0)
+    return s
+
+
+def test_a_repetitive_stream_with_cheap_trees_chooses_a_big_budget():
+    s = _session_with({1: 10.0, 2: 10.5, 4: 11.0, 8: 11.5, 16: 12.0})
+    text = [1, 2, 3, 4, 5, 6, 7] * 60
+    s.extend(text[:14])
+    pos = 14
+    for _ in range(20):
+        tree = s.draft(text[pos], AUTO, "racer")
+        # accept whatever matches the true continuation, as the verifier would
+        s.extend([text[pos]])
+        pos += 1
+        node, j = 0, pos
+        while True:
+            kids = [i for i, p in enumerate(tree.parents) if p == node and tree.tokens[i] == text[j]]
+            if not kids:
+                break
+            node = kids[0]
+            s.extend([text[j]])
+            j += 1
+        pos = j
+    assert s.chooser.last_choice == 16
+    assert len(s.chooser.history) >= 10
+    assert s.chooser.expected_accepted()[-1] > 7
+
+
+def test_unpredictable_text_with_steep_costs_turns_speculation_off():
+    rng = random.Random(1)
+    s = _session_with({1: 10.0, 2: 16.0, 4: 25.0, 8: 40.0})
+    s.extend([rng.randrange(1000) for _ in range(20)])
+    for _ in range(40):
+        root = rng.randrange(1000)
+        s.draft(root, AUTO, "racer")
+        s.extend([root, rng.randrange(1000)])
+    assert s.chooser.choose() == 1
+    assert s.draft(5, AUTO, "racer").tokens == (5,)
+
+
+def test_pending_trees_wait_for_the_tokens_that_decide_them():
+    c = BudgetChooser({1: 1.0, 4: 1.0})
+    from drafter.tree import DraftTree
+
+    tree = DraftTree((7, 8, 9, 5), (-1, 0, 1, 0), 0, (0, 1, 2, 3))  # 7 -> 8 -> 9, 7 -> 5
+    c.drafted(3, tree)
+    c.observe([0, 0, 0])  # the root is not even committed
+    c.observe([0, 0, 0, 7, 8])  # on the path, its end not reached
+    assert not c.history
+    c.observe([0, 0, 0, 7, 8, 9])
+    assert list(c.history) == [[0, 2]]  # budget 1 accepts nothing, budget 4 the chain 8, 9
+
+
+def test_bad_cost_curves_are_refused():
+    for bad in ({}, {0: 1.0}, {1: 0.0}, {1: float("nan")}):
+        with pytest.raises(ValueError):
+            BudgetChooser(bad)
+    with pytest.raises(ValueError, match="cost curve"):
+        DraftSession().draft(1, AUTO, "racer")
