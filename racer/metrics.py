@@ -36,6 +36,7 @@ RESTORES = Counter("racer_drafter_restores", "How a drafter session was found at
 # verifier
 VERIFY_MS = Histogram("racer_verify_latency_ms", "Verifier forward + acceptance per tree", buckets=_MS)
 PREFILL_MS = Histogram("racer_prefill_latency_ms", "Verifier prefill per open", buckets=_MS)
+BATCH_SIZE = Histogram("racer_verify_batch_size", "Trees verified together in one forward", buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32))
 VERIFIER_SESSIONS = Gauge("racer_verifier_sessions", "KV caches held")
 CACHE_TOKENS = Gauge("racer_verifier_cache_tokens", "Tokens held in all KV caches")
 EVICTIONS = Counter("racer_verifier_evictions", "KV caches dropped", ["reason"])

@@ -68,7 +68,8 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
 
         cost = await asyncio.to_thread(measure_cost, model, backend=args.backend, topk=args.topk)
         log.info("cost curve", extra={"ms_by_size": {n: round(c, 2) for n, c in cost.items()}})
-    svc = VerifierService(model, args.topk, args.backend, args.max_sessions, args.max_cache_tokens, args.session_ttl, cost)
+    svc = VerifierService(model, args.topk, args.backend, args.max_sessions, args.max_cache_tokens, args.session_ttl, cost,
+                          args.max_batch, args.max_wait_ms)
     tasks = []
 
     async def janitor():

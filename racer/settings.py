@@ -57,6 +57,8 @@ SERVICE = {
         Setting("--backend", "RACER_BACKEND", "auto", "forward implementation: auto, fast or hf"),
         Setting("--device", "RACER_DEVICE", "auto", "torch device: auto, cpu or cuda"),
         Setting("--threads", "RACER_THREADS", 0, "torch CPU threads (0: torch's default, one per core)", int),
+        Setting("--max-batch", "RACER_MAX_BATCH", 16, "trees of concurrent sessions verified in one forward, at most", int),
+        Setting("--max-wait-ms", "RACER_MAX_WAIT_MS", 2.0, "how long a batch waits for more sessions' trees", float),
         Setting("--measure-cost", "RACER_MEASURE_COST", 1, "measure the cost curve at start-up for the adaptive budget (0: off)", int),
         Setting("--topk", "RACER_TOPK", 8, "top-k ids returned per position", int),
         Setting("--session-ttl", "RACER_SESSION_TTL", 1800.0, "seconds an idle KV cache is kept", float),

@@ -71,49 +71,13 @@ class FastLlamaBackend:
         grown[:, :, :, : self.length] = self.cache[:, :, :, : self.length]
         self.cache = grown
 
-    @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """tokens, positions: [n] int64; mask: [n, length + n] bool or None (= attend everything).
 
         Writes the new K/V rows at [length, length + n) without committing them; returns
         final-normed hidden states [n, hidden].
         """
-        n = tokens.shape[0]
-        past = self.length
-        total = past + n
-        self._ensure_capacity(total)
-        tokens, positions = tokens.to(self.device), positions.to(self.device)
-        mask = None if mask is None else mask.to(self.device)
-        x = self.embed(tokens)[None]  # [1, n, hidden]
-        cos, sin = self.rotary(x, positions[None])  # [1, n, head_dim]
-        cos, sin = cos[:, None], sin[:, None]
-        attn_mask = None if mask is None else mask[None, None]
-        for i, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            h = layer.input_layernorm(x)[0]  # [n, hidden]
-            q = _linear(h, attn.q_proj).view(1, n, self.n_heads, self.head_dim).transpose(1, 2)
-            k = _linear(h, attn.k_proj).view(1, n, self.n_kv, self.head_dim).transpose(1, 2)
-            v = _linear(h, attn.v_proj).view(1, n, self.n_kv, self.head_dim).transpose(1, 2)
-            if hasattr(attn, "q_norm"):  # Qwen3-style per-head norms
-                q = attn.q_norm(q.transpose(1, 2)).transpose(1, 2)
-                k = attn.k_norm(k.transpose(1, 2)).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            kv = self.cache[i]
-            kv[0, :, past:total] = k[0]
-            kv[1, :, past:total] = v[0]
-            o = F.scaled_dot_product_attention(
-                q,
-                kv[0, :, :total][None],
-                kv[1, :, :total][None],
-                attn_mask=attn_mask,
-                scale=attn.scaling,
-                enable_gqa=self.n_kv != self.n_heads,
-            )
-            x = x + _linear(o.transpose(1, 2).reshape(n, -1), attn.o_proj)[None]
-            h = layer.post_attention_layernorm(x)[0]
-            x = x + _linear(mlp.act_fn(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)[None]
-        return self.norm(x)[0]
+        return forward_segments([(self, tokens, positions, mask)])[0]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -134,6 +98,62 @@ class FastLlamaBackend:
 
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
+
+
+@torch.inference_mode()
+def forward_segments(segments) -> list[torch.Tensor]:
+    """Several sessions' new tokens in one pass over the weights.
+
+    ``segments``: ``(backend, tokens [n], positions [n], mask [n, length + n] or None)`` of
+    FastLlamaBackends of one model. Every projection and MLP runs once over all rows (the weights
+    are read once: the point of batching); attention runs per segment over its own cache and mask,
+    so no row ever sees another session's tokens. Returns each segment's hidden states.
+    """
+    b0 = segments[0][0]
+    dev = b0.device
+    sizes = [seg[1].shape[0] for seg in segments]
+    n = sum(sizes)
+    spans, start = [], 0
+    for size, (b, _, _, mask) in zip(sizes, segments):
+        b._ensure_capacity(b.length + size)
+        spans.append((b, start, start + size, b.length, None if mask is None else mask.to(dev)[None, None]))
+        start += size
+    tokens = torch.cat([seg[1] for seg in segments]).to(dev)
+    positions = torch.cat([seg[2] for seg in segments]).to(dev)
+    x = b0.embed(tokens)[None]  # [1, n, hidden]
+    cos, sin = b0.rotary(x, positions[None])  # [1, n, head_dim]
+    cos, sin = cos[:, None], sin[:, None]
+    for i, layer in enumerate(b0.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        h = layer.input_layernorm(x)[0]  # [n, hidden]
+        q = _linear(h, attn.q_proj).view(1, n, b0.n_heads, b0.head_dim).transpose(1, 2)
+        k = _linear(h, attn.k_proj).view(1, n, b0.n_kv, b0.head_dim).transpose(1, 2)
+        v = _linear(h, attn.v_proj).view(1, n, b0.n_kv, b0.head_dim).transpose(1, 2)
+        if hasattr(attn, "q_norm"):  # Qwen3-style per-head norms
+            q = attn.q_norm(q.transpose(1, 2)).transpose(1, 2)
+            k = attn.k_norm(k.transpose(1, 2)).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        outs = []
+        for b, s, e, past, mask in spans:
+            total = past + e - s
+            kv = b.cache[i]
+            kv[0, :, past:total] = k[0, :, s:e]
+            kv[1, :, past:total] = v[0, :, s:e]
+            outs.append(F.scaled_dot_product_attention(
+                q[:, :, s:e],
+                kv[0, :, :total][None],
+                kv[1, :, :total][None],
+                attn_mask=mask,
+                scale=attn.scaling,
+                enable_gqa=b0.n_kv != b0.n_heads,
+            ))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        x = x + _linear(o.transpose(1, 2).reshape(n, -1), attn.o_proj)[None]
+        h = layer.post_attention_layernorm(x)[0]
+        x = x + _linear(mlp.act_fn(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)[None]
+    hidden = b0.norm(x)[0]
+    return list(hidden.split(sizes)) if len(sizes) > 1 else [hidden]
 
 
 class HFBackend:

@@ -80,11 +80,17 @@ class VerifierSession:
     @torch.inference_mode()
     def verify(self, tokens: list[int], parents: list[int]) -> VerifyResult:
         """One forward over the whole tree; keeps the accepted path's K/V rows only."""
+        ids, positions, mask = self._inputs(tokens, parents)
+        hidden = self.backend.forward(ids, positions, mask)
+        return self._settle(tokens, parents, self.backend.logits(hidden))
+
+    def _inputs(self, tokens: list[int], parents: list[int]):
         validate(tokens, parents, self.vocab_size)
-        past = self.length
-        positions, mask = tree_inputs(parents, past)
-        hidden = self.backend.forward(torch.tensor(tokens, dtype=torch.long), positions, mask)
-        logits = self.backend.logits(hidden)  # [n, V]
+        positions, mask = tree_inputs(parents, self.length)
+        return torch.tensor(tokens, dtype=torch.long), positions, mask
+
+    def _settle(self, tokens: list[int], parents: list[int], logits: torch.Tensor) -> VerifyResult:
+        """Top-k, acceptance and KV commit from the tree's logits [n, V]."""
         topk = torch.topk(logits, self.topk, dim=-1).indices.tolist()
         if self._sampler is None:
             argmax = torch.argmax(logits, dim=-1).tolist()
@@ -93,6 +99,41 @@ class VerifierSession:
             path, bonus = accept(tokens, parents, lambda i: self._sampler(logits[i].cpu()))
         self.backend.commit(path, len(tokens))
         return VerifyResult(path, bonus, topk)
+
+
+@torch.inference_mode()
+def verify_batch(items: list[tuple["VerifierSession", list[int], list[int]]]) -> list[VerifyResult | ValueError]:
+    """Verifies several sessions' trees; those on the lean backend of one model share one forward.
+
+    Each result is what ``session.verify(tokens, parents)`` alone returns (an invalid tree gets its
+    ValueError and leaves its session untouched; the others go on).
+    """
+    from .backends import FastLlamaBackend, forward_segments
+
+    results: list = [None] * len(items)
+    batch = []
+    for j, (session, tokens, parents) in enumerate(items):
+        try:
+            inputs = session._inputs(tokens, parents)
+        except ValueError as e:
+            results[j] = e
+            continue
+        if isinstance(session.backend, FastLlamaBackend):
+            batch.append((j, inputs))
+        else:
+            results[j] = session.verify(tokens, parents)
+    groups: dict[int, list] = {}
+    for j, inputs in batch:
+        groups.setdefault(id(items[j][0].model), []).append((j, inputs))
+    for group in groups.values():
+        hidden = forward_segments([(items[j][0].backend, *inputs) for j, inputs in group])
+        logits = items[group[0][0]][0].backend.logits(torch.cat(hidden) if len(hidden) > 1 else hidden[0])
+        start = 0
+        for (j, _), h in zip(group, hidden):
+            session, tokens, parents = items[j]
+            results[j] = session._settle(tokens, parents, logits[start : start + h.shape[0]])
+            start += h.shape[0]
+    return results
 
 
 COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)

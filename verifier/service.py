@@ -22,7 +22,7 @@ from racer.v1 import common_pb2 as cpb
 from racer.v1 import verifier_pb2 as pb
 from racer.v1 import verifier_pb2_grpc as pb_grpc
 
-from .engine import VerifierSession
+from .engine import VerifierSession, verify_batch
 from .sampling import SamplingParams
 
 log = logging.getLogger("racer.verifier")
@@ -40,6 +40,67 @@ class Entry:
     streaming: bool = False
 
 
+class Batcher:
+    """Gathers concurrent sessions' trees into one forward (``verify_batch``).
+
+    A batch closes when it holds ``max_batch`` trees, or when ``max_wait_ms`` has passed since its
+    first tree, or as soon as every session with an open stream has a tree in it (nobody else can
+    join, so waiting would only add latency).
+    """
+
+    def __init__(self, service: "VerifierService", max_batch: int = 16, max_wait_ms: float = 2.0):
+        self.service = service
+        self.max_batch = max(1, max_batch)
+        self.max_wait = max(0.0, max_wait_ms) / 1e3
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.task: asyncio.Task | None = None
+        self.sizes: list[int] = []  # batch sizes, for inspection
+
+    async def verify(self, session, tokens: list[int], parents: list[int]):
+        if self.task is None or self.task.done():
+            self.task = asyncio.ensure_future(self._loop())
+        fut = asyncio.get_running_loop().create_future()
+        await self.queue.put(((session, tokens, parents), fut))
+        return await fut
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [await self.queue.get()]
+            deadline = loop.time() + self.max_wait
+            while len(batch) < self.max_batch:
+                if not self.queue.empty():
+                    batch.append(self.queue.get_nowait())
+                    continue
+                if len(batch) >= self.service.streaming() or loop.time() >= deadline:
+                    break
+                try:
+                    batch.append(await asyncio.wait_for(self.queue.get(), deadline - loop.time()))
+                except asyncio.TimeoutError:
+                    break
+            batch = [(item, fut) for item, fut in batch if not fut.cancelled()]
+            if not batch:
+                continue
+            self.sizes.append(len(batch))
+            M.BATCH_SIZE.observe(len(batch))
+
+            def work(items=[item for item, _ in batch]):
+                t = time.perf_counter()
+                out = verify_batch(items)
+                return out, (time.perf_counter() - t) * 1e3
+
+            try:
+                results, ms = await self.service._run(work)
+            except Exception as e:  # noqa: BLE001 - every waiter learns of it
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(e)
+                continue
+            for (_, fut), res in zip(batch, results):
+                if not fut.done():
+                    fut.set_result((res, ms, len(batch)))
+
+
 class _Abort(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         self.code, self.message = code, message
@@ -47,7 +108,8 @@ class _Abort(Exception):
 
 class VerifierService(pb_grpc.VerifierServicer):
     def __init__(self, model, topk: int = 8, backend: str = "auto", max_sessions: int = 64,
-                 max_cache_tokens: int = 262_144, ttl: float = 1800.0, cost: dict[int, float] | None = None):
+                 max_cache_tokens: int = 262_144, ttl: float = 1800.0, cost: dict[int, float] | None = None,
+                 max_batch: int = 16, max_wait_ms: float = 2.0):
         self.model = model
         self.topk = topk
         self.backend = backend
@@ -56,8 +118,9 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.max_cache_tokens = max_cache_tokens
         self.ttl = ttl
         self.sessions: dict[tuple[str, str], Entry] = {}
-        # ms per verification by tree size: measured at start-up, kept current by every verification
+        # ms per verification by tree size: measured at start-up, kept current by unbatched verifications
         self.cost: dict[int, float] = dict(cost or {})
+        self.batcher = Batcher(self, max_batch, max_wait_ms)
         # OpenMP thread settings are per thread: the worker takes the creating thread's count.
         threads = torch.get_num_threads()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="verifier-model", initializer=torch.set_num_threads,
@@ -170,22 +233,17 @@ class VerifierService(pb_grpc.VerifierServicer):
         tokens, parents = list(tree.tokens), list(tree.parents)
         if len(tokens) > MAX_TREE:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"tree.tokens: {len(tokens)} nodes, at most {MAX_TREE}")
-        def work():
-            t = time.perf_counter()
-            out = entry.session.verify(tokens, parents)
-            return out, (time.perf_counter() - t) * 1e3
-
         t0 = time.perf_counter()
         try:
-            res, forward_ms = await self._run(work)
-        except ValueError as e:  # validation happens before the forward: the cache is untouched
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"tree: {e}") from None
+            res, forward_ms, batch = await self.batcher.verify(entry.session, tokens, parents)
         except BaseException:
-            self._forget(entry)
+            self._forget(entry)  # the forward may or may not have run: the cache is unknown
             raise
+        if isinstance(res, ValueError):  # validated before the forward: the cache is untouched
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"tree: {res}")
         entry.tokens.extend(tokens[i] for i in res.accepted)
         n = len(tokens)
-        if n in self.cost:  # an exponential average follows drift (load, thermal, context length)
+        if n in self.cost and batch == 1:  # an exponential average follows drift (load, context length)
             self.cost[n] += 0.05 * (forward_ms - self.cost[n])
         entry.last_used = time.monotonic()
         elapsed = (time.perf_counter() - t0) * 1e3
@@ -194,6 +252,9 @@ class VerifierService(pb_grpc.VerifierServicer):
             next_token=res.bonus, accepted=res.accepted, topk=[t for row in res.topk for t in row],
             topk_width=self.topk, cache_tokens=len(entry.tokens), elapsed_ms=elapsed,
         )
+
+    def streaming(self) -> int:
+        return sum(1 for e in self.sessions.values() if e.streaming)
 
     def _forget(self, entry: Entry) -> None:
         self.sessions.pop((entry.tenant, entry.session_id), None)

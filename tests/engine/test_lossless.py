@@ -189,7 +189,8 @@ def test_generation_params_reject_bad_values():
     with pytest.raises(ValueError, match="max_new_tokens"):
         GenerationParams(max_new_tokens=0)
     with pytest.raises(ValueError, match="budget"):
-        GenerationParams(budget=0)
+        GenerationParams(budget=-1)
+    assert GenerationParams(budget=0).budget == 0  # adaptive
 
 
 # -- the default model (slow) -----------------------------------------------------------------------------

@@ -212,12 +212,15 @@ def test_concurrent_sessions_all_lossless(stack, tiny_llama):
         with Client(stack.gateway, timeout=120) as c:
             results[i] = c.complete(prompt(200 + i), max_new_tokens=24, budget=8)[0]
 
+    batcher = stack.verifiers[0][1].batcher
+    before = len(batcher.sizes)
     threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert {i: results.get(i) for i in range(6)} == {i: hf_greedy(tiny_llama, prompt(200 + i), 24) for i in range(6)}
+    assert max(batcher.sizes[before:]) > 1, "concurrent sessions' trees were never verified together"
 
 
 def test_a_key_file_without_keys_lets_nobody_in(loop_thread, tiny_llama, tmp_path):
