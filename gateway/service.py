@@ -43,6 +43,7 @@ LOCAL_TENANT = "local"
 _CALLER_ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.ABORTED,  # another stream holds the session (a concurrent turn): retry later, do not move it
 }
 FAILOVERS = 3  # per service kind and turn
 

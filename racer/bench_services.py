@@ -124,3 +124,62 @@ def bench_snapshot(args) -> int:
         print(f"| {name} | {_pct(xs, 0.5):.1f} | {_pct(xs, 0.99):.1f} |")
     print(f"snapshot size: {len(data) / 1024:.0f} KiB")
     return 0
+
+
+def bench_batch(args) -> int:
+    """N concurrent sessions through two local stacks, batching on and off, same prompts, one run."""
+    import threading
+
+    from . import stack
+    from .client import Client
+    from .prompts import DEFAULT_PROMPTS, load_spec_bench
+
+    prompts = [p.text for p in load_spec_bench(args.prompts or DEFAULT_PROMPTS, 4)]
+    configs = {"batched": {"RACER_MAX_BATCH": "16"}, "unbatched": {"RACER_MAX_BATCH": "1"}}
+    reference: dict[int, list[int]] = {}
+    rows = []
+    with stack.running(args.model, args.port_base, args.metrics_base, env=configs["batched"]) as g_on, \
+            stack.running(args.model, args.port_base + 10, args.metrics_base + 10, env=configs["unbatched"]) as g_off:
+        targets = {"batched": g_on, "unbatched": g_off}
+        for n in args.sessions:
+            for name in (("batched", "unbatched") if len(rows) % 2 == 0 else ("unbatched", "batched")):
+                outs: dict[int, list[int]] = {}
+                lat: list[float] = []
+                errors: list[str] = []
+
+                def one(i, target=targets[name], outs=outs, lat=lat, errors=errors):
+                    try:
+                        with Client(target, timeout=1800) as c:
+                            t0 = time.perf_counter()
+                            ids, _, last = c.complete(prompts[i % len(prompts)], max_new_tokens=args.max_new_tokens,
+                                                      mode=args.mode, budget=args.budget, system=args.system)
+                            lat.append(time.perf_counter() - t0)
+                            outs[i] = ids
+                            c.close_session(last.session_id)
+                    except Exception as e:  # noqa: BLE001 - counted and shown
+                        errors.append(repr(e))
+
+                t0 = time.perf_counter()
+                threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                wall = time.perf_counter() - t0
+                for i, ids in outs.items():
+                    reference.setdefault(i % len(prompts), ids)
+                same = sum(1 for i, ids in outs.items() if ids == reference[i % len(prompts)])
+                tokens = sum(len(v) for v in outs.values())
+                rows.append(dict(n=n, name=name, tps=tokens / wall, p50=statistics.median(lat) if lat else float("nan"),
+                                 p_max=max(lat) if lat else float("nan"), same=same, done=len(outs), errors=len(errors)))
+                print(f"{name:9s} sessions={n:2d} tok/s={tokens / wall:6.1f} errors={len(errors)}", file=sys.stderr)
+    print(f"mode={args.mode} budget={'auto' if args.budget == 0 else args.budget} max_new_tokens={args.max_new_tokens}")
+    print("| sessions | batching | aggregate tok/s | session latency p50 s | slowest s | identical | errors |")
+    print("|---|---|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: (r["n"], r["name"])):
+        print(f"| {r['n']} | {r['name']} | {r['tps']:.1f} | {r['p50']:.1f} | {r['p_max']:.1f} | {r['same']}/{r['done']} | {r['errors']} |")
+    one = {r["name"]: r["tps"] for r in rows if r["n"] == 1}
+    for r in rows:
+        if r["n"] > 1 and r["name"] == "batched" and "batched" in one:
+            print(f"{r['n']} sessions batched: {r['tps'] / one['batched']:.2f}x one session's tok/s")
+    return 0

@@ -250,6 +250,18 @@ def main(argv=None) -> int:
     bs.add_argument("--metrics-base", type=int, default=9100)
     bs.set_defaults(func=lambda a: __import__("racer.bench_services", fromlist=["x"]).bench_stack(a))
 
+    bb = sub.add_parser("bench-batch", help="aggregate tok/s of N concurrent sessions, batching on vs off")
+    bb.add_argument("--model", default="default")
+    bb.add_argument("--prompts", default=None)
+    bb.add_argument("--sessions", type=_csv(int), default=[1, 2, 4, 8, 16])
+    bb.add_argument("--system", default="You are a helpful assistant.")
+    bb.add_argument("--max-new-tokens", type=int, default=64)
+    bb.add_argument("--mode", default="racer", choices=MODES)
+    bb.add_argument("--budget", type=_budget, default=4)
+    bb.add_argument("--port-base", type=int, default=50151)
+    bb.add_argument("--metrics-base", type=int, default=9200)
+    bb.set_defaults(func=lambda a: __import__("racer.bench_services", fromlist=["x"]).bench_batch(a))
+
     bn = sub.add_parser("bench-snapshot", help="size and save/restore time of a full drafter session snapshot")
     bn.add_argument("--store", default="memory://", help="memory:// or redis://host:port/db")
     bn.add_argument("--tokens", type=int, default=4000, help="context tokens at least")

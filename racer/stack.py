@@ -23,14 +23,15 @@ def _spawn(service: str, env: dict[str, str]) -> subprocess.Popen:
 
 
 @contextlib.contextmanager
-def running(model: str = "default", port_base: int = 0, metrics_base: int = 9100, log_level: str = "WARNING"):
+def running(model: str = "default", port_base: int = 0, metrics_base: int = 9100, log_level: str = "WARNING",
+            env: dict[str, str] | None = None):
     """Starts the three services, waits for their health, yields the gateway target, stops them."""
     from verifier.model import resolve_model_dir
 
     from .serving import wait_healthy
 
     resolve_model_dir(model)  # convert the default model once, before two services want it
-    base = dict(os.environ, RACER_MODEL=model, RACER_HOST="127.0.0.1", RACER_LOG_LEVEL=log_level)
+    base = dict(os.environ, RACER_MODEL=model, RACER_HOST="127.0.0.1", RACER_LOG_LEVEL=log_level, **(env or {}))
     ports = {s: (port_base + i, metrics_base + i) if port_base else (PORTS[s][0], metrics_base + i)
              for i, s in enumerate(("gateway", "drafter", "verifier"))}
     envs = {s: dict(base, RACER_PORT=str(p), RACER_METRICS_PORT=str(m)) for s, (p, m) in ports.items()}
