@@ -273,13 +273,13 @@ class GatewayService(pb_grpc.GenerationServicer):
         from verifier.sampling import SamplingParams
 
         lim = self.limits
-        max_new = r.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+        max_new = r.max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, lim.max_new_tokens)  # 0: the default, within the limit
         if not 1 <= max_new <= lim.max_new_tokens:
             raise _Fail(grpc.StatusCode.INVALID_ARGUMENT, f"max_new_tokens: {r.max_new_tokens}, expected 1..{lim.max_new_tokens}")
         mode = r.speculation.mode or "racer"
         if mode not in MODES:
             raise _Fail(grpc.StatusCode.INVALID_ARGUMENT, f"speculation.mode: {mode!r}, expected one of {', '.join(MODES)}")
-        budget = r.speculation.budget or DEFAULT_BUDGET
+        budget = r.speculation.budget or min(DEFAULT_BUDGET, lim.max_budget)
         if not 1 <= budget <= lim.max_budget:
             raise _Fail(grpc.StatusCode.INVALID_ARGUMENT, f"speculation.budget: {r.speculation.budget}, expected 1..{lim.max_budget}")
         try:
@@ -331,7 +331,8 @@ class GatewayService(pb_grpc.GenerationServicer):
         chars = len(r.prompt) + len(r.system) + sum(len(m.content) for m in r.chat.messages)
         if chars > 64 * self.limits.max_prompt_tokens:
             raise _Fail(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"{kind}: {chars} characters, far over max_prompt_tokens={self.limits.max_prompt_tokens}")
+                        f"{kind}: {chars} characters, more than max_prompt_tokens={self.limits.max_prompt_tokens} tokens "
+                        "can hold (refused before tokenizing)")
         try:
             return continue_ids(self.tokenizer, history, messages, self.eos_ids) if history else messages_ids(self.tokenizer, messages)
         except Exception as e:  # noqa: BLE001 - template errors are the caller's input
