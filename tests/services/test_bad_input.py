@@ -273,7 +273,10 @@ def test_oversized_messages_and_limits(env, tiny_llama):
         list(c)
     assert len(a.complete(prompt(62), max_new_tokens=2)[0]) == 2
     # a second turn of a session while one runs: ABORTED, the running one is unaffected
-    sid = sessions["own"]
+    p0 = prompt(65, 6)
+    ids0, _, last = a.complete(p0, max_new_tokens=4)
+    sid = last.session_id
+    histories[sid] = p0 + ids0
     call = a.generate(prompt(63, 4), session_id=sid, max_new_tokens=MAX_NEW, budget=1, mode="off")
     first = next(call)
     with pytest.raises(grpc.RpcError) as e:
