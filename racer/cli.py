@@ -244,6 +244,24 @@ def main(argv=None) -> int:
     bs.add_argument("--metrics-base", type=int, default=9100)
     bs.set_defaults(func=lambda a: __import__("racer.bench_services", fromlist=["x"]).bench_stack(a))
 
+    ld = sub.add_parser("load", help="N concurrent sessions x T turns through a gateway on this machine (bounded)")
+    ld.add_argument("--target", default="localhost:50051", help="gateway address (loopback only)")
+    ld.add_argument("--sessions", type=int, default=16, help="concurrent sessions (at most 256)")
+    ld.add_argument("--turns", type=int, default=3, help="turns per session (at most 32)")
+    ld.add_argument("--max-new-tokens", type=int, default=64, help="per turn (at most 1024)")
+    ld.add_argument("--seed", type=int, default=0, help="prompt seed: the same seed sends the same requests")
+    ld.add_argument("--ids", type=int, default=0, metavar="VOCAB",
+                    help="send random token ids below VOCAB instead of text prompts (a gateway with --model none)")
+    ld.add_argument("--prompt-tokens", type=int, default=16, help="with --ids: tokens per turn")
+    ld.add_argument("--time-limit", type=float, default=120.0, help="seconds for the whole run (at most 600)")
+    ld.add_argument("--api-key", default=None, help="tenant API key (or env RACER_API_KEY)")
+    ld.add_argument("--mode", default="", help="speculation mode (default: the server's)")
+    ld.add_argument("--budget", type=int, default=0, help="draft budget (0: the server's)")
+    ld.add_argument("--keep-sessions", action="store_true", help="do not close the sessions at the end")
+    ld.add_argument("--json", default=None, help="also write the report as JSON")
+    ld.set_defaults(func=lambda a: __import__("racer.load", fromlist=["x"]).main(
+        a if a.api_key else argparse.Namespace(**{**vars(a), "api_key": os.environ.get("RACER_API_KEY")})))
+
     bn = sub.add_parser("bench-snapshot", help="size and save/restore time of a full drafter session snapshot")
     bn.add_argument("--store", default="memory://", help="memory:// or redis://host:port/db")
     bn.add_argument("--tokens", type=int, default=4000, help="context tokens at least")
