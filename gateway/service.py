@@ -459,6 +459,7 @@ class _Turn:
         self.lost = {"drafter": 0, "verifier": 0}  # streams lost mid-turn
         self.last_error = {"drafter": "", "verifier": ""}
         self.abort: str | None = None  # set by a draining gateway: end the turn with UNAVAILABLE
+        self.waiting: dict[str, float] = {}  # kind -> when to stop waiting for one to come back
 
     def _check_abort(self) -> None:
         if self.abort:
@@ -471,7 +472,6 @@ class _Turn:
         Redis-backed drafter coming back, a DNS change."""
         gw = self.gw
         eps = gw.drafters if kind == "drafter" else gw.verifiers
-        deadline = None
         delay = 0.05
         while True:
             self._check_abort()
@@ -487,8 +487,9 @@ class _Turn:
             if kind == "verifier" and self.full and not self.failed[kind]:
                 raise _Fail(grpc.StatusCode.RESOURCE_EXHAUSTED, f"every verifier is full: {self.last_error[kind]}")
             now = time.monotonic()
-            if deadline is None:
-                deadline = now + gw.timeouts.reconnect
+            deadline = self.waiting.get(kind)
+            if deadline is None:  # kept until an open succeeds: the retries below do not restart the clock
+                deadline = self.waiting[kind] = now + gw.timeouts.reconnect
                 log.warning(f"no {kind} reachable; waiting for one", extra={"session_id": self.record.session_id,
                                                                              "seconds": gw.timeouts.reconnect})
             if now + delay > deadline:
@@ -520,6 +521,7 @@ class _Turn:
                 self._unreachable("verifier", e)
                 continue
             self.verifier = link
+            self.waiting.pop("verifier", None)
             if self.record.verifier and self.record.verifier != ep:
                 log.info("session moved to another verifier", extra={"session_id": self.record.session_id,
                                                                       "from": self.record.verifier, "to": ep})
@@ -544,6 +546,7 @@ class _Turn:
                 self._unreachable("drafter", e)
                 continue
             self.drafter = link
+            self.waiting.pop("drafter", None)
             self.draft_ms += resp.elapsed_ms
             log.debug("drafter open", extra={"session_id": self.record.session_id, "drafter": ep, "restored_from": resp.restored_from})
             return
