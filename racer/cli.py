@@ -119,7 +119,10 @@ def cmd_client(args) -> int:
 
     from .client import Client, format_stats
 
-    with Client(args.target, args.api_key or os.environ.get("RACER_API_KEY")) as c:
+    from .client import tls_credentials
+
+    creds = tls_credentials(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca or args.tls_cert else None
+    with Client(args.target, args.api_key or os.environ.get("RACER_API_KEY"), credentials=creds) as c:
         try:
             if args.action == "sessions":
                 for s in c.list_sessions():
@@ -150,6 +153,12 @@ def cmd_client(args) -> int:
         except grpc.RpcError as e:
             print(f"racer: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
+
+
+def tls_flags(parser) -> None:
+    parser.add_argument("--tls-ca", default="", help="TLS to the gateway: PEM CA that signed its certificate")
+    parser.add_argument("--tls-cert", default="", help="this client's PEM certificate, when the gateway requires one")
+    parser.add_argument("--tls-key", default="", help="the PEM private key of --tls-cert")
 
 
 def _read_turn():
@@ -230,6 +239,7 @@ def main(argv=None) -> int:
     cl.add_argument("--budget", type=int, default=16)
     cl.add_argument("--temperature", type=float, default=0.0)
     cl.add_argument("--seed", type=int, default=None)
+    tls_flags(cl)
     cl.set_defaults(func=cmd_client)
 
     bs = sub.add_parser("bench-stack", help="tokens/s through the gateway vs in process, side by side")
@@ -259,6 +269,7 @@ def main(argv=None) -> int:
     ld.add_argument("--budget", type=int, default=0, help="draft budget (0: the server's)")
     ld.add_argument("--keep-sessions", action="store_true", help="do not close the sessions at the end")
     ld.add_argument("--json", default=None, help="also write the report as JSON")
+    tls_flags(ld)
     ld.set_defaults(func=lambda a: __import__("racer.load", fromlist=["x"]).main(
         a if a.api_key else argparse.Namespace(**{**vars(a), "api_key": os.environ.get("RACER_API_KEY")})))
 

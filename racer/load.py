@@ -202,9 +202,12 @@ async def run_load(target: str, sessions: int = 8, turns: int = 3, max_new_token
 
 
 def main(args) -> int:
+    from .client import tls_credentials
+
+    creds = tls_credentials(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca or args.tls_cert else None
     report = asyncio.run(run_load(
         args.target, args.sessions, args.turns, args.max_new_tokens, args.seed, args.ids, args.prompt_tokens,
-        args.time_limit, args.api_key, args.mode, args.budget, not args.keep_sessions))
+        args.time_limit, args.api_key, args.mode, args.budget, not args.keep_sessions, creds))
     print(report.format())
     if args.json:
         with open(args.json, "w") as f:
