@@ -277,10 +277,14 @@ def test_client_cancel_and_deadline_free_the_round_state_everywhere(healthy, tin
     wait_until(lambda: cl.released(sid), timeout=5, what="drafter and verifier streams freed after a deadline")
     wait_until(lambda: cl.gateway.metric("racer_active_streams") == 0, timeout=5, what="gateway streams ended")
     p3 = prompt(109, n=4)
+    verifier = cl.by_target(Client(cl.gateway.target).get_session(sid).verifier)
+    reused = verifier.metric("racer_verifier_reused_tokens_total")
     with Client(cl.gateway.target, timeout=60) as c:
         ids3, _, last = c.complete(p3, session_id=sid, max_new_tokens=10)
     assert ids3 == hf_greedy(tiny_llama, p1 + ids1 + p3, 10)
     assert Client(cl.gateway.target).get_session(sid).turns == 2
+    # the cut turn did not cost the KV cache: the session's earlier tokens were reused
+    assert verifier.metric("racer_verifier_reused_tokens_total") - reused >= len(p1 + ids1) - 1
 
 
 def test_a_killed_or_frozen_gateway_frees_the_round_state(healthy):
