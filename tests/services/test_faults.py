@@ -59,7 +59,7 @@ class Cluster:
             "RACER_MODEL": "none", "RACER_SESSION_URL": self.redis.url, "RACER_DRAIN_SECONDS": "1",
             "RACER_DRAFTERS": ",".join(d.target for d in self.drafters),
             "RACER_VERIFIERS": ",".join(v.target for v in verifiers),
-            "RACER_BACKEND_TIMEOUT": "5", "RACER_RECONNECT_SECONDS": "30", "RACER_STORE_RETRY_SECONDS": "20",
+            "RACER_BACKEND_TIMEOUT": "2", "RACER_RECONNECT_SECONDS": "30", "RACER_STORE_RETRY_SECONDS": "20",
         }, self.tmp, name)
 
     @property
@@ -186,6 +186,23 @@ def test_verifier_sigkill_mid_stream_moves_the_session_to_the_other_verifier(hea
     assert info.verifier == other.target and info.turns == 2
     held = {s.session_id: s.cache_tokens for s in other.sessions()}
     assert held[sid] >= len(p1 + ids1 + p2 + got) - 1, "the other verifier re-prefilled the history"
+
+
+def test_a_frozen_verifier_is_left_after_the_backend_timeout(healthy, tiny_llama):
+    cl = healthy
+    p1, ids1, sid = first_turn(cl.gateway.target, 5)
+    victim = cl.by_target(Client(cl.gateway.target).get_session(sid).verifier)
+    other = next(v for v in cl.verifiers if v is not victim)
+    p2 = prompt(107, n=4)
+    t0 = time.monotonic()
+    try:
+        got, last = stream_turn(cl.gateway.target, sid, p2, N, lambda: victim.signal(signal.SIGSTOP))
+    finally:
+        victim.signal(signal.SIGCONT)
+    assert time.monotonic() - t0 < 2 + 10, "the turn waited about RACER_BACKEND_TIMEOUT (2 s), no more"
+    assert got == hf_greedy(tiny_llama, p1 + ids1 + p2, N) and last.usage.completion_tokens == N
+    assert Client(cl.gateway.target).get_session(sid).verifier == other.target
+    wait_until(lambda: not any(s.streaming for s in victim.sessions()), timeout=5, what="the thawed verifier's stream ended")
 
 
 def test_the_only_verifier_killed_and_restarted_mid_turn(healthy, tiny_llama):
