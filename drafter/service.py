@@ -76,14 +76,18 @@ def _check(cond: bool, code: grpc.StatusCode, message: str) -> None:
 
 
 class DrafterService(pb_grpc.DrafterServicer):
-    def __init__(self, config: DrafterConfig, store, prior=None, snapshot_every: int = 32, ttl: float = 1800.0):
+    def __init__(self, config: DrafterConfig, store, prior=None, snapshot_every: int = 32, ttl: float = 1800.0,
+                 max_tokens: int = 65_536):
         self.config = config
+        self.max_tokens = max_tokens
         self.store = store
         self.prior = prior
         self.snapshot_every = snapshot_every
         self.ttl = ttl
         self.sessions: dict[tuple[str, str], Entry] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._warned_at = -1e9  # snapshot failures are logged at most every 10 s (all are counted)
+        self._unlogged = 0
 
     # -- the stream ---------------------------------------------------------------------------
     async def Session(self, request_iterator, context):
@@ -123,12 +127,16 @@ class DrafterService(pb_grpc.DrafterServicer):
 
     async def _open(self, req: pb.DrafterOpen) -> tuple[Entry, str]:
         _check(bool(req.session_id), grpc.StatusCode.INVALID_ARGUMENT, "open.session_id: required")
+        _check(bool(req.tenant), grpc.StatusCode.INVALID_ARGUMENT, "open.tenant: required")
         history = list(req.history)
         _check(len(history) > 0, grpc.StatusCode.INVALID_ARGUMENT, "open.history: empty")
+        _check(len(history) <= self.max_tokens, grpc.StatusCode.RESOURCE_EXHAUSTED,
+               f"open.history: {len(history)} tokens, this drafter holds at most {self.max_tokens} per session")
         _check(all(t >= 0 for t in history), grpc.StatusCode.INVALID_ARGUMENT, "open.history: negative token id")
         k = self.config.topk
         _check(req.topk in (0, k), grpc.StatusCode.INVALID_ARGUMENT, f"open.topk: {req.topk}, this drafter uses {k}")
         _check(len(req.history_topk) % k == 0, grpc.StatusCode.INVALID_ARGUMENT, f"open.history_topk: not a multiple of topk={k}")
+        _check(all(t >= 0 for t in req.history_topk), grpc.StatusCode.INVALID_ARGUMENT, "open.history_topk: negative token id")
         n_rows = len(req.history_topk) // k
         _check(n_rows <= len(history), grpc.StatusCode.INVALID_ARGUMENT, "open.history_topk: more rows than history tokens")
         key = (req.tenant, req.session_id)
@@ -151,7 +159,6 @@ class DrafterService(pb_grpc.DrafterServicer):
                 entry.session.set_costs(dict(zip(req.cost.sizes, req.cost.ms)), req.overhead_ms)
             except ValueError as e:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"open.cost: {e}") from None
-        entry.streaming = True
         entry.last_used = time.monotonic()
         entry.tree = []
         s = entry.session
@@ -162,6 +169,7 @@ class DrafterService(pb_grpc.DrafterServicer):
         s.extend(history[have:plain_end])
         if plain_end < len(history):
             s.extend(history[plain_end:], rows[plain_end - first_row :])
+        entry.streaming = True  # only once the open succeeded: a failed one leaves no stream behind
         M.DRAFTER_SESSIONS.set(len(self.sessions))
         return entry, source
 
@@ -179,6 +187,7 @@ class DrafterService(pb_grpc.DrafterServicer):
             _check(all(parents[acc[i + 1]] == acc[i] for i in range(len(acc) - 1)), grpc.StatusCode.INVALID_ARGUMENT,
                    "step.accepted: not a root-to-node path of the last tree")
             _check(1 <= st.commit <= len(acc), grpc.StatusCode.INVALID_ARGUMENT, f"step.commit: {st.commit}, accepted {len(acc)}")
+            _check(all(t >= 0 for t in st.tree_topk), grpc.StatusCode.INVALID_ARGUMENT, "step.tree_topk: negative token id")
             rows = np.asarray(st.tree_topk, dtype=np.int64).reshape(n, k).tolist()
             s.observe_tree(entry.tree, rows, acc)
             s.extend([entry.tree[i] for i in acc[: st.commit]])
@@ -209,17 +218,26 @@ class DrafterService(pb_grpc.DrafterServicer):
         data = dumps(entry.session)
         encode_ms = (time.perf_counter() - t0) * 1e3
         entry.saved_length = length
-        task = asyncio.create_task(self._write(entry.key, data, length, encode_ms))
+        task = asyncio.create_task(self._write(entry, data, length, encode_ms))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _write(self, key: str, data: bytes, length: int, encode_ms: float) -> None:
+    async def _write(self, entry: Entry, data: bytes, length: int, encode_ms: float) -> None:
         t0 = time.perf_counter()
+        key = entry.key
         try:
             await self.store.set(key, data, self.ttl)
         except Exception as e:  # noqa: BLE001 - a lost snapshot costs draft quality, never output
             M.SNAPSHOT_FAILURES.labels("save").inc()
-            log.warning("snapshot save failed", extra={"key": key, "error": repr(e)})
+            now = time.monotonic()
+            if now - self._warned_at >= 10.0:
+                log.warning("snapshot save failed", extra={"key": key, "tokens": length, "error": repr(e),
+                                                           "failures_not_logged": self._unlogged})
+                self._warned_at, self._unlogged = now, 0
+            else:
+                self._unlogged += 1
+            if entry.saved_length == length:
+                entry.saved_length = -1  # not saved: the next trigger (or the shutdown flush) tries again
             return
         M.SNAPSHOT_BYTES.observe(len(data))
         M.SNAPSHOT_MS.labels("save").observe(encode_ms + (time.perf_counter() - t0) * 1e3)

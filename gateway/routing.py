@@ -56,11 +56,12 @@ class Endpoints:
     """A live set of endpoints of one kind, with one channel per endpoint and local health marks."""
 
     def __init__(self, spec: str, resolve_every: float = 10.0, resolver: Callable[[str, int], list[str]] = _getaddrinfo,
-                 channel_options=None, down_for: float = 5.0):
+                 channel_options=None, down_for: float = 5.0, credentials: grpc.ChannelCredentials | None = None):
         self.host, self.port, static = parse_spec(spec)
         self.resolve_every = resolve_every
         self.resolver = resolver
         self.channel_options = channel_options or []
+        self.credentials = credentials  # None: plaintext
         self.down_for = down_for
         self.endpoints: list[str] = static
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -102,7 +103,11 @@ class Endpoints:
     def channel(self, endpoint: str) -> grpc.aio.Channel:
         ch = self._channels.get(endpoint)
         if ch is None:
-            ch = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint, options=self.channel_options)
+            if self.credentials is not None:
+                ch = grpc.aio.secure_channel(endpoint, self.credentials, options=self.channel_options)
+            else:
+                ch = grpc.aio.insecure_channel(endpoint, options=self.channel_options)
+            self._channels[endpoint] = ch
         return ch
 
     async def close(self) -> None:

@@ -7,6 +7,11 @@ any gateway replica can serve any turn. Per turn it opens one stream to the sess
 A turn is all or nothing for the session record: it is saved when the turn ends, so a cancelled or
 failed turn leaves the session as it was before (the client may retry it). Drafter and verifier
 reconcile their state with the history at every open, whatever happened before.
+
+Faults: a drafter or verifier stream that breaks or stops answering (``backend_timeout``) is
+reopened on the next endpoint with the committed tokens; when every endpoint of a kind has failed,
+the turn waits up to ``reconnect_seconds`` for one to come back (a restarted pod) before it fails
+with UNAVAILABLE. Session-store calls are retried for up to ``store_retry_seconds``.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import secrets
 import time
 from dataclasses import asdict, dataclass, field
@@ -39,20 +45,36 @@ DEFAULT_MAX_NEW_TOKENS = 256
 DEFAULT_BUDGET = 16  # when the request asks for the adaptive budget but the verifier has no cost curve
 ROUND_OVERHEAD_MS = 1.5  # per round outside the verifier's forward: drafter, two RPCs, this loop
 LOCAL_TENANT = "local"
-# Errors that say the request is wrong: failing over would not help.
+# Errors that say the request is wrong, or that the session is busy elsewhere (ABORTED: another
+# stream is open on it): failing over would not help, and could run one session twice at once.
 _CALLER_ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
-    grpc.StatusCode.ABORTED,  # another stream holds the session (a concurrent turn): retry later, do not move it
+    grpc.StatusCode.ABORTED,
 }
-FAILOVERS = 3  # per service kind and turn
+FAILOVERS = 3  # streams lost mid-turn, per service kind and turn (failed opens are bounded by time)
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_IDS = 64
+# Server-generated ids are 24 url-safe characters (144 random bits); anything else is refused
+# before it reaches a store key.
+SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+TENANT = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
 
 
 @dataclass
 class Limits:
-    max_prompt_tokens: int = 8192
+    max_prompt_tokens: int = 8192  # tokens of a session's history before a turn generates
     max_new_tokens: int = 2048
     max_budget: int = 256
+    max_sessions_per_tenant: int = 32  # turns running at once per tenant, on one gateway (0: no limit)
+
+
+@dataclass
+class Timeouts:
+    backend: float = 60.0  # a drafter or verifier message without an answer this long: the stream is lost
+    reconnect: float = 15.0  # how long a turn waits for a drafter or verifier when every one has failed
+    store_retry: float = 10.0  # how long session-store calls are retried
 
 
 @dataclass
@@ -88,6 +110,8 @@ def load_api_keys(path: str) -> dict[str, str]:
             parts = line.split()
             if len(parts) != 2:
                 raise ValueError(f"{path}:{n}: expected 'key tenant'")
+            if not TENANT.fullmatch(parts[1]):
+                raise ValueError(f"{path}:{n}: tenant {parts[1]!r}: expected 1-64 of A-Z a-z 0-9 _ . @ -")
             keys[parts[0]] = parts[1]
     return keys
 
@@ -109,11 +133,18 @@ class _Lost(Exception):
 class _Link:
     """One bidi stream to one endpoint: ``ask`` sends a request and waits for its response."""
 
-    def __init__(self, endpoint: str, call):
+    def __init__(self, endpoint: str, call, timeout: float | None = None):
         self.endpoint = endpoint
         self.call = call
+        self.timeout = timeout
 
     async def ask(self, request):
+        try:
+            return await asyncio.wait_for(self._ask(request), self.timeout)
+        except asyncio.TimeoutError:
+            raise _Lost(self.endpoint, f"no answer in {self.timeout:g} s") from None
+
+    async def _ask(self, request):
         try:
             await self.call.write(request)
             resp = await self.call.read()
@@ -146,7 +177,7 @@ class _Link:
 class GatewayService(pb_grpc.GenerationServicer):
     def __init__(self, tokenizer, eos_ids, drafters: Endpoints, verifiers: Endpoints, store,
                  api_keys: dict[str, str] | None = None, limits: Limits = Limits(), ttl: float = 1800.0,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, timeouts: Timeouts = Timeouts()):
         self.tokenizer = tokenizer
         self.eos_ids = tuple(eos_ids)
         self.drafters = drafters
@@ -154,10 +185,29 @@ class GatewayService(pb_grpc.GenerationServicer):
         self.store = store
         self.api_keys = api_keys  # None: no auth; a dict (possibly empty: nobody gets in) otherwise
         self.limits = limits
+        self.timeouts = timeouts
         self.ttl = ttl
         self.vocab_size = vocab_size or (len(tokenizer) if tokenizer is not None else None)
         self._busy: set[tuple[str, str]] = set()  # sessions with a turn running on this gateway
+        self._per_tenant: dict[str, int] = {}  # turns running on this gateway, per tenant
+        self._turns: set[_Turn] = set()
         self._verifier_load: dict[str, int] = {}
+        self.stopping: str | None = None  # set when the gateway drains: why new turns are refused
+
+    async def drain(self, seconds: float) -> None:
+        """Refuses new turns; lets running ones finish for ``seconds``, then ends the rest with
+        UNAVAILABLE (their sessions stay as they were before the turn)."""
+        self.stopping = "the gateway is shutting down; retry on another gateway"
+        deadline = time.monotonic() + seconds
+        while self._turns and time.monotonic() < deadline - min(1.0, seconds / 2):
+            await asyncio.sleep(0.05)
+        for turn in list(self._turns):
+            turn.abort = ("the gateway is shutting down; this turn was not saved (the session is as it was "
+                          "before it): retry it")
+        while self._turns and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._turns:
+            log.warning("turns still running at shutdown", extra={"turns": len(self._turns)})
 
     # -- auth ---------------------------------------------------------------------------------
     def tenant(self, context) -> str:
@@ -173,14 +223,34 @@ class GatewayService(pb_grpc.GenerationServicer):
             raise _Fail(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key (metadata 'authorization: Bearer <key>')")
         return tenant
 
+    async def _store_call(self, op: str, fn, *args, retry: bool = True):
+        """A session-store call, retried with backoff for ``store_retry`` seconds (a Redis restart)."""
+        deadline = time.monotonic() + (self.timeouts.store_retry if retry else 0.0)
+        delay = 0.05
+        while True:
+            try:
+                return await fn(*args)
+            except Exception as e:  # noqa: BLE001 - any store error is retried, then reported
+                M.STORE_FAILURES.labels(op).inc()
+                if time.monotonic() + delay > deadline:
+                    log.warning("session store call failed", extra={"op": op, "error": repr(e)})
+                    raise _Fail(grpc.StatusCode.UNAVAILABLE, f"session store unavailable ({op}): {e!r}") from None
+                log.info("session store call failed; retrying", extra={"op": op, "error": repr(e)})
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
     async def _record(self, tenant: str, session_id: str) -> Record:
-        try:
-            data = await self.store.get(record_key(tenant, session_id))
-        except Exception as e:  # noqa: BLE001
-            raise _Fail(grpc.StatusCode.UNAVAILABLE, f"session store unavailable: {e!r}") from None
+        if not SESSION_ID.fullmatch(session_id):
+            raise _Fail(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"session_id: {session_id[:40]!r}{'...' if len(session_id) > 40 else ''} is not a session id "
+                        "(1-128 of A-Z a-z 0-9 _ -)")
+        data = await self._store_call("get", self.store.get, record_key(tenant, session_id))
         if data is None:
             raise _Fail(grpc.StatusCode.NOT_FOUND, f"session_id {session_id!r}: no such session")
-        return Record.loads(data)
+        rec = Record.loads(data)
+        if rec.tenant != tenant:  # store keys are per tenant; this is a second lock on the door
+            raise _Fail(grpc.StatusCode.NOT_FOUND, f"session_id {session_id!r}: no such session")
+        return rec
 
     # -- Generate -----------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context):
@@ -204,7 +274,7 @@ class GatewayService(pb_grpc.GenerationServicer):
         from verifier.sampling import SamplingParams
 
         lim = self.limits
-        max_new = r.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+        max_new = r.max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, lim.max_new_tokens)  # 0: the default, within the limit
         if not 1 <= max_new <= lim.max_new_tokens:
             raise _Fail(grpc.StatusCode.INVALID_ARGUMENT, f"max_new_tokens: {r.max_new_tokens}, expected 1..{lim.max_new_tokens}")
         mode = r.speculation.mode or "racer"
@@ -217,10 +287,17 @@ class GatewayService(pb_grpc.GenerationServicer):
             SamplingParams(r.temperature, r.top_p or 1.0, r.top_k, r.seed if r.HasField("seed") else None)
         except ValueError as e:
             raise _Fail(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        if len(r.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in r.stop):
+            raise _Fail(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"stop: at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
         if any(s == "" for s in r.stop):
             raise _Fail(grpc.StatusCode.INVALID_ARGUMENT, "stop: empty stop string")
+        if len(r.stop_ids) > MAX_STOP_IDS:
+            raise _Fail(grpc.StatusCode.INVALID_ARGUMENT, f"stop_ids: {len(r.stop_ids)} ids, at most {MAX_STOP_IDS}")
         if any(t < 0 or (self.vocab_size and t >= self.vocab_size) for t in r.stop_ids):
             raise _Fail(grpc.StatusCode.INVALID_ARGUMENT, "stop_ids: token id outside the vocabulary")
+        if r.system and r.WhichOneof("input") != "prompt":
+            raise _Fail(grpc.StatusCode.INVALID_ARGUMENT, "system: only with a prompt input (chat carries its own)")
         return max_new, mode, budget
 
     def _turn_ids(self, r: pb.GenerateRequest, history: list[int]) -> list[int]:
@@ -250,14 +327,21 @@ class GatewayService(pb_grpc.GenerationServicer):
             bad = next((m["role"] for m in messages if m["role"] not in ("system", "user", "assistant")), None)
             if bad is not None:
                 raise _Fail(grpc.StatusCode.INVALID_ARGUMENT, f"chat.messages.role: {bad!r}, expected system, user or assistant")
+        # Text longer than this cannot fit the token limit (a token is at least one character for the
+        # tokenizers this serves; checked before tokenizing a huge string).
+        chars = len(r.prompt) + len(r.system) + sum(len(m.content) for m in r.chat.messages)
+        if chars > 64 * self.limits.max_prompt_tokens:
+            raise _Fail(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{kind}: {chars} characters, more than max_prompt_tokens={self.limits.max_prompt_tokens} tokens "
+                        "can hold (refused before tokenizing)")
         try:
             return continue_ids(self.tokenizer, history, messages, self.eos_ids) if history else messages_ids(self.tokenizer, messages)
         except Exception as e:  # noqa: BLE001 - template errors are the caller's input
             raise _Fail(grpc.StatusCode.INVALID_ARGUMENT, f"{kind}: the chat template rejected it: {e}") from None
 
     async def _generate(self, tenant: str, r: pb.GenerateRequest):
-        from verifier.sampling import SamplingParams  # noqa: F401 - validated in _check_request
-
+        if self.stopping:
+            raise _Fail(grpc.StatusCode.UNAVAILABLE, self.stopping)
         max_new, mode, budget = self._check_request(r)
         if r.session_id:
             record = await self._record(tenant, r.session_id)
@@ -266,18 +350,34 @@ class GatewayService(pb_grpc.GenerationServicer):
         key = (tenant, record.session_id)
         if key in self._busy:
             raise _Fail(grpc.StatusCode.ABORTED, f"session_id {record.session_id!r}: a turn is already running")
+        lim = self.limits
+        if lim.max_sessions_per_tenant and self._per_tenant.get(tenant, 0) >= lim.max_sessions_per_tenant:
+            raise _Fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"tenant {tenant!r}: {self._per_tenant[tenant]} sessions are generating, the limit is "
+                        f"max_sessions_per_tenant={lim.max_sessions_per_tenant}; retry when one ends")
         turn = self._turn_ids(r, record.history)
-        history = record.history + turn
-        if len(history) + max_new > self.limits.max_prompt_tokens + self.limits.max_new_tokens or len(history) > self.limits.max_prompt_tokens:
+        kind = r.WhichOneof("input")
+        if len(turn) > lim.max_prompt_tokens:
             raise _Fail(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"prompt: the session would hold {len(history)} tokens, limit {self.limits.max_prompt_tokens}")
+                        f"{kind}: {len(turn)} tokens, the limit is max_prompt_tokens={lim.max_prompt_tokens}")
+        history = record.history + turn
+        if len(history) > lim.max_prompt_tokens:
+            raise _Fail(grpc.StatusCode.FAILED_PRECONDITION,
+                        f"session_id {record.session_id!r}: the session holds {len(record.history)} tokens, with this "
+                        f"turn's {len(turn)} it would exceed max_prompt_tokens={lim.max_prompt_tokens}; start a new session")
         self._busy.add(key)
+        self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
+        run = _Turn(self, record, history, len(turn), r, max_new, mode, budget)
+        self._turns.add(run)
         try:
-            run = _Turn(self, record, history, len(turn), r, max_new, mode, budget)
             async for resp in run.stream():
                 yield resp
         finally:
+            self._turns.discard(run)
             self._busy.discard(key)
+            self._per_tenant[tenant] -= 1
+            if not self._per_tenant[tenant]:
+                del self._per_tenant[tenant]
 
     # -- sessions -----------------------------------------------------------------------------
     async def _info(self, rec: Record, closed: bool = False) -> pb.SessionInfo:
@@ -300,7 +400,7 @@ class GatewayService(pb_grpc.GenerationServicer):
             rec = await self._record(tenant, request.session_id)
             if (tenant, rec.session_id) in self._busy:
                 raise _Fail(grpc.StatusCode.FAILED_PRECONDITION, f"session_id {rec.session_id!r}: a turn is running")
-            await self.store.delete(record_key(tenant, rec.session_id))
+            await self._store_call("delete", self.store.delete, record_key(tenant, rec.session_id))
             await self._drop_everywhere(tenant, rec)
             return await self._info(rec, closed=True)
         except _Fail as e:
@@ -321,10 +421,12 @@ class GatewayService(pb_grpc.GenerationServicer):
         try:
             tenant = self.tenant(context)
             out = []
-            for k in await self.store.keys(record_key(tenant, "")):
-                data = await self.store.get(k)
+            for k in await self._store_call("keys", self.store.keys, record_key(tenant, ""), retry=False):
+                data = await self._store_call("get", self.store.get, k, retry=False)
                 if data is not None:
-                    out.append(await self._info(Record.loads(data)))
+                    rec = Record.loads(data)
+                    if rec.tenant == tenant:
+                        out.append(await self._info(rec))
             return pb.ListSessionsResponse(sessions=sorted(out, key=lambda s: s.created_unix))
         except _Fail as e:
             await context.abort(e.code, e.message)
@@ -354,30 +456,77 @@ class _Turn:
         self.drafter: _Link | None = None
         self.verifier: _Link | None = None
         self.cost = None  # the verifier's cost curve (adaptive budget)
-        self.failed: dict[str, set[str]] = {"drafter": set(), "verifier": set()}
+        self.failed: dict[str, set[str]] = {"drafter": set(), "verifier": set()}  # not tried again this turn
+        self.full: set[str] = set()  # verifiers that refused the session for lack of room
+        self.lost = {"drafter": 0, "verifier": 0}  # streams lost mid-turn
+        self.last_error = {"drafter": "", "verifier": ""}
+        self.abort: str | None = None  # set by a draining gateway: end the turn with UNAVAILABLE
+        self.waiting: dict[str, float] = {}  # kind -> when to stop waiting for one to come back
+
+    def _check_abort(self) -> None:
+        if self.abort:
+            raise _Fail(grpc.StatusCode.UNAVAILABLE, self.abort)
 
     # -- links --------------------------------------------------------------------------------
+    async def _candidates(self, kind: str) -> list[str]:
+        """Endpoints of ``kind`` to try, best first. When every one has failed this turn, waits with
+        backoff (at most ``reconnect`` seconds in all) and tries them all again: a restarted pod, a
+        Redis-backed drafter coming back, a DNS change."""
+        gw = self.gw
+        eps = gw.drafters if kind == "drafter" else gw.verifiers
+        delay = 0.05
+        while True:
+            self._check_abort()
+            await eps.refresh()
+            if kind == "drafter":
+                ranked = eps.ranked(self.record.session_id, exclude=self.failed[kind])
+            else:
+                live = [e for e in eps.live() if e not in self.failed[kind] and e not in self.full]
+                sticky = self.record.verifier
+                ranked = sorted(live, key=lambda e: (e != sticky, gw._verifier_load.get(e, 0)))
+            if ranked:
+                return ranked
+            if kind == "verifier" and self.full and not self.failed[kind]:
+                raise _Fail(grpc.StatusCode.RESOURCE_EXHAUSTED, f"every verifier is full: {self.last_error[kind]}")
+            now = time.monotonic()
+            deadline = self.waiting.get(kind)
+            if deadline is None:  # kept until an open succeeds: the retries below do not restart the clock
+                deadline = self.waiting[kind] = now + gw.timeouts.reconnect
+                log.warning(f"no {kind} reachable; waiting for one", extra={"session_id": self.record.session_id,
+                                                                             "seconds": gw.timeouts.reconnect})
+            if now + delay > deadline:
+                raise _Fail(grpc.StatusCode.UNAVAILABLE,
+                            f"no {kind} reachable for {gw.timeouts.reconnect:g} s (last error: {self.last_error[kind]}); "
+                            "the turn was not saved: retry it")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+            self.failed[kind].clear()
+            await eps.refresh(force=True)
+
     async def _open_verifier(self, ctx: list[int]) -> vpb.VerifyResponse:
         gw = self.gw
         while True:
-            await gw.verifiers.refresh()
-            live = [e for e in gw.verifiers.live() if e not in self.failed["verifier"]]
-            if not live:
-                raise _Fail(grpc.StatusCode.UNAVAILABLE, f"no verifier reachable ({len(self.failed['verifier'])} failed)")
-            sticky = self.record.verifier
-            ep = sticky if sticky in live else min(live, key=lambda e: gw._verifier_load.get(e, 0))
+            ep = (await self._candidates("verifier"))[0]
             call = vgrpc.VerifierStub(gw.verifiers.channel(ep)).Session()
-            link = _Link(ep, call)
+            link = _Link(ep, call, gw.timeouts.backend)
             try:
                 resp = await link.ask(vpb.VerifyRequest(open=vpb.VerifierOpen(
                     session_id=self.record.session_id, tenant=self.record.tenant, history=ctx, sampling=self.sampling)))
             except (_Lost, _Fail) as e:
                 await link.close(cancel=True)
+                if isinstance(e, _Fail) and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self.full.add(ep)  # that verifier has no room: another may
+                    self.last_error["verifier"] = f"{ep}: {e.message}"
+                    continue
                 if isinstance(e, _Fail):
                     raise
-                self._lost("verifier", e)
+                self._unreachable("verifier", e)
                 continue
             self.verifier = link
+            self.waiting.pop("verifier", None)
+            if self.record.verifier and self.record.verifier != ep:
+                log.info("session moved to another verifier", extra={"session_id": self.record.session_id,
+                                                                      "from": self.record.verifier, "to": ep})
             self.record.verifier = ep
             if resp.cost.sizes:
                 self.cost = resp.cost
@@ -389,12 +538,8 @@ class _Turn:
         adaptive = self.budget == 0 and self.cost is not None and len(self.cost.sizes) > 0
         gw = self.gw
         while True:
-            await gw.drafters.refresh()
-            ranked = gw.drafters.ranked(self.record.session_id, exclude=self.failed["drafter"])
-            if not ranked:
-                raise _Fail(grpc.StatusCode.UNAVAILABLE, f"no drafter reachable ({len(self.failed['drafter'])} failed)")
-            ep = ranked[0]
-            link = _Link(ep, dgrpc.DrafterStub(gw.drafters.channel(ep)).Session())
+            ep = (await self._candidates("drafter"))[0]
+            link = _Link(ep, dgrpc.DrafterStub(gw.drafters.channel(ep)).Session(), gw.timeouts.backend)
             try:
                 resp = await link.ask(dpb.DraftRequest(open=dpb.DrafterOpen(
                     session_id=self.record.session_id, tenant=self.record.tenant, history=ctx,
@@ -404,21 +549,35 @@ class _Turn:
                 await link.close(cancel=True)
                 if isinstance(e, _Fail):
                     raise
-                self._lost("drafter", e)
+                self._unreachable("drafter", e)
                 continue
             self.drafter = link
+            self.waiting.pop("drafter", None)
             self.draft_ms += resp.elapsed_ms
             if self.budget == 0 and not adaptive:
                 self.budget = DEFAULT_BUDGET
             log.debug("drafter open", extra={"session_id": self.record.session_id, "drafter": ep, "restored_from": resp.restored_from})
             return
 
-    def _lost(self, kind: str, e: _Lost) -> None:
-        log.warning(f"{kind} lost; failing over", extra={"session_id": self.record.session_id, "endpoint": e.endpoint, "error": e.error})
+    def _unreachable(self, kind: str, e: _Lost) -> None:
+        """An open failed: try the next endpoint (``_candidates`` bounds the retries by time)."""
+        log.warning(f"{kind} unreachable", extra={"session_id": self.record.session_id, "endpoint": e.endpoint, "error": e.error})
         self.failed[kind].add(e.endpoint)
+        self.last_error[kind] = f"{e.endpoint}: {e.error}"
         (self.gw.drafters if kind == "drafter" else self.gw.verifiers).mark_down(e.endpoint)
-        if len(self.failed[kind]) > FAILOVERS:
-            raise _Fail(grpc.StatusCode.UNAVAILABLE, f"{kind}s keep failing: {e.error}")
+
+    def _lost(self, kind: str, e: _Lost) -> None:
+        """A stream broke mid-turn: fail over (a few times per turn at most)."""
+        self._check_abort()
+        log.warning(f"{kind} lost; failing over", extra={"session_id": self.record.session_id, "endpoint": e.endpoint, "error": e.error})
+        M.FAILOVERS.labels(kind).inc()
+        self.failed[kind].add(e.endpoint)
+        self.last_error[kind] = f"{e.endpoint}: {e.error}"
+        (self.gw.drafters if kind == "drafter" else self.gw.verifiers).mark_down(e.endpoint)
+        self.lost[kind] += 1
+        if self.lost[kind] > FAILOVERS:
+            raise _Fail(grpc.StatusCode.UNAVAILABLE, f"{kind}s keep failing ({self.lost[kind]} streams lost this turn; "
+                                                     f"last: {e.error}); the turn was not saved: retry it")
 
     async def _release(self, cancel: bool) -> None:
         for link in (self.drafter, self.verifier):
@@ -453,6 +612,7 @@ class _Turn:
                     yield pb.GenerateResponse(session_id=sid, text=text, token_ids=out)
                 if done:
                     break
+                self._check_abort()
                 t_round = time.perf_counter()
                 tree = await self._draft(ctx, root, feedback)
                 res = await self._verify(ctx, root, tree)
@@ -495,6 +655,8 @@ class _Turn:
                 self.drafter = None
                 self._lost("drafter", e)
                 continue
+            except _Fail as e:  # the request was checked at the door: a refused step is our bug, not the caller's
+                raise _Fail(grpc.StatusCode.INTERNAL, f"drafter {self.drafter.endpoint} refused a step: {e.code.name}: {e.message}") from None
             self.draft_ms += resp.elapsed_ms
             if not resp.tree.tokens or resp.tree.tokens[0] != root:
                 raise _Fail(grpc.StatusCode.INTERNAL, f"drafter {self.drafter.endpoint} returned a tree with the wrong root")
@@ -506,6 +668,8 @@ class _Turn:
                 await self._open_verifier(ctx)  # its next token is ``root`` again (greedy) or a discarded draw
             try:
                 resp = await self.verifier.ask(vpb.VerifyRequest(tree=vpb.VerifyTree(tokens=tree.tokens, parents=tree.parents)))
+            except _Fail as e:
+                raise _Fail(grpc.StatusCode.INTERNAL, f"verifier {self.verifier.endpoint} refused a draft tree: {e.code.name}: {e.message}") from None
             except _Lost as e:
                 await self.verifier.close(cancel=True)
                 self.gw._verifier_load[self.verifier.endpoint] -= 1
@@ -533,9 +697,9 @@ class _Turn:
         rec.turns += 1
         rec.last_used = time.time()
         try:
-            await self.gw.store.set(record_key(rec.tenant, rec.session_id), rec.dumps(), self.gw.ttl)
-        except Exception as e:  # noqa: BLE001
-            raise _Fail(grpc.StatusCode.UNAVAILABLE, f"session store unavailable, turn not saved: {e!r}") from None
+            await self.gw._store_call("set", self.gw.store.set, record_key(rec.tenant, rec.session_id), rec.dumps(), self.gw.ttl)
+        except _Fail as e:
+            raise _Fail(e.code, f"{e.message}; the turn was not saved: retry it") from None
         total = time.perf_counter() - t0
         s = self.stats
         last = emitted[-1] if emitted else None

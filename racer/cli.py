@@ -125,7 +125,10 @@ def cmd_client(args) -> int:
 
     from .client import Client, format_stats
 
-    with Client(args.target, args.api_key or os.environ.get("RACER_API_KEY")) as c:
+    from .client import tls_credentials
+
+    creds = tls_credentials(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca or args.tls_cert else None
+    with Client(args.target, args.api_key or os.environ.get("RACER_API_KEY"), credentials=creds) as c:
         try:
             if args.action == "sessions":
                 for s in c.list_sessions():
@@ -156,6 +159,12 @@ def cmd_client(args) -> int:
         except grpc.RpcError as e:
             print(f"racer: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
+
+
+def tls_flags(parser) -> None:
+    parser.add_argument("--tls-ca", default="", help="TLS to the gateway: PEM CA that signed its certificate")
+    parser.add_argument("--tls-cert", default="", help="this client's PEM certificate, when the gateway requires one")
+    parser.add_argument("--tls-key", default="", help="the PEM private key of --tls-cert")
 
 
 def _read_turn():
@@ -236,6 +245,7 @@ def main(argv=None) -> int:
     cl.add_argument("--budget", type=int, default=16)
     cl.add_argument("--temperature", type=float, default=0.0)
     cl.add_argument("--seed", type=int, default=None)
+    tls_flags(cl)
     cl.set_defaults(func=cmd_client)
 
     bs = sub.add_parser("bench-stack", help="tokens/s through the gateway vs in process, side by side")
@@ -261,6 +271,25 @@ def main(argv=None) -> int:
     bb.add_argument("--port-base", type=int, default=50151)
     bb.add_argument("--metrics-base", type=int, default=9200)
     bb.set_defaults(func=lambda a: __import__("racer.bench_services", fromlist=["x"]).bench_batch(a))
+
+    ld = sub.add_parser("load", help="N concurrent sessions x T turns through a gateway on this machine (bounded)")
+    ld.add_argument("--target", default="localhost:50051", help="gateway address (loopback only)")
+    ld.add_argument("--sessions", type=int, default=16, help="concurrent sessions (at most 256)")
+    ld.add_argument("--turns", type=int, default=3, help="turns per session (at most 32)")
+    ld.add_argument("--max-new-tokens", type=int, default=64, help="per turn (at most 1024)")
+    ld.add_argument("--seed", type=int, default=0, help="prompt seed: the same seed sends the same requests")
+    ld.add_argument("--ids", type=int, default=0, metavar="VOCAB",
+                    help="send random token ids below VOCAB instead of text prompts (a gateway with --model none)")
+    ld.add_argument("--prompt-tokens", type=int, default=16, help="with --ids: tokens per turn")
+    ld.add_argument("--time-limit", type=float, default=120.0, help="seconds for the whole run (at most 600)")
+    ld.add_argument("--api-key", default=None, help="tenant API key (or env RACER_API_KEY)")
+    ld.add_argument("--mode", default="", help="speculation mode (default: the server's)")
+    ld.add_argument("--budget", type=int, default=0, help="draft budget (0: the server's)")
+    ld.add_argument("--keep-sessions", action="store_true", help="do not close the sessions at the end")
+    ld.add_argument("--json", default=None, help="also write the report as JSON")
+    tls_flags(ld)
+    ld.set_defaults(func=lambda a: __import__("racer.load", fromlist=["x"]).main(
+        a if a.api_key else argparse.Namespace(**{**vars(a), "api_key": os.environ.get("RACER_API_KEY")})))
 
     bn = sub.add_parser("bench-snapshot", help="size and save/restore time of a full drafter session snapshot")
     bn.add_argument("--store", default="memory://", help="memory:// or redis://host:port/db")

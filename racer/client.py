@@ -15,9 +15,20 @@ from racer.v1 import generation_pb2 as pb
 from racer.v1 import generation_pb2_grpc as pb_grpc
 
 
+def tls_credentials(ca: str = "", cert: str = "", key: str = "") -> grpc.ChannelCredentials:
+    """TLS to a gateway: ``ca`` verifies its certificate (empty: the system's roots); ``cert`` and
+    ``key`` are this client's own certificate when the gateway requires one (mutual TLS)."""
+    def read(path):
+        with open(path, "rb") as f:
+            return f.read()
+
+    return grpc.ssl_channel_credentials(read(ca) if ca else None, read(key) if key else None, read(cert) if cert else None)
+
+
 class Client:
-    def __init__(self, target: str = "localhost:50051", api_key: str | None = None, timeout: float | None = None):
-        self.channel = grpc.insecure_channel(target)
+    def __init__(self, target: str = "localhost:50051", api_key: str | None = None, timeout: float | None = None,
+                 credentials: grpc.ChannelCredentials | None = None):
+        self.channel = grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self.timeout = timeout

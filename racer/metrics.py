@@ -22,6 +22,8 @@ REQUESTS = Counter("racer_requests", "Generate calls by outcome", ["code"])
 ROUND_MS = Histogram("racer_round_latency_ms", "Draft + verify round seen by the gateway", buckets=_MS)
 TTFT_MS = Histogram("racer_time_to_first_token_ms", "Request start to first streamed token", buckets=_MS)
 ACTIVE_STREAMS = Gauge("racer_active_streams", "Generate streams in flight")
+FAILOVERS = Counter("racer_failovers", "Drafter or verifier streams lost mid-turn and reopened elsewhere", ["kind"])
+STORE_FAILURES = Counter("racer_store_failures", "Session-store calls that failed (each retry counts)", ["op"])
 
 # drafter
 DRAFT_MS = Histogram("racer_draft_latency_ms", "Drafter work per step message", buckets=_MS)

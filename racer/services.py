@@ -8,8 +8,15 @@ import logging
 from types import SimpleNamespace
 
 from .serving import Server, start_server
+from .tls import server_credentials
 
 log = logging.getLogger("racer")
+
+
+def _server_kw(args) -> dict:
+    """What every service's gRPC server takes from the common settings."""
+    return dict(credentials=server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca),
+                keepalive_seconds=args.keepalive_seconds)
 
 
 def defaults(service: str, **overrides) -> SimpleNamespace:
@@ -37,17 +44,25 @@ async def start_drafter(args) -> tuple[Server, object]:
 
     config = DrafterConfig(window=args.window, max_nodes=args.max_nodes, topk=args.topk)
     store = open_store(args.snapshot_url)
-    svc = DrafterService(config, store, load_prior(args.prior, args.topk), args.snapshot_every, args.session_ttl)
+    svc = DrafterService(config, store, load_prior(args.prior, args.topk), args.snapshot_every, args.session_ttl,
+                         max_tokens=args.max_session_tokens)
     tasks = []
 
-    async def drain():
+    async def drain(grace: float):
         for t in tasks:
             t.cancel()
         await svc.flush()
-        await store.close()
 
     srv = await start_server("drafter", lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(svc, s),
-                             args.host, args.port, args.max_message_bytes, drain)
+                             args.host, args.port, args.max_message_bytes, drain, **_server_kw(args))
+    orig_stop = srv.stop
+
+    async def stop(grace: float = 5.0):
+        await orig_stop(grace)
+        await svc.flush()  # what the streams that ran during the drain changed
+        await store.close()
+
+    srv.stop = stop
     tasks.append(asyncio.ensure_future(janitor(svc, min(30.0, args.session_ttl))))
     return srv, svc
 
@@ -59,7 +74,7 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
     if model is None:
         from verifier.model import load
 
-        model = (await asyncio.to_thread(load, args.model, "float32", args.threads or None)).model
+        model = (await asyncio.to_thread(load, args.model, "float32", args.threads or None, False)).model
         if args.device not in ("auto", "cpu") or (args.device == "auto" and _cuda()):
             model = model.to("cuda" if args.device == "auto" else args.device)
     cost = None
@@ -77,12 +92,12 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
             await asyncio.sleep(min(30.0, args.session_ttl))
             await svc.expire()
 
-    async def drain():
+    async def drain(grace: float):
         for t in tasks:
             t.cancel()
 
     srv = await start_server("verifier", lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(svc, s),
-                             args.host, args.port, args.max_message_bytes, drain)
+                             args.host, args.port, args.max_message_bytes, drain, **_server_kw(args))
     tasks.append(asyncio.ensure_future(janitor()))
     return srv, svc
 
@@ -95,11 +110,12 @@ def _cuda() -> bool:
 
 async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, resolver=None) -> tuple[Server, object]:
     from gateway.routing import Endpoints
-    from gateway.service import GatewayService, Limits, load_api_keys
+    from gateway.service import GatewayService, Limits, Timeouts, load_api_keys
     from racer.v1 import generation_pb2_grpc
 
-    from .serving import server_options
+    from .serving import channel_options
     from .store import open_store
+    from .tls import channel_credentials
 
     if tokenizer is None and args.model != "none":
         from transformers import AutoTokenizer
@@ -112,22 +128,21 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path)
         eos_ids = eos_token_ids(path, tokenizer)
         vocab_size = AutoConfig.from_pretrained(path).vocab_size
-    opts = server_options(args.max_message_bytes)
+    opts = channel_options(args.max_message_bytes, args.keepalive_seconds, args.tls_server_name)
+    creds = channel_credentials(args.tls_ca, args.tls_client_cert, args.tls_client_key)
     kw = {"resolver": resolver} if resolver else {}
-    drafters = Endpoints(args.drafters, args.resolve_every, channel_options=opts, **kw)
-    verifiers = Endpoints(args.verifiers, args.resolve_every, channel_options=opts, **kw)
+    drafters = Endpoints(args.drafters, args.resolve_every, channel_options=opts, credentials=creds, **kw)
+    verifiers = Endpoints(args.verifiers, args.resolve_every, channel_options=opts, credentials=creds, **kw)
     await drafters.refresh(force=True)
     await verifiers.refresh(force=True)
     store = open_store(args.session_url)
-    limits = Limits(args.max_prompt_tokens, args.max_new_tokens, args.max_budget)
+    limits = Limits(args.max_prompt_tokens, args.max_new_tokens, args.max_budget, args.max_sessions_per_tenant)
+    timeouts = Timeouts(args.backend_timeout, args.reconnect_seconds, args.store_retry_seconds)
     svc = GatewayService(tokenizer, eos_ids or (), drafters, verifiers, store, load_api_keys(args.api_keys) if args.api_keys else None, limits,
-                         args.session_ttl, vocab_size)
-
-    async def drain():
-        pass
+                         args.session_ttl, vocab_size, timeouts)
 
     srv = await start_server("gateway", lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(svc, s),
-                             args.host, args.port, args.max_message_bytes, drain)
+                             args.host, args.port, args.max_message_bytes, svc.drain, **_server_kw(args))
 
     orig_stop = srv.stop
 

@@ -51,18 +51,51 @@ def setup_logging(level: str = "INFO") -> None:
     root.setLevel(level.upper())
 
 
-def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+def server_options(max_message_bytes: int, keepalive_seconds: float = 10.0) -> list[tuple[str, int]]:
+    """Message size limits (a larger message gets RESOURCE_EXHAUSTED) and keepalive: a peer that
+    stops answering pings (a frozen or partitioned process) is dropped and its streams end."""
+    ka = max(1, int(keepalive_seconds * 1000))
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_time_ms", ka),
+        ("grpc.keepalive_timeout_ms", ka),
+        ("grpc.http2.ping_timeout_ms", ka),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # clients (the gateway) ping as often as we do: accept it rather than answer "too many pings"
+        ("grpc.http2.min_ping_interval_without_data_ms", min(ka, 5000)),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", min(ka, 5000)),
     ]
+
+
+def channel_options(max_message_bytes: int, keepalive_seconds: float = 10.0, server_name: str = "") -> list[tuple[str, object]]:
+    """The gateway's channels to drafters and verifiers: the same limits and keepalive, and a short
+    reconnect backoff (at most 1 s), so a restarted pod is used again as soon as it listens."""
+    ka = max(1, int(keepalive_seconds * 1000))
+    opts: list[tuple[str, object]] = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", ka),
+        ("grpc.keepalive_timeout_ms", ka),
+        ("grpc.http2.ping_timeout_ms", ka),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
+    if server_name:
+        opts.append(("grpc.ssl_target_name_override", server_name))
+    return opts
 
 
 class Server:
     """A started gRPC server for one service kind, with health and reflection registered."""
 
-    def __init__(self, kind: str, server: grpc.aio.Server, port: int, health_servicer, drain: Callable[[], Awaitable[None]] | None):
+    def __init__(self, kind: str, server: grpc.aio.Server, port: int, health_servicer,
+                 drain: Callable[[float], Awaitable[None]] | None):
         self.kind = kind
         self.server = server
         self.port = port
@@ -71,17 +104,19 @@ class Server:
         self._stopped = asyncio.Event()
 
     async def stop(self, grace: float = 5.0) -> None:
-        """Graceful: NOT_SERVING, drain hook, then in-flight RPCs get ``grace`` seconds."""
+        """Graceful: NOT_SERVING, drain hook, then in-flight RPCs get what is left of ``grace``
+        seconds (the hook gets the whole grace; the gateway's uses it to end its turns cleanly)."""
         if self._stopped.is_set():
             return
         self._stopped.set()
+        deadline = time.monotonic() + grace
         await self.health.enter_graceful_shutdown()
         if self._drain is not None:
             try:
-                await self._drain()
+                await self._drain(grace)
             except Exception:  # noqa: BLE001 - shutdown goes on; the failure is logged
                 log.exception("drain hook failed", extra={"service": self.kind})
-        await self.server.stop(grace)
+        await self.server.stop(max(0.0, deadline - time.monotonic()))
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()
@@ -93,22 +128,25 @@ async def start_server(
     host: str = "127.0.0.1",
     port: int = 0,
     max_message_bytes: int = 16 * 1024 * 1024,
-    drain: Callable[[], Awaitable[None]] | None = None,
+    drain: Callable[[float], Awaitable[None]] | None = None,
     interceptors=None,
+    credentials: grpc.ServerCredentials | None = None,
+    keepalive_seconds: float = 10.0,
 ) -> Server:
-    server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=interceptors)
+    server = grpc.aio.server(options=server_options(max_message_bytes, keepalive_seconds), interceptors=interceptors)
     register(server)
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     name = HEALTH_SERVICES[kind]
     reflection.enable_server_reflection((name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials is not None else server.add_insecure_port(address)
     if bound == 0:
         raise RuntimeError(f"{kind}: cannot bind {host}:{port}")
     await server.start()
     for svc in ("", name):
         await hs.set(svc, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving", extra={"service": kind, "port": bound})
+    log.info("serving", extra={"service": kind, "port": bound, "tls": credentials is not None})
     return Server(kind, server, bound, hs, drain)
 
 
@@ -137,10 +175,12 @@ async def serve_forever(srv: Server, drain_seconds: float) -> None:
     waiter.cancel()
 
 
-async def wait_healthy(target: str, service: str = "", timeout: float = 120.0) -> None:
+async def wait_healthy(target: str, service: str = "", timeout: float = 120.0,
+                       credentials: grpc.ChannelCredentials | None = None) -> None:
     """Polls ``grpc.health.v1`` at ``target`` until SERVING or ``timeout``."""
     deadline = time.monotonic() + timeout
-    async with grpc.aio.insecure_channel(target) as ch:
+    channel = grpc.aio.secure_channel(target, credentials) if credentials else grpc.aio.insecure_channel(target)
+    async with channel as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             try:

@@ -75,6 +75,9 @@ def run(args) -> int:
                 print(format_stats(last), file=sys.stderr)
         if args.keep:
             print("stack running; Ctrl-C stops it", file=sys.stderr)
+            # Blocked first: an unblocked SIGTERM would kill this process before sigwait sees it,
+            # leaving the three services running without their parent.
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
             signal.sigwait({signal.SIGINT, signal.SIGTERM})
     return 0
 

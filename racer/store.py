@@ -45,11 +45,18 @@ class MemoryStore:
 
 
 class RedisStore:
+    """Calls fail within a few seconds when Redis is down or hung (one quick retry covers a pooled
+    connection that a Redis restart closed); callers decide what a failure costs: the gateway
+    retries for a bounded time, the drafter skips the snapshot and counts it."""
+
     def __init__(self, url: str):
         import redis.asyncio as redis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import ExponentialBackoff
 
         self.url = url
-        self._r = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._r = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0,
+                                       retry=Retry(ExponentialBackoff(cap=0.25, base=0.05), 1))
 
     async def get(self, key: str) -> bytes | None:
         return await self._r.get(key)

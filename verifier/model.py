@@ -83,21 +83,24 @@ class LoadedModel:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         eos = self.model.generation_config.eos_token_id
-        if eos is None:
+        if eos is None and self.tokenizer is not None:
             eos = self.tokenizer.eos_token_id
         if eos is None:
             return ()
         return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-def load(model: str = DEFAULT_MODEL, dtype: str = "float32", threads: int | None = None) -> LoadedModel:
+def load(model: str = DEFAULT_MODEL, dtype: str = "float32", threads: int | None = None,
+         tokenizer: bool = True) -> LoadedModel:
+    """The model (and its tokenizer unless ``tokenizer=False``: the verifier works on token ids only,
+    so a model directory without tokenizer files serves too)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if threads:
         torch.set_num_threads(threads)
     path = resolve_model_dir(model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path) if tokenizer else None
     model_obj = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     model_obj.eval()
     return LoadedModel(model_obj, tokenizer, path)

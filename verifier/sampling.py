@@ -1,11 +1,16 @@
-"""Sampling parameters and the processed target distribution (temperature, top-k, top-p)."""
+"""Sampling parameters and the processed target distribution (temperature, top-k, top-p).
+
+``SamplingParams`` needs no torch (the gateway validates requests with it); the rest imports it.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,8 @@ class SamplingParams:
 
 def processed_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """logits [V] -> probabilities [V] after temperature, top-k and top-p (nucleus) filtering."""
+    import torch
+
     x = logits.float()
     # Shift first: the top logit becomes 0, so a tiny temperature gives -inf tails, never inf - inf.
     x = (x - x.max()) / p.temperature
@@ -49,6 +56,8 @@ class Sampler:
     """Draws from the processed distribution with its own seeded generator."""
 
     def __init__(self, params: SamplingParams):
+        import torch
+
         self.params = params
         self.generator = torch.Generator()
         if params.seed is not None:
@@ -57,5 +66,7 @@ class Sampler:
             self.generator.seed()
 
     def __call__(self, logits: torch.Tensor) -> int:
+        import torch
+
         probs = processed_probs(logits, self.params)
         return int(torch.multinomial(probs, 1, generator=self.generator))

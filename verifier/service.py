@@ -156,6 +156,8 @@ class VerifierService(pb_grpc.VerifierServicer):
     def _claim(self, op: pb.VerifierOpen) -> Entry:
         if not op.session_id:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "open.session_id: required")
+        if not op.tenant:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "open.tenant: required")
         if not op.history:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "open.history: empty")
         bad = next((t for t in op.history if not 0 <= t < self.vocab_size), None)
@@ -208,6 +210,10 @@ class VerifierService(pb_grpc.VerifierServicer):
             common += 1
         reuse = min(common, len(history) - 1)  # at least one token is fed: its logits pick the next
         t0 = time.perf_counter()
+        # Whatever happens to this call, the cache's first ``reuse`` rows stay valid: the work only
+        # truncates to them and appends. A cancelled stream (the worker may still run the work)
+        # thus keeps a cache the next open can reuse.
+        entry.tokens = have[:reuse]
 
         def work():
             entry.session.truncate(reuse)
@@ -215,8 +221,10 @@ class VerifierService(pb_grpc.VerifierServicer):
 
         try:
             res = await self._run(work)
+        except asyncio.CancelledError:
+            raise
         except BaseException:
-            self._forget(entry)  # a half-done prefill leaves the cache unknown
+            self._forget(entry)  # a forward that failed halfway leaves the cache unknown
             raise
         entry.tokens = history
         elapsed = (time.perf_counter() - t0) * 1e3
@@ -236,6 +244,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         t0 = time.perf_counter()
         try:
             res, forward_ms, batch = await self.batcher.verify(entry.session, tokens, parents)
+        except asyncio.CancelledError:
+            raise  # the forward only appends after ``entry.tokens`` (same worker thread): they stay a valid prefix
         except BaseException:
             self._forget(entry)  # the forward may or may not have run: the cache is unknown
             raise

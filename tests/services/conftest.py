@@ -122,17 +122,19 @@ class Stack:
 
 def start_stack(lt: LoopThread, model, *, drafters: int = 1, verifiers: int = 1, snapshot_url: str = "memory://",
                 session_url: str = "memory://", api_keys: str = "", tokenizer=None, eos_ids=(), snapshot_every: int = 32,
-                **gateway) -> Stack:
+                backend: dict | None = None, **gateway) -> Stack:
+    """``backend``: settings for the drafters and verifiers; the other keywords are the gateway's."""
     st = Stack(lt)
+    backend = backend or {}
 
     async def go():
         for _ in range(verifiers):
             st.verifiers.append(await services.start_verifier(
-                services.defaults("verifier", host="127.0.0.1", port=0, max_sessions=16), model=model))
+                services.defaults("verifier", host="127.0.0.1", port=0, max_sessions=16, **backend), model=model))
         for _ in range(drafters):
             st.drafters.append(await services.start_drafter(
                 services.defaults("drafter", host="127.0.0.1", port=0, snapshot_url=snapshot_url, prior="none",
-                                  snapshot_every=snapshot_every)))
+                                  snapshot_every=snapshot_every, **backend)))
         args = services.defaults(
             "gateway", host="127.0.0.1", port=0, model="none", session_url=session_url, api_keys=api_keys,
             drafters=",".join(f"127.0.0.1:{s.port}" for s, _ in st.drafters),

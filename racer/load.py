@@ -1,0 +1,216 @@
+"""``racer load``: N concurrent sessions x T turns through a gateway on this machine.
+
+Bounded on purpose: loopback targets only, at most ``MAX_SESSIONS`` sessions, ``MAX_TURNS`` turns and
+``MAX_SECONDS`` seconds (a turn still running then is cancelled and counted as an error). Prompts come
+from a fixed seed, so two runs send the same requests. Reports time to first token, inter-token
+latency (a chunk of k tokens that came g ms after the previous one counts k gaps of g/k ms), turn
+latency, aggregate tokens/s and errors by status; sessions are closed at the end unless asked not to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import math
+import random
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+
+import grpc
+
+from racer.v1 import generation_pb2 as pb
+from racer.v1 import generation_pb2_grpc as pb_grpc
+
+MAX_SESSIONS = 256
+MAX_TURNS = 32
+MAX_NEW_TOKENS = 1024
+MAX_SECONDS = 600.0
+
+TOPICS = ["the tides", "binary search", "photosynthesis", "a bicycle gear", "compound interest", "the water cycle",
+          "public-key cryptography", "a hash table", "volcanoes", "the Fibonacci numbers", "a sourdough starter",
+          "TCP handshakes", "the moon's phases", "garbage collection", "rainbows", "a bloom filter"]
+ASKS = ["Explain {} in two sentences.", "Give three facts about {}.", "What is a common misconception about {}?",
+        "Summarize {} for a ten-year-old.", "Write a haiku about {}.", "List the steps of {} briefly."]
+
+
+@dataclass
+class Turn:
+    prompt: str | list[int]
+    ids: list[int] = field(default_factory=list)
+    error: str = ""  # "" when the turn completed: otherwise "CODE: details"
+    ttft_ms: float = 0.0
+    total_ms: float = 0.0
+
+
+@dataclass
+class SessionRun:
+    session_id: str = ""
+    turns: list[Turn] = field(default_factory=list)
+
+
+@dataclass
+class Report:
+    sessions: int
+    turns: int
+    completed_turns: int
+    errors: dict[str, int]
+    tokens: int
+    wall_s: float
+    tokens_per_s: float
+    ttft_ms: dict[str, float]
+    itl_ms: dict[str, float]
+    turn_ms: dict[str, float]
+    runs: list[SessionRun] = field(default_factory=list, repr=False)
+
+    def summary(self) -> dict:
+        d = asdict(self)
+        d.pop("runs")
+        return d
+
+    def format(self) -> str:
+        e = ", ".join(f"{k} {v}" for k, v in sorted(self.errors.items())) or "none"
+        return (f"{self.sessions} sessions x {self.turns} turns: {self.completed_turns}/{self.sessions * self.turns} turns "
+                f"completed, errors: {e}\n"
+                f"tokens {self.tokens} in {self.wall_s:.2f} s: {self.tokens_per_s:.1f} tok/s aggregate\n"
+                f"time to first token  p50 {self.ttft_ms['p50']:.1f} ms  p99 {self.ttft_ms['p99']:.1f} ms\n"
+                f"inter-token latency  p50 {self.itl_ms['p50']:.2f} ms  p99 {self.itl_ms['p99']:.2f} ms\n"
+                f"turn latency         p50 {self.turn_ms['p50']:.1f} ms  p99 {self.turn_ms['p99']:.1f} ms")
+
+
+def percentiles(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {"p50": 0.0, "p99": 0.0, "max": 0.0}
+    s = sorted(xs)
+
+    def q(p: float) -> float:  # nearest rank
+        return s[min(len(s) - 1, max(0, math.ceil(p * len(s)) - 1))]
+
+    return {"p50": q(0.50), "p99": q(0.99), "max": s[-1]}
+
+
+def check_loopback(target: str) -> None:
+    """Refuses a target that is not this machine: a load test is not a way to flood a service."""
+    host = target.rsplit(":", 1)[0].strip("[]") if ":" in target else target
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError as e:
+        raise ValueError(f"--target {target!r}: cannot resolve {host!r}: {e}") from None
+    bad = [a for a in addrs if not ipaddress.ip_address(a.split("%")[0]).is_loopback]
+    if not addrs or bad:
+        raise ValueError(f"--target {target!r}: racer load only runs against loopback addresses (got {sorted(addrs)})")
+
+
+def make_prompts(sessions: int, turns: int, seed: int, ids_vocab: int = 0, prompt_tokens: int = 16) -> list[list]:
+    """prompts[s][t]: text, or ``prompt_tokens`` random ids below ``ids_vocab`` (ids 0-5 are left out:
+    special tokens in small vocabularies)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(sessions):
+        if ids_vocab:
+            out.append([[rng.randrange(min(6, ids_vocab - 1), ids_vocab) for _ in range(prompt_tokens)] for _ in range(turns)])
+        else:
+            out.append([rng.choice(ASKS).format(rng.choice(TOPICS)) for _ in range(turns)])
+    return out
+
+
+async def run_load(target: str, sessions: int = 8, turns: int = 3, max_new_tokens: int = 64, seed: int = 0,
+                   ids_vocab: int = 0, prompt_tokens: int = 16, time_limit: float = 120.0, api_key: str | None = None,
+                   mode: str = "", budget: int = 0, close: bool = True, credentials: grpc.ChannelCredentials | None = None,
+                   loopback_only: bool = True) -> Report:
+    if not 1 <= sessions <= MAX_SESSIONS:
+        raise ValueError(f"--sessions {sessions}: expected 1..{MAX_SESSIONS}")
+    if not 1 <= turns <= MAX_TURNS:
+        raise ValueError(f"--turns {turns}: expected 1..{MAX_TURNS}")
+    if not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
+        raise ValueError(f"--max-new-tokens {max_new_tokens}: expected 1..{MAX_NEW_TOKENS}")
+    if not 0 < time_limit <= MAX_SECONDS:
+        raise ValueError(f"--time-limit {time_limit}: expected (0, {MAX_SECONDS:g}] seconds")
+    if loopback_only:
+        check_loopback(target)
+    prompts = make_prompts(sessions, turns, seed, ids_vocab, prompt_tokens)
+    md = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+    runs = [SessionRun() for _ in range(sessions)]
+    ttft: list[float] = []
+    itl: list[float] = []
+    turn_ms: list[float] = []
+    opts = [("grpc.max_receive_message_length", 64 << 20)]
+    channel = grpc.aio.secure_channel(target, credentials, opts) if credentials else grpc.aio.insecure_channel(target, opts)
+    stub = pb_grpc.GenerationStub(channel)
+
+    async def one(i: int) -> None:
+        run = runs[i]
+        for t in range(turns):
+            p = prompts[i][t]
+            turn = Turn(p)
+            run.turns.append(turn)
+            req = pb.GenerateRequest(session_id=run.session_id, max_new_tokens=max_new_tokens,
+                                     speculation=pb.Speculation(mode=mode, budget=budget))
+            if isinstance(p, str):
+                req.prompt = p
+            else:
+                req.prompt_ids.ids.extend(p)
+            t0 = prev = time.perf_counter()
+            try:
+                async for r in stub.Generate(req, metadata=md):
+                    now = time.perf_counter()
+                    run.session_id = run.session_id or r.session_id
+                    if r.token_ids:
+                        if not turn.ids:
+                            turn.ttft_ms = (now - t0) * 1e3
+                            ttft.append(turn.ttft_ms)
+                        else:
+                            gap = (now - prev) * 1e3 / len(r.token_ids)
+                            itl.extend([gap] * len(r.token_ids))
+                        prev = now
+                        turn.ids.extend(r.token_ids)
+                turn.total_ms = (time.perf_counter() - t0) * 1e3
+                turn_ms.append(turn.total_ms)
+            except grpc.aio.AioRpcError as e:
+                turn.error = f"{e.code().name}: {e.details()}"
+                return  # the session's later turns would build on a turn that did not happen
+            except asyncio.CancelledError:
+                turn.error = "TIME_LIMIT: the run's time limit passed"
+                raise
+
+    t_start = time.perf_counter()
+    tasks = [asyncio.ensure_future(one(i)) for i in range(sessions)]
+    try:
+        done, pending = await asyncio.wait(tasks, timeout=time_limit)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        wall = time.perf_counter() - t_start
+        if close:
+            await asyncio.gather(*(stub.CloseSession(pb.SessionRef(session_id=r.session_id), metadata=md, timeout=10)
+                                   for r in runs if r.session_id), return_exceptions=True)
+    finally:
+        await channel.close()
+    errors: dict[str, int] = {}
+    for r in runs:
+        for t in r.turns:
+            if t.error:
+                code = t.error.split(":", 1)[0]
+                errors[code] = errors.get(code, 0) + 1
+    tokens = sum(len(t.ids) for r in runs for t in r.turns)
+    return Report(
+        sessions=sessions, turns=turns, completed_turns=sum(1 for r in runs for t in r.turns if not t.error),
+        errors=errors, tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall if wall else 0.0,
+        ttft_ms=percentiles(ttft), itl_ms=percentiles(itl), turn_ms=percentiles(turn_ms), runs=runs,
+    )
+
+
+def main(args) -> int:
+    from .client import tls_credentials
+
+    creds = tls_credentials(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca or args.tls_cert else None
+    report = asyncio.run(run_load(
+        args.target, args.sessions, args.turns, args.max_new_tokens, args.seed, args.ids, args.prompt_tokens,
+        args.time_limit, args.api_key, args.mode, args.budget, not args.keep_sessions, creds))
+    print(report.format())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.summary(), f, indent=2)
+    return 0 if not report.errors else 1
+

@@ -1,0 +1,171 @@
+"""Services as real processes (``racer serve ...``) and a real ``redis-server`` that tests can kill,
+freeze, stop and restart on the same ports."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from racer.settings import HEALTH_SERVICES
+from racer.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+
+from .conftest import free_port as _free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+_TAKEN: set[int] = set()
+
+
+def free_port() -> int:
+    """A free port this test process has not handed out before (the OS may offer one twice)."""
+    while True:
+        port = _free_port()
+        if port not in _TAKEN:
+            _TAKEN.add(port)
+            return port
+
+
+class Proc:
+    """One ``racer serve KIND`` process; ``env`` holds its RACER_* settings. Restarts keep the ports."""
+
+    def __init__(self, kind: str, env: dict[str, str], log_dir: Path, name: str | None = None):
+        self.kind = kind
+        self.name = name or kind
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.log = log_dir / f"{self.name}.log"
+        base = {k: v for k, v in os.environ.items() if not k.startswith("RACER_")}  # only the settings given here
+        self.env = dict(base, OMP_NUM_THREADS="1", RACER_HOST="127.0.0.1", RACER_PORT=str(self.port),
+                        RACER_METRICS_PORT=str(self.metrics_port), RACER_LOG_LEVEL="INFO", **env)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> "Proc":
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "racer.cli", "serve", self.kind], cwd=ROOT, env=self.env,
+                                         stdout=log, stderr=log, start_new_session=True)
+        return self
+
+    def wait_healthy(self, timeout: float = 60.0) -> "Proc":
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.target) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_text()[-3000:]}")
+                try:
+                    r = stub.Check(health_pb2.HealthCheckRequest(service=HEALTH_SERVICES[self.kind]), timeout=1)
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        return self
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.name} not healthy after {timeout} s:\n{self.log_text()[-3000:]}")
+                time.sleep(0.1)
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def wait_exit(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def restart(self) -> "Proc":
+        self.kill()
+        return self.start()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def metric(self, name: str, **labels) -> float:
+        """A sample from the process's Prometheus endpoint (0 when absent)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    return s.value
+        return 0.0
+
+    def sessions(self):
+        """Stats of a drafter or verifier: the sessions it holds."""
+        with grpc.insecure_channel(self.target) as ch:
+            if self.kind == "drafter":
+                return list(drafter_pb2_grpc.DrafterStub(ch).Stats(drafter_pb2.DrafterStatsRequest(), timeout=5).sessions)
+            return list(verifier_pb2_grpc.VerifierStub(ch).Stats(verifier_pb2.VerifierStatsRequest(), timeout=5).sessions)
+
+
+class RedisProc:
+    """redis-server with an append-only file, so a stop and restart keeps the data (as deployed)."""
+
+    def __init__(self, workdir: Path):
+        self.exe = shutil.which("redis-server")
+        if not self.exe:
+            raise RuntimeError("no redis-server on PATH; run scripts/setup.sh")
+        self.port = free_port()
+        self.dir = workdir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "RedisProc":
+        import redis
+
+        self.proc = subprocess.Popen(
+            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "",
+             "--appendonly", "yes", "--appendfsync", "always"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        r = redis.Redis(port=self.port)
+        for _ in range(200):
+            try:
+                r.ping()
+                return self
+            except redis.exceptions.BusyLoadingError:
+                time.sleep(0.05)
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not answer PING")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(10)
+
+    def client(self):
+        import redis
+
+        return redis.Redis(port=self.port)
+
+
+def reap(procs) -> None:
+    for p in procs:
+        try:
+            if p.proc is not None and p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        if isinstance(p, RedisProc):
+            p.stop()
+        else:
+            p.kill()

@@ -1,0 +1,384 @@
+"""Faults with real processes and a real Redis: every service runs as ``racer serve ...``.
+
+Killed (SIGKILL), frozen (SIGSTOP), terminated (SIGTERM) and restarted drafters, verifiers, gateways
+and Redis, while sessions stream. Outputs are compared token for token with plain greedy decoding.
+
+A turn is held at a known point by freezing its verifier for a moment (SIGSTOP ... SIGCONT): the
+fault then lands mid-stream for sure, and a metric or the services' Stats proves it did.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from drafter.snapshot import snapshot_length
+from racer.client import Client
+
+from ..engine.helpers import hf_greedy
+from .conftest import wait_until
+from .procs import Proc, RedisProc, reap
+
+N = 240  # long enough that a turn is still running when a fault lands right after its first chunk
+
+
+def prompt(seed: int, n: int = 12, vocab: int = 96) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_llama):
+    """The tiny Llama as a model directory (weights and config, no tokenizer) for verifier processes."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama.save_pretrained(path)
+    return path
+
+
+class Cluster:
+    """Redis, two verifiers, two drafters and a gateway over all of them, as processes."""
+
+    def __init__(self, tmp, model_dir):
+        self.tmp = tmp
+        self.redis = RedisProc(tmp / "redis").start()
+        common = {"RACER_DRAIN_SECONDS": "1", "RACER_KEEPALIVE_SECONDS": "1"}
+        self.verifiers = [Proc("verifier", dict(common, RACER_MODEL=str(model_dir), RACER_THREADS="1",
+                                                RACER_BACKEND="fast"), tmp, f"verifier{i}") for i in range(2)]
+        self.drafters = [Proc("drafter", dict(common, RACER_SNAPSHOT_URL=self.redis.url, RACER_SNAPSHOT_EVERY="2",
+                                              RACER_PRIOR="none"), tmp, f"drafter{i}") for i in range(2)]
+        self.gateway = self.make_gateway("gateway", self.verifiers)
+        self.extra: list[Proc] = []
+
+    def make_gateway(self, name: str, verifiers: list[Proc]) -> Proc:
+        return Proc("gateway", {
+            "RACER_MODEL": "none", "RACER_SESSION_URL": self.redis.url, "RACER_DRAIN_SECONDS": "1",
+            "RACER_DRAFTERS": ",".join(d.target for d in self.drafters),
+            "RACER_VERIFIERS": ",".join(v.target for v in verifiers),
+            "RACER_BACKEND_TIMEOUT": "2", "RACER_RECONNECT_SECONDS": "30", "RACER_STORE_RETRY_SECONDS": "20",
+        }, self.tmp, name)
+
+    @property
+    def procs(self) -> list[Proc]:
+        return [*self.verifiers, *self.drafters, self.gateway, *self.extra]
+
+    def start(self) -> "Cluster":
+        for p in self.procs:
+            p.start()
+        for p in self.procs:
+            p.wait_healthy()
+        return self
+
+    def by_target(self, target: str) -> Proc:
+        return next(p for p in self.procs if p.target == target)
+
+    def session_state(self, sid: str):
+        """(drafter sessions, verifier sessions) of ``sid`` on every live drafter and verifier."""
+        d = [s for p in self.drafters if p.alive() for s in p.sessions() if s.session_id == sid]
+        v = [s for p in self.verifiers if p.alive() for s in p.sessions() if s.session_id == sid]
+        return d, v
+
+    def released(self, sid: str) -> bool:
+        d, v = self.session_state(sid)
+        return not any(s.streaming for s in d + v)
+
+    def close(self):
+        reap([*self.procs, self.redis])
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_model_dir):
+    c = Cluster(tmp_path_factory.mktemp("cluster"), tiny_model_dir)
+    try:
+        c.start()
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def healthy(cluster):
+    """Every process of the cluster is up again after a test that killed some."""
+    yield cluster
+    if cluster.redis.proc.poll() is not None:
+        cluster.redis.start()
+    for p in cluster.procs:
+        if p.alive():
+            p.signal(signal.SIGCONT)  # a test that failed while it held a process
+        else:
+            p.start()
+    for p in cluster.procs:
+        p.wait_healthy()
+
+
+def first_turn(target: str, seed: int, n: int = 20, budget: int = 8):
+    p = prompt(seed)
+    with Client(target, timeout=60) as c:
+        ids, _, last = c.complete(p, max_new_tokens=n, budget=budget)
+    return p, ids, last.session_id
+
+
+def stream_turn(target: str, sid: str, p2: list[int], n: int, on_first, budget: int = 4, timeout: float = 90):
+    """Streams one turn; ``on_first()`` runs after the first chunk arrived. Returns (ids, last)."""
+    got: list[int] = []
+    last = None
+    with Client(target, timeout=timeout) as c:
+        for i, r in enumerate(c.generate(p2, session_id=sid, max_new_tokens=n, budget=budget)):
+            got.extend(r.token_ids)
+            last = r
+            if i == 0:
+                on_first()
+    return got, last
+
+
+def hold(proc: Proc):
+    """Context: the process is frozen inside (its peers' streams wait on it)."""
+    class _Hold:
+        def __enter__(self):
+            proc.signal(signal.SIGSTOP)
+
+        def __exit__(self, *exc):
+            proc.signal(signal.SIGCONT)
+
+    return _Hold()
+
+
+def test_drafter_sigkill_mid_stream_fails_over_and_restores_from_redis(healthy, tiny_llama):
+    cl = healthy
+    p1, ids1, sid = first_turn(cl.gateway.target, 1)
+    info = Client(cl.gateway.target).get_session(sid)
+    owner, verifier = cl.by_target(info.drafter), cl.by_target(info.verifier)
+    other = next(d for d in cl.drafters if d is not owner)
+    restored = other.metric("racer_drafter_restores_total", source="snapshot")
+    failovers = cl.gateway.metric("racer_failovers_total", kind="drafter")
+    p2 = prompt(101, n=4)
+
+    def fault():
+        with hold(verifier):  # the turn waits on its verifier while its drafter dies
+            owner.proc.kill()
+            owner.proc.wait(10)
+
+    got, last = stream_turn(cl.gateway.target, sid, p2, N, fault)
+    assert got == hf_greedy(tiny_llama, p1 + ids1 + p2, N), "output differs from plain greedy"
+    assert last.usage.completion_tokens == N == len(got), "a token was lost or duplicated"
+    assert cl.gateway.metric("racer_failovers_total", kind="drafter") == failovers + 1
+    assert other.metric("racer_drafter_restores_total", source="snapshot") == restored + 1, "restored from Redis"
+    assert sid in {s.session_id for s in other.sessions()}
+    assert Client(cl.gateway.target).get_session(sid).turns == 2
+
+
+def test_verifier_sigkill_mid_stream_moves_the_session_to_the_other_verifier(healthy, tiny_llama):
+    cl = healthy
+    p1, ids1, sid = first_turn(cl.gateway.target, 2)
+    victim = cl.by_target(Client(cl.gateway.target).get_session(sid).verifier)
+    other = next(v for v in cl.verifiers if v is not victim)
+    failovers = cl.gateway.metric("racer_failovers_total", kind="verifier")
+    p2 = prompt(102, n=4)
+    got, last = stream_turn(cl.gateway.target, sid, p2, N, victim.kill)
+    assert got == hf_greedy(tiny_llama, p1 + ids1 + p2, N)
+    assert last.usage.completion_tokens == N == len(got)
+    assert cl.gateway.metric("racer_failovers_total", kind="verifier") == failovers + 1
+    info = Client(cl.gateway.target).get_session(sid)
+    assert info.verifier == other.target and info.turns == 2
+    held = {s.session_id: s.cache_tokens for s in other.sessions()}
+    assert held[sid] >= len(p1 + ids1 + p2 + got) - 1, "the other verifier re-prefilled the history"
+
+
+def test_a_frozen_verifier_is_left_after_the_backend_timeout(healthy, tiny_llama):
+    cl = healthy
+    p1, ids1, sid = first_turn(cl.gateway.target, 5)
+    victim = cl.by_target(Client(cl.gateway.target).get_session(sid).verifier)
+    other = next(v for v in cl.verifiers if v is not victim)
+    p2 = prompt(107, n=4)
+    t0 = time.monotonic()
+    try:
+        got, last = stream_turn(cl.gateway.target, sid, p2, N, lambda: victim.signal(signal.SIGSTOP))
+    finally:
+        victim.signal(signal.SIGCONT)
+    assert time.monotonic() - t0 < 2 + 10, "the turn waited about RACER_BACKEND_TIMEOUT (2 s), no more"
+    assert got == hf_greedy(tiny_llama, p1 + ids1 + p2, N) and last.usage.completion_tokens == N
+    assert Client(cl.gateway.target).get_session(sid).verifier == other.target
+    wait_until(lambda: not any(s.streaming for s in victim.sessions()), timeout=5, what="the thawed verifier's stream ended")
+
+
+def test_the_only_verifier_killed_and_restarted_mid_turn(healthy, tiny_llama):
+    cl = healthy
+    v = cl.verifiers[0]
+    gw = cl.make_gateway("gateway-one-verifier", [v])
+    cl.extra.append(gw)
+    gw.start().wait_healthy()
+    p1, ids1, sid = first_turn(gw.target, 3)
+    p2 = prompt(103, n=4)
+    restarted = threading.Event()
+
+    def fault():
+        v.kill()  # the turn now waits for a verifier (RACER_RECONNECT_SECONDS)
+        threading.Thread(target=lambda: (v.start(), restarted.set()), daemon=True).start()
+
+    got, last = stream_turn(gw.target, sid, p2, N, fault)
+    assert restarted.is_set()
+    assert got == hf_greedy(tiny_llama, p1 + ids1 + p2, N)
+    assert last.usage.completion_tokens == N
+    # the new process had nothing cached: it prefilled the whole history
+    assert v.metric("racer_verifier_reused_tokens_total") == 0
+    assert v.metric("racer_prefill_latency_ms_count") >= 1
+    with Client(gw.target, timeout=60) as c:
+        p3 = prompt(104, n=4)
+        ids3, _, _ = c.complete(p3, session_id=sid, max_new_tokens=10)
+    assert ids3 == hf_greedy(tiny_llama, p1 + ids1 + p2 + got + p3, 10)
+    assert v.metric("racer_verifier_reused_tokens_total") > 0, "the next turn reused the cache"
+
+
+def test_redis_stopped_mid_session_and_restarted(healthy, tiny_llama):
+    cl = healthy
+    p1, ids1, sid = first_turn(cl.gateway.target, 4)
+    info = Client(cl.gateway.target).get_session(sid)
+    owner, verifier = cl.by_target(info.drafter), cl.by_target(info.verifier)
+    r = cl.redis.client()
+    key = f"racer:drafter:local:{sid}"
+    wait_until(lambda: r.exists(key), what="first snapshot")
+    failures = owner.metric("racer_snapshot_failures_total", op="save")
+    store_failures = cl.gateway.metric("racer_store_failures_total", op="set")
+    p2 = prompt(105, n=4)
+    back = threading.Event()
+
+    def fault():
+        with hold(verifier):
+            cl.redis.stop()
+
+        def restart():
+            time.sleep(1.0)
+            cl.redis.start()
+            back.set()
+
+        threading.Thread(target=restart, daemon=True).start()
+
+    got, last = stream_turn(cl.gateway.target, sid, p2, N, fault)
+    assert back.is_set()
+    history = p1 + ids1 + p2
+    assert got == hf_greedy(tiny_llama, history, N), "generation went on without Redis"
+    assert last.usage.completion_tokens == N
+    assert owner.metric("racer_snapshot_failures_total", op="save") > failures, "skipped snapshots are counted"
+    assert "snapshot save failed" in owner.log_text(), "and logged"
+    assert cl.gateway.metric("racer_store_failures_total", op="set") > store_failures, "the record save was retried"
+    history += got
+    assert Client(cl.gateway.target).get_session(sid).tokens == len(history), "the turn was saved once Redis was back"
+    # snapshots resume: the next turn's end leaves a snapshot of the whole session
+    p3 = prompt(106, n=4)
+    with Client(cl.gateway.target, timeout=60) as c:
+        ids3, _, _ = c.complete(p3, session_id=sid, max_new_tokens=12)
+    assert ids3 == hf_greedy(tiny_llama, history + p3, 12)
+    # (the drafter learns a round's tokens with the next step: the last round's come with the next open)
+    fresh = len(history + p3) + 1
+    wait_until(lambda: r.exists(key) and snapshot_length(r.get(key)) >= fresh, what="a fresh snapshot")
+
+
+def test_client_cancel_and_deadline_free_the_round_state_everywhere(healthy, tiny_llama):
+    cl = healthy
+    # cancel mid-stream
+    c = Client(cl.gateway.target)
+    call = c.generate(prompt(7), max_new_tokens=900, budget=2)
+    sid = next(call).session_id
+    call.cancel()
+    c.close()
+    wait_until(lambda: cl.released(sid), timeout=5, what="drafter and verifier streams freed after a cancel")
+    # deadline mid-turn of an existing session: the turn is not saved, the session goes on
+    p1, ids1, sid = first_turn(cl.gateway.target, 8)
+    with Client(cl.gateway.target, timeout=0.4) as c, pytest.raises(grpc.RpcError) as e:
+        c.complete(prompt(108, n=4), session_id=sid, max_new_tokens=900, budget=1, mode="off")
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: cl.released(sid), timeout=5, what="drafter and verifier streams freed after a deadline")
+    wait_until(lambda: cl.gateway.metric("racer_active_streams") == 0, timeout=5, what="gateway streams ended")
+    p3 = prompt(109, n=4)
+    verifier = cl.by_target(Client(cl.gateway.target).get_session(sid).verifier)
+    reused = verifier.metric("racer_verifier_reused_tokens_total")
+    with Client(cl.gateway.target, timeout=60) as c:
+        ids3, _, last = c.complete(p3, session_id=sid, max_new_tokens=10)
+    assert ids3 == hf_greedy(tiny_llama, p1 + ids1 + p3, 10)
+    assert Client(cl.gateway.target).get_session(sid).turns == 2
+    # the cut turn did not cost the KV cache: the session's earlier tokens were reused
+    assert verifier.metric("racer_verifier_reused_tokens_total") - reused >= len(p1 + ids1) - 1
+
+
+def test_a_killed_or_frozen_gateway_frees_the_round_state(healthy):
+    cl = healthy
+    for fault in ("SIGKILL", "SIGSTOP"):
+        c = Client(cl.gateway.target)
+        call = c.generate(prompt(9), max_new_tokens=900, budget=2)
+        sid = next(call).session_id
+        assert not cl.released(sid)
+        if fault == "SIGKILL":
+            cl.gateway.kill()
+        else:
+            cl.gateway.signal(signal.SIGSTOP)  # keepalive (1 s here) finds the silent peer
+        wait_until(lambda: cl.released(sid), timeout=8, what=f"streams freed after the gateway got {fault}")
+        call.cancel()
+        c.close()
+        cl.gateway.kill()
+        cl.gateway.start().wait_healthy()
+
+
+def _load(target: str, jobs: list[tuple[str, list[int], int]], results: dict, budget: int = 4):
+    """One thread per (session, prompt, n): results[i] = ("ok", ids) or (status code, details)."""
+    def one(i, sid, p, n):
+        try:
+            with Client(target, timeout=90) as c:
+                ids, _, last = c.complete(p, session_id=sid, max_new_tokens=n, budget=budget)
+            results[i] = ("ok", ids)
+        except grpc.RpcError as e:
+            results[i] = (e.code(), e.details())
+
+    threads = [threading.Thread(target=one, args=(i, *job), daemon=True) for i, job in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+@pytest.mark.parametrize("kind", ["drafter", "verifier"])
+def test_sigterm_on_a_backend_under_load_loses_no_stream(healthy, tiny_llama, kind):
+    cl = healthy
+    starts = [first_turn(cl.gateway.target, 300 + i, n=6) for i in range(4)]
+    jobs = [(sid, prompt(400 + i, n=4), N) for i, (_, _, sid) in enumerate(starts)]
+    results: dict = {}
+    threads = _load(cl.gateway.target, jobs, results)
+    victim = (cl.drafters if kind == "drafter" else cl.verifiers)[0]
+    wait_until(lambda: any(s.streaming for s in victim.sessions()), timeout=20, what=f"streams on {victim.name}")
+    victim.signal(signal.SIGTERM)
+    assert victim.wait_exit(15) == 0, f"{victim.name} did not exit cleanly after SIGTERM"
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a stream hangs"
+    for i, (p1, ids1, sid) in enumerate(starts):
+        assert results[i] == ("ok", hf_greedy(tiny_llama, p1 + ids1 + jobs[i][1], N)), f"session {i}"
+
+
+def test_sigterm_on_the_gateway_under_load_ends_every_stream_clearly(healthy, tiny_llama):
+    cl = healthy
+    starts = [first_turn(cl.gateway.target, 500 + i, n=6) for i in range(4)]
+    jobs = [(sid, prompt(600 + i, n=4), 900) for i, (_, _, sid) in enumerate(starts)]
+    results: dict = {}
+    threads = _load(cl.gateway.target, jobs, results, budget=1)
+    wait_until(lambda: cl.gateway.metric("racer_active_streams") == len(jobs), timeout=20, what="streams running")
+    t0 = time.monotonic()
+    cl.gateway.signal(signal.SIGTERM)
+    assert cl.gateway.wait_exit(15) == 0
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a stream hangs"
+    assert time.monotonic() - t0 < 10
+    for i, (code, details) in results.items():
+        if code == "ok":
+            assert details == hf_greedy(tiny_llama, starts[i][0] + starts[i][1] + jobs[i][1], 900)
+        else:
+            assert code == grpc.StatusCode.UNAVAILABLE and "shutting down" in details, (code, details)
+    assert any(code != "ok" for code, _ in results.values()), "the drain (1 s) ended long turns"
+    for _, _, sid in starts:
+        wait_until(lambda: cl.released(sid), timeout=5, what="drafter and verifier streams freed")
+    cl.gateway.start().wait_healthy()
+    with Client(cl.gateway.target) as c:
+        for i, (code, _) in results.items():
+            assert c.get_session(starts[i][2]).turns == (2 if code == "ok" else 1), "an ended turn was not saved"

@@ -1,0 +1,140 @@
+"""The pipeline over TLS: certificates made here, mutual TLS between the gateway and its drafters and
+verifiers, TLS (with client certificates) from the client to the gateway."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import random
+import time
+
+import grpc
+import pytest
+
+from racer.client import Client, tls_credentials
+from racer.v1 import drafter_pb2, drafter_pb2_grpc
+
+from ..engine.helpers import hf_greedy
+from .conftest import start_stack
+
+
+def _cert(name: str, issuer=None, ca: bool = False):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    signer_cert, signer_key = issuer if issuer else (None, key)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    b = (x509.CertificateBuilder().subject_name(subject).issuer_name(signer_cert.subject if signer_cert else subject)
+         .public_key(key.public_key()).serial_number(x509.random_serial_number())
+         .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if not ca:
+        b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        b = b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                            critical=False)
+    return b.sign(signer_key, hashes.SHA256()), key
+
+
+def _write(path, cert, key):
+    from cryptography.hazmat.primitives import serialization
+
+    (path.parent / f"{path.name}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (path.parent / f"{path.name}.key").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    return str(path.parent / f"{path.name}.crt"), str(path.parent / f"{path.name}.key")
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pki")
+    ca = _cert("racer test CA", ca=True)
+    rogue = _cert("someone else's CA", ca=True)
+    out = {"ca": _write(d / "ca", *ca)[0], "rogue_ca": _write(d / "rogue", *rogue)[0]}
+    for name, issuer in (("server", ca), ("gateway-client", ca), ("user", ca), ("rogue-client", rogue)):
+        out[name] = _write(d / name, *_cert(name, issuer))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tls_stack(loop_thread, tiny_llama, pki):
+    cert, key = pki["server"]
+    gcert, gkey = pki["gateway-client"]
+    st = start_stack(
+        loop_thread, tiny_llama, drafters=2,
+        backend=dict(tls_cert=cert, tls_key=key, tls_client_ca=pki["ca"]),  # drafters, verifier: mutual TLS
+        tls_cert=cert, tls_key=key, tls_client_ca=pki["ca"],  # the gateway's own port: clients need a certificate
+        tls_ca=pki["ca"], tls_client_cert=gcert, tls_client_key=gkey, reconnect_seconds=0.5)
+    yield st
+    st.stop()
+
+
+def prompt(seed, n=12):
+    rng = random.Random(seed)
+    return [rng.randrange(3, 96) for _ in range(n)]
+
+
+def test_pipeline_over_mutual_tls_is_lossless(tls_stack, tiny_llama, pki):
+    creds = tls_credentials(pki["ca"], *pki["user"])
+    with Client(tls_stack.gateway, timeout=60, credentials=creds) as c:
+        p = prompt(1)
+        ids, _, last = c.complete(p, max_new_tokens=30, budget=8)
+        assert ids == hf_greedy(tiny_llama, p, 30)
+        p2 = prompt(2, 4)
+        ids2, _, _ = c.complete(p2, session_id=last.session_id, max_new_tokens=20)
+        assert ids2 == hf_greedy(tiny_llama, p + ids + p2, 20)
+
+
+def test_without_the_right_certificates_nothing_connects(tls_stack, pki):
+    def refused(target, creds, call):
+        ch = grpc.secure_channel(target, creds) if creds else grpc.insecure_channel(target)
+        with ch, pytest.raises(grpc.RpcError) as e:
+            call(ch)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    stats = lambda ch: drafter_pb2_grpc.DrafterStub(ch).Stats(drafter_pb2.DrafterStatsRequest(), timeout=5)  # noqa: E731
+    drafter = tls_stack.drafter_target(0)
+    refused(drafter, None, stats)  # plaintext
+    refused(drafter, tls_credentials(pki["ca"]), stats)  # TLS without a client certificate
+    refused(drafter, tls_credentials(pki["ca"], *pki["rogue-client"]), stats)  # a certificate from another CA
+    refused(drafter, tls_credentials(pki["rogue_ca"], *pki["user"]), stats)  # the server is not who we trust
+    assert stats(grpc.secure_channel(drafter, tls_credentials(pki["ca"], *pki["user"]))).sessions is not None
+    for creds in (None, tls_credentials(pki["ca"])):
+        with Client(tls_stack.gateway, timeout=10, credentials=creds) as c, pytest.raises(grpc.RpcError) as e:
+            c.complete([5, 6], max_new_tokens=2)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_gateway_without_a_client_certificate_cannot_use_mtls_backends(loop_thread, tiny_llama, tls_stack, pki):
+    from racer import services
+
+    async def go():
+        args = services.defaults("gateway", host="127.0.0.1", port=0, model="none", tls_ca=pki["ca"], reconnect_seconds=0.3,
+                                 drafters=tls_stack.drafter_target(0), verifiers=tls_stack.verifier_target(0))
+        return await services.start_gateway(args, vocab_size=96)
+
+    srv, _ = loop_thread.run(go())
+    try:
+        t0 = time.monotonic()
+        with Client(f"127.0.0.1:{srv.port}", timeout=20) as c, pytest.raises(grpc.RpcError) as e:
+            c.complete([5, 6], max_new_tokens=2)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "verifier" in e.value.details()
+        assert time.monotonic() - t0 < 5, "the wait for a reachable verifier is bounded by reconnect_seconds"
+    finally:
+        loop_thread.run(srv.stop(0))
+
+
+def test_tls_settings_that_cannot_work_are_refused_at_start(pki):
+    from racer.tls import channel_credentials, server_credentials
+
+    cert, key = pki["server"]
+    assert server_credentials("", "") is None and channel_credentials("") is None
+    for bad in (lambda: server_credentials(cert, ""), lambda: server_credentials("", "", pki["ca"]),
+                lambda: channel_credentials("", cert, key), lambda: channel_credentials(pki["ca"], cert, ""),
+                lambda: server_credentials("/nonexistent.crt", key)):
+        with pytest.raises(ValueError):
+            bad()
