@@ -10,6 +10,12 @@ after a round are known, walking them down the big tree tells the accepted lengt
 What was actually sent does not matter: "no speculation" keeps learning what speculation would do.
 
 Each round then sends the prefix of size ``argmax_C (1 + E[accepted | C]) / (cost(C) + overhead)``.
+
+Under batching the verifier runs other sessions' trees in the same forward: what a tree of C nodes
+costs is then its marginal cost, ``cost(R + C) - cost(R)`` with R the other sessions' rows (the
+verifier reports R of the last batch). Where the forward is compute-bound, every row costs about
+the same and a node that is not accepted is pure waste, so the choice falls to small trees or to
+no speculation at all, which is what keeps a loaded verifier's throughput up.
 """
 
 from __future__ import annotations
@@ -28,6 +34,11 @@ class BudgetChooser:
             raise ValueError("cost_ms: need positive finite costs for sizes >= 1")
         self.sizes = sorted(cost_ms)
         self.cost = dict(cost_ms)
+        # A non-decreasing envelope of the curve, for marginal costs (kernel choice makes it jagged).
+        self._env_x = self.sizes
+        self._env_y = []
+        for n in self.sizes:
+            self._env_y.append(max(cost_ms[n], self._env_y[-1] if self._env_y else 0.0))
         self.overhead_ms = overhead_ms
         self.window = window
         self.prior_rounds = prior_rounds
@@ -50,9 +61,27 @@ class BudgetChooser:
             out.append(total / (n + self.prior_rounds))
         return out
 
-    def choose(self) -> int:
+    def forward_ms(self, rows: float) -> float:
+        """The envelope at ``rows`` (linear between sizes, extended with the last slope)."""
+        xs, ys = self._env_x, self._env_y
+        if rows <= xs[0]:
+            return ys[0] * rows / xs[0]
+        for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+            if rows <= x1:
+                return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else ys[-1] / xs[-1]
+        return ys[-1] + slope * (rows - xs[-1])
+
+    def choose(self, other_rows: int = 0) -> int:
+        """The best size now; ``other_rows``: rows of other sessions sharing the verifier's forward."""
         acc = self.expected_accepted()
-        rates = [(1 + a) / (self.cost[c] + self.overhead_ms) for a, c in zip(acc, self.sizes)]
+        if other_rows > 0:
+            base = self.forward_ms(other_rows)
+            floor = 0.01 * self._env_y[0]
+            costs = [max(floor, self.forward_ms(other_rows + c) - base) for c in self.sizes]
+        else:
+            costs = [self.cost[c] for c in self.sizes]
+        rates = [(1 + a) / (c + self.overhead_ms) for a, c in zip(acc, costs)]
         best = max(range(len(rates)), key=rates.__getitem__)
         self.last_choice = self.sizes[best]
         return self.last_choice

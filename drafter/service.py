@@ -201,7 +201,8 @@ class DrafterService(pb_grpc.DrafterServicer):
                "step.budget: 0 (adaptive) needs a cost curve at open")
         mode = st.mode or "racer"
         _check(mode in MODES, grpc.StatusCode.INVALID_ARGUMENT, f"step.mode: {mode!r}, expected one of {', '.join(MODES)}")
-        tree = s.draft(st.root, st.budget, mode)
+        _check(st.batch_rows >= 0, grpc.StatusCode.INVALID_ARGUMENT, f"step.batch_rows: {st.batch_rows}")
+        tree = s.draft(st.root, st.budget, mode, st.batch_rows)
         entry.tree = list(tree.tokens)
         entry.parents = list(tree.parents)
         entry.last_used = time.monotonic()

@@ -103,8 +103,11 @@ class DraftSession:
         return self.draft(root, budget, mode)
 
     # -- drafting ---------------------------------------------------------------------------------
-    def draft(self, root: int, budget: int, mode: str = "racer") -> DraftTree:
-        """A tree of at most ``budget`` nodes (root included) rooted at ``root``."""
+    def draft(self, root: int, budget: int, mode: str = "racer", batch_rows: int = 0) -> DraftTree:
+        """A tree of at most ``budget`` nodes (root included) rooted at ``root``.
+
+        ``batch_rows``: with the adaptive budget, rows of other sessions verified in the same
+        forward (their presence changes what a bigger tree costs)."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
         if budget == AUTO and mode != "off":
@@ -112,7 +115,7 @@ class DraftSession:
                 raise ValueError("budget=0 (adaptive) needs the verifier's cost curve (set_costs)")
             full = self.draft(root, self.chooser.largest, mode)
             self.chooser.drafted(len(self.history), full)
-            return full.prefix(self.chooser.choose())
+            return full.prefix(self.chooser.choose(batch_rows))
         if budget < 1 and not (budget == AUTO and mode == "off"):
             raise ValueError("budget must be >= 1 (or 0: adaptive)")
         cfg = self.config

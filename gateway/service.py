@@ -600,7 +600,7 @@ class _Turn:
             await self._open_drafter(ctx, list(opened.topk), opened.topk_width)
             root = opened.next_token
             out, done = _cut([root], self.stop_ids, self.max_new)
-            feedback: tuple[list[int], list[int], int] = ([], [], 0)
+            feedback: tuple[list[int], list[int], int, int] = ([], [], 0, 0)
             while True:
                 out, done, text = self._stop_strings(detok, emitted, out, done)
                 if out:
@@ -619,7 +619,7 @@ class _Turn:
                 path = [tree.tokens[i] for i in res.accepted]
                 out, fed, done = settle(path, res.next_token, self.stop_ids, self.max_new - self.stats.new_tokens)
                 ctx.extend(fed)
-                feedback = (list(res.topk), list(res.accepted), len(fed))
+                feedback = (list(res.topk), list(res.accepted), len(fed), res.batch_rows)
                 self._count(tree, res)
                 M.ROUND_MS.observe((time.perf_counter() - t_round) * 1e3)
                 root = out[-1] if out else res.next_token
@@ -642,12 +642,14 @@ class _Turn:
         return out, done, text
 
     async def _draft(self, ctx, root, feedback):
-        topk, accepted, commit = feedback
-        step = dpb.DraftStep(tree_topk=topk, accepted=accepted, commit=commit, root=root, budget=self.budget, mode=self.mode)
+        topk, accepted, commit, batch_rows = feedback
+        step = dpb.DraftStep(tree_topk=topk, accepted=accepted, commit=commit, root=root, budget=self.budget, mode=self.mode,
+                             batch_rows=batch_rows)
         while True:
             if self.drafter is None:
                 await self._open_drafter(ctx, [], 0)
-                step = dpb.DraftStep(root=root, budget=self.budget, mode=self.mode)  # a fresh stream has no tree to learn from
+                step = dpb.DraftStep(root=root, budget=self.budget, mode=self.mode,  # a fresh stream has no tree to learn from
+                                     batch_rows=batch_rows)
             try:
                 resp = await self.drafter.ask(dpb.DraftRequest(step=step))
             except _Lost as e:

@@ -34,6 +34,8 @@ def bench_stack(args) -> int:
 
     prompts = load_spec_bench(args.prompts or DEFAULT_PROMPTS, args.per_category)
     engine = Engine.load(args.model)
+    if args.budget == 0:
+        engine.measure_costs()
     rows = []
     with stack.running(args.model, args.port_base, args.metrics_base) as gateway, Client(gateway, timeout=600) as c:
         warm = chat_ids(engine.tokenizer, "Hello", args.system)

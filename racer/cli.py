@@ -255,7 +255,7 @@ def main(argv=None) -> int:
     bs.add_argument("--system", default="You are a helpful assistant.")
     bs.add_argument("--max-new-tokens", type=int, default=128)
     bs.add_argument("--mode", default="racer", choices=MODES)
-    bs.add_argument("--budget", type=int, default=16)
+    bs.add_argument("--budget", type=_budget, default=0, help="tree size; auto (0): adaptive")
     bs.add_argument("--port-base", type=int, default=0)
     bs.add_argument("--metrics-base", type=int, default=9100)
     bs.set_defaults(func=lambda a: __import__("racer.bench_services", fromlist=["x"]).bench_stack(a))

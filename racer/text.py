@@ -45,18 +45,28 @@ def continue_ids(tokenizer, history: list[int], messages: list[dict], eos_ids=()
 
 
 class Detokenizer:
-    """Incremental text from a growing id list; holds back an incomplete UTF-8 sequence."""
+    """Incremental text from a growing id list, in constant time per token.
+
+    Decodes only a short window: the ids since the last emitted text plus the few before them
+    (their context: merges, a leading space). A window that ends inside a multi-byte character
+    (decoding to U+FFFD) waits for the next token.
+    """
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.text = ""
+        self._prefix = 0  # window start
+        self._read = 0  # ids up to here are in ``text``
 
     def push(self, ids: list[int]) -> str:
         self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self._prefix : self._read], skip_special_tokens=True)
+        now = decode(self.ids[self._prefix :], skip_special_tokens=True)
+        if len(now) <= len(before) or now.endswith("\ufffd"):
             return ""
-        delta = text[len(self.text) :] if text.startswith(self.text) else text
-        self.text = text
+        delta = now[len(before) :]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += delta
         return delta

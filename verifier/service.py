@@ -96,9 +96,10 @@ class Batcher:
                     if not fut.done():
                         fut.set_exception(e)
                 continue
-            for (_, fut), res in zip(batch, results):
+            rows = sum(len(item[1]) for item, _ in batch)
+            for (item, fut), res in zip(batch, results):
                 if not fut.done():
-                    fut.set_result((res, ms, len(batch)))
+                    fut.set_result((res, ms, rows - len(item[1])))
 
 
 class _Abort(Exception):
@@ -243,7 +244,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"tree.tokens: {len(tokens)} nodes, at most {MAX_TREE}")
         t0 = time.perf_counter()
         try:
-            res, forward_ms, batch = await self.batcher.verify(entry.session, tokens, parents)
+            res, forward_ms, others = await self.batcher.verify(entry.session, tokens, parents)
         except asyncio.CancelledError:
             raise  # the forward only appends after ``entry.tokens`` (same worker thread): they stay a valid prefix
         except BaseException:
@@ -253,14 +254,14 @@ class VerifierService(pb_grpc.VerifierServicer):
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"tree: {res}")
         entry.tokens.extend(tokens[i] for i in res.accepted)
         n = len(tokens)
-        if n in self.cost and batch == 1:  # an exponential average follows drift (load, context length)
+        if n in self.cost and others == 0:  # an exponential average follows drift (load, context length)
             self.cost[n] += 0.05 * (forward_ms - self.cost[n])
         entry.last_used = time.monotonic()
         elapsed = (time.perf_counter() - t0) * 1e3
         M.VERIFY_MS.observe(elapsed)
         return pb.VerifyResponse(
             next_token=res.bonus, accepted=res.accepted, topk=[t for row in res.topk for t in row],
-            topk_width=self.topk, cache_tokens=len(entry.tokens), elapsed_ms=elapsed,
+            topk_width=self.topk, cache_tokens=len(entry.tokens), elapsed_ms=elapsed, batch_rows=others,
         )
 
     def streaming(self) -> int:
@@ -301,4 +302,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         )
 
     def close(self) -> None:
+        """After the server stopped: ends the batcher (from any thread) and the model thread."""
+        task = self.batcher.task
+        if task is not None and not task.done():
+            task.get_loop().call_soon_threadsafe(task.cancel)
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -36,20 +36,22 @@ class DraftRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[DrafterOpen, _Mapping]] = ..., step: _Optional[_Union[DraftStep, _Mapping]] = ..., end_turn: _Optional[_Union[EndTurn, _Mapping]] = ...) -> None: ...
 
 class DraftStep(_message.Message):
-    __slots__ = ("tree_topk", "accepted", "commit", "root", "budget", "mode")
+    __slots__ = ("tree_topk", "accepted", "commit", "root", "budget", "mode", "batch_rows")
     TREE_TOPK_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     tree_topk: _containers.RepeatedScalarFieldContainer[int]
     accepted: _containers.RepeatedScalarFieldContainer[int]
     commit: int
     root: int
     budget: int
     mode: str
-    def __init__(self, tree_topk: _Optional[_Iterable[int]] = ..., accepted: _Optional[_Iterable[int]] = ..., commit: _Optional[int] = ..., root: _Optional[int] = ..., budget: _Optional[int] = ..., mode: _Optional[str] = ...) -> None: ...
+    batch_rows: int
+    def __init__(self, tree_topk: _Optional[_Iterable[int]] = ..., accepted: _Optional[_Iterable[int]] = ..., commit: _Optional[int] = ..., root: _Optional[int] = ..., budget: _Optional[int] = ..., mode: _Optional[str] = ..., batch_rows: _Optional[int] = ...) -> None: ...
 
 class EndTurn(_message.Message):
     __slots__ = ()

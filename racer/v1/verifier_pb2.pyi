@@ -48,7 +48,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[VerifierOpen, _Mapping]] = ..., tree: _Optional[_Union[VerifyTree, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("next_token", "accepted", "topk", "topk_width", "reused_tokens", "cache_tokens", "elapsed_ms", "cost")
+    __slots__ = ("next_token", "accepted", "topk", "topk_width", "reused_tokens", "cache_tokens", "elapsed_ms", "cost", "batch_rows")
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class VerifyResponse(_message.Message):
     CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     next_token: int
     accepted: _containers.RepeatedScalarFieldContainer[int]
     topk: _containers.RepeatedScalarFieldContainer[int]
@@ -65,7 +66,8 @@ class VerifyResponse(_message.Message):
     cache_tokens: int
     elapsed_ms: float
     cost: _common_pb2.CostCurve
-    def __init__(self, next_token: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., topk: _Optional[_Iterable[int]] = ..., topk_width: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., cache_tokens: _Optional[int] = ..., elapsed_ms: _Optional[float] = ..., cost: _Optional[_Union[_common_pb2.CostCurve, _Mapping]] = ...) -> None: ...
+    batch_rows: int
+    def __init__(self, next_token: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., topk: _Optional[_Iterable[int]] = ..., topk_width: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., cache_tokens: _Optional[int] = ..., elapsed_ms: _Optional[float] = ..., cost: _Optional[_Union[_common_pb2.CostCurve, _Mapping]] = ..., batch_rows: _Optional[int] = ...) -> None: ...
 
 class VerifierDropRequest(_message.Message):
     __slots__ = ("session_id", "tenant")

@@ -99,3 +99,16 @@ def test_bad_cost_curves_are_refused():
             BudgetChooser(bad)
     with pytest.raises(ValueError, match="cost curve"):
         DraftSession().draft(1, AUTO, "racer")
+
+
+def test_other_sessions_rows_make_speculation_cost_its_marginal_forward_time():
+    # sub-linear alone (a big tree is cheap next to the first row), linear once many rows share it
+    costs = {1: 40.0, 2: 45.0, 4: 55.0, 8: 75.0, 16: 115.0, 32: 195.0, 64: 355.0}
+    c = BudgetChooser(costs, overhead_ms=0.0, prior_rounds=0.0)
+    for _ in range(8):  # half a token accepted per node up to 4 nodes, nothing deeper
+        c.history.append([0, 0.5, 1.5, 1.5, 1.5, 1.5, 1.5])
+    assert c.choose(0) == 4  # alone: 2.5 tokens for 55 ms beats 1 for 40
+    assert c.choose(60) == 1  # 60 other rows: each extra row costs 5 ms, speculation does not pay
+    assert c.forward_ms(100) == pytest.approx(355.0 + 5.0 * 36)
+    jagged = BudgetChooser({1: 10.0, 2: 30.0, 4: 20.0})  # the envelope never goes down
+    assert jagged.forward_ms(3) == pytest.approx(30.0) and jagged.forward_ms(4) == pytest.approx(30.0)
