@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 
 from racer import metrics as M
+from racer.serving import Abort
 from racer.v1 import drafter_pb2 as pb
 from racer.v1 import drafter_pb2_grpc as pb_grpc
 
@@ -65,14 +66,9 @@ def snapshot_key(tenant: str, session_id: str) -> str:
     return f"racer:drafter:{tenant}:{session_id}"
 
 
-class _Abort(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        self.code, self.message = code, message
-
-
 def _check(cond: bool, code: grpc.StatusCode, message: str) -> None:
     if not cond:
-        raise _Abort(code, message)
+        raise Abort(code, message)
 
 
 class DrafterService(pb_grpc.DrafterServicer):
@@ -110,13 +106,13 @@ class DrafterService(pb_grpc.DrafterServicer):
                     entry.rounds_since_save = self.snapshot_every  # saved right after the response
                     resp = pb.DraftResponse(tokens=len(entry.session.history))
                 else:
-                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "request: set one of open, step, end_turn")
+                    raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "request: set one of open, step, end_turn")
                 resp.elapsed_ms = (time.perf_counter() - t0) * 1e3
                 yield resp
                 # Off the round's critical path: the response is on its way before the snapshot is encoded.
                 if entry is not None and entry.rounds_since_save >= self.snapshot_every:
                     self._save_later(entry)
-        except _Abort as e:
+        except Abort as e:
             await context.abort(e.code, e.message)
         finally:
             if entry is not None:
@@ -158,7 +154,7 @@ class DrafterService(pb_grpc.DrafterServicer):
             try:
                 entry.session.set_costs(dict(zip(req.cost.sizes, req.cost.ms)), req.overhead_ms)
             except ValueError as e:
-                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"open.cost: {e}") from None
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"open.cost: {e}") from None
         entry.last_used = time.monotonic()
         entry.tree = []
         s = entry.session

@@ -25,6 +25,14 @@ from .settings import HEALTH_SERVICES
 log = logging.getLogger("racer")
 
 
+class Abort(Exception):
+    """Raised inside a servicer: ends the call with ``code`` and a message that names the field."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code, self.message = code, message
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line; ``extra={...}`` fields are kept as keys."""
 
