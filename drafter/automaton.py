@@ -173,7 +173,7 @@ class Automaton:
             "start": list(self.start),
             "free": list(self._free),
             "children": [list(ch.values()) for ch in self.children],  # keeps each node's child order
-            "buckets": [(s, list(m.items())) for s, m in self._buckets.items()],
+            "buckets": [(s, list(m)) for s, m in self._buckets.items()],  # members' depths are derived
             "frontier": list(self.frontier),
             "length": self.length,
         }
@@ -194,7 +194,7 @@ class Automaton:
             for v in a.children[u].values():
                 a.depth[v] = a.depth[u] + 1
                 queue.append(v)
-        a._buckets = OrderedDict((s, dict(m)) for s, m in st["buckets"])
+        a._buckets = OrderedDict((s, {v: a.depth[v] for v in members}) for s, members in st["buckets"])
         a.frontier = list(st["frontier"])
         a.length = st["length"]
         return a

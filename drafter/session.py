@@ -116,7 +116,7 @@ class DraftSession:
             full = self.draft(root, self.chooser.largest, mode)
             self.chooser.drafted(len(self.history), full)
             return full.prefix(self.chooser.choose(batch_rows))
-        if budget < 1 and not (budget == AUTO and mode == "off"):
+        if budget < 0:  # (0 reaches here only with mode "off", which drafts nothing)
             raise ValueError("budget must be >= 1 (or 0: adaptive)")
         cfg = self.config
         trie = _Trie(root, budget)

@@ -13,7 +13,7 @@ from itertools import chain
 
 import numpy as np
 
-from .automaton import ROOT, Automaton
+from .automaton import Automaton
 from .session import DrafterConfig, DraftSession
 
 FORMAT = 1
@@ -79,38 +79,26 @@ def _load(data: bytes) -> dict[str, np.ndarray]:
 def loads(data: bytes, config: DrafterConfig, prior=None) -> DraftSession:
     """Restores a session; its configuration must match ``config`` where it shapes the state."""
     z = _load(data)
-    fmt, window, max_nodes, topk, length, nodes = (int(x) for x in z["meta"])
+    _, window, max_nodes, topk, length, nodes = (int(x) for x in z["meta"])
     if (window, max_nodes, topk) != (config.window, config.max_nodes, config.topk):
         raise SnapshotError(
             f"snapshot built with window={window} max_nodes={max_nodes} topk={topk}, "
             f"drafter runs window={config.window} max_nodes={config.max_nodes} topk={config.topk}"
         )
     try:
-        s = DraftSession(config, prior)
-        a = Automaton(window, max_nodes)
-        a.parent = z["parent"].tolist()
-        a.token = z["token"].tolist()
-        a.freq = z["freq"].tolist()
-        a.fail = z["fail"].tolist()
-        a.start = z["start"].tolist()
-        a._free = z["free"].tolist()
         ptr, ids = z["child_ptr"].tolist(), z["child_ids"].tolist()
-        token = a.token
-        a.children = [{token[v]: v for v in ids[ptr[i] : ptr[i + 1]]} for i in range(nodes)]
-        a.depth = [0] * nodes
-        queue = [ROOT]
-        for u in queue:
-            for v in a.children[u].values():
-                a.depth[v] = a.depth[u] + 1
-                queue.append(v)
         bptr, bnodes = z["bucket_ptr"].tolist(), z["bucket_nodes"].tolist()
-        a._buckets = OrderedDict(
-            (s_, {v: a.depth[v] for v in bnodes[bptr[i] : bptr[i + 1]]}) for i, s_ in enumerate(z["bucket_starts"].tolist())
-        )
-        a.frontier = z["frontier"].tolist()
-        a.length = int(z["a_length"][0])
+        a = Automaton.from_state({
+            "window": window, "max_nodes": max_nodes,
+            "parent": z["parent"].tolist(), "token": z["token"].tolist(), "freq": z["freq"].tolist(),
+            "fail": z["fail"].tolist(), "start": z["start"].tolist(), "free": z["free"].tolist(),
+            "children": [ids[ptr[i] : ptr[i + 1]] for i in range(nodes)],
+            "buckets": [(s_, bnodes[bptr[i] : bptr[i + 1]]) for i, s_ in enumerate(z["bucket_starts"].tolist())],
+            "frontier": z["frontier"].tolist(), "length": int(z["a_length"][0]),
+        })
         if not (len(a.parent) == len(a.token) == len(a.freq) == len(a.fail) == len(a.start) == nodes):
             raise SnapshotError("snapshot arrays disagree on the node count")
+        s = DraftSession(config, prior)
         s.automaton = a
         rows = s.table.rows
         for t, row in zip(z["table_tokens"].tolist(), z["table_rows"].tolist()):

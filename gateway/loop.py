@@ -80,7 +80,7 @@ def generate(
     drafter.extend(prompt_ids, pre.topk)
     stats.draft_s += time.perf_counter() - t
     root = pre.next_token
-    out, done = _cut([root], stop, params.max_new_tokens)
+    out, done = cut([root], stop, params.max_new_tokens)
     # Invariant between rounds: the verifier's cache and the drafter's context hold the prompt and
     # every emitted token but the last one (``root``: chosen by the target, not yet fed).
     while True:
@@ -119,11 +119,11 @@ def settle(path: list[int], bonus: int, stop: set[int], room: int) -> tuple[list
     the first stop token and at most ``room``. A cut round commits only what precedes its last
     emitted token, which keeps the invariant: committed = prompt + emitted, minus the last.
     """
-    out, done = _cut(path[1:] + [bonus], stop, room)
+    out, done = cut(path[1:] + [bonus], stop, room)
     return out, path[: len(out)], done
 
 
-def _cut(tokens: list[int], stop: set[int], room: int) -> tuple[list[int], bool]:
+def cut(tokens: list[int], stop: set[int], room: int) -> tuple[list[int], bool]:
     """Tokens to emit (through the first stop token, at most ``room``) and whether to stop."""
     out = []
     for tok in tokens:

@@ -37,7 +37,7 @@ from racer.v1 import generation_pb2_grpc as pb_grpc
 from racer.v1 import verifier_pb2 as vpb
 from racer.v1 import verifier_pb2_grpc as vgrpc
 
-from .loop import Stats, _cut, settle
+from .loop import Stats, cut, settle
 from .routing import Endpoints
 
 log = logging.getLogger("racer.gateway")
@@ -593,7 +593,7 @@ class _Turn:
             opened = await self._open_verifier(ctx)
             await self._open_drafter(ctx, list(opened.topk), opened.topk_width)
             root = opened.next_token
-            out, done = _cut([root], self.stop_ids, self.max_new)
+            out, done = cut([root], self.stop_ids, self.max_new)
             feedback: tuple[list[int], list[int], int, int] = ([], [], 0, 0)
             while True:
                 out, done, text = self._stop_strings(detok, emitted, out, done)

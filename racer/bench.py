@@ -83,7 +83,7 @@ def run(
     runs = [(m, 0) for m in modes if m in HF_MODES] + [(m, b) for m in modes if m not in HF_MODES for b in budgets]
     if not any(m == "greedy" for m, _ in runs):
         raise ValueError("--modes must include greedy: it is the baseline and the lossless reference")
-    if 0 in budgets and engine._costs is None:
+    if 0 in budgets and engine.costs is None:
         costs = engine.measure_costs()
         print("verifier cost curve (ms by tree size): " + ", ".join(f"{n}: {c:.1f}" for n, c in costs.items()), file=sys.stderr)
     records: list[Record] = []

@@ -23,8 +23,6 @@ from .bench import _pct
 def bench_stack(args) -> int:
     from tqdm import tqdm
 
-    from gateway.loop import Stats
-
     from . import stack
     from .bench import run_engine
     from .client import Client
@@ -60,7 +58,6 @@ def bench_stack(args) -> int:
             (lo, ls, lr, _), (so, ss, sr, oh) = got["local"], got["stack"]
             rows.append(dict(category=p.category, tokens=len(so), local_tps=len(lo) / ls, stack_tps=len(so) / ss,
                              ratio=(len(so) / ss) / (len(lo) / ls), overhead_ms=oh, rounds=sr, same=lo == so))
-    del Stats
     print(f"mode={args.mode} C={args.budget} prompts={len(rows)} max_new_tokens={args.max_new_tokens}")
     print("| prompt | category | tokens | rounds | in-process tok/s | gateway tok/s | ratio | overhead/round ms | identical |")
     print("|---|---|---|---|---|---|---|---|---|")

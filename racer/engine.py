@@ -18,7 +18,7 @@ class Engine:
     drafter_config: DrafterConfig = field(default_factory=DrafterConfig)
     backend: str = "auto"
     prior: object = None  # [vocab, k] copy-logit prior shared by all sessions (verifier/prior.py)
-    _costs: dict | None = None  # verifier cost curve (ms by tree size) for the adaptive budget
+    costs: dict | None = None  # verifier cost curve (ms by tree size) for the adaptive budget
 
     @classmethod
     def load(cls, model: str = DEFAULT_MODEL, backend: str = "auto", prior: bool = True, **drafter) -> "Engine":
@@ -33,16 +33,16 @@ class Engine:
 
     def new_drafter(self) -> DraftSession:
         session = DraftSession(self.drafter_config, self.prior)
-        if self._costs is not None:
-            session.set_costs(self._costs)
+        if self.costs is not None:
+            session.set_costs(self.costs)
         return session
 
     def measure_costs(self) -> dict[int, float]:
         """Measures the verifier's cost curve (a few seconds); drafters made afterwards can use budget 0."""
         from verifier.engine import measure_cost
 
-        self._costs = measure_cost(self.loaded.model, backend=self.backend, topk=self.drafter_config.topk)
-        return self._costs
+        self.costs = measure_cost(self.loaded.model, backend=self.backend, topk=self.drafter_config.topk)
+        return self.costs
 
     @property
     def tokenizer(self):

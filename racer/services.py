@@ -53,16 +53,12 @@ async def start_drafter(args) -> tuple[Server, object]:
             t.cancel()
         await svc.flush()
 
-    srv = await start_server("drafter", lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(svc, s),
-                             args.host, args.port, args.max_message_bytes, drain, **_server_kw(args))
-    orig_stop = srv.stop
-
-    async def stop(grace: float = 5.0):
-        await orig_stop(grace)
+    async def closed():
         await svc.flush()  # what the streams that ran during the drain changed
         await store.close()
 
-    srv.stop = stop
+    srv = await start_server("drafter", lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(svc, s),
+                             args.host, args.port, args.max_message_bytes, drain, closed=closed, **_server_kw(args))
     tasks.append(asyncio.ensure_future(janitor(svc, min(30.0, args.session_ttl))))
     return srv, svc
 
@@ -141,16 +137,11 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
     svc = GatewayService(tokenizer, eos_ids or (), drafters, verifiers, store, load_api_keys(args.api_keys) if args.api_keys else None, limits,
                          args.session_ttl, vocab_size, timeouts)
 
-    srv = await start_server("gateway", lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(svc, s),
-                             args.host, args.port, args.max_message_bytes, svc.drain, **_server_kw(args))
-
-    orig_stop = srv.stop
-
-    async def stop(grace: float = 5.0):
-        await orig_stop(grace)
+    async def closed():
         await drafters.close()
         await verifiers.close()
         await store.close()
 
-    srv.stop = stop
+    srv = await start_server("gateway", lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(svc, s),
+                             args.host, args.port, args.max_message_bytes, svc.drain, closed=closed, **_server_kw(args))
     return srv, svc

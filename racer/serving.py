@@ -103,12 +103,14 @@ class Server:
     """A started gRPC server for one service kind, with health and reflection registered."""
 
     def __init__(self, kind: str, server: grpc.aio.Server, port: int, health_servicer,
-                 drain: Callable[[float], Awaitable[None]] | None):
+                 drain: Callable[[float], Awaitable[None]] | None,
+                 closed: Callable[[], Awaitable[None]] | None = None):
         self.kind = kind
         self.server = server
         self.port = port
         self.health = health_servicer
         self._drain = drain
+        self._closed = closed
         self._stopped = asyncio.Event()
 
     async def stop(self, grace: float = 5.0) -> None:
@@ -125,6 +127,8 @@ class Server:
             except Exception:  # noqa: BLE001 - shutdown goes on; the failure is logged
                 log.exception("drain hook failed", extra={"service": self.kind})
         await self.server.stop(max(0.0, deadline - time.monotonic()))
+        if self._closed is not None:  # after the last RPC: release what the streams used
+            await self._closed()
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()
@@ -140,6 +144,7 @@ async def start_server(
     interceptors=None,
     credentials: grpc.ServerCredentials | None = None,
     keepalive_seconds: float = 10.0,
+    closed: Callable[[], Awaitable[None]] | None = None,
 ) -> Server:
     server = grpc.aio.server(options=server_options(max_message_bytes, keepalive_seconds), interceptors=interceptors)
     register(server)
@@ -155,7 +160,7 @@ async def start_server(
     for svc in ("", name):
         await hs.set(svc, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving", extra={"service": kind, "port": bound, "tls": credentials is not None})
-    return Server(kind, server, bound, hs, drain)
+    return Server(kind, server, bound, hs, drain, closed)
 
 
 def start_metrics(port: int) -> None:

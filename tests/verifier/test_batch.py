@@ -7,7 +7,7 @@ import random
 import pytest
 
 from drafter.session import DraftSession
-from gateway.loop import GenerationParams, _cut, generate, settle
+from gateway.loop import GenerationParams, cut, generate, settle
 from verifier.engine import VerifierSession, verify_batch
 from verifier.sampling import SamplingParams
 
@@ -41,7 +41,7 @@ def _lockstep(model, specs):
         d, v = DraftSession(), VerifierSession(model, backend="fast", sampling=sampling or SamplingParams())
         pre = v.prefill(prompt)
         d.extend(prompt, pre.topk)
-        out, done = _cut([pre.next_token], set(), N)
+        out, done = cut([pre.next_token], set(), N)
         state.append(dict(d=d, v=v, mode=mode, budget=budget, out=list(out), done=done, root=pre.next_token))
     batches = 0
     while not all(s["done"] for s in state):
