@@ -228,7 +228,9 @@ def _mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tor
 
 
 def _linear(x: torch.Tensor, layer) -> torch.Tensor:
-    return _mm(x, layer.weight, layer.bias)
+    """A decoder projection with contiguous rows out: the heads viewed from it must have a unit
+    stride in ``head_dim``, or CPU SDPA leaves its flash kernel for the unfused math path."""
+    return _mm(x, layer.weight, layer.bias).contiguous()
 
 
 def _additive(mask: torch.Tensor, dtype, device) -> torch.Tensor:
