@@ -69,9 +69,14 @@ def cmd_bench(args) -> int:
         if m not in bench.HF_MODES and m not in MODES:
             print(f"unknown mode {m!r}", file=sys.stderr)
             return 2
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
     engine = Engine.load(args.model, backend=args.backend, prior=args.prior, logits_tree=args.logits_tree)
     records = bench.run(engine, prompts, args.modes, args.budget, args.max_new_tokens, args.system or None)
     rows = bench.summarize(records)
+    print(f"torch threads: {torch.get_num_threads()} (every mode, HF's included)")
     print(bench.format_table(rows))
     if args.json:
         bench.write_json(records, args.json)
@@ -208,6 +213,7 @@ def main(argv=None) -> int:
     b.add_argument("--humaneval", type=int, default=0, help="first N HumanEval prompts")
     b.add_argument("--modes", type=_csv(str), default=["greedy", "hf-pld", "off", "racer", "retrieval", "logits", "last-logit", "pld"])
     b.add_argument("--budget", type=_csv(_budget), default=[16], help="comma-separated tree sizes; 'auto': cost-aware adaptive")
+    b.add_argument("--threads", type=int, default=0, help="torch threads for every mode (default: torch's, all cores)")
     b.add_argument("--json", default=None, help="write one record per prompt x mode x budget")
     b.add_argument("--plot", default=None, help="write a PNG chart")
     b.set_defaults(func=cmd_bench)
