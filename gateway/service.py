@@ -134,7 +134,8 @@ class _Link:
 
     async def ask(self, request):
         try:
-            return await asyncio.wait_for(self._ask(request), self.timeout)
+            async with asyncio.timeout(self.timeout):  # unlike wait_for, no task per round trip
+                return await self._ask(request)
         except asyncio.TimeoutError:
             raise _Lost(self.endpoint, f"no answer in {self.timeout:g} s") from None
 

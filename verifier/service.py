@@ -41,6 +41,12 @@ class Entry:
     streaming: bool = False
 
 
+def _timed_verify(items):
+    t = time.perf_counter()
+    out = verify_batch(items)
+    return out, (time.perf_counter() - t) * 1e3
+
+
 class Batcher:
     """Gathers concurrent sessions' trees into one forward (``verify_batch``).
 
@@ -58,6 +64,13 @@ class Batcher:
         self.sizes: list[int] = []  # batch sizes, for inspection
 
     async def verify(self, session, tokens: list[int], parents: list[int]):
+        if self.queue.empty() and self.service.streaming() <= 1:
+            # Nobody to batch with: straight to the model thread, without the queue's two hops
+            # through the event loop (a single stream pays them every round).
+            self.sizes.append(1)
+            M.BATCH_SIZE.observe(1)
+            results, ms = await self.service._run(_timed_verify, [(session, tokens, parents)])
+            return results[0], ms, 0
         if self.task is None or self.task.done():
             self.task = asyncio.ensure_future(self._loop())
         fut = asyncio.get_running_loop().create_future()
@@ -85,13 +98,8 @@ class Batcher:
             self.sizes.append(len(batch))
             M.BATCH_SIZE.observe(len(batch))
 
-            def work(items=[item for item, _ in batch]):
-                t = time.perf_counter()
-                out = verify_batch(items)
-                return out, (time.perf_counter() - t) * 1e3
-
             try:
-                results, ms = await self.service._run(work)
+                results, ms = await self.service._run(_timed_verify, [item for item, _ in batch])
             except Exception as e:  # noqa: BLE001 - every waiter learns of it
                 for _, fut in batch:
                     if not fut.done():
