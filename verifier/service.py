@@ -64,14 +64,12 @@ class Batcher:
         self.sizes: list[int] = []  # batch sizes, for inspection
 
     async def verify(self, session, tokens: list[int], parents: list[int]):
-        if self.queue.empty() and self.service.streaming() <= 1 and not self.service.busy:
-            # Nobody to batch with and the model idle: verify right here. Handing the tree to the
-            # model thread and waking this loop again costs ~0.3 ms on a VM (an idle thread's
-            # wake-up), paid every round; the loop waits for one forward at most, and a stream
-            # that opens meanwhile is batched from the next round on.
+        if self.queue.empty() and self.service.streaming() <= 1:
+            # Nobody to batch with: straight to the model thread, without the queue's two hops
+            # through the event loop (a single stream pays them every round).
             self.sizes.append(1)
             M.BATCH_SIZE.observe(1)
-            results, ms = _timed_verify([(session, tokens, parents)])
+            results, ms = await self.service._run(_timed_verify, [(session, tokens, parents)])
             return results[0], ms, 0
         if self.task is None or self.task.done():
             self.task = asyncio.ensure_future(self._loop())
@@ -130,26 +128,11 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.batcher = Batcher(self, max_batch, max_wait_ms)
         # OpenMP thread settings are per thread: the worker takes the creating thread's count.
         threads = torch.get_num_threads()
-        self.busy = 0  # calls handed to the model thread and not yet answered
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="verifier-model", initializer=torch.set_num_threads,
                                         initargs=(threads,))
 
     async def _run(self, fn, *args):
-        loop = asyncio.get_running_loop()
-        self.busy += 1
-        job = self._pool.submit(fn, *args)
-        # Counted down when the work is over, not when a cancelled caller stops waiting for it.
-        job.add_done_callback(lambda _: self._done_one(loop))
-        return await asyncio.wrap_future(job)
-
-    def _done_one(self, loop) -> None:  # on the model thread
-        def dec():
-            self.busy -= 1
-
-        try:
-            loop.call_soon_threadsafe(dec)
-        except RuntimeError:  # the loop has closed: nobody is left to count for
-            pass
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # -- the stream ---------------------------------------------------------------------------
     async def Session(self, request_iterator, context):
