@@ -21,6 +21,7 @@ from .bench import _pct
 
 
 def bench_stack(args) -> int:
+    import grpc
     from tqdm import tqdm
 
     from . import stack
@@ -29,19 +30,31 @@ def bench_stack(args) -> int:
     from .engine import Engine
     from .prompts import DEFAULT_PROMPTS, load_spec_bench
     from .text import chat_ids
+    from .v1 import verifier_pb2 as vpb
+    from .v1 import verifier_pb2_grpc as vpb_grpc
 
     prompts = load_spec_bench(args.prompts or DEFAULT_PROMPTS, args.per_category)
     engine = Engine.load(args.model)
-    if args.budget == 0:
-        engine.measure_costs()
     rows = []
-    with stack.running(args.model, args.port_base, args.metrics_base) as gateway, Client(gateway, timeout=600) as c:
+
+    def same_costs(stub) -> None:
+        # Both sides choose their budgets from the verifier's current cost curve, so they draft the
+        # same trees and the ratio measures the pipeline, not two noisy measurements of one curve.
+        if args.budget == 0:
+            curve = stub.Stats(vpb.VerifierStatsRequest(), timeout=30).cost
+            engine.costs = dict(zip(curve.sizes, curve.ms))
+
+    with stack.running(args.model, args.port_base, args.metrics_base) as gateway, Client(gateway, timeout=600) as c, \
+            grpc.insecure_channel(stack.target("verifier", args.port_base)) as vch:
+        verifier = vpb_grpc.VerifierStub(vch)
         warm = chat_ids(engine.tokenizer, "Hello", args.system)
+        same_costs(verifier)
         run_engine(engine, warm, args.mode, args.budget, 4)
         c.complete(warm, max_new_tokens=4, mode=args.mode, budget=args.budget)
         for p in tqdm(prompts, file=sys.stderr, unit="prompt"):
             ids = chat_ids(engine.tokenizer, p.text, args.system)
             order = ("local", "stack") if len(rows) % 2 == 0 else ("stack", "local")
+            same_costs(verifier)
             got = {}
             for where in order:
                 if where == "local":
@@ -57,12 +70,13 @@ def bench_stack(args) -> int:
                     c.close_session(last.session_id)
             (lo, ls, lr, _), (so, ss, sr, oh) = got["local"], got["stack"]
             rows.append(dict(category=p.category, tokens=len(so), local_tps=len(lo) / ls, stack_tps=len(so) / ss,
-                             ratio=(len(so) / ss) / (len(lo) / ls), overhead_ms=oh, rounds=sr, same=lo == so))
+                             ratio=(len(so) / ss) / (len(lo) / ls), overhead_ms=oh, rounds=sr, local_rounds=lr,
+                             same=lo == so))
     print(f"mode={args.mode} C={args.budget} prompts={len(rows)} max_new_tokens={args.max_new_tokens}")
-    print("| prompt | category | tokens | rounds | in-process tok/s | gateway tok/s | ratio | overhead/round ms | identical |")
+    print("| prompt | category | tokens | rounds in-process / gateway | in-process tok/s | gateway tok/s | ratio | overhead/round ms | identical |")
     print("|---|---|---|---|---|---|---|---|---|")
     for i, r in enumerate(rows):
-        print(f"| {i} | {r['category']} | {r['tokens']} | {r['rounds']} | {r['local_tps']:.2f} | {r['stack_tps']:.2f} | "
+        print(f"| {i} | {r['category']} | {r['tokens']} | {r['local_rounds']} / {r['rounds']} | {r['local_tps']:.2f} | {r['stack_tps']:.2f} | "
               f"{r['ratio']:.3f} | {r['overhead_ms']:.2f} | {'yes' if r['same'] else 'NO'} |")
     print(f"| median | | | | {statistics.median(r['local_tps'] for r in rows):.2f} | "
           f"{statistics.median(r['stack_tps'] for r in rows):.2f} | {statistics.median(r['ratio'] for r in rows):.3f} | "

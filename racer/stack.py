@@ -22,6 +22,17 @@ def _spawn(service: str, env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "racer.cli", "serve", service], env=env, start_new_session=True)
 
 
+def _ports(port_base: int, metrics_base: int) -> dict[str, tuple[int, int]]:
+    """(gRPC port, metrics port) of each service of a local stack."""
+    return {s: (port_base + i, metrics_base + i) if port_base else (PORTS[s][0], metrics_base + i)
+            for i, s in enumerate(("gateway", "drafter", "verifier"))}
+
+
+def target(service: str, port_base: int = 0) -> str:
+    """Where ``running(port_base=...)`` serves ``service``."""
+    return f"127.0.0.1:{_ports(port_base, 0)[service][0]}"
+
+
 @contextlib.contextmanager
 def running(model: str = "default", port_base: int = 0, metrics_base: int = 9100, log_level: str = "WARNING",
             env: dict[str, str] | None = None):
@@ -32,17 +43,19 @@ def running(model: str = "default", port_base: int = 0, metrics_base: int = 9100
 
     resolve_model_dir(model)  # convert the default model once, before two services want it
     base = dict(os.environ, RACER_MODEL=model, RACER_HOST="127.0.0.1", RACER_LOG_LEVEL=log_level, **(env or {}))
-    ports = {s: (port_base + i, metrics_base + i) if port_base else (PORTS[s][0], metrics_base + i)
-             for i, s in enumerate(("gateway", "drafter", "verifier"))}
+    ports = _ports(port_base, metrics_base)
     envs = {s: dict(base, RACER_PORT=str(p), RACER_METRICS_PORT=str(m)) for s, (p, m) in ports.items()}
     envs["gateway"].update(RACER_DRAFTERS=f"127.0.0.1:{ports['drafter'][0]}", RACER_VERIFIERS=f"127.0.0.1:{ports['verifier'][0]}")
     procs: dict[str, subprocess.Popen] = {}
     try:
-        for s in ("verifier", "drafter", "gateway"):
-            procs[s] = _spawn(s, envs[s])
         t0 = time.monotonic()
-        for s, p in procs.items():
-            asyncio.run(_wait(wait_healthy, f"127.0.0.1:{ports[s][0]}", HEALTH_SERVICES[s], p))
+        # The verifier measures its cost curve (the adaptive budget's input) at start-up: on a
+        # machine this small, the others' start-up would skew it, so they start once it is up.
+        for group in (("verifier",), ("drafter", "gateway")):
+            for s in group:
+                procs[s] = _spawn(s, envs[s])
+            for s in group:
+                asyncio.run(_wait(wait_healthy, f"127.0.0.1:{ports[s][0]}", HEALTH_SERVICES[s], procs[s]))
         gateway = f"127.0.0.1:{ports['gateway'][0]}"
         print(f"stack up in {time.monotonic() - t0:.1f} s: gateway {gateway}, metrics on "
               + ", ".join(f"{s} :{m}" for s, (_, m) in ports.items()), file=sys.stderr)

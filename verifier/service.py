@@ -303,6 +303,7 @@ class VerifierService(pb_grpc.VerifierServicer):
                 for e in self.sessions.values()
             ],
             cache_tokens=sum(len(e.tokens) for e in self.sessions.values()),
+            cost=cpb.CostCurve(sizes=list(self.cost), ms=list(self.cost.values())),
         )
 
     def close(self) -> None:
