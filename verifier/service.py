@@ -50,15 +50,19 @@ def _timed_verify(items):
 class Batcher:
     """Gathers concurrent sessions' trees into one forward (``verify_batch``).
 
-    A batch closes when it holds ``max_batch`` trees, or when ``max_wait_ms`` has passed since its
-    first tree, or as soon as every session with an open stream has a tree in it (nobody else can
-    join, so waiting would only add latency).
+    A batch closes when it holds ``max_batch`` trees, or as soon as every session with an open
+    stream has a tree in it (nobody else can join, so waiting would only add latency), or when it
+    has waited a quarter of the last forward's time since its first tree, at most ``max_wait_ms``.
+    A tree that misses a batch waits a whole forward for the next one, and a session's tree comes
+    back a drafter round trip after its last result: with a fixed short wait, concurrent sessions
+    split into groups that take turns on the model, each round costing every session two forwards.
     """
 
-    def __init__(self, service: "VerifierService", max_batch: int = 16, max_wait_ms: float = 2.0):
+    def __init__(self, service: "VerifierService", max_batch: int = 16, max_wait_ms: float = 20.0):
         self.service = service
         self.max_batch = max(1, max_batch)
         self.max_wait = max(0.0, max_wait_ms) / 1e3
+        self.last_forward = 0.0  # seconds
         self.queue: asyncio.Queue = asyncio.Queue()
         self.task: asyncio.Task | None = None
         self.sizes: list[int] = []  # batch sizes, for inspection
@@ -70,6 +74,7 @@ class Batcher:
             self.sizes.append(1)
             M.BATCH_SIZE.observe(1)
             results, ms = await self.service._run(_timed_verify, [(session, tokens, parents)])
+            self.last_forward = ms / 1e3
             return results[0], ms, 0
         if self.task is None or self.task.done():
             self.task = asyncio.ensure_future(self._loop())
@@ -81,7 +86,7 @@ class Batcher:
         loop = asyncio.get_running_loop()
         while True:
             batch = [await self.queue.get()]
-            deadline = loop.time() + self.max_wait
+            deadline = loop.time() + min(self.max_wait, 0.25 * self.last_forward)
             while len(batch) < self.max_batch:
                 if not self.queue.empty():
                     batch.append(self.queue.get_nowait())
@@ -105,6 +110,7 @@ class Batcher:
                     if not fut.done():
                         fut.set_exception(e)
                 continue
+            self.last_forward = ms / 1e3
             rows = sum(len(item[1]) for item, _ in batch)
             for (item, fut), res in zip(batch, results):
                 if not fut.done():
@@ -114,7 +120,7 @@ class Batcher:
 class VerifierService(pb_grpc.VerifierServicer):
     def __init__(self, model, topk: int = 8, backend: str = "auto", max_sessions: int = 64,
                  max_cache_tokens: int = 262_144, ttl: float = 1800.0, cost: dict[int, float] | None = None,
-                 max_batch: int = 16, max_wait_ms: float = 2.0):
+                 max_batch: int = 16, max_wait_ms: float = 20.0):
         self.model = model
         self.topk = topk
         self.backend = backend
