@@ -41,12 +41,6 @@ class Entry:
     streaming: bool = False
 
 
-def _timed_verify(items):
-    t = time.perf_counter()
-    out = verify_batch(items)
-    return out, (time.perf_counter() - t) * 1e3
-
-
 class Batcher:
     """Gathers concurrent sessions' trees into one forward (``verify_batch``).
 
@@ -71,16 +65,27 @@ class Batcher:
         if self.queue.empty() and self.service.streaming() <= 1:
             # Nobody to batch with: straight to the model thread, without the queue's two hops
             # through the event loop (a single stream pays them every round).
-            self.sizes.append(1)
-            M.BATCH_SIZE.observe(1)
-            results, ms = await self.service._run(_timed_verify, [(session, tokens, parents)])
-            self.last_forward = ms / 1e3
+            results, ms = await self._forward([(session, tokens, parents)])
             return results[0], ms, 0
         if self.task is None or self.task.done():
             self.task = asyncio.ensure_future(self._loop())
         fut = asyncio.get_running_loop().create_future()
         await self.queue.put(((session, tokens, parents), fut))
         return await fut
+
+    async def _forward(self, items):
+        """One ``verify_batch`` on the model thread: (results, its milliseconds)."""
+        self.sizes.append(len(items))
+        M.BATCH_SIZE.observe(len(items))
+
+        def work():
+            t = time.perf_counter()
+            out = verify_batch(items)
+            return out, (time.perf_counter() - t) * 1e3
+
+        results, ms = await self.service._run(work)
+        self.last_forward = ms / 1e3
+        return results, ms
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -100,17 +105,13 @@ class Batcher:
             batch = [(item, fut) for item, fut in batch if not fut.cancelled()]
             if not batch:
                 continue
-            self.sizes.append(len(batch))
-            M.BATCH_SIZE.observe(len(batch))
-
             try:
-                results, ms = await self.service._run(_timed_verify, [item for item, _ in batch])
+                results, ms = await self._forward([item for item, _ in batch])
             except Exception as e:  # noqa: BLE001 - every waiter learns of it
                 for _, fut in batch:
                     if not fut.done():
                         fut.set_exception(e)
                 continue
-            self.last_forward = ms / 1e3
             rows = sum(len(item[1]) for item, _ in batch)
             for (item, fut), res in zip(batch, results):
                 if not fut.done():
@@ -245,7 +246,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         return pb.VerifyResponse(
             next_token=res.next_token, topk=[t for row in res.topk for t in row], topk_width=self.topk,
             reused_tokens=reuse, cache_tokens=len(entry.tokens), elapsed_ms=elapsed,
-            cost=cpb.CostCurve(sizes=list(self.cost), ms=list(self.cost.values())),
+            cost=self._cost_curve(),
         )
 
     async def _verify(self, entry: Entry, tree: pb.VerifyTree) -> pb.VerifyResponse:
@@ -273,6 +274,9 @@ class VerifierService(pb_grpc.VerifierServicer):
             next_token=res.bonus, accepted=res.accepted, topk=[t for row in res.topk for t in row],
             topk_width=self.topk, cache_tokens=len(entry.tokens), elapsed_ms=elapsed, batch_rows=others,
         )
+
+    def _cost_curve(self) -> cpb.CostCurve:
+        return cpb.CostCurve(sizes=list(self.cost), ms=list(self.cost.values()))
 
     def streaming(self) -> int:
         return sum(1 for e in self.sessions.values() if e.streaming)
@@ -309,7 +313,7 @@ class VerifierService(pb_grpc.VerifierServicer):
                 for e in self.sessions.values()
             ],
             cache_tokens=sum(len(e.tokens) for e in self.sessions.values()),
-            cost=cpb.CostCurve(sizes=list(self.cost), ms=list(self.cost.values())),
+            cost=self._cost_curve(),
         )
 
     def close(self) -> None:
