@@ -35,7 +35,6 @@ class BudgetChooser:
         self.sizes = sorted(cost_ms)
         self.cost = dict(cost_ms)
         # A non-decreasing envelope of the curve, for marginal costs (kernel choice makes it jagged).
-        self._env_x = self.sizes
         self._env_y = []
         for n in self.sizes:
             self._env_y.append(max(cost_ms[n], self._env_y[-1] if self._env_y else 0.0))
@@ -63,7 +62,7 @@ class BudgetChooser:
 
     def forward_ms(self, rows: float) -> float:
         """The envelope at ``rows`` (linear between sizes, extended with the last slope)."""
-        xs, ys = self._env_x, self._env_y
+        xs, ys = self.sizes, self._env_y
         if rows <= xs[0]:
             return ys[0] * rows / xs[0]
         for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):

@@ -8,7 +8,6 @@ state was built with and the token count the snapshot stands for (its version).
 from __future__ import annotations
 
 import io
-from collections import OrderedDict
 from itertools import chain
 
 import numpy as np

@@ -71,9 +71,8 @@ def cmd_bench(args) -> int:
             return 2
     import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    engine = Engine.load(args.model, backend=args.backend, prior=args.prior, logits_tree=args.logits_tree)
+    engine = Engine.load(args.model, backend=args.backend, prior=args.prior, threads=args.threads or None,
+                         logits_tree=args.logits_tree)
     records = bench.run(engine, prompts, args.modes, args.budget, args.max_new_tokens, args.system or None)
     rows = bench.summarize(records)
     print(f"torch threads: {torch.get_num_threads()} (every mode, HF's included)")

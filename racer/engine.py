@@ -21,8 +21,9 @@ class Engine:
     costs: dict | None = None  # verifier cost curve (ms by tree size) for the adaptive budget
 
     @classmethod
-    def load(cls, model: str = DEFAULT_MODEL, backend: str = "auto", prior: bool = True, **drafter) -> "Engine":
-        loaded = load(model)
+    def load(cls, model: str = DEFAULT_MODEL, backend: str = "auto", prior: bool = True, threads: int | None = None,
+             **drafter) -> "Engine":
+        loaded = load(model, threads=threads)
         config = DrafterConfig(**drafter)
         table = None
         if prior:

@@ -86,10 +86,6 @@ class Proc:
     def wait_exit(self, timeout: float) -> int:
         return self.proc.wait(timeout)
 
-    def restart(self) -> "Proc":
-        self.kill()
-        return self.start()
-
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
