@@ -29,6 +29,14 @@ from .sampling import SamplingParams
 log = logging.getLogger("racer.verifier")
 
 MAX_TREE = 4096
+INLINE_NODES = 64  # a lone stream's trees up to this size are verified on the event loop (see Batcher.verify)
+
+
+def _timed_verify(items):
+    """``verify_batch`` and its milliseconds."""
+    t = time.perf_counter()
+    out = verify_batch(items)
+    return out, (time.perf_counter() - t) * 1e3
 
 
 @dataclass
@@ -63,9 +71,16 @@ class Batcher:
 
     async def verify(self, session, tokens: list[int], parents: list[int]):
         if self.queue.empty() and self.service.streaming() <= 1:
-            # Nobody to batch with: straight to the model thread, without the queue's two hops
-            # through the event loop (a single stream pays them every round).
-            results, ms = await self._forward([(session, tokens, parents)])
+            # Nobody to batch with: no queue (its two hops through the event loop would be paid
+            # every round). With the model idle and a tree this small, the forward runs right
+            # here: handing it to the model thread and waking this loop again costs ~0.4 ms a
+            # round on a VM (two idle threads' wake-ups), and the loop is held for one small
+            # forward at most; a stream that opens meanwhile is batched from its next round.
+            items = [(session, tokens, parents)]
+            if len(tokens) <= INLINE_NODES and not self.service.busy:
+                results, ms = self._account(items, *_timed_verify(items))
+            else:
+                results, ms = self._account(items, *await self.service._run(_timed_verify, items))
             return results[0], ms, 0
         if self.task is None or self.task.done():
             self.task = asyncio.ensure_future(self._loop())
@@ -73,17 +88,10 @@ class Batcher:
         await self.queue.put(((session, tokens, parents), fut))
         return await fut
 
-    async def _forward(self, items):
-        """One ``verify_batch`` on the model thread: (results, its milliseconds)."""
+    def _account(self, items, results, ms: float):
+        """Bookkeeping of one forward of ``items`` that took ``ms``; returns (results, ms)."""
         self.sizes.append(len(items))
         M.BATCH_SIZE.observe(len(items))
-
-        def work():
-            t = time.perf_counter()
-            out = verify_batch(items)
-            return out, (time.perf_counter() - t) * 1e3
-
-        results, ms = await self.service._run(work)
         self.last_forward = ms / 1e3
         return results, ms
 
@@ -105,8 +113,9 @@ class Batcher:
             batch = [(item, fut) for item, fut in batch if not fut.cancelled()]
             if not batch:
                 continue
+            items = [item for item, _ in batch]
             try:
-                results, ms = await self._forward([item for item, _ in batch])
+                results, ms = self._account(items, *await self.service._run(_timed_verify, items))
             except Exception as e:  # noqa: BLE001 - every waiter learns of it
                 for _, fut in batch:
                     if not fut.done():
@@ -135,11 +144,27 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.batcher = Batcher(self, max_batch, max_wait_ms)
         # OpenMP thread settings are per thread: the worker takes the creating thread's count.
         threads = torch.get_num_threads()
+        self.busy = 0  # calls handed to the model thread and not yet over
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="verifier-model", initializer=torch.set_num_threads,
                                         initargs=(threads,))
 
     async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        """``fn(*args)`` on the model thread; ``busy`` counts it until it is over, even when the
+        caller stops waiting for it (a cancelled stream)."""
+        loop = asyncio.get_running_loop()
+        self.busy += 1
+        job = self._pool.submit(fn, *args)
+        job.add_done_callback(lambda _: self._done_one(loop))
+        return await asyncio.wrap_future(job)
+
+    def _done_one(self, loop) -> None:  # on the model thread
+        def dec():
+            self.busy -= 1
+
+        try:
+            loop.call_soon_threadsafe(dec)
+        except RuntimeError:  # the loop has closed: nobody is left to count for
+            pass
 
     # -- the stream ---------------------------------------------------------------------------
     async def Session(self, request_iterator, context):

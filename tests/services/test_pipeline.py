@@ -14,6 +14,8 @@ from drafter.session import MODES
 from gateway.loop import GenerationParams, generate
 from drafter.session import DraftSession
 from racer.client import Client
+from racer.v1 import verifier_pb2 as vpb
+from racer.v1 import verifier_pb2_grpc as vgrpc
 from verifier.engine import VerifierSession
 from verifier.sampling import SamplingParams
 
@@ -221,6 +223,43 @@ def test_concurrent_sessions_all_lossless(stack, tiny_llama):
         t.join()
     assert {i: results.get(i) for i in range(6)} == {i: hf_greedy(tiny_llama, prompt(200 + i), 24) for i in range(6)}
     assert max(batcher.sizes[before:]) > 1, "concurrent sessions' trees were never verified together"
+
+
+def test_a_lone_streams_small_trees_are_verified_inline_and_all_trees_match_the_engine(stack, tiny_llama):
+    """A lone stream's trees up to INLINE_NODES are verified on the event loop, bigger ones on the
+    model thread (the loop stays free for health checks); either way the results are the in-process
+    verifier's."""
+    from verifier.service import INLINE_NODES, _timed_verify
+
+    svc = stack.verifiers[0][1]
+    rng = random.Random(7)
+    history = prompt(300)
+    trees = []
+    for n in (3, INLINE_NODES, INLINE_NODES + 1, 3 * INLINE_NODES):
+        trees.append(([rng.randrange(3, 96) for _ in range(n)], [-1] + [rng.randrange(i) for i in range(1, n)]))
+    ref = VerifierSession(tiny_llama, backend="fast")
+    ref.prefill(history)
+    want = [ref.verify(t, p) for t, p in trees]
+    handed: list[int] = []  # sizes of the trees handed to the model thread
+    real = svc._run
+
+    async def spy(fn, *args):
+        if fn is _timed_verify:
+            handed.append(len(args[0][0][1]))
+        return await real(fn, *args)
+
+    svc._run = spy
+    try:
+        with grpc.insecure_channel(stack.verifier_target(0)) as ch:
+            reqs = [vpb.VerifyRequest(open=vpb.VerifierOpen(session_id="inline", tenant="t", history=history))]
+            reqs += [vpb.VerifyRequest(tree=vpb.VerifyTree(tokens=t, parents=p)) for t, p in trees]
+            got = list(vgrpc.VerifierStub(ch).Session(iter(reqs), timeout=60))[1:]
+    finally:
+        del svc._run
+    assert handed == [INLINE_NODES + 1, 3 * INLINE_NODES]
+    for g, w in zip(got, want, strict=True):
+        assert (list(g.accepted), g.next_token) == (w.accepted, w.bonus)
+        assert list(g.topk) == [t for row in w.topk for t in row]
 
 
 def test_a_key_file_without_keys_lets_nobody_in(loop_thread, tiny_llama, tmp_path):
