@@ -147,25 +147,38 @@ class _Link:
         self.endpoint = endpoint
         self.call = call
         self.timeout = timeout
+        self._broken: Exception | None = None  # how the last send failed, for ``receive`` to raise
 
     async def ask(self, request):
+        await self.send(request)
+        return await self.receive()
+
+    async def send(self, request) -> None:
+        """Sends ``request``; its response is ``receive``'s to read (a failed send shows there)."""
         try:
-            async with asyncio.timeout(self.timeout):  # unlike wait_for, no task per round trip
-                return await self._ask(request)
+            async with asyncio.timeout(self.timeout):  # unlike wait_for, no task per call
+                await self.call.write(request)
+        except asyncio.TimeoutError:
+            self._broken = _Lost(self.endpoint, f"could not send in {self.timeout:g} s")
+        except grpc.aio.AioRpcError as e:
+            self._broken = self._classify(e)
+        except asyncio.InvalidStateError:  # the call ended before this write (the server went away)
+            self._broken = EOFError()
+
+    async def receive(self):
+        broken, self._broken = self._broken, None
+        try:
+            if isinstance(broken, (_Lost, Abort)):
+                raise broken
+            async with asyncio.timeout(self.timeout):
+                resp = grpc.aio.EOF if broken is not None else await self.call.read()
+                if resp is grpc.aio.EOF:
+                    code = await self.call.code()
+                    raise self._classify(None, code, await self.call.details())
         except asyncio.TimeoutError:
             raise _Lost(self.endpoint, f"no answer in {self.timeout:g} s") from None
-
-    async def _ask(self, request):
-        try:
-            await self.call.write(request)
-            resp = await self.call.read()
         except grpc.aio.AioRpcError as e:
             raise self._classify(e) from None
-        except asyncio.InvalidStateError:  # the call ended before this write (the server went away)
-            resp = grpc.aio.EOF
-        if resp is grpc.aio.EOF:
-            code = await self.call.code()
-            raise self._classify(None, code, await self.call.details())
         return resp
 
     def _classify(self, e, code=None, details=None):
@@ -625,6 +638,7 @@ class _Turn:
             root = opened.next_token
             out, done = cut([root], self.stop_ids, self.max_new)
             feedback: tuple[list[int], list[int], int, int] = ([], [], 0, 0)
+            sent = False  # the next step is already on its way to the drafter
             while True:
                 out, done, text = self._stop_strings(detok, emitted, out, done)
                 if out:
@@ -638,15 +652,21 @@ class _Turn:
                     break
                 self._check_abort()
                 t_round = time.perf_counter()
-                tree = await self._draft(ctx, root, feedback)
+                tree = await self._draft(ctx, root, feedback, sent)
                 res = await self._verify(ctx, root, tree)
                 path = [tree.tokens[i] for i in res.accepted]
                 out, fed, done = settle(path, res.next_token, self.stop_ids, self.max_new - self.stats.new_tokens)
                 ctx.extend(fed)
                 feedback = (list(res.topk), list(res.accepted), len(fed), res.batch_rows)
+                root = out[-1] if out else res.next_token
+                # The next step goes out before this round's bookkeeping and text, which are then done
+                # while the drafter works. Not with stop strings: the text may still end the turn, and
+                # the drafter would have committed tokens past the cut.
+                sent = not done and not self.r.stop and self.drafter is not None
+                if sent:
+                    await self.drafter.send(dpb.DraftRequest(step=self._step(root, feedback)))
                 self._count(tree, res)
                 M.ROUND_MS.observe((time.perf_counter() - t_round) * 1e3)
-                root = out[-1] if out else res.next_token
             finished = True
             yield await self._finish(emitted, t0)
         finally:
@@ -665,17 +685,25 @@ class _Turn:
                 return out[: i + 1], True, text
         return out, done, text
 
-    async def _draft(self, ctx, root, feedback):
+    def _step(self, root, feedback) -> dpb.DraftStep:
         topk, accepted, commit, batch_rows = feedback
-        step = dpb.DraftStep(tree_topk=topk, accepted=accepted, commit=commit, root=root, budget=self.budget, mode=self.mode,
-                             batch_rows=batch_rows)
+        return dpb.DraftStep(tree_topk=topk, accepted=accepted, commit=commit, root=root, budget=self.budget,
+                             mode=self.mode, batch_rows=batch_rows)
+
+    async def _draft(self, ctx, root, feedback, sent: bool = False):
+        """The next tree; ``sent``: its step is already on its way (only its response is read)."""
+        step = self._step(root, feedback)
         while True:
             if self.drafter is None:
                 await self._open_drafter(ctx, [], 0)
-                step = dpb.DraftStep(root=root, budget=self.budget, mode=self.mode,  # a fresh stream has no tree to learn from
-                                     batch_rows=batch_rows)
+                # a fresh stream has no tree to learn from
+                step = dpb.DraftStep(root=root, budget=self.budget, mode=self.mode, batch_rows=feedback[3])
+                sent = False
             try:
-                resp = await self.drafter.ask(dpb.DraftRequest(step=step))
+                if not sent:
+                    await self.drafter.send(dpb.DraftRequest(step=step))
+                sent = False
+                resp = await self.drafter.receive()
             except _Lost as e:
                 await self.drafter.close(cancel=True)
                 self.drafter = None
