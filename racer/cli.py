@@ -7,7 +7,13 @@ import logging
 import os
 import sys
 
-from drafter.session import MODES
+# gRPC's legacy I/O manager instead of its EventEngine for channels and listeners: one message
+# crosses fewer threads. Measured here (loopback bidi round trip, p50): 0.16-0.20 ms against
+# 0.26-0.37 ms, and ~0.1 ms less per hop in a draft-verify round. Read once, when gRPC starts, so it
+# is set before anything imports it; an explicit GRPC_EXPERIMENTS wins.
+os.environ.setdefault("GRPC_EXPERIMENTS", "-event_engine_client,-event_engine_listener")
+
+from drafter.session import MODES  # noqa: E402
 
 
 def _csv(kind):
