@@ -59,28 +59,37 @@ def bench_stack(args) -> int:
             for where in order:
                 if where == "local":
                     out, secs, st, _ = run_engine(engine, ids, args.mode, args.budget, args.max_new_tokens)
-                    got[where] = (out, secs, st.rounds, None)
+                    got[where] = (out, secs, st.rounds, None, st.verify_s * 1e3 / max(1, st.rounds),
+                                  st.draft_s * 1e3 / max(1, st.rounds))
                 else:
                     t0 = time.perf_counter()
                     out, _, last = c.complete(ids, max_new_tokens=args.max_new_tokens, mode=args.mode, budget=args.budget)
                     secs = time.perf_counter() - t0
                     s = last.stats
                     overhead = (s.total_ms - s.prefill_ms - s.draft_ms - s.verify_ms) / max(1, s.rounds)
-                    got[where] = (out, secs, s.rounds, overhead)
+                    got[where] = (out, secs, s.rounds, overhead, s.verify_ms / max(1, s.rounds), s.draft_ms / max(1, s.rounds))
                     c.close_session(last.session_id)
-            (lo, ls, lr, _), (so, ss, sr, oh) = got["local"], got["stack"]
+            (lo, ls, lr, _, lv, ld), (so, ss, sr, oh, sv, sd) = got["local"], got["stack"]
             rows.append(dict(category=p.category, tokens=len(so), local_tps=len(lo) / ls, stack_tps=len(so) / ss,
                              ratio=(len(so) / ss) / (len(lo) / ls), overhead_ms=oh, rounds=sr, local_rounds=lr,
-                             same=lo == so))
+                             verify=(lv, sv), draft=(ld, sd), same=lo == so))
     print(f"mode={args.mode} C={args.budget} prompts={len(rows)} max_new_tokens={args.max_new_tokens}")
-    print("| prompt | category | tokens | rounds in-process / gateway | in-process tok/s | gateway tok/s | ratio | overhead/round ms | identical |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    # verify and draft: ms per round on each side (in process: the engine's calls; through the
+    # gateway: what the verifier and the drafter report as their own time for the round).
+    print("| prompt | category | tokens | rounds in-process / gateway | in-process tok/s | gateway tok/s | ratio | "
+          "verify ms/round in-process / verifier | draft ms/round in-process / drafter | overhead/round ms | identical |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for i, r in enumerate(rows):
         print(f"| {i} | {r['category']} | {r['tokens']} | {r['local_rounds']} / {r['rounds']} | {r['local_tps']:.2f} | {r['stack_tps']:.2f} | "
-              f"{r['ratio']:.3f} | {r['overhead_ms']:.2f} | {'yes' if r['same'] else 'NO'} |")
-    print(f"| median | | | | {statistics.median(r['local_tps'] for r in rows):.2f} | "
-          f"{statistics.median(r['stack_tps'] for r in rows):.2f} | {statistics.median(r['ratio'] for r in rows):.3f} | "
-          f"{statistics.median(r['overhead_ms'] for r in rows):.2f} | {sum(r['same'] for r in rows)}/{len(rows)} |")
+              f"{r['ratio']:.3f} | {r['verify'][0]:.1f} / {r['verify'][1]:.1f} | {r['draft'][0]:.2f} / {r['draft'][1]:.2f} | "
+              f"{r['overhead_ms']:.2f} | {'yes' if r['same'] else 'NO'} |")
+
+    def med(key, i=None):
+        return statistics.median(r[key] if i is None else r[key][i] for r in rows)
+
+    print(f"| median | | | | {med('local_tps'):.2f} | {med('stack_tps'):.2f} | {med('ratio'):.3f} | "
+          f"{med('verify', 0):.1f} / {med('verify', 1):.1f} | {med('draft', 0):.2f} / {med('draft', 1):.2f} | "
+          f"{med('overhead_ms'):.2f} | {sum(r['same'] for r in rows)}/{len(rows)} |")
     return 0 if all(r["same"] for r in rows) else 1
 
 
