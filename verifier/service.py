@@ -1,7 +1,8 @@
 """The verifier service: the target model and one KV cache per session, behind a gRPC stream.
 
 Model work runs on one worker thread (the forward releases the GIL), so health checks and other
-streams stay responsive while a tree is verified. Caches outlive streams: a session's next turn
+streams stay responsive while a prefill, a batch or a big tree is computed; a lone stream's small
+trees are verified on the event loop itself, which holds it for one short forward. Caches outlive streams: a session's next turn
 prefills only its new tokens. They are bounded by count and by total tokens; the least recently
 used idle cache goes first, and an evicted session is simply re-prefilled when it comes back.
 """
