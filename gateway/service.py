@@ -212,9 +212,7 @@ class GatewayService(pb_grpc.GenerationServicer):
         self.timeouts = timeouts
         self.ttl = ttl
         self.vocab_size = vocab_size or (len(tokenizer) if tokenizer is not None else None)
-        self._busy: set[tuple[str, str]] = set()  # sessions with a turn running on this gateway
-        self._per_tenant: dict[str, int] = {}  # turns running on this gateway, per tenant
-        self._turns: set[_Turn] = set()
+        self._turns: dict[tuple[str, str], _Turn] = {}  # (tenant, session id) -> its turn running on this gateway
         self._verifier_load: dict[str, int] = {}
         self.stopping: str | None = None  # set when the gateway drains: why new turns are refused
 
@@ -225,7 +223,7 @@ class GatewayService(pb_grpc.GenerationServicer):
         deadline = time.monotonic() + seconds
         while self._turns and time.monotonic() < deadline - min(1.0, seconds / 2):
             await asyncio.sleep(0.05)
-        for turn in list(self._turns):
+        for turn in list(self._turns.values()):
             turn.abort = ("the gateway is shutting down; this turn was not saved (the session is as it was "
                           "before it): retry it")
         while self._turns and time.monotonic() < deadline:
@@ -372,12 +370,13 @@ class GatewayService(pb_grpc.GenerationServicer):
         else:
             record = Record(secrets.token_urlsafe(18), tenant)
         key = (tenant, record.session_id)
-        if key in self._busy:
+        if key in self._turns:
             raise Abort(grpc.StatusCode.ABORTED, f"session_id {record.session_id!r}: a turn is already running")
         lim = self.limits
-        if lim.max_sessions_per_tenant and self._per_tenant.get(tenant, 0) >= lim.max_sessions_per_tenant:
+        running = sum(1 for t, _ in self._turns if t == tenant)
+        if lim.max_sessions_per_tenant and running >= lim.max_sessions_per_tenant:
             raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"tenant {tenant!r}: {self._per_tenant[tenant]} sessions are generating, the limit is "
+                        f"tenant {tenant!r}: {running} sessions are generating, the limit is "
                         f"max_sessions_per_tenant={lim.max_sessions_per_tenant}; retry when one ends")
         turn = self._turn_ids(r, record.history)
         kind = r.WhichOneof("input")
@@ -389,10 +388,7 @@ class GatewayService(pb_grpc.GenerationServicer):
             raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
                         f"session_id {record.session_id!r}: the session holds {len(record.history)} tokens, with this "
                         f"turn's {len(turn)} it would exceed max_prompt_tokens={lim.max_prompt_tokens}; start a new session")
-        self._busy.add(key)
-        self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
-        run = _Turn(self, record, history, len(turn), r, max_new, mode, budget)
-        self._turns.add(run)
+        run = self._turns[key] = _Turn(self, record, history, len(turn), r, max_new, mode, budget)
         # The rounds run in their own task and hand their responses over through a queue: a
         # streamed message's send completes ~0.4 ms after it is queued, and the next round need
         # not wait for it. The queue holds at most one turn's tokens.
@@ -410,11 +406,7 @@ class GatewayService(pb_grpc.GenerationServicer):
             if not rounds.done():
                 rounds.cancel()  # the client went away: the turn releases its drafter and verifier
             await asyncio.gather(rounds, return_exceptions=True)
-            self._turns.discard(run)
-            self._busy.discard(key)
-            self._per_tenant[tenant] -= 1
-            if not self._per_tenant[tenant]:
-                del self._per_tenant[tenant]
+            del self._turns[key]
 
     # -- sessions -----------------------------------------------------------------------------
     async def _info(self, rec: Record, closed: bool = False) -> pb.SessionInfo:
@@ -435,7 +427,7 @@ class GatewayService(pb_grpc.GenerationServicer):
         try:
             tenant = self.tenant(context)
             rec = await self._record(tenant, request.session_id)
-            if (tenant, rec.session_id) in self._busy:
+            if (tenant, rec.session_id) in self._turns:
                 raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"session_id {rec.session_id!r}: a turn is running")
             await self._store_call("delete", self.store.delete, record_key(tenant, rec.session_id))
             await self._drop_everywhere(tenant, rec)
@@ -599,6 +591,10 @@ class _Turn:
     def _unreachable(self, kind: str, e: _Lost) -> None:
         """An open failed: try the next endpoint (``_candidates`` bounds the retries by time)."""
         log.warning(f"{kind} unreachable", extra={"session_id": self.record.session_id, "endpoint": e.endpoint, "error": e.error})
+        self._exclude(kind, e)
+
+    def _exclude(self, kind: str, e: _Lost) -> None:
+        """Not tried again this turn; every turn skips it for a while (``Endpoints.mark_down``)."""
         self.failed[kind].add(e.endpoint)
         self.last_error[kind] = f"{e.endpoint}: {e.error}"
         (self.gw.drafters if kind == "drafter" else self.gw.verifiers).mark_down(e.endpoint)
@@ -608,9 +604,7 @@ class _Turn:
         self._check_abort()
         log.warning(f"{kind} lost; failing over", extra={"session_id": self.record.session_id, "endpoint": e.endpoint, "error": e.error})
         M.FAILOVERS.labels(kind).inc()
-        self.failed[kind].add(e.endpoint)
-        self.last_error[kind] = f"{e.endpoint}: {e.error}"
-        (self.gw.drafters if kind == "drafter" else self.gw.verifiers).mark_down(e.endpoint)
+        self._exclude(kind, e)
         self.lost[kind] += 1
         if self.lost[kind] > FAILOVERS:
             raise Abort(grpc.StatusCode.UNAVAILABLE, f"{kind}s keep failing ({self.lost[kind]} streams lost this turn; "
