@@ -59,37 +59,36 @@ def setup_logging(level: str = "INFO") -> None:
     root.setLevel(level.upper())
 
 
-def server_options(max_message_bytes: int, keepalive_seconds: float = 10.0) -> list[tuple[str, int]]:
-    """Message size limits (a larger message gets RESOURCE_EXHAUSTED) and keepalive: a peer that
-    stops answering pings (a frozen or partitioned process) is dropped and its streams end."""
+def _common_options(max_message_bytes: int, keepalive_seconds: float) -> list[tuple[str, object]]:
+    """Both ends: message size limits (a larger message gets RESOURCE_EXHAUSTED) and keepalive: a
+    peer that stops answering pings (a frozen or partitioned process) is dropped and its streams end."""
     ka = max(1, int(keepalive_seconds * 1000))
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.so_reuseport", 0),
         ("grpc.keepalive_time_ms", ka),
         ("grpc.keepalive_timeout_ms", ka),
         ("grpc.http2.ping_timeout_ms", ka),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
-        # clients (the gateway) ping as often as we do: accept it rather than answer "too many pings"
-        ("grpc.http2.min_ping_interval_without_data_ms", min(ka, 5000)),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", min(ka, 5000)),
+    ]
+
+
+def server_options(max_message_bytes: int, keepalive_seconds: float = 10.0) -> list[tuple[str, object]]:
+    """The common limits and keepalive; clients (the gateway) ping as often as a server does, which
+    it accepts rather than answer "too many pings"."""
+    ping = min(max(1, int(keepalive_seconds * 1000)), 5000)
+    return _common_options(max_message_bytes, keepalive_seconds) + [
+        ("grpc.so_reuseport", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", ping),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", ping),
     ]
 
 
 def channel_options(max_message_bytes: int, keepalive_seconds: float = 10.0, server_name: str = "") -> list[tuple[str, object]]:
-    """The gateway's channels to drafters and verifiers: the same limits and keepalive, and a short
+    """The gateway's channels to drafters and verifiers: the common limits and keepalive, and a short
     reconnect backoff (at most 1 s), so a restarted pod is used again as soon as it listens."""
-    ka = max(1, int(keepalive_seconds * 1000))
-    opts: list[tuple[str, object]] = [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", ka),
-        ("grpc.keepalive_timeout_ms", ka),
-        ("grpc.http2.ping_timeout_ms", ka),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
+    opts = _common_options(max_message_bytes, keepalive_seconds) + [
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
