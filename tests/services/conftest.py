@@ -7,6 +7,7 @@ testcontainers when a Docker engine is reachable instead. Neither: the tests fai
 from __future__ import annotations
 
 import asyncio
+import random
 import shutil
 import socket
 import subprocess
@@ -19,6 +20,12 @@ import pytest
 
 from racer import services
 from racer.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+
+
+def prompt(seed: int, n: int = 12, vocab: int = 96) -> list[int]:
+    """``n`` reproducible token ids in [3, vocab): the tiny test model's vocabulary, past its specials."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
 
 
 def free_port() -> int:

@@ -9,7 +9,6 @@ fault then lands mid-stream for sure, and a metric or the services' Stats proves
 
 from __future__ import annotations
 
-import random
 import signal
 import threading
 import time
@@ -21,15 +20,10 @@ from drafter.snapshot import snapshot_length
 from racer.client import Client
 
 from ..engine.helpers import hf_greedy
-from .conftest import wait_until
+from .conftest import prompt, wait_until
 from .procs import Proc, RedisProc, reap
 
 N = 240  # long enough that a turn is still running when a fault lands right after its first chunk
-
-
-def prompt(seed: int, n: int = 12, vocab: int = 96) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, vocab) for _ in range(n)]
 
 
 @pytest.fixture(scope="session")

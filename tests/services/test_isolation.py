@@ -4,7 +4,6 @@ guessed or aliased."""
 from __future__ import annotations
 
 import queue
-import random
 import re
 
 import grpc
@@ -17,12 +16,7 @@ from racer.v1 import drafter_pb2_grpc as dgrpc
 from racer.v1 import generation_pb2 as pb
 from racer.v1 import generation_pb2_grpc as pb_grpc
 
-from .conftest import start_stack
-
-
-def prompt(seed, n=16):
-    rng = random.Random(seed)
-    return [rng.randrange(3, 96) for _ in range(n)]
+from .conftest import prompt, start_stack
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +71,7 @@ def test_through_the_gateway_b_speculates_the_same_whatever_a_did(stack):
 
 def test_every_call_needs_a_key(stack):
     with Client(stack.gateway, api_key="key-a", timeout=30) as a:
-        sid = a.complete(prompt(4), max_new_tokens=3)[2].session_id
+        sid = a.complete(prompt(4, 16), max_new_tokens=3)[2].session_id
     for md in ((), (("authorization", "Bearer nope"),), (("authorization", "key-a"),), (("x-api-key", "nope"),)):
         with grpc.insecure_channel(stack.gateway) as ch:
             stub = pb_grpc.GenerationStub(ch)

@@ -20,14 +20,9 @@ from verifier.engine import VerifierSession
 from verifier.sampling import SamplingParams
 
 from ..engine.helpers import hf_greedy
-from .conftest import start_stack, wait_until
+from .conftest import prompt, start_stack, wait_until
 
 N = 40
-
-
-def prompt(seed: int, n: int = 12, vocab: int = 96) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, vocab) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")

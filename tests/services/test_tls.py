@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import random
 import time
 
 import grpc
@@ -15,7 +14,7 @@ from racer.client import Client, tls_credentials
 from racer.v1 import drafter_pb2, drafter_pb2_grpc
 
 from ..engine.helpers import hf_greedy
-from .conftest import start_stack
+from .conftest import prompt, start_stack
 
 
 def _cert(name: str, issuer=None, ca: bool = False):
@@ -71,11 +70,6 @@ def tls_stack(loop_thread, tiny_llama, pki):
         tls_ca=pki["ca"], tls_client_cert=gcert, tls_client_key=gkey, reconnect_seconds=0.5)
     yield st
     st.stop()
-
-
-def prompt(seed, n=12):
-    rng = random.Random(seed)
-    return [rng.randrange(3, 96) for _ in range(n)]
 
 
 def test_pipeline_over_mutual_tls_is_lossless(tls_stack, tiny_llama, pki):
