@@ -19,6 +19,7 @@ class Engine:
     backend: str = "auto"
     prior: object = None  # [vocab, k] copy-logit prior shared by all sessions (verifier/prior.py)
     costs: dict | None = None  # verifier cost curve (ms by tree size) for the adaptive budget
+    overhead_ms: float = 1.0  # per round outside the forward, as the adaptive budget counts it
 
     @classmethod
     def load(cls, model: str = DEFAULT_MODEL, backend: str = "auto", prior: bool = True, threads: int | None = None,
@@ -35,7 +36,7 @@ class Engine:
     def new_drafter(self) -> DraftSession:
         session = DraftSession(self.drafter_config, self.prior)
         if self.costs is not None:
-            session.set_costs(self.costs)
+            session.set_costs(self.costs, self.overhead_ms)
         return session
 
     def measure_costs(self) -> dict[int, float]:
