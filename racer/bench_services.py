@@ -47,7 +47,7 @@ def bench_stack(args) -> int:
             curve = stub.Stats(vpb.VerifierStatsRequest(), timeout=30).cost
             engine.costs = dict(zip(curve.sizes, curve.ms))
 
-    with stack.running(args.model, args.port_base, args.metrics_base) as gateway, Client(gateway, timeout=600) as c, \
+    with stack.running(args.model, args.port_base, args.metrics_base, pin=args.pin) as gateway, Client(gateway, timeout=600) as c, \
             grpc.insecure_channel(stack.target("verifier", args.port_base)) as vch:
         verifier = vpb_grpc.VerifierStub(vch)
         warm = chat_ids(engine.tokenizer, "Hello", args.system)
@@ -163,8 +163,8 @@ def bench_batch(args) -> int:
     configs = {"batched": {"RACER_MAX_BATCH": "16"}, "unbatched": {"RACER_MAX_BATCH": "1"}}
     reference: dict[int, list[int]] = {}
     rows = []
-    with stack.running(args.model, args.port_base, args.metrics_base, env=configs["batched"]) as g_on, \
-            stack.running(args.model, args.port_base + 10, args.metrics_base + 10, env=configs["unbatched"]) as g_off:
+    with stack.running(args.model, args.port_base, args.metrics_base, env=configs["batched"], pin=args.pin) as g_on, \
+            stack.running(args.model, args.port_base + 10, args.metrics_base + 10, env=configs["unbatched"], pin=args.pin) as g_off:
         targets = {"batched": g_on, "unbatched": g_off}
         for n in args.sessions:
             for name in (("batched", "unbatched") if len(rows) % 2 == 0 else ("unbatched", "batched")):

@@ -26,6 +26,11 @@ def _csv(kind):
     return parse
 
 
+def pin_flag(parser) -> None:
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="let the verifier share CPUs with the other services (default: CPUs of its own)")
+
+
 def _budget(s: str) -> int:
     return 0 if s == "auto" else int(s)
 
@@ -110,9 +115,15 @@ def cmd_serve(args) -> int:
     import asyncio
 
     from . import services
+    from .cpus import confine
     from .serving import serve_forever, setup_logging, start_metrics
 
     setup_logging(args.log_level)
+    try:
+        confine(args.cpus)  # first: every thread started from here on inherits it
+    except ValueError as e:
+        print(f"racer serve {args.service}: --cpus: {e}", file=sys.stderr)
+        return 2
     start = {"drafter": services.start_drafter, "verifier": services.start_verifier, "gateway": services.start_gateway}
 
     async def go():
@@ -242,6 +253,7 @@ def main(argv=None) -> int:
     st.add_argument("--port-base", type=int, default=0, help="gateway, drafter, verifier on this port and the next two")
     st.add_argument("--metrics-base", type=int, default=9100)
     st.add_argument("--log-level", default="WARNING")
+    pin_flag(st)
     st.set_defaults(func=cmd_stack)
 
     cl = sub.add_parser("client", help="talk to a running gateway")
@@ -269,6 +281,7 @@ def main(argv=None) -> int:
     bs.add_argument("--budget", type=_budget, default=0, help="tree size; auto (0): adaptive")
     bs.add_argument("--port-base", type=int, default=0)
     bs.add_argument("--metrics-base", type=int, default=9100)
+    pin_flag(bs)
     bs.set_defaults(func=lambda a: __import__("racer.bench_services", fromlist=["x"]).bench_stack(a))
 
     bb = sub.add_parser("bench-batch", help="aggregate tok/s of N concurrent sessions, batching on vs off")
@@ -281,6 +294,7 @@ def main(argv=None) -> int:
     bb.add_argument("--budget", type=_budget, default=4)
     bb.add_argument("--port-base", type=int, default=50151)
     bb.add_argument("--metrics-base", type=int, default=9200)
+    pin_flag(bb)
     bb.set_defaults(func=lambda a: __import__("racer.bench_services", fromlist=["x"]).bench_batch(a))
 
     ld = sub.add_parser("load", help="N concurrent sessions x T turns through a gateway on this machine (bounded)")

@@ -18,6 +18,9 @@ import time
 from .settings import HEALTH_SERVICES, PORTS
 
 
+_outer: list[list[int]] = []  # the CPUs of the running() calls this one is nested in
+
+
 def _spawn(service: str, env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "racer.cli", "serve", service], env=env, start_new_session=True)
 
@@ -35,10 +38,17 @@ def target(service: str, port_base: int = 0) -> str:
 
 @contextlib.contextmanager
 def running(model: str = "default", port_base: int = 0, metrics_base: int = 9100, log_level: str = "WARNING",
-            env: dict[str, str] | None = None):
-    """Starts the three services, waits for their health, yields the gateway target, stops them."""
+            env: dict[str, str] | None = None, pin: bool = True):
+    """Starts the three services, waits for their health, yields the gateway target, stops them.
+
+    ``pin`` (on two CPUs or more): the verifier runs on CPUs of its own (the upper half), the
+    drafter, the gateway and this thread (the client, and the threads it starts) on the others,
+    as a deployment gives the verifier its own cores or GPU. Explicit ``RACER_CPUS`` in ``env``
+    or the environment win.
+    """
     from verifier.model import resolve_model_dir
 
+    from . import cpus
     from .serving import wait_healthy
 
     resolve_model_dir(model)  # convert the default model once, before two services want it
@@ -46,7 +56,14 @@ def running(model: str = "default", port_base: int = 0, metrics_base: int = 9100
     ports = _ports(port_base, metrics_base)
     envs = {s: dict(base, RACER_PORT=str(p), RACER_METRICS_PORT=str(m)) for s, (p, m) in ports.items()}
     envs["gateway"].update(RACER_DRAFTERS=f"127.0.0.1:{ports['drafter'][0]}", RACER_VERIFIERS=f"127.0.0.1:{ports['verifier'][0]}")
+    before = cpus.available()
+    mine = _outer[0] if _outer else before  # a stack started inside another splits the same CPUs
+    split = cpus.split_for_verifier(mine) if pin and "RACER_CPUS" not in base else None
+    if split:
+        for s, group in (("verifier", split[0]), ("drafter", split[1]), ("gateway", split[1])):
+            envs[s]["RACER_CPUS"] = cpus.format_list(group)
     procs: dict[str, subprocess.Popen] = {}
+    _outer.append(mine)
     try:
         t0 = time.monotonic()
         # The verifier measures its cost curve (the adaptive budget's input) at start-up: on a
@@ -57,10 +74,17 @@ def running(model: str = "default", port_base: int = 0, metrics_base: int = 9100
             for s in group:
                 asyncio.run(_wait(wait_healthy, f"127.0.0.1:{ports[s][0]}", HEALTH_SERVICES[s], procs[s]))
         gateway = f"127.0.0.1:{ports['gateway'][0]}"
+        if split:  # the client side, off the verifier's CPUs (threads started from here on inherit it)
+            cpus.confine(cpus.format_list(split[1]))
         print(f"stack up in {time.monotonic() - t0:.1f} s: gateway {gateway}, metrics on "
-              + ", ".join(f"{s} :{m}" for s, (_, m) in ports.items()), file=sys.stderr)
+              + ", ".join(f"{s} :{m}" for s, (_, m) in ports.items())
+              + (f"; verifier on CPUs {envs['verifier']['RACER_CPUS']}, the others on {envs['gateway']['RACER_CPUS']}"
+                 if split else ""), file=sys.stderr)
         yield gateway
     finally:
+        _outer.pop()
+        if split:
+            cpus.confine(cpus.format_list(before))
         for p in procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -75,7 +99,7 @@ def running(model: str = "default", port_base: int = 0, metrics_base: int = 9100
 def run(args) -> int:
     from .client import Client, format_stats
 
-    with running(args.model, args.port_base, args.metrics_base, args.log_level) as gateway:
+    with running(args.model, args.port_base, args.metrics_base, args.log_level, pin=args.pin) as gateway:
         if args.prompt:
             with Client(gateway) as c:
                 last = None
