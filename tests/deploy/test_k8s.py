@@ -395,6 +395,17 @@ def test_resources_threads_and_security(overlay):
 # --- the overlays --------------------------------------------------------------------------------------
 
 
+def test_cpu_verifier_is_a_guaranteed_pod_on_whole_cpus():
+    """The CPU overlay's verifier can have cores of its own (kubelet static CPU manager policy):
+    every container's requests equal its limits, and its CPUs are whole."""
+    pod = workload(render("cpu"), "verifier")["spec"]["template"]["spec"]
+    for c in pod.get("initContainers", []) + pod["containers"]:
+        res = c["resources"]
+        assert res["requests"] == res["limits"], c["name"]
+        cpu = cpu_quantity(res["limits"]["cpu"])
+        assert cpu >= 1 and cpu == int(cpu), c["name"]
+
+
 def test_gpu_overlay_changes_only_the_verifier():
     cpu, gpu = render("cpu"), render("gpu")
 
