@@ -2,7 +2,8 @@
 
 Model work runs on one worker thread (the forward releases the GIL), so health checks and other
 streams stay responsive while a prefill, a batch or a big tree is computed; a lone stream's small
-trees are verified on the event loop itself, which holds it for one short forward. Caches outlive streams: a session's next turn
+trees are verified on the event loop itself when the last forward was short (INLINE_MS), which
+holds the loop for one short forward. Caches outlive streams: a session's next turn
 prefills only its new tokens. They are bounded by count and by total tokens; the least recently
 used idle cache goes first, and an evicted session is simply re-prefilled when it comes back.
 """
@@ -30,7 +31,10 @@ from .sampling import SamplingParams
 log = logging.getLogger("racer.verifier")
 
 MAX_TREE = 4096
-INLINE_NODES = 64  # a lone stream's trees up to this size are verified on the event loop (see Batcher.verify)
+# A lone stream's tree is verified on the event loop (see Batcher.verify) when it has at most
+# INLINE_NODES nodes and the last forward took at most INLINE_MS: the loop is held that long at most.
+INLINE_NODES = 64
+INLINE_MS = 250.0
 
 
 def _timed_verify(items):
@@ -73,12 +77,12 @@ class Batcher:
     async def verify(self, session, tokens: list[int], parents: list[int]):
         if self.queue.empty() and self.service.streaming() <= 1:
             # Nobody to batch with: no queue (its two hops through the event loop would be paid
-            # every round). With the model idle and a tree this small, the forward runs right
-            # here: handing it to the model thread and waking this loop again costs ~0.4 ms a
-            # round on a VM (two idle threads' wake-ups), and the loop is held for one small
-            # forward at most; a stream that opens meanwhile is batched from its next round.
+            # every round). With the model idle and a tree small and quick to verify, the forward
+            # runs right here: handing it to the model thread and waking this loop again costs
+            # ~0.4 ms a round on a VM (two idle threads' wake-ups), and the loop is held for one
+            # short forward at most; a stream that opens meanwhile is batched from its next round.
             items = [(session, tokens, parents)]
-            if len(tokens) <= INLINE_NODES and not self.service.busy:
+            if len(tokens) <= INLINE_NODES and self.last_forward * 1e3 <= INLINE_MS and not self.service.busy:
                 results, ms = self._account(items, *_timed_verify(items))
             else:
                 results, ms = self._account(items, *await self.service._run(_timed_verify, items))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
 import threading
 
@@ -220,22 +222,12 @@ def test_concurrent_sessions_all_lossless(stack, tiny_llama):
     assert max(batcher.sizes[before:]) > 1, "concurrent sessions' trees were never verified together"
 
 
-def test_a_lone_streams_small_trees_are_verified_inline_and_all_trees_match_the_engine(stack, tiny_llama):
-    """A lone stream's trees up to INLINE_NODES are verified on the event loop, bigger ones on the
-    model thread (the loop stays free for health checks); either way the results are the in-process
-    verifier's."""
-    from verifier.service import INLINE_NODES, _timed_verify
+@contextlib.contextmanager
+def handed_to_model_thread(svc):
+    """Sizes of the trees ``svc`` hands to its model thread while the block runs."""
+    from verifier.service import _timed_verify
 
-    svc = stack.verifiers[0][1]
-    rng = random.Random(7)
-    history = prompt(300)
-    trees = []
-    for n in (3, INLINE_NODES, INLINE_NODES + 1, 3 * INLINE_NODES):
-        trees.append(([rng.randrange(3, 96) for _ in range(n)], [-1] + [rng.randrange(i) for i in range(1, n)]))
-    ref = VerifierSession(tiny_llama, backend="fast")
-    ref.prefill(history)
-    want = [ref.verify(t, p) for t, p in trees]
-    handed: list[int] = []  # sizes of the trees handed to the model thread
+    handed: list[int] = []
     real = svc._run
 
     async def spy(fn, *args):
@@ -245,16 +237,81 @@ def test_a_lone_streams_small_trees_are_verified_inline_and_all_trees_match_the_
 
     svc._run = spy
     try:
-        with grpc.insecure_channel(stack.verifier_target(0)) as ch:
-            reqs = [vpb.VerifyRequest(open=vpb.VerifierOpen(session_id="inline", tenant="t", history=history))]
-            reqs += [vpb.VerifyRequest(tree=vpb.VerifyTree(tokens=t, parents=p)) for t, p in trees]
-            got = list(vgrpc.VerifierStub(ch).Session(iter(reqs), timeout=60))[1:]
+        yield handed
     finally:
         del svc._run
+
+
+def _random_tree(rng, n):
+    return [rng.randrange(3, 96) for _ in range(n)], [-1] + [rng.randrange(i) for i in range(1, n)]
+
+
+def _same(got, want):
+    assert (list(got.accepted), got.next_token) == (want.accepted, want.bonus)
+    assert list(got.topk) == [t for row in want.topk for t in row]
+
+
+def test_a_lone_streams_small_trees_are_verified_inline_and_all_trees_match_the_engine(stack, tiny_llama):
+    """A lone stream's trees up to INLINE_NODES are verified on the event loop, bigger ones on the
+    model thread (the loop stays free for health checks); either way the results are the in-process
+    verifier's."""
+    from verifier.service import INLINE_NODES
+
+    svc = stack.verifiers[0][1]
+    wait_until(lambda: svc.streaming() == 0 and not svc.busy, what="no verifier stream open")
+    rng = random.Random(7)
+    history = prompt(300)
+    trees = [_random_tree(rng, n) for n in (3, INLINE_NODES, INLINE_NODES + 1, 3 * INLINE_NODES)]
+    ref = VerifierSession(tiny_llama, backend="fast")
+    ref.prefill(history)
+    want = [ref.verify(t, p) for t, p in trees]
+    with handed_to_model_thread(svc) as handed, grpc.insecure_channel(stack.verifier_target(0)) as ch:
+        reqs = [vpb.VerifyRequest(open=vpb.VerifierOpen(session_id="inline", tenant="t", history=history))]
+        reqs += [vpb.VerifyRequest(tree=vpb.VerifyTree(tokens=t, parents=p)) for t, p in trees]
+        got = list(vgrpc.VerifierStub(ch).Session(iter(reqs), timeout=60))[1:]
     assert handed == [INLINE_NODES + 1, 3 * INLINE_NODES]
     for g, w in zip(got, want, strict=True):
-        assert (list(g.accepted), g.next_token) == (w.accepted, w.bonus)
-        assert list(g.topk) == [t for row in w.topk for t in row]
+        _same(g, w)
+
+
+def test_a_small_tree_waits_for_a_busy_model_thread_and_after_a_slow_forward_uses_it(stack, tiny_llama):
+    """The loop never runs a forward while the model thread works (a cancelled stream's prefill,
+    say), nor when the last forward took longer than INLINE_MS."""
+    from verifier.service import INLINE_MS
+
+    svc = stack.verifiers[0][1]
+    wait_until(lambda: svc.streaming() == 0 and not svc.busy, what="no verifier stream open")
+    rng = random.Random(8)
+    history = prompt(301)
+    trees = [_random_tree(rng, 3), _random_tree(rng, 3)]
+    ref = VerifierSession(tiny_llama, backend="fast")
+    ref.prefill(history)
+    want = [ref.verify(t, p) for t, p in trees]
+    gates = [threading.Event(), threading.Event()]
+
+    def reqs():
+        yield vpb.VerifyRequest(open=vpb.VerifierOpen(session_id="held", tenant="t", history=history))
+        for gate, (t, p) in zip(gates, trees):
+            gate.wait(30)
+            yield vpb.VerifyRequest(tree=vpb.VerifyTree(tokens=t, parents=p))
+
+    release = threading.Event()
+    with handed_to_model_thread(svc) as handed, grpc.insecure_channel(stack.verifier_target(0)) as ch:
+        responses = vgrpc.VerifierStub(ch).Session(reqs(), timeout=60)
+        next(responses)  # opened
+        holder = asyncio.run_coroutine_threadsafe(svc._run(release.wait, 30), stack.lt.loop)
+        wait_until(lambda: svc.busy == 1, what="the model thread held")
+        gates[0].set()
+        wait_until(lambda: handed == [3], what="the tree handed to the busy model thread")
+        release.set()
+        _same(next(responses), want[0])
+        holder.result(10)
+        wait_until(lambda: svc.busy == 0, what="the model thread free")
+        svc.batcher.last_forward = (INLINE_MS + 1) / 1e3  # as if the last forward had been slow
+        gates[1].set()
+        _same(next(responses), want[1])
+        responses.cancel()
+    assert handed == [3, 3]
 
 
 def test_a_key_file_without_keys_lets_nobody_in(loop_thread, tiny_llama, tmp_path):
