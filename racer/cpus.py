@@ -45,13 +45,13 @@ def confine(spec: str) -> None:
     cpus = parse(spec)
     if not hasattr(os, "sched_setaffinity"):
         raise ValueError(f"CPU list {spec!r}: this platform cannot confine a process to CPUs")
-    missing = {c for c in cpus if c >= (os.cpu_count() or 1)}
-    if missing:
-        raise ValueError(f"CPU list {spec!r}: this machine has no CPU {format_list(missing)}")
     try:
         os.sched_setaffinity(0, cpus)
-    except OSError as e:  # none of them allowed here (a container's cpuset)
-        raise ValueError(f"CPU list {spec!r}: {e.strerror}") from None
+    except OSError as e:  # none of them online and allowed here (a container's cpuset)
+        raise ValueError(f"CPU list {spec!r}: none of these CPUs is available ({e.strerror})") from None
+    missing = cpus - os.sched_getaffinity(0)  # the kernel keeps the ones it can
+    if missing:
+        raise ValueError(f"CPU list {spec!r}: CPUs {format_list(missing)} are not available")
 
 
 def split_for_verifier(cpus: list[int]) -> tuple[list[int], list[int]] | None:
