@@ -686,7 +686,7 @@ class _Turn:
 
     async def _draft(self, ctx, root, feedback, sent: bool = False):
         """The next tree; ``sent``: its step is already on its way (only its response is read)."""
-        step = self._step(root, feedback)
+        step = None if sent else self._step(root, feedback)
         while True:
             if self.drafter is None:
                 await self._open_drafter(ctx, [], 0)
