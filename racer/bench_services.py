@@ -24,7 +24,9 @@ def bench_stack(args) -> int:
     import grpc
     from tqdm import tqdm
 
-    from . import stack
+    import torch
+
+    from . import cpus, stack
     from .bench import run_engine
     from .client import Client
     from .engine import Engine
@@ -50,6 +52,10 @@ def bench_stack(args) -> int:
     with stack.running(args.model, args.port_base, args.metrics_base, pin=args.pin) as gateway, Client(gateway, timeout=600) as c, \
             grpc.insecure_channel(stack.target("verifier", args.port_base)) as vch:
         verifier = vpb_grpc.VerifierStub(vch)
+        # As many torch threads as this thread's CPUs: with the verifier pinned, the engine shares
+        # what is left (torch counted every CPU when it was imported, before the pinning).
+        engine_threads = len(cpus.available())
+        torch.set_num_threads(engine_threads)
         warm = chat_ids(engine.tokenizer, "Hello", args.system)
         same_costs(verifier)
         run_engine(engine, warm, args.mode, args.budget, 4)
@@ -76,7 +82,8 @@ def bench_stack(args) -> int:
             rows.append(dict(category=p.category, tokens=len(so), local_tps=len(lo) / ls, stack_tps=len(so) / ss,
                              ratio=(len(so) / ss) / (len(lo) / ls), overhead_ms=oh, rounds=sr, local_rounds=lr,
                              verify=(lv, sv), draft=(ld, sd), same=lo == so))
-    print(f"mode={args.mode} C={args.budget} prompts={len(rows)} max_new_tokens={args.max_new_tokens}")
+    print(f"mode={args.mode} C={args.budget} prompts={len(rows)} max_new_tokens={args.max_new_tokens} "
+          f"in-process threads={engine_threads}")
     # verify and draft: ms per round on each side (in process: the engine's calls; through the
     # gateway: what the verifier and the drafter report as their own time for the round).
     print("| prompt | category | tokens | rounds in-process / gateway | in-process tok/s | gateway tok/s | ratio | "
