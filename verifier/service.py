@@ -81,11 +81,8 @@ class Batcher:
             # runs right here: handing it to the model thread and waking this loop again costs
             # ~0.4 ms a round on a VM (two idle threads' wake-ups), and the loop is held for one
             # short forward at most; a stream that opens meanwhile is batched from its next round.
-            items = [(session, tokens, parents)]
-            if len(tokens) <= INLINE_NODES and self.last_forward * 1e3 <= INLINE_MS and not self.service.busy:
-                results, ms = self._account(items, *_timed_verify(items))
-            else:
-                results, ms = self._account(items, *await self.service._run(_timed_verify, items))
+            here = len(tokens) <= INLINE_NODES and self.last_forward * 1e3 <= INLINE_MS and not self.service.busy
+            results, ms = await self._forward([(session, tokens, parents)], here)
             return results[0], ms, 0
         if self.task is None or self.task.done():
             self.task = asyncio.ensure_future(self._loop())
@@ -93,8 +90,10 @@ class Batcher:
         await self.queue.put(((session, tokens, parents), fut))
         return await fut
 
-    def _account(self, items, results, ms: float):
-        """Bookkeeping of one forward of ``items`` that took ``ms``; returns (results, ms)."""
+    async def _forward(self, items, here: bool = False):
+        """One ``verify_batch`` of ``items``, on this loop when ``here``, else on the model thread,
+        with its bookkeeping: (results, milliseconds)."""
+        results, ms = _timed_verify(items) if here else await self.service._run(_timed_verify, items)
         self.sizes.append(len(items))
         M.BATCH_SIZE.observe(len(items))
         self.last_forward = ms / 1e3
@@ -118,9 +117,8 @@ class Batcher:
             batch = [(item, fut) for item, fut in batch if not fut.cancelled()]
             if not batch:
                 continue
-            items = [item for item, _ in batch]
             try:
-                results, ms = self._account(items, *await self.service._run(_timed_verify, items))
+                results, ms = await self._forward([item for item, _ in batch])
             except Exception as e:  # noqa: BLE001 - every waiter learns of it
                 for _, fut in batch:
                     if not fut.done():
