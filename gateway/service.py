@@ -690,8 +690,7 @@ class _Turn:
         while True:
             if self.drafter is None:
                 await self._open_drafter(ctx, [], 0)
-                # a fresh stream has no tree to learn from
-                step = dpb.DraftStep(root=root, budget=self.budget, mode=self.mode, batch_rows=feedback[3])
+                step = self._step(root, ([], [], 0, feedback[3]))  # a fresh stream has no tree to learn from
                 sent = False
             try:
                 if not sent:
