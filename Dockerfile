@@ -98,7 +98,7 @@ ENV PATH=/opt/venv/bin:$PATH \
 USER 10001:10001
 WORKDIR /home/racer
 
-# gRPC (health and reflection on the same port) and Prometheus metrics, per racer/settings.py PORTS:
+# gRPC (health and reflection on the same port) and Prometheus metrics, per common/settings.py PORTS:
 # gateway 50051/9100, drafter 50061/9101, verifier 50062/9102.
 EXPOSE 50051 50061 50062 9100 9101 9102
 

@@ -11,38 +11,22 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from importlib import resources
 
 import grpc
 import numpy as np
 
-from racer import metrics as M
-from racer.serving import Abort
-from racer.v1 import drafter_pb2 as pb
-from racer.v1 import drafter_pb2_grpc as pb_grpc
+from . import metrics as M
+from common.server import Abort
+from common.v1 import drafter_pb2 as pb
+from common.v1 import drafter_pb2_grpc as pb_grpc
 
-from .session import MODES, DrafterConfig, DraftSession
+from .session import DrafterConfig, DraftSession
+from common.params import MODES
 from .snapshot import SnapshotError, dumps, loads
 
 log = logging.getLogger("racer.drafter")
 
 MAX_BUDGET = 4096
-
-
-def load_prior(spec: str, topk: int):
-    """'none', a .npy path, or 'default': the prior shipped for the bundled default model."""
-    if spec in ("", "none"):
-        return None
-    if spec == "default":
-        shipped = sorted(p for p in (resources.files("verifier") / "data").iterdir() if p.name.endswith(f"-k{topk}.npy"))
-        if not shipped:
-            log.warning("no shipped copy-logit prior for topk=%d; drafting without one", topk)
-            return None
-        spec = str(shipped[0])
-    table = np.load(spec, allow_pickle=False)
-    if table.ndim != 2 or table.shape[1] < topk:
-        raise ValueError(f"prior {spec}: shape {table.shape}, need [vocab, >= {topk}]")
-    return table
 
 
 @dataclass

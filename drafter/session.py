@@ -12,7 +12,7 @@ from .automaton import Automaton
 from .copy_logits import CopyLogitTable
 from .tree import DraftTree, _Trie, add_logits, add_logits_best_first, add_retrieval
 
-MODES = ("racer", "retrieval", "logits", "last-logit", "pld", "off")
+from common.params import MODES
 AUTO = 0  # budget: chosen per round from the verifier's cost curve (``DraftSession.set_costs``)
 
 

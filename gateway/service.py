@@ -27,18 +27,18 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
-from drafter.session import MODES
-from racer import metrics as M
-from racer.serving import Abort
-from racer.text import Detokenizer, continue_ids, messages_ids
-from racer.v1 import drafter_pb2 as dpb
-from racer.v1 import drafter_pb2_grpc as dgrpc
-from racer.v1 import generation_pb2 as pb
-from racer.v1 import generation_pb2_grpc as pb_grpc
-from racer.v1 import verifier_pb2 as vpb
-from racer.v1 import verifier_pb2_grpc as vgrpc
+from common.params import MODES
+from . import metrics as M
+from common.server import Abort
+from common.text import Detokenizer, continue_ids, messages_ids
+from common.v1 import drafter_pb2 as dpb
+from common.v1 import drafter_pb2_grpc as dgrpc
+from common.v1 import generation_pb2 as pb
+from common.v1 import generation_pb2_grpc as pb_grpc
+from common.v1 import verifier_pb2 as vpb
+from common.v1 import verifier_pb2_grpc as vgrpc
 
-from .loop import Stats, cut, settle
+from common.loop import Stats, cut, settle
 from .routing import Endpoints
 
 log = logging.getLogger("racer.gateway")
@@ -293,7 +293,7 @@ class GatewayService(pb_grpc.GenerationServicer):
             M.REQUESTS.labels(code).inc()
 
     def _check_request(self, r: pb.GenerateRequest):
-        from verifier.sampling import SamplingParams
+        from common.params import SamplingParams
 
         lim = self.limits
         max_new = r.max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, lim.max_new_tokens)  # 0: the default, within the limit

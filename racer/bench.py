@@ -12,10 +12,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from gateway.loop import Stats
+from common.loop import Stats
 
-from .engine import Engine
-from .text import chat_ids
+from .inprocess import Engine
+from common.text import chat_ids
 from .prompts import Prompt
 
 HF_MODES = ("greedy", "hf-pld")

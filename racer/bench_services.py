@@ -26,12 +26,14 @@ def bench_stack(args) -> int:
 
     import torch
 
-    from . import cpus, stack
+    from common import cpus
+
+    from . import stack
     from .bench import run_engine
     from .client import Client
-    from .engine import Engine
+    from .inprocess import Engine
     from .prompts import DEFAULT_PROMPTS, load_spec_bench
-    from .text import chat_ids
+    from common.text import chat_ids
     from .v1 import verifier_pb2 as vpb
     from .v1 import verifier_pb2_grpc as vpb_grpc
 
@@ -104,11 +106,11 @@ def bench_stack(args) -> int:
 
 
 def bench_snapshot(args) -> int:
-    from drafter.service import load_prior
+    from common.priors import load_prior
     from drafter.session import DrafterConfig, DraftSession
     from drafter.snapshot import dumps, loads
 
-    from .store import open_store
+    from common.store import open_store
 
     cfg = DrafterConfig()
     prior = load_prior("default", cfg.topk)

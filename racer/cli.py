@@ -13,7 +13,7 @@ import sys
 # is set before anything imports it; an explicit GRPC_EXPERIMENTS wins.
 os.environ.setdefault("GRPC_EXPERIMENTS", "-event_engine_client,-event_engine_listener")
 
-from drafter.session import MODES  # noqa: E402
+from common.params import MODES  # noqa: E402
 
 
 def _csv(kind):
@@ -36,11 +36,11 @@ def _budget(s: str) -> int:
 
 
 def cmd_generate(args) -> int:
-    from gateway.loop import Stats
-    from verifier.sampling import SamplingParams
+    from common.loop import Stats
+    from common.params import SamplingParams
 
-    from .engine import Engine
-    from .text import Detokenizer, chat_ids
+    from .inprocess import Engine
+    from common.text import Detokenizer, chat_ids
 
     engine = Engine.load(args.model, backend=args.backend, prior=args.prior, logits_tree=args.logits_tree)
     if args.budget == 0:
@@ -65,7 +65,7 @@ def cmd_generate(args) -> int:
 
 def cmd_bench(args) -> int:
     from . import bench
-    from .engine import Engine
+    from .inprocess import Engine
     from .prompts import DEFAULT_PROMPTS, load_humaneval, load_spec_bench
 
     prompts = []
@@ -114,9 +114,9 @@ def cmd_prior(args) -> int:
 def cmd_serve(args) -> int:
     import asyncio
 
-    from . import services
-    from .cpus import confine
-    from .serving import serve_forever, setup_logging, start_metrics
+    from . import launch as services
+    from common.cpus import confine
+    from common.server import serve_forever, setup_logging, start_metrics
 
     setup_logging(args.log_level)
     try:
@@ -234,7 +234,7 @@ def main(argv=None) -> int:
     b.add_argument("--plot", default=None, help="write a PNG chart")
     b.set_defaults(func=cmd_bench)
 
-    from .settings import add_arguments
+    from common.settings import add_arguments
 
     sv = sub.add_parser("serve", help="run one service (settings from flags or RACER_* environment variables)")
     svsub = sv.add_subparsers(dest="service", required=True)

@@ -11,8 +11,8 @@ from typing import Iterator
 
 import grpc
 
-from racer.v1 import generation_pb2 as pb
-from racer.v1 import generation_pb2_grpc as pb_grpc
+from common.v1 import generation_pb2 as pb
+from common.v1 import generation_pb2_grpc as pb_grpc
 
 
 def tls_credentials(ca: str = "", cert: str = "", key: str = "") -> grpc.ChannelCredentials:

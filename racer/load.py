@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
-from racer.v1 import generation_pb2 as pb
-from racer.v1 import generation_pb2_grpc as pb_grpc
+from common.v1 import generation_pb2 as pb
+from common.v1 import generation_pb2_grpc as pb_grpc
 
 MAX_SESSIONS = 256
 MAX_TURNS = 32

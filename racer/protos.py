@@ -1,4 +1,8 @@
-"""Regenerates the checked-in gRPC stubs (``racer/v1``) from ``protos/``: ``python -m racer.protos``.
+"""Regenerates the checked-in gRPC stubs (``common/v1``) from ``protos/``: ``python -m racer.protos``.
+
+protoc names the generated modules after the proto files' paths (``racer/v1/*.proto`` ->
+``common.v1.*_pb2``); the stubs live in the bottom package ``common``, so their imports of each other
+are rewritten to relative ones (``from . import common_pb2``).
 
 ``python -m racer.protos --check`` builds them in a temporary directory and fails when the
 checked-in files differ (a test runs it).
@@ -8,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import filecmp
+import re
 import sys
 import tempfile
 from importlib import resources
@@ -15,37 +20,44 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "protos"
-OUT_DIR = ROOT  # package racer.v1 -> racer/v1/*_pb2*.py
-PACKAGE = Path("racer") / "v1"
+OUT_DIR = ROOT / "common" / "v1"
+PACKAGE = Path("racer") / "v1"  # where the .proto files sit under protos/
+_SIBLING_IMPORT = re.compile(r"^from racer\.v1 import ", re.M)
 
 
 def proto_files() -> list[Path]:
     return sorted((PROTO_DIR / PACKAGE).glob("*.proto"))
 
 
-def build(out: Path) -> list[Path]:
-    """Runs protoc into ``out``; returns the generated files relative to ``out``."""
+def build(out: Path) -> list[str]:
+    """Runs protoc and writes the stubs into ``out`` with relative imports; returns their names."""
     from grpc_tools import protoc
 
     include = str(resources.files("grpc_tools") / "_proto")
     files = [str(p.relative_to(PROTO_DIR)) for p in proto_files()]
-    (out / PACKAGE).mkdir(parents=True, exist_ok=True)
-    rc = protoc.main(
-        ["grpc_tools.protoc", f"-I{PROTO_DIR}", f"-I{include}", f"--python_out={out}", f"--pyi_out={out}",
-         f"--grpc_python_out={out}", *files]
-    )
-    if rc != 0:
-        raise RuntimeError(f"protoc failed with status {rc}")
-    return sorted(p.relative_to(out) for p in (out / PACKAGE).iterdir() if p.name.endswith((".py", ".pyi")) and "_pb2" in p.name)
+    with tempfile.TemporaryDirectory() as tmp:
+        rc = protoc.main(
+            ["grpc_tools.protoc", f"-I{PROTO_DIR}", f"-I{include}", f"--python_out={tmp}", f"--pyi_out={tmp}",
+             f"--grpc_python_out={tmp}", *files]
+        )
+        if rc != 0:
+            raise RuntimeError(f"protoc failed with status {rc}")
+        out.mkdir(parents=True, exist_ok=True)
+        names = []
+        for p in sorted((Path(tmp) / PACKAGE).iterdir()):
+            if "_pb2" in p.name and p.suffix in (".py", ".pyi"):
+                (out / p.name).write_text(_SIBLING_IMPORT.sub("from . import ", p.read_text()))
+                names.append(p.name)
+        return names
 
 
 def stale() -> list[str]:
     """Generated files that are missing, extra or different in the checked-in tree."""
     with tempfile.TemporaryDirectory() as tmp:
         fresh = build(Path(tmp))
-        have = sorted(p.relative_to(OUT_DIR) for p in (OUT_DIR / PACKAGE).iterdir() if "_pb2" in p.name and p.suffix in (".py", ".pyi"))
-        bad = [str(p) for p in sorted(set(fresh) ^ set(have))]
-        bad += [str(p) for p in fresh if p in have and not filecmp.cmp(Path(tmp) / p, OUT_DIR / p, shallow=False)]
+        have = sorted(p.name for p in OUT_DIR.iterdir() if "_pb2" in p.name and p.suffix in (".py", ".pyi"))
+        bad = sorted(set(fresh) ^ set(have))
+        bad += [p for p in fresh if p in have and not filecmp.cmp(Path(tmp) / p, OUT_DIR / p, shallow=False)]
         return bad
 
 

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from .settings import HEALTH_SERVICES, PORTS
+from common.settings import HEALTH_SERVICES, PORTS
 
 
 _outer: list[list[int]] = []  # the CPUs of the running() calls this one is nested in
@@ -48,8 +48,8 @@ def running(model: str = "default", port_base: int = 0, metrics_base: int = 9100
     """
     from verifier.model import resolve_model_dir
 
-    from . import cpus
-    from .serving import wait_healthy
+    from common import cpus
+    from common.server import wait_healthy
 
     resolve_model_dir(model)  # convert the default model once, before two services want it
     base = dict(os.environ, RACER_MODEL=model, RACER_HOST="127.0.0.1", RACER_LOG_LEVEL=log_level, **(env or {}))

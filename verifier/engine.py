@@ -8,7 +8,8 @@ import torch
 
 from .acceptance import accept
 from .backends import make_backend
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler
+from common.params import SamplingParams
 from .tree import tree_inputs, validate
 
 _PREFILL_CHUNK = 256  # rows of the output projection computed at once (bounds [chunk, V] logits)

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.priors import SHIPPED
+
 from .backends import FastLlamaBackend, make_backend
 
 log = logging.getLogger(__name__)
@@ -65,7 +67,6 @@ def fingerprint(model) -> str:
 
 
 # Priors shipped with the package (the bundled default model's), then the user's cache.
-SHIPPED = Path(__file__).resolve().parent / "data"
 
 
 def find_or_compute(model, tokenizer, topk: int, cache_dir: Path | None = None, compute: bool = True):

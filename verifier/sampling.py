@@ -1,36 +1,13 @@
-"""Sampling parameters and the processed target distribution (temperature, top-k, top-p).
-
-``SamplingParams`` needs no torch (the gateway validates requests with it); the rest imports it.
-"""
+"""The processed target distribution (temperature, top-k, top-p) and a seeded sampler."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from common.params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    seed: int | None = None
-
-    def __post_init__(self):
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature}: must be a finite number >= 0")
-        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k}: must be >= 0")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
 
 def processed_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

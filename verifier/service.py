@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from racer import metrics as M
-from racer.serving import Abort
-from racer.v1 import common_pb2 as cpb
-from racer.v1 import verifier_pb2 as pb
-from racer.v1 import verifier_pb2_grpc as pb_grpc
+from . import metrics as M
+from common.server import Abort
+from common.v1 import common_pb2 as cpb
+from common.v1 import verifier_pb2 as pb
+from common.v1 import verifier_pb2_grpc as pb_grpc
 
 from .engine import VerifierSession, verify_batch
-from .sampling import SamplingParams
+from common.params import SamplingParams
 
 log = logging.getLogger("racer.verifier")
 

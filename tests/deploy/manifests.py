@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from racer import settings
+from common import settings
 
 from . import kustomize
 
@@ -28,13 +28,13 @@ RENDERS = {"base": K8S / "base", "cpu": K8S / "overlays" / "cpu", "gpu": K8S / "
 OVERLAYS = ("cpu", "gpu")
 SERVICES = tuple(settings.PORTS)  # gateway, drafter, verifier
 COMPONENT_LABEL = "app.kubernetes.io/component"
-# Variables a service reads besides the settings table: its two ports (racer/settings.py
+# Variables a service reads besides the settings table: its two ports (common/settings.py
 # add_arguments) and the model cache directory (verifier/model.py cache_root).
 EXTRA_ENV = {"RACER_PORT", "RACER_METRICS_PORT", "RACER_CACHE"}
 GENERATED_SUFFIX = re.compile(r"-[a-z0-9]{10}$")
 
 
-# --- racer/settings.py ------------------------------------------------------------------------------
+# --- common/settings.py ------------------------------------------------------------------------------
 
 
 def allowed_env(service: str) -> set[str]:

@@ -1,5 +1,5 @@
 """docker-compose.yml: valid under the Compose Specification, and consistent with the services'
-settings (racer/settings.py) and with the image (Dockerfile)."""
+settings (common/settings.py) and with the image (Dockerfile)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 from check_jsonschema.builtin_schemas import get_builtin_schema
 
-from racer import settings
+from common import settings
 
 from .manifests import (
     ROOT,

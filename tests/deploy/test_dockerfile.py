@@ -1,5 +1,5 @@
 """Dockerfile and .dockerignore: parsed with BuildKit's own parser and checked against pyproject.toml,
-scripts/setup.sh and racer/settings.py; the image's gRPC health-check script is run against a real
+scripts/setup.sh and common/settings.py; the image's gRPC health-check script is run against a real
 gRPC health server. (No image is built here: there is no Docker engine.)"""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from racer import settings
+from common import settings
 
 from .manifests import ROOT, dockerfile, dockerfile_args, dockerfile_env, final_stage, pyproject
 

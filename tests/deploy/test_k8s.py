@@ -1,5 +1,5 @@
 """k8s/: every rendered object is valid Kubernetes, and the manifests agree with what the services
-read and serve (racer/settings.py) and with each other (Services, HPAs, PDBs, the GPU overlay)."""
+read and serve (common/settings.py) and with each other (Services, HPAs, PDBs, the GPU overlay)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from racer import settings
+from common import settings
 
 from . import kustomize
 from .manifests import (
@@ -141,7 +141,7 @@ def test_everything_lives_in_one_namespace(name):
             assert obj["metadata"].get("namespace") == namespace["metadata"]["name"], obj["metadata"]["name"]
 
 
-# --- the services' contract (racer/settings.py) ------------------------------------------------------
+# --- the services' contract (common/settings.py) ------------------------------------------------------
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -13,7 +13,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import drafter.tree as tree_mod
-from drafter.session import MODES, DrafterConfig, DraftSession
+from drafter.session import DrafterConfig, DraftSession
+from common.params import MODES
 
 from .refs import (
     best_first_frontier,

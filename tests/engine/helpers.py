@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from drafter.session import DraftSession
-from gateway.loop import GenerationParams, Stats, generate
+from common.loop import Stats, generate
+from common.params import GenerationParams
 from verifier.engine import VerifierSession
 
 from ..conftest import single_thread  # noqa: F401  (module-scoped fixtures use it)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from drafter.session import MODES, DraftSession
-from gateway.loop import GenerationParams
+from drafter.session import DraftSession
+from common.params import MODES
+from common.params import GenerationParams
 from verifier.engine import VerifierSession
 
 from .helpers import RecordingVerifier, ScriptedDrafter, Tree, hf_greedy, run, run_racer, single_thread

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from drafter.session import DraftSession
-from gateway.loop import GenerationParams
+from common.params import GenerationParams
 from verifier.engine import VerifierSession
-from verifier.sampling import Sampler, SamplingParams, processed_probs
+from verifier.sampling import Sampler, processed_probs
+from common.params import SamplingParams
 
 from .helpers import Tree, hf_greedy, run, single_thread
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from racer.text import Detokenizer
+from common.text import Detokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
-from racer import services
-from racer.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from racer import launch as services
+from common.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 
 def prompt(seed: int, n: int = 12, vocab: int = 96) -> list[int]:

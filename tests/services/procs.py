@@ -16,8 +16,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from racer.settings import HEALTH_SERVICES
-from racer.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from common.settings import HEALTH_SERVICES
+from common.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 from .conftest import free_port as _free_port
 

@@ -18,15 +18,15 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from drafter.session import MODES
-from racer import services
+from common.params import MODES
+from racer import launch as services
 from racer.client import Client
-from racer.text import continue_ids, messages_ids
-from racer.v1 import drafter_pb2 as dpb
-from racer.v1 import drafter_pb2_grpc as dgrpc
-from racer.v1 import generation_pb2 as pb
-from racer.v1 import verifier_pb2 as vpb
-from racer.v1 import verifier_pb2_grpc as vgrpc
+from common.text import continue_ids, messages_ids
+from common.v1 import drafter_pb2 as dpb
+from common.v1 import drafter_pb2_grpc as dgrpc
+from common.v1 import generation_pb2 as pb
+from common.v1 import verifier_pb2 as vpb
+from common.v1 import verifier_pb2_grpc as vgrpc
 
 from ..engine.helpers import hf_greedy
 from .conftest import start_stack, wait_until

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from racer import cpus
+from common import cpus
 
 from .procs import ROOT, Proc
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from racer.client import Client
-from racer.text import DEFAULT_SYSTEM, chat_ids, continue_ids
+from common.text import DEFAULT_SYSTEM, chat_ids, continue_ids
 
 from ..engine.helpers import hf_greedy
 from .conftest import free_port, start_stack

@@ -11,10 +11,10 @@ import pytest
 
 from gateway.service import load_api_keys
 from racer.client import Client
-from racer.v1 import drafter_pb2 as dpb
-from racer.v1 import drafter_pb2_grpc as dgrpc
-from racer.v1 import generation_pb2 as pb
-from racer.v1 import generation_pb2_grpc as pb_grpc
+from common.v1 import drafter_pb2 as dpb
+from common.v1 import drafter_pb2_grpc as dgrpc
+from common.v1 import generation_pb2 as pb
+from common.v1 import generation_pb2_grpc as pb_grpc
 
 from .conftest import prompt, start_stack
 

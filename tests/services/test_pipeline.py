@@ -12,14 +12,15 @@ import pytest
 import redis
 from prometheus_client import REGISTRY
 
-from drafter.session import MODES
-from gateway.loop import GenerationParams, generate
+from common.params import MODES
+from common.loop import generate
+from common.params import GenerationParams
 from drafter.session import DraftSession
 from racer.client import Client
-from racer.v1 import verifier_pb2 as vpb
-from racer.v1 import verifier_pb2_grpc as vgrpc
+from common.v1 import verifier_pb2 as vpb
+from common.v1 import verifier_pb2_grpc as vgrpc
 from verifier.engine import VerifierSession
-from verifier.sampling import SamplingParams
+from common.params import SamplingParams
 
 from ..engine.helpers import hf_greedy
 from .conftest import prompt, start_stack, wait_until

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from racer.client import Client, tls_credentials
-from racer.v1 import drafter_pb2, drafter_pb2_grpc
+from common.v1 import drafter_pb2, drafter_pb2_grpc
 
 from ..engine.helpers import hf_greedy
 from .conftest import prompt, start_stack
@@ -105,7 +105,7 @@ def test_without_the_right_certificates_nothing_connects(tls_stack, pki):
 
 
 def test_a_gateway_without_a_client_certificate_cannot_use_mtls_backends(loop_thread, tiny_llama, tls_stack, pki):
-    from racer import services
+    from racer import launch as services
 
     async def go():
         args = services.defaults("gateway", host="127.0.0.1", port=0, model="none", tls_ca=pki["ca"], reconnect_seconds=0.3,
@@ -124,7 +124,7 @@ def test_a_gateway_without_a_client_certificate_cannot_use_mtls_backends(loop_th
 
 
 def test_tls_settings_that_cannot_work_are_refused_at_start(pki):
-    from racer.tls import channel_credentials, server_credentials
+    from common.tls import channel_credentials, server_credentials
 
     cert, key = pki["server"]
     assert server_credentials("", "") is None and channel_credentials("") is None

@@ -7,9 +7,10 @@ import random
 import pytest
 
 from drafter.session import DraftSession
-from gateway.loop import GenerationParams, cut, generate, settle
+from common.loop import cut, generate, settle
+from common.params import GenerationParams
 from verifier.engine import VerifierSession, verify_batch
-from verifier.sampling import SamplingParams
+from common.params import SamplingParams
 
 N = 30
 SPECS = [  # (prompt length, mode, budget, sampling)

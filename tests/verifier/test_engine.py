@@ -9,7 +9,7 @@ import torch
 
 from verifier.backends import FastLlamaBackend, make_backend
 from verifier.engine import VerifierSession
-from verifier.sampling import SamplingParams
+from common.params import SamplingParams
 from verifier.tree import InvalidTree
 
 

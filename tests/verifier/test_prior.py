@@ -57,7 +57,7 @@ def test_shipped_prior_matches_the_default_model(default_model):
 
     model, tok = default_model.model, default_model.tokenizer
     path = SHIPPED / f"prior-{fingerprint(model)}-k8.npy"
-    assert path.exists(), f"no shipped prior for these weights ({path.name}); run: racer prior --out verifier/data"
+    assert path.exists(), f"no shipped prior for these weights ({path.name}); run: racer prior --out common/data"
     table = np.load(path)
     assert table.shape == (model.config.vocab_size, 8)
     prefix = neutral_prefix(tok)

@@ -45,7 +45,7 @@ COMMON = [
             "gRPC keepalive: ping a peer that has been silent this long, drop it when the ping is not answered "
             "in as long again (a frozen peer's streams are freed)", float),
     Setting("--cpus", "RACER_CPUS", "",
-            "CPUs this service runs on, as a Linux CPU list (e.g. 1 or 0,2-3); empty: any (racer/cpus.py)"),
+            "CPUs this service runs on, as a Linux CPU list (e.g. 1 or 0,2-3); empty: any (common/cpus.py)"),
     Setting("--tls-cert", "RACER_TLS_CERT", "", "PEM certificate chain of this server; with --tls-key the gRPC port serves TLS only"),
     Setting("--tls-key", "RACER_TLS_KEY", "", "PEM private key of --tls-cert"),
     Setting("--tls-client-ca", "RACER_TLS_CLIENT_CA", "",

@@ -6,10 +6,11 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from drafter.session import DrafterConfig, DraftSession
-from gateway.loop import GenerationParams, Stats, generate
+from common.loop import Stats, generate
+from common.params import GenerationParams
 from verifier.engine import VerifierSession
 from verifier.model import DEFAULT_MODEL, LoadedModel, load
-from verifier.sampling import SamplingParams
+from common.params import SamplingParams
 
 
 @dataclass

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from racer.v1 import generation_pb2 as racer_dot_v1_dot_generation__pb2
+from . import generation_pb2 as racer_dot_v1_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

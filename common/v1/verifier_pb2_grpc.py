@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from racer.v1 import drafter_pb2 as racer_dot_v1_dot_drafter__pb2
+from . import verifier_pb2 as racer_dot_v1_dot_verifier__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in racer/v1/drafter_pb2_grpc.py depends on'
+        + ' but the generated code in racer/v1/verifier_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class DrafterStub:
+class VerifierStub:
     """One bidirectional stream per session turn: every request gets exactly one response.
     """
 
@@ -36,23 +36,23 @@ class DrafterStub:
             channel: A grpc.Channel.
         """
         self.Session = channel.stream_stream(
-                '/racer.v1.Drafter/Session',
-                request_serializer=racer_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
-                response_deserializer=racer_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
+                '/racer.v1.Verifier/Session',
+                request_serializer=racer_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=racer_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
                 _registered_method=True)
         self.Drop = channel.unary_unary(
-                '/racer.v1.Drafter/Drop',
-                request_serializer=racer_dot_v1_dot_drafter__pb2.DropRequest.SerializeToString,
-                response_deserializer=racer_dot_v1_dot_drafter__pb2.DropResponse.FromString,
+                '/racer.v1.Verifier/Drop',
+                request_serializer=racer_dot_v1_dot_verifier__pb2.VerifierDropRequest.SerializeToString,
+                response_deserializer=racer_dot_v1_dot_verifier__pb2.VerifierDropResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
-                '/racer.v1.Drafter/Stats',
-                request_serializer=racer_dot_v1_dot_drafter__pb2.DrafterStatsRequest.SerializeToString,
-                response_deserializer=racer_dot_v1_dot_drafter__pb2.DrafterStatsResponse.FromString,
+                '/racer.v1.Verifier/Stats',
+                request_serializer=racer_dot_v1_dot_verifier__pb2.VerifierStatsRequest.SerializeToString,
+                response_deserializer=racer_dot_v1_dot_verifier__pb2.VerifierStatsResponse.FromString,
                 _registered_method=True)
 
 
-class DrafterServicer:
+class VerifierServicer:
     """One bidirectional stream per session turn: every request gets exactly one response.
     """
 
@@ -63,46 +63,46 @@ class DrafterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Drop(self, request, context):
-        """Drops a session's state and snapshot (idempotent).
+        """Frees a session's KV cache (idempotent).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
-        """Sessions held in memory, for inspection and tests.
+        """Caches held, for inspection and tests.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
 
-def add_DrafterServicer_to_server(servicer, server):
+def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
-                    request_deserializer=racer_dot_v1_dot_drafter__pb2.DraftRequest.FromString,
-                    response_serializer=racer_dot_v1_dot_drafter__pb2.DraftResponse.SerializeToString,
+                    request_deserializer=racer_dot_v1_dot_verifier__pb2.VerifyRequest.FromString,
+                    response_serializer=racer_dot_v1_dot_verifier__pb2.VerifyResponse.SerializeToString,
             ),
             'Drop': grpc.unary_unary_rpc_method_handler(
                     servicer.Drop,
-                    request_deserializer=racer_dot_v1_dot_drafter__pb2.DropRequest.FromString,
-                    response_serializer=racer_dot_v1_dot_drafter__pb2.DropResponse.SerializeToString,
+                    request_deserializer=racer_dot_v1_dot_verifier__pb2.VerifierDropRequest.FromString,
+                    response_serializer=racer_dot_v1_dot_verifier__pb2.VerifierDropResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=racer_dot_v1_dot_drafter__pb2.DrafterStatsRequest.FromString,
-                    response_serializer=racer_dot_v1_dot_drafter__pb2.DrafterStatsResponse.SerializeToString,
+                    request_deserializer=racer_dot_v1_dot_verifier__pb2.VerifierStatsRequest.FromString,
+                    response_serializer=racer_dot_v1_dot_verifier__pb2.VerifierStatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'racer.v1.Drafter', rpc_method_handlers)
+            'racer.v1.Verifier', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('racer.v1.Drafter', rpc_method_handlers)
+    server.add_registered_method_handlers('racer.v1.Verifier', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Drafter:
+class Verifier:
     """One bidirectional stream per session turn: every request gets exactly one response.
     """
 
@@ -120,9 +120,9 @@ class Drafter:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/racer.v1.Drafter/Session',
-            racer_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
-            racer_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
+            '/racer.v1.Verifier/Session',
+            racer_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
+            racer_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -147,9 +147,9 @@ class Drafter:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/racer.v1.Drafter/Drop',
-            racer_dot_v1_dot_drafter__pb2.DropRequest.SerializeToString,
-            racer_dot_v1_dot_drafter__pb2.DropResponse.FromString,
+            '/racer.v1.Verifier/Drop',
+            racer_dot_v1_dot_verifier__pb2.VerifierDropRequest.SerializeToString,
+            racer_dot_v1_dot_verifier__pb2.VerifierDropResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -174,9 +174,9 @@ class Drafter:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/racer.v1.Drafter/Stats',
-            racer_dot_v1_dot_drafter__pb2.DrafterStatsRequest.SerializeToString,
-            racer_dot_v1_dot_drafter__pb2.DrafterStatsResponse.FromString,
+            '/racer.v1.Verifier/Stats',
+            racer_dot_v1_dot_verifier__pb2.VerifierStatsRequest.SerializeToString,
+            racer_dot_v1_dot_verifier__pb2.VerifierStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

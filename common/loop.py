@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
+from .params import GenerationParams
+
 
 class Drafter(Protocol):
     def extend(self, tokens, topk_rows=None) -> None: ...
@@ -23,20 +25,6 @@ class Verifier(Protocol):
     def prefill(self, tokens: list[int]): ...  # -> .next_token, .topk
     def verify(self, tokens: list[int], parents: list[int]): ...  # -> .accepted, .bonus, .topk
     def truncate(self, length: int) -> None: ...
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    max_new_tokens: int = 256
-    stop_token_ids: tuple[int, ...] = ()
-    mode: str = "racer"
-    budget: int = 64  # tree nodes per round, root included; 0: adaptive (drafter.adaptive)
-
-    def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
-        if self.budget < 0:
-            raise ValueError(f"budget={self.budget}: must be >= 1, or 0 for the cost-aware adaptive budget")
 
 
 @dataclass

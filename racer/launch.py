@@ -1,4 +1,4 @@
-"""Builds and starts each service from its settings (racer/settings.py): used by ``racer serve``,
+"""Builds and starts each service from its settings (common/settings.py): used by ``racer serve``,
 ``racer stack`` and the tests (which pass an already loaded model)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import asyncio
 import logging
 from types import SimpleNamespace
 
-from .serving import Server, start_server
-from .tls import server_credentials
+from common.server import Server, start_server
+from common.tls import server_credentials
 
 log = logging.getLogger("racer")
 
@@ -23,7 +23,7 @@ def defaults(service: str, **overrides) -> SimpleNamespace:
     """The settings of ``service`` as ``racer serve`` would parse them with no flags, then ``overrides``."""
     import argparse
 
-    from .settings import add_arguments
+    from common.settings import add_arguments
 
     ap = argparse.ArgumentParser()
     add_arguments(ap, service)
@@ -36,11 +36,12 @@ def defaults(service: str, **overrides) -> SimpleNamespace:
 
 
 async def start_drafter(args) -> tuple[Server, object]:
-    from drafter.service import DrafterService, janitor, load_prior
+    from common.priors import load_prior
+    from drafter.service import DrafterService, janitor
     from drafter.session import DrafterConfig
-    from racer.v1 import drafter_pb2_grpc
+    from common.v1 import drafter_pb2_grpc
 
-    from .store import open_store
+    from common.store import open_store
 
     config = DrafterConfig(window=args.window, max_nodes=args.max_nodes, topk=args.topk)
     store = open_store(args.snapshot_url)
@@ -64,7 +65,7 @@ async def start_drafter(args) -> tuple[Server, object]:
 
 
 async def start_verifier(args, model=None) -> tuple[Server, object]:
-    from racer.v1 import verifier_pb2_grpc
+    from common.v1 import verifier_pb2_grpc
     from verifier.service import VerifierService
 
     if model is None:
@@ -107,11 +108,11 @@ def _cuda() -> bool:
 async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, resolver=None) -> tuple[Server, object]:
     from gateway.routing import Endpoints
     from gateway.service import GatewayService, Limits, Timeouts, load_api_keys
-    from racer.v1 import generation_pb2_grpc
+    from common.v1 import generation_pb2_grpc
 
-    from .serving import channel_options
-    from .store import open_store
-    from .tls import channel_credentials
+    from common.server import channel_options
+    from common.store import open_store
+    from common.tls import channel_credentials
 
     if tokenizer is None and args.model != "none":
         from transformers import AutoTokenizer

@@ -1,0 +1,17 @@
+"""The verifier's Prometheus metrics."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from common.metrics import LATENCY_MS_BUCKETS
+
+VERIFY_MS = Histogram("racer_verify_latency_ms", "Verifier forward + acceptance per tree", buckets=LATENCY_MS_BUCKETS)
+PREFILL_MS = Histogram("racer_prefill_latency_ms", "Verifier prefill per open", buckets=LATENCY_MS_BUCKETS)
+BATCH_SIZE = Histogram(
+    "racer_verify_batch_size", "Trees verified together in one forward", buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+)
+VERIFIER_SESSIONS = Gauge("racer_verifier_sessions", "KV caches held")
+CACHE_TOKENS = Gauge("racer_verifier_cache_tokens", "Tokens held in all KV caches")
+EVICTIONS = Counter("racer_verifier_evictions", "KV caches dropped", ["reason"])
+REUSED_TOKENS = Counter("racer_verifier_reused_tokens", "History tokens found in the KV cache at open")
