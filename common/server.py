@@ -1,5 +1,5 @@
-"""What every service process shares: the gRPC server with health and reflection, Prometheus
-metrics, JSON logs, and a graceful shutdown on SIGTERM/SIGINT.
+"""What every service process shares: the gRPC server with health, reflection and the error
+interceptor, Prometheus metrics, JSON logs, and a graceful shutdown on SIGTERM/SIGINT.
 
 Shutdown: health flips to NOT_SERVING (load balancers stop sending), the service's ``drain`` hook
 runs (the drafter flushes snapshots), and in-flight RPCs get ``drain_seconds`` to finish before the
@@ -20,17 +20,43 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from .errors import Abort
 from .settings import HEALTH_SERVICES
 
 log = logging.getLogger("racer")
 
 
-class Abort(Exception):
-    """Raised inside a servicer: ends the call with ``code`` and a message that names the field."""
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Ends a call that raised ``Abort`` with its status and message, for unary and streaming
+    handlers alike: the servicers raise, and none of them catches to call ``context.abort``."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(f"{code.name}: {message}")
-        self.code, self.message = code, message
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.unary_unary or handler.stream_unary:
+            kind = "unary_unary" if handler.unary_unary else "stream_unary"
+            behavior = handler.unary_unary or handler.stream_unary
+
+            async def call(request, context):
+                try:
+                    return await behavior(request, context)
+                except Abort as e:
+                    await context.abort(grpc.StatusCode[e.code.name], e.message)
+        else:
+            kind = "unary_stream" if handler.unary_stream else "stream_stream"
+            behavior = handler.unary_stream or handler.stream_stream
+
+            async def call(request, context):
+                try:
+                    async for response in behavior(request, context):
+                        yield response
+                except Abort as e:
+                    await context.abort(grpc.StatusCode[e.code.name], e.message)
+
+        make = getattr(grpc, f"{kind}_rpc_method_handler")
+        return make(call, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
 
 
 class JsonFormatter(logging.Formatter):
@@ -145,7 +171,8 @@ async def start_server(
     keepalive_seconds: float = 10.0,
     closed: Callable[[], Awaitable[None]] | None = None,
 ) -> Server:
-    server = grpc.aio.server(options=server_options(max_message_bytes, keepalive_seconds), interceptors=interceptors)
+    server = grpc.aio.server(options=server_options(max_message_bytes, keepalive_seconds),
+                             interceptors=[ErrorInterceptor(), *(interceptors or ())])
     register(server)
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)

@@ -12,11 +12,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import grpc
 import numpy as np
 
 from . import metrics as M
-from common.server import Abort
+from common.errors import Abort, Status
+from common.errors import check as _check
 from common.v1 import drafter_pb2 as pb
 from common.v1 import drafter_pb2_grpc as pb_grpc
 
@@ -50,11 +50,6 @@ def snapshot_key(tenant: str, session_id: str) -> str:
     return f"racer:drafter:{tenant}:{session_id}"
 
 
-def _check(cond: bool, code: grpc.StatusCode, message: str) -> None:
-    if not cond:
-        raise Abort(code, message)
-
-
 class DrafterService(pb_grpc.DrafterServicer):
     def __init__(self, config: DrafterConfig, store, prior=None, snapshot_every: int = 32, ttl: float = 1800.0,
                  max_tokens: int = 65_536):
@@ -77,27 +72,25 @@ class DrafterService(pb_grpc.DrafterServicer):
                 t0 = time.perf_counter()
                 kind = req.WhichOneof("kind")
                 if kind == "open":
-                    _check(entry is None, grpc.StatusCode.FAILED_PRECONDITION, "open: this stream already has a session")
+                    _check(entry is None, Status.FAILED_PRECONDITION, "open: this stream already has a session")
                     entry, source = await self._open(req.open)
                     resp = pb.DraftResponse(tokens=len(entry.session.history), restored_from=source)
                 elif kind == "step":
-                    _check(entry is not None, grpc.StatusCode.FAILED_PRECONDITION, "step: open the session first")
+                    _check(entry is not None, Status.FAILED_PRECONDITION, "step: open the session first")
                     tree = self._step(entry, req.step)
                     resp = pb.DraftResponse(tree=tree, tokens=len(entry.session.history))
                     M.DRAFT_MS.observe((time.perf_counter() - t0) * 1e3)
                 elif kind == "end_turn":
-                    _check(entry is not None, grpc.StatusCode.FAILED_PRECONDITION, "end_turn: open the session first")
+                    _check(entry is not None, Status.FAILED_PRECONDITION, "end_turn: open the session first")
                     entry.rounds_since_save = self.snapshot_every  # saved right after the response
                     resp = pb.DraftResponse(tokens=len(entry.session.history))
                 else:
-                    raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "request: set one of open, step, end_turn")
+                    raise Abort(Status.INVALID_ARGUMENT, "request: set one of open, step, end_turn")
                 resp.elapsed_ms = (time.perf_counter() - t0) * 1e3
                 yield resp
                 # Off the round's critical path: the response is on its way before the snapshot is encoded.
                 if entry is not None and entry.rounds_since_save >= self.snapshot_every:
                     self._save_later(entry)
-        except Abort as e:
-            await context.abort(e.code, e.message)
         finally:
             if entry is not None:
                 entry.streaming = False
@@ -106,23 +99,23 @@ class DrafterService(pb_grpc.DrafterServicer):
                     self._save_later(entry)
 
     async def _open(self, req: pb.DrafterOpen) -> tuple[Entry, str]:
-        _check(bool(req.session_id), grpc.StatusCode.INVALID_ARGUMENT, "open.session_id: required")
-        _check(bool(req.tenant), grpc.StatusCode.INVALID_ARGUMENT, "open.tenant: required")
+        _check(bool(req.session_id), Status.INVALID_ARGUMENT, "open.session_id: required")
+        _check(bool(req.tenant), Status.INVALID_ARGUMENT, "open.tenant: required")
         history = list(req.history)
-        _check(len(history) > 0, grpc.StatusCode.INVALID_ARGUMENT, "open.history: empty")
-        _check(len(history) <= self.max_tokens, grpc.StatusCode.RESOURCE_EXHAUSTED,
+        _check(len(history) > 0, Status.INVALID_ARGUMENT, "open.history: empty")
+        _check(len(history) <= self.max_tokens, Status.RESOURCE_EXHAUSTED,
                f"open.history: {len(history)} tokens, this drafter holds at most {self.max_tokens} per session")
-        _check(all(t >= 0 for t in history), grpc.StatusCode.INVALID_ARGUMENT, "open.history: negative token id")
+        _check(all(t >= 0 for t in history), Status.INVALID_ARGUMENT, "open.history: negative token id")
         k = self.config.topk
-        _check(req.topk in (0, k), grpc.StatusCode.INVALID_ARGUMENT, f"open.topk: {req.topk}, this drafter uses {k}")
-        _check(len(req.history_topk) % k == 0, grpc.StatusCode.INVALID_ARGUMENT, f"open.history_topk: not a multiple of topk={k}")
-        _check(all(t >= 0 for t in req.history_topk), grpc.StatusCode.INVALID_ARGUMENT, "open.history_topk: negative token id")
+        _check(req.topk in (0, k), Status.INVALID_ARGUMENT, f"open.topk: {req.topk}, this drafter uses {k}")
+        _check(len(req.history_topk) % k == 0, Status.INVALID_ARGUMENT, f"open.history_topk: not a multiple of topk={k}")
+        _check(all(t >= 0 for t in req.history_topk), Status.INVALID_ARGUMENT, "open.history_topk: negative token id")
         n_rows = len(req.history_topk) // k
-        _check(n_rows <= len(history), grpc.StatusCode.INVALID_ARGUMENT, "open.history_topk: more rows than history tokens")
+        _check(n_rows <= len(history), Status.INVALID_ARGUMENT, "open.history_topk: more rows than history tokens")
         key = (req.tenant, req.session_id)
         entry = self.sessions.get(key)
         if entry is not None:
-            _check(not entry.streaming, grpc.StatusCode.ABORTED, f"session {req.session_id}: another stream is open on it")
+            _check(not entry.streaming, Status.ABORTED, f"session {req.session_id}: another stream is open on it")
         source = "memory"
         if entry is None or not _is_prefix(entry.session.history, history):
             session = await self._restore(req.tenant, req.session_id, history)
@@ -134,11 +127,11 @@ class DrafterService(pb_grpc.DrafterServicer):
             self.sessions[key] = entry
         M.RESTORES.labels(source).inc()
         if req.cost.sizes:
-            _check(len(req.cost.sizes) == len(req.cost.ms), grpc.StatusCode.INVALID_ARGUMENT, "open.cost: sizes and ms differ in length")
+            _check(len(req.cost.sizes) == len(req.cost.ms), Status.INVALID_ARGUMENT, "open.cost: sizes and ms differ in length")
             try:
                 entry.session.set_costs(dict(zip(req.cost.sizes, req.cost.ms)), req.overhead_ms)
             except ValueError as e:
-                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"open.cost: {e}") from None
+                raise Abort(Status.INVALID_ARGUMENT, f"open.cost: {e}") from None
         entry.last_used = time.monotonic()
         entry.tree = []
         s = entry.session
@@ -158,30 +151,30 @@ class DrafterService(pb_grpc.DrafterServicer):
         k = self.config.topk
         if entry.tree:
             n = len(entry.tree)
-            _check(len(st.tree_topk) == n * k, grpc.StatusCode.INVALID_ARGUMENT,
+            _check(len(st.tree_topk) == n * k, Status.INVALID_ARGUMENT,
                    f"step.tree_topk: {len(st.tree_topk)} ids, expected {n} nodes x topk {k}")
             acc = list(st.accepted)
-            _check(bool(acc) and acc[0] == 0, grpc.StatusCode.INVALID_ARGUMENT, "step.accepted: must start at the root (0)")
-            _check(all(0 <= a < n for a in acc), grpc.StatusCode.INVALID_ARGUMENT, "step.accepted: index outside the tree")
+            _check(bool(acc) and acc[0] == 0, Status.INVALID_ARGUMENT, "step.accepted: must start at the root (0)")
+            _check(all(0 <= a < n for a in acc), Status.INVALID_ARGUMENT, "step.accepted: index outside the tree")
             parents = entry.parents
-            _check(all(parents[acc[i + 1]] == acc[i] for i in range(len(acc) - 1)), grpc.StatusCode.INVALID_ARGUMENT,
+            _check(all(parents[acc[i + 1]] == acc[i] for i in range(len(acc) - 1)), Status.INVALID_ARGUMENT,
                    "step.accepted: not a root-to-node path of the last tree")
-            _check(1 <= st.commit <= len(acc), grpc.StatusCode.INVALID_ARGUMENT, f"step.commit: {st.commit}, accepted {len(acc)}")
-            _check(all(t >= 0 for t in st.tree_topk), grpc.StatusCode.INVALID_ARGUMENT, "step.tree_topk: negative token id")
+            _check(1 <= st.commit <= len(acc), Status.INVALID_ARGUMENT, f"step.commit: {st.commit}, accepted {len(acc)}")
+            _check(all(t >= 0 for t in st.tree_topk), Status.INVALID_ARGUMENT, "step.tree_topk: negative token id")
             rows = np.asarray(st.tree_topk, dtype=np.int64).reshape(n, k).tolist()
             s.observe_tree(entry.tree, rows, acc)
             s.extend([entry.tree[i] for i in acc[: st.commit]])
             entry.rounds_since_save += 1
         else:
-            _check(not st.tree_topk and not st.accepted, grpc.StatusCode.INVALID_ARGUMENT,
+            _check(not st.tree_topk and not st.accepted, Status.INVALID_ARGUMENT,
                    "step: feedback for a tree this stream never sent")
-        _check(st.root >= 0, grpc.StatusCode.INVALID_ARGUMENT, f"step.root: {st.root}")
-        _check(0 <= st.budget <= MAX_BUDGET, grpc.StatusCode.INVALID_ARGUMENT, f"step.budget: {st.budget}, expected 0 (adaptive) or 1..{MAX_BUDGET}")
-        _check(st.budget > 0 or s.chooser is not None or (st.mode or "racer") == "off", grpc.StatusCode.FAILED_PRECONDITION,
+        _check(st.root >= 0, Status.INVALID_ARGUMENT, f"step.root: {st.root}")
+        _check(0 <= st.budget <= MAX_BUDGET, Status.INVALID_ARGUMENT, f"step.budget: {st.budget}, expected 0 (adaptive) or 1..{MAX_BUDGET}")
+        _check(st.budget > 0 or s.chooser is not None or (st.mode or "racer") == "off", Status.FAILED_PRECONDITION,
                "step.budget: 0 (adaptive) needs a cost curve at open")
         mode = st.mode or "racer"
-        _check(mode in MODES, grpc.StatusCode.INVALID_ARGUMENT, f"step.mode: {mode!r}, expected one of {', '.join(MODES)}")
-        _check(st.batch_rows >= 0, grpc.StatusCode.INVALID_ARGUMENT, f"step.batch_rows: {st.batch_rows}")
+        _check(mode in MODES, Status.INVALID_ARGUMENT, f"step.mode: {mode!r}, expected one of {', '.join(MODES)}")
+        _check(st.batch_rows >= 0, Status.INVALID_ARGUMENT, f"step.batch_rows: {st.batch_rows}")
         tree = s.draft(st.root, st.budget, mode, st.batch_rows)
         entry.tree = list(tree.tokens)
         entry.parents = list(tree.parents)

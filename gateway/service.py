@@ -29,7 +29,7 @@ import grpc
 
 from common.params import MODES
 from . import metrics as M
-from common.server import Abort
+from common.errors import Abort, Status
 from common.text import Detokenizer, continue_ids, messages_ids
 from common.v1 import drafter_pb2 as dpb
 from common.v1 import drafter_pb2_grpc as dgrpc
@@ -185,7 +185,7 @@ class _Link:
         code = e.code() if e is not None else code
         details = e.details() if e is not None else details
         if code in _CALLER_ERRORS:
-            return Abort(code, details or str(code))
+            return Abort(Status[code.name], details or str(code))
         return _Lost(self.endpoint, f"{code}: {details}")
 
     async def close(self, cancel: bool = False) -> None:
@@ -242,7 +242,7 @@ class GatewayService(pb_grpc.GenerationServicer):
             key = auth[7:].strip()
         tenant = self.api_keys.get(key) if key else None
         if tenant is None:
-            raise Abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key (metadata 'authorization: Bearer <key>')")
+            raise Abort(Status.UNAUTHENTICATED, "missing or unknown API key (metadata 'authorization: Bearer <key>')")
         return tenant
 
     async def _store_call(self, op: str, fn, *args, retry: bool = True):
@@ -256,22 +256,22 @@ class GatewayService(pb_grpc.GenerationServicer):
                 M.STORE_FAILURES.labels(op).inc()
                 if time.monotonic() + delay > deadline:
                     log.warning("session store call failed", extra={"op": op, "error": repr(e)})
-                    raise Abort(grpc.StatusCode.UNAVAILABLE, f"session store unavailable ({op}): {e!r}") from None
+                    raise Abort(Status.UNAVAILABLE, f"session store unavailable ({op}): {e!r}") from None
                 log.info("session store call failed; retrying", extra={"op": op, "error": repr(e)})
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
     async def _record(self, tenant: str, session_id: str) -> Record:
         if not SESSION_ID.fullmatch(session_id):
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Abort(Status.INVALID_ARGUMENT,
                         f"session_id: {session_id[:40]!r}{'...' if len(session_id) > 40 else ''} is not a session id "
                         "(1-128 of A-Z a-z 0-9 _ -)")
         data = await self._store_call("get", self.store.get, record_key(tenant, session_id))
         if data is None:
-            raise Abort(grpc.StatusCode.NOT_FOUND, f"session_id {session_id!r}: no such session")
+            raise Abort(Status.NOT_FOUND, f"session_id {session_id!r}: no such session")
         rec = Record.loads(data)
         if rec.tenant != tenant:  # store keys are per tenant; this is a second lock on the door
-            raise Abort(grpc.StatusCode.NOT_FOUND, f"session_id {session_id!r}: no such session")
+            raise Abort(Status.NOT_FOUND, f"session_id {session_id!r}: no such session")
         return rec
 
     # -- Generate -----------------------------------------------------------------------------
@@ -284,7 +284,7 @@ class GatewayService(pb_grpc.GenerationServicer):
                 yield resp
         except Abort as e:
             code = e.code.name
-            await context.abort(e.code, e.message)
+            raise
         except asyncio.CancelledError:
             code = "CANCELLED"
             raise
@@ -298,72 +298,72 @@ class GatewayService(pb_grpc.GenerationServicer):
         lim = self.limits
         max_new = r.max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, lim.max_new_tokens)  # 0: the default, within the limit
         if not 1 <= max_new <= lim.max_new_tokens:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"max_new_tokens: {r.max_new_tokens}, expected 1..{lim.max_new_tokens}")
+            raise Abort(Status.INVALID_ARGUMENT, f"max_new_tokens: {r.max_new_tokens}, expected 1..{lim.max_new_tokens}")
         mode = r.speculation.mode or "racer"
         if mode not in MODES:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"speculation.mode: {mode!r}, expected one of {', '.join(MODES)}")
+            raise Abort(Status.INVALID_ARGUMENT, f"speculation.mode: {mode!r}, expected one of {', '.join(MODES)}")
         budget = r.speculation.budget  # 0: adaptive
         if not 0 <= budget <= lim.max_budget:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"speculation.budget: {r.speculation.budget}, expected 0 (adaptive) or 1..{lim.max_budget}")
+            raise Abort(Status.INVALID_ARGUMENT, f"speculation.budget: {r.speculation.budget}, expected 0 (adaptive) or 1..{lim.max_budget}")
         try:
             SamplingParams(r.temperature, r.top_p or 1.0, r.top_k, r.seed if r.HasField("seed") else None)
         except ValueError as e:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            raise Abort(Status.INVALID_ARGUMENT, str(e)) from None
         if len(r.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in r.stop):
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Abort(Status.INVALID_ARGUMENT,
                         f"stop: at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
         if any(s == "" for s in r.stop):
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "stop: empty stop string")
+            raise Abort(Status.INVALID_ARGUMENT, "stop: empty stop string")
         if len(r.stop_ids) > MAX_STOP_IDS:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"stop_ids: {len(r.stop_ids)} ids, at most {MAX_STOP_IDS}")
+            raise Abort(Status.INVALID_ARGUMENT, f"stop_ids: {len(r.stop_ids)} ids, at most {MAX_STOP_IDS}")
         if any(t < 0 or (self.vocab_size and t >= self.vocab_size) for t in r.stop_ids):
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "stop_ids: token id outside the vocabulary")
+            raise Abort(Status.INVALID_ARGUMENT, "stop_ids: token id outside the vocabulary")
         if r.system and r.WhichOneof("input") != "prompt":
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "system: only with a prompt input (chat carries its own)")
+            raise Abort(Status.INVALID_ARGUMENT, "system: only with a prompt input (chat carries its own)")
         return max_new, mode, budget
 
     def _turn_ids(self, r: pb.GenerateRequest, history: list[int]) -> list[int]:
         kind = r.WhichOneof("input")
         if kind is None:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "input: set one of prompt, chat, prompt_ids")
+            raise Abort(Status.INVALID_ARGUMENT, "input: set one of prompt, chat, prompt_ids")
         if kind == "prompt_ids":
             ids = list(r.prompt_ids.ids)
             if not ids:
-                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_ids: empty")
+                raise Abort(Status.INVALID_ARGUMENT, "prompt_ids: empty")
             bad = next((t for t in ids if t < 0 or (self.vocab_size and t >= self.vocab_size)), None)
             if bad is not None:
-                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_ids: token id {bad} outside the vocabulary [0, {self.vocab_size})")
+                raise Abort(Status.INVALID_ARGUMENT, f"prompt_ids: token id {bad} outside the vocabulary [0, {self.vocab_size})")
             return ids
         if self.tokenizer is None:
-            raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"{kind}: this gateway has no tokenizer; send prompt_ids")
+            raise Abort(Status.FAILED_PRECONDITION, f"{kind}: this gateway has no tokenizer; send prompt_ids")
         if kind == "prompt":
             if not r.prompt:
-                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: empty")
+                raise Abort(Status.INVALID_ARGUMENT, "prompt: empty")
             messages = [{"role": "user", "content": r.prompt}]
             if r.system and not history:
                 messages.insert(0, {"role": "system", "content": r.system})
         else:
             messages = [{"role": m.role, "content": m.content} for m in r.chat.messages]
             if not messages:
-                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "chat.messages: empty")
+                raise Abort(Status.INVALID_ARGUMENT, "chat.messages: empty")
             bad = next((m["role"] for m in messages if m["role"] not in ("system", "user", "assistant")), None)
             if bad is not None:
-                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"chat.messages.role: {bad!r}, expected system, user or assistant")
+                raise Abort(Status.INVALID_ARGUMENT, f"chat.messages.role: {bad!r}, expected system, user or assistant")
         # Text longer than this cannot fit the token limit (a token is at least one character for the
         # tokenizers this serves; checked before tokenizing a huge string).
         chars = len(r.prompt) + len(r.system) + sum(len(m.content) for m in r.chat.messages)
         if chars > 64 * self.limits.max_prompt_tokens:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Abort(Status.INVALID_ARGUMENT,
                         f"{kind}: {chars} characters, more than max_prompt_tokens={self.limits.max_prompt_tokens} tokens "
                         "can hold (refused before tokenizing)")
         try:
             return continue_ids(self.tokenizer, history, messages, self.eos_ids) if history else messages_ids(self.tokenizer, messages)
         except Exception as e:  # noqa: BLE001 - template errors are the caller's input
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{kind}: the chat template rejected it: {e}") from None
+            raise Abort(Status.INVALID_ARGUMENT, f"{kind}: the chat template rejected it: {e}") from None
 
     async def _generate(self, tenant: str, r: pb.GenerateRequest):
         if self.stopping:
-            raise Abort(grpc.StatusCode.UNAVAILABLE, self.stopping)
+            raise Abort(Status.UNAVAILABLE, self.stopping)
         max_new, mode, budget = self._check_request(r)
         if r.session_id:
             record = await self._record(tenant, r.session_id)
@@ -371,21 +371,21 @@ class GatewayService(pb_grpc.GenerationServicer):
             record = Record(secrets.token_urlsafe(18), tenant)
         key = (tenant, record.session_id)
         if key in self._turns:
-            raise Abort(grpc.StatusCode.ABORTED, f"session_id {record.session_id!r}: a turn is already running")
+            raise Abort(Status.ABORTED, f"session_id {record.session_id!r}: a turn is already running")
         lim = self.limits
         running = sum(1 for t, _ in self._turns if t == tenant)
         if lim.max_sessions_per_tenant and running >= lim.max_sessions_per_tenant:
-            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise Abort(Status.RESOURCE_EXHAUSTED,
                         f"tenant {tenant!r}: {running} sessions are generating, the limit is "
                         f"max_sessions_per_tenant={lim.max_sessions_per_tenant}; retry when one ends")
         turn = self._turn_ids(r, record.history)
         kind = r.WhichOneof("input")
         if len(turn) > lim.max_prompt_tokens:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Abort(Status.INVALID_ARGUMENT,
                         f"{kind}: {len(turn)} tokens, the limit is max_prompt_tokens={lim.max_prompt_tokens}")
         history = record.history + turn
         if len(history) > lim.max_prompt_tokens:
-            raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
+            raise Abort(Status.FAILED_PRECONDITION,
                         f"session_id {record.session_id!r}: the session holds {len(record.history)} tokens, with this "
                         f"turn's {len(turn)} it would exceed max_prompt_tokens={lim.max_prompt_tokens}; start a new session")
         run = self._turns[key] = _Turn(self, record, history, len(turn), r, max_new, mode, budget)
@@ -417,23 +417,17 @@ class GatewayService(pb_grpc.GenerationServicer):
         )
 
     async def GetSession(self, request, context):
-        try:
-            rec = await self._record(self.tenant(context), request.session_id)
-            return await self._info(rec)
-        except Abort as e:
-            await context.abort(e.code, e.message)
+        rec = await self._record(self.tenant(context), request.session_id)
+        return await self._info(rec)
 
     async def CloseSession(self, request, context):
-        try:
-            tenant = self.tenant(context)
-            rec = await self._record(tenant, request.session_id)
-            if (tenant, rec.session_id) in self._turns:
-                raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"session_id {rec.session_id!r}: a turn is running")
-            await self._store_call("delete", self.store.delete, record_key(tenant, rec.session_id))
-            await self._drop_everywhere(tenant, rec)
-            return await self._info(rec, closed=True)
-        except Abort as e:
-            await context.abort(e.code, e.message)
+        tenant = self.tenant(context)
+        rec = await self._record(tenant, request.session_id)
+        if (tenant, rec.session_id) in self._turns:
+            raise Abort(Status.FAILED_PRECONDITION, f"session_id {rec.session_id!r}: a turn is running")
+        await self._store_call("delete", self.store.delete, record_key(tenant, rec.session_id))
+        await self._drop_everywhere(tenant, rec)
+        return await self._info(rec, closed=True)
 
     async def _drop_everywhere(self, tenant: str, rec: Record) -> None:
         """Best effort: every drafter (any may hold a copy after a failover) and the verifier."""
@@ -447,18 +441,15 @@ class GatewayService(pb_grpc.GenerationServicer):
                 log.warning("drop failed", extra={"session_id": rec.session_id, "error": repr(res)})
 
     async def ListSessions(self, request, context):
-        try:
-            tenant = self.tenant(context)
-            out = []
-            for k in await self._store_call("keys", self.store.keys, record_key(tenant, ""), retry=False):
-                data = await self._store_call("get", self.store.get, k, retry=False)
-                if data is not None:
-                    rec = Record.loads(data)
-                    if rec.tenant == tenant:
-                        out.append(await self._info(rec))
-            return pb.ListSessionsResponse(sessions=sorted(out, key=lambda s: s.created_unix))
-        except Abort as e:
-            await context.abort(e.code, e.message)
+        tenant = self.tenant(context)
+        out = []
+        for k in await self._store_call("keys", self.store.keys, record_key(tenant, ""), retry=False):
+            data = await self._store_call("get", self.store.get, k, retry=False)
+            if data is not None:
+                rec = Record.loads(data)
+                if rec.tenant == tenant:
+                    out.append(await self._info(rec))
+        return pb.ListSessionsResponse(sessions=sorted(out, key=lambda s: s.created_unix))
 
 
 class _Turn:
@@ -494,7 +485,7 @@ class _Turn:
 
     def _check_abort(self) -> None:
         if self.abort:
-            raise Abort(grpc.StatusCode.UNAVAILABLE, self.abort)
+            raise Abort(Status.UNAVAILABLE, self.abort)
 
     # -- links --------------------------------------------------------------------------------
     async def _candidates(self, kind: str) -> list[str]:
@@ -516,7 +507,7 @@ class _Turn:
             if ranked:
                 return ranked
             if kind == "verifier" and self.full and not self.failed[kind]:
-                raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"every verifier is full: {self.last_error[kind]}")
+                raise Abort(Status.RESOURCE_EXHAUSTED, f"every verifier is full: {self.last_error[kind]}")
             now = time.monotonic()
             deadline = self.waiting.get(kind)
             if deadline is None:  # kept until an open succeeds: the retries below do not restart the clock
@@ -524,7 +515,7 @@ class _Turn:
                 log.warning(f"no {kind} reachable; waiting for one", extra={"session_id": self.record.session_id,
                                                                              "seconds": gw.timeouts.reconnect})
             if now + delay > deadline:
-                raise Abort(grpc.StatusCode.UNAVAILABLE,
+                raise Abort(Status.UNAVAILABLE,
                             f"no {kind} reachable for {gw.timeouts.reconnect:g} s (last error: {self.last_error[kind]}); "
                             "the turn was not saved: retry it")
             await asyncio.sleep(delay)
@@ -543,7 +534,7 @@ class _Turn:
                     session_id=self.record.session_id, tenant=self.record.tenant, history=ctx, sampling=self.sampling)))
             except (_Lost, Abort) as e:
                 await link.close(cancel=True)
-                if isinstance(e, Abort) and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                if isinstance(e, Abort) and e.code == Status.RESOURCE_EXHAUSTED:
                     self.full.add(ep)  # that verifier has no room: another may
                     self.last_error["verifier"] = f"{ep}: {e.message}"
                     continue
@@ -607,7 +598,7 @@ class _Turn:
         self._exclude(kind, e)
         self.lost[kind] += 1
         if self.lost[kind] > FAILOVERS:
-            raise Abort(grpc.StatusCode.UNAVAILABLE, f"{kind}s keep failing ({self.lost[kind]} streams lost this turn; "
+            raise Abort(Status.UNAVAILABLE, f"{kind}s keep failing ({self.lost[kind]} streams lost this turn; "
                                                      f"last: {e.error}); the turn was not saved: retry it")
 
     async def _release(self, cancel: bool) -> None:
@@ -703,10 +694,10 @@ class _Turn:
                 self._lost("drafter", e)
                 continue
             except Abort as e:  # the request was checked at the door: a refused step is our bug, not the caller's
-                raise Abort(grpc.StatusCode.INTERNAL, f"drafter {self.drafter.endpoint} refused a step: {e.code.name}: {e.message}") from None
+                raise Abort(Status.INTERNAL, f"drafter {self.drafter.endpoint} refused a step: {e.code.name}: {e.message}") from None
             self.draft_ms += resp.elapsed_ms
             if not resp.tree.tokens or resp.tree.tokens[0] != root:
-                raise Abort(grpc.StatusCode.INTERNAL, f"drafter {self.drafter.endpoint} returned a tree with the wrong root")
+                raise Abort(Status.INTERNAL, f"drafter {self.drafter.endpoint} returned a tree with the wrong root")
             return resp.tree
 
     async def _verify(self, ctx, root, tree):
@@ -716,7 +707,7 @@ class _Turn:
             try:
                 resp = await self.verifier.ask(vpb.VerifyRequest(tree=vpb.VerifyTree(tokens=tree.tokens, parents=tree.parents)))
             except Abort as e:
-                raise Abort(grpc.StatusCode.INTERNAL, f"verifier {self.verifier.endpoint} refused a draft tree: {e.code.name}: {e.message}") from None
+                raise Abort(Status.INTERNAL, f"verifier {self.verifier.endpoint} refused a draft tree: {e.code.name}: {e.message}") from None
             except _Lost as e:
                 await self.verifier.close(cancel=True)
                 self.gw._verifier_load[self.verifier.endpoint] -= 1

@@ -16,11 +16,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import grpc
 import torch
 
 from . import metrics as M
-from common.server import Abort
+from common.errors import Abort, Status
 from common.v1 import common_pb2 as cpb
 from common.v1 import verifier_pb2 as pb
 from common.v1 import verifier_pb2_grpc as pb_grpc
@@ -177,17 +176,15 @@ class VerifierService(pb_grpc.VerifierServicer):
                 kind = req.WhichOneof("kind")
                 if kind == "open":
                     if entry is not None:
-                        raise Abort(grpc.StatusCode.FAILED_PRECONDITION, "open: this stream already has a session")
+                        raise Abort(Status.FAILED_PRECONDITION, "open: this stream already has a session")
                     entry = self._claim(req.open)
                     yield await self._open(entry, req.open)
                 elif kind == "tree":
                     if entry is None:
-                        raise Abort(grpc.StatusCode.FAILED_PRECONDITION, "tree: open the session first")
+                        raise Abort(Status.FAILED_PRECONDITION, "tree: open the session first")
                     yield await self._verify(entry, req.tree)
                 else:
-                    raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "request: set one of open, tree")
-        except Abort as e:
-            await context.abort(e.code, e.message)
+                    raise Abort(Status.INVALID_ARGUMENT, "request: set one of open, tree")
         finally:
             if entry is not None:
                 entry.streaming = False
@@ -195,26 +192,26 @@ class VerifierService(pb_grpc.VerifierServicer):
 
     def _claim(self, op: pb.VerifierOpen) -> Entry:
         if not op.session_id:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "open.session_id: required")
+            raise Abort(Status.INVALID_ARGUMENT, "open.session_id: required")
         if not op.tenant:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "open.tenant: required")
+            raise Abort(Status.INVALID_ARGUMENT, "open.tenant: required")
         if not op.history:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "open.history: empty")
+            raise Abort(Status.INVALID_ARGUMENT, "open.history: empty")
         bad = next((t for t in op.history if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"open.history: token id {bad} outside the vocabulary [0, {self.vocab_size})")
+            raise Abort(Status.INVALID_ARGUMENT, f"open.history: token id {bad} outside the vocabulary [0, {self.vocab_size})")
         if len(op.history) > self.max_cache_tokens:
-            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise Abort(Status.RESOURCE_EXHAUSTED,
                          f"open.history: {len(op.history)} tokens, this verifier holds at most {self.max_cache_tokens}")
         try:
             sampling = SamplingParams(op.sampling.temperature, op.sampling.top_p or 1.0, op.sampling.top_k,
                                       op.sampling.seed if op.sampling.HasField("seed") else None)
         except ValueError as e:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"open.sampling: {e}") from None
+            raise Abort(Status.INVALID_ARGUMENT, f"open.sampling: {e}") from None
         key = (op.tenant, op.session_id)
         entry = self.sessions.get(key)
         if entry is not None and entry.streaming:
-            raise Abort(grpc.StatusCode.ABORTED, f"session {op.session_id}: another stream is open on it")
+            raise Abort(Status.ABORTED, f"session {op.session_id}: another stream is open on it")
         self._make_room(len(op.history), keep=key)
         if entry is None:
             entry = Entry(op.tenant, op.session_id, VerifierSession(self.model, self.topk, self.backend, sampling))
@@ -235,7 +232,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         while over():
             idle = [e for k, e in self.sessions.items() if not e.streaming and k != keep]
             if not idle:
-                raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "verifier full: every KV cache is in use by a stream")
+                raise Abort(Status.RESOURCE_EXHAUSTED, "verifier full: every KV cache is in use by a stream")
             victim = min(idle, key=lambda e: e.last_used)
             del self.sessions[(victim.tenant, victim.session_id)]
             M.EVICTIONS.labels("capacity").inc()
@@ -280,7 +277,7 @@ class VerifierService(pb_grpc.VerifierServicer):
     async def _verify(self, entry: Entry, tree: pb.VerifyTree) -> pb.VerifyResponse:
         tokens, parents = list(tree.tokens), list(tree.parents)
         if len(tokens) > MAX_TREE:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"tree.tokens: {len(tokens)} nodes, at most {MAX_TREE}")
+            raise Abort(Status.INVALID_ARGUMENT, f"tree.tokens: {len(tokens)} nodes, at most {MAX_TREE}")
         t0 = time.perf_counter()
         try:
             res, forward_ms, others = await self.batcher.verify(entry.session, tokens, parents)
@@ -290,7 +287,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             self._forget(entry)  # the forward may or may not have run: the cache is unknown
             raise
         if isinstance(res, ValueError):  # validated before the forward: the cache is untouched
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"tree: {res}")
+            raise Abort(Status.INVALID_ARGUMENT, f"tree: {res}")
         entry.tokens.extend(tokens[i] for i in res.accepted)
         n = len(tokens)
         if n in self.cost and others == 0:  # an exponential average follows drift (load, context length)

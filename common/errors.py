@@ -1,0 +1,41 @@
+"""Errors a service's core raises to end a call, with the status the caller gets.
+
+The cores never import grpc: they raise ``Abort(Status.X, message)``, and the servers' one
+interceptor (``common.server.ErrorInterceptor``) turns it into the gRPC status of the same name.
+A message names the field or the limit at fault, so that the caller can fix the request.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Status(enum.Enum):
+    """The gRPC status codes the services answer with (same names as ``grpc.StatusCode``)."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    NOT_FOUND = "NOT_FOUND"
+    ABORTED = "ABORTED"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    UNAVAILABLE = "UNAVAILABLE"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    CANCELLED = "CANCELLED"
+    INTERNAL = "INTERNAL"
+    UNKNOWN = "UNKNOWN"
+
+
+class Abort(Exception):
+    """Ends the call with ``code`` and ``message``."""
+
+    def __init__(self, code: Status, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code, self.message = code, message
+
+
+def check(cond: bool, code: Status, message: str) -> None:
+    """``Abort(code, message)`` unless ``cond``."""
+    if not cond:
+        raise Abort(code, message)
