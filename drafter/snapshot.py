@@ -34,22 +34,22 @@ def _csr(groups: list) -> tuple[np.ndarray, np.ndarray]:
 
 
 def dumps(session: DraftSession) -> bytes:
-    a = session.automaton
+    st = session.automaton.to_state()
     cfg = session.config
-    child_ptr, child_ids = _csr([ch.values() for ch in a.children])
-    bucket_starts = list(a._buckets.keys())
-    bucket_ptr, bucket_nodes = _csr([m.keys() for m in a._buckets.values()])
+    child_ptr, child_ids = _csr(st["children"])
+    bucket_starts = [start for start, _ in st["buckets"]]
+    bucket_ptr, bucket_nodes = _csr([members for _, members in st["buckets"]])
     rows = session.table.rows
     width = cfg.topk
     table = np.full((len(rows), width), -1, dtype=np.int64)
     for i, row in enumerate(rows.values()):
         table[i, : len(row)] = row
     arrays = {
-        "meta": _i64([FORMAT, cfg.window, cfg.max_nodes, cfg.topk, len(session.history), len(a.parent)]),
-        "parent": _i64(a.parent), "token": _i64(a.token), "freq": _i64(a.freq), "fail": _i64(a.fail),
-        "start": _i64(a.start), "free": _i64(a._free), "child_ptr": child_ptr, "child_ids": child_ids,
+        "meta": _i64([FORMAT, cfg.window, cfg.max_nodes, cfg.topk, len(session.history), len(st["parent"])]),
+        "parent": _i64(st["parent"]), "token": _i64(st["token"]), "freq": _i64(st["freq"]), "fail": _i64(st["fail"]),
+        "start": _i64(st["start"]), "free": _i64(st["free"]), "child_ptr": child_ptr, "child_ids": child_ids,
         "bucket_starts": _i64(bucket_starts), "bucket_ptr": bucket_ptr, "bucket_nodes": bucket_nodes,
-        "frontier": _i64(a.frontier), "a_length": _i64([a.length]),
+        "frontier": _i64(st["frontier"]), "a_length": _i64([st["length"]]),
         "table_tokens": _i64(list(rows.keys())), "table_rows": table,
         "last_topk": _i64(session.last_topk), "history": _i64(session.history),
     }

@@ -37,31 +37,33 @@ def defaults(service: str, **overrides) -> SimpleNamespace:
 
 async def start_drafter(args) -> tuple[Server, object]:
     from common.priors import load_prior
-    from drafter.service import DrafterService, janitor
-    from drafter.session import DrafterConfig
-    from common.v1 import drafter_pb2_grpc
-
+    from common.sessions import janitor
     from common.store import open_store
+    from common.v1 import drafter_pb2_grpc
+    from drafter.service import DrafterService
+    from drafter.session import DrafterConfig
+    from drafter.sessions import Drafter
 
     config = DrafterConfig(window=args.window, max_nodes=args.max_nodes, topk=args.topk)
     store = open_store(args.snapshot_url)
-    svc = DrafterService(config, store, load_prior(args.prior, args.topk), args.snapshot_every, args.session_ttl,
-                         max_tokens=args.max_session_tokens)
+    core = Drafter(config, store, load_prior(args.prior, args.topk), args.snapshot_every, args.session_ttl,
+                   max_tokens=args.max_session_tokens)
+    svc = DrafterService(core)
     tasks = []
 
     async def drain(grace: float):
         for t in tasks:
             t.cancel()
-        await svc.flush()
+        await core.flush()
 
     async def closed():
-        await svc.flush()  # what the streams that ran during the drain changed
+        await core.flush()  # what the streams that ran during the drain changed
         await store.close()
 
     srv = await start_server("drafter", lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(svc, s),
                              args.host, args.port, args.max_message_bytes, drain, closed=closed, **_server_kw(args))
-    tasks.append(asyncio.ensure_future(janitor(svc, min(30.0, args.session_ttl))))
-    return srv, svc
+    tasks.append(asyncio.ensure_future(janitor(core.expire, min(30.0, args.session_ttl))))
+    return srv, core
 
 
 async def start_verifier(args, model=None) -> tuple[Server, object]:

@@ -1,0 +1,290 @@
+"""The drafter's sessions: per (tenant, session) automaton and copy-logit table, with snapshots.
+
+A session's snapshot goes to the store at every turn end and every ``snapshot_every`` rounds, after
+the response is sent; another replica that is handed the session restores the snapshot and replays
+the tokens after it, or rebuilds from the history. No grpc: the service converts its messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from common.errors import Abort, Status
+from common.errors import check as _check
+from common.params import MODES
+from common.sessions import Entry as _Entry
+from common.sessions import SessionTable
+
+from . import metrics as M
+from .session import DrafterConfig, DraftSession
+from .snapshot import SnapshotError, dumps, loads
+from .tree import DraftTree
+
+log = logging.getLogger("racer.drafter")
+
+MAX_BUDGET = 4096
+
+
+@dataclass
+class Entry(_Entry):
+    session: DraftSession = None  # type: ignore[assignment] - always given
+    tree: list[int] = field(default_factory=list)  # last tree sent, for the next step's feedback
+    parents: list[int] = field(default_factory=list)
+    rounds_since_save: int = 0
+    saved_length: int = -1
+
+    @property
+    def snapshot_key(self) -> str:
+        return snapshot_key(self.tenant, self.session_id)
+
+
+def snapshot_key(tenant: str, session_id: str) -> str:
+    return f"racer:drafter:{tenant}:{session_id}"
+
+
+@dataclass(frozen=True)
+class Open:
+    """A stream's first message: the session's history and the verifier's top-k at its last positions."""
+
+    tenant: str
+    session_id: str
+    history: list[int]
+    history_topk: list[int]  # [rows * topk] flattened: top-k of the last ``rows`` history positions
+    topk: int = 0  # 0: this drafter's
+    cost: dict[int, float] | None = None  # the verifier's ms by tree size (adaptive budget)
+    overhead_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class Step:
+    """Feedback on the last tree (its nodes' top-k, the accepted path, how much of it is committed)
+    and what the next tree is asked to be."""
+
+    tree_topk: list[int]  # [nodes * topk] flattened
+    accepted: list[int]
+    commit: int
+    root: int
+    budget: int
+    mode: str
+    batch_rows: int = 0
+
+
+@dataclass(frozen=True)
+class SessionStats:
+    tenant: str
+    session_id: str
+    tokens: int
+    nodes: int
+    memory_bytes: int
+    streaming: bool
+
+
+class Drafter:
+    def __init__(self, config: DrafterConfig, store, prior=None, snapshot_every: int = 32, ttl: float = 1800.0,
+                 max_tokens: int = 65_536):
+        self.config = config
+        self.max_tokens = max_tokens
+        self.store = store
+        self.prior = prior
+        self.snapshot_every = snapshot_every
+        self.sessions: SessionTable[Entry] = SessionTable(ttl)
+        self._tasks: set[asyncio.Task] = set()
+        self._warned_at = -1e9  # snapshot failures are logged at most every 10 s (all are counted)
+        self._unlogged = 0
+
+    @property
+    def ttl(self) -> float:
+        return self.sessions.ttl
+
+    # -- a stream -----------------------------------------------------------------------------
+    async def open(self, req: Open) -> tuple[Entry, str]:
+        """The session's entry, caught up with ``req.history``, held by the calling stream; and where
+        it came from: memory, snapshot or new."""
+        _check(bool(req.session_id), Status.INVALID_ARGUMENT, "open.session_id: required")
+        _check(bool(req.tenant), Status.INVALID_ARGUMENT, "open.tenant: required")
+        history = list(req.history)
+        _check(len(history) > 0, Status.INVALID_ARGUMENT, "open.history: empty")
+        _check(len(history) <= self.max_tokens, Status.RESOURCE_EXHAUSTED,
+               f"open.history: {len(history)} tokens, this drafter holds at most {self.max_tokens} per session")
+        _check(all(t >= 0 for t in history), Status.INVALID_ARGUMENT, "open.history: negative token id")
+        k = self.config.topk
+        _check(req.topk in (0, k), Status.INVALID_ARGUMENT, f"open.topk: {req.topk}, this drafter uses {k}")
+        _check(len(req.history_topk) % k == 0, Status.INVALID_ARGUMENT, f"open.history_topk: not a multiple of topk={k}")
+        _check(all(t >= 0 for t in req.history_topk), Status.INVALID_ARGUMENT, "open.history_topk: negative token id")
+        n_rows = len(req.history_topk) // k
+        _check(n_rows <= len(history), Status.INVALID_ARGUMENT, "open.history_topk: more rows than history tokens")
+        entry = self.sessions.get((req.tenant, req.session_id))
+        if entry is not None:
+            _check(not entry.streaming, Status.ABORTED, f"session {req.session_id}: another stream is open on it")
+        source = "memory"
+        if entry is None or not _is_prefix(entry.session.history, history):
+            session = await self._restore(req.tenant, req.session_id, history)
+            source = "snapshot" if session is not None else "new"
+            if session is None:
+                session = DraftSession(self.config, self.prior)
+            entry = self.sessions.put(Entry(req.tenant, req.session_id, session=session))
+            entry.saved_length = len(session.history) if source == "snapshot" else -1
+        M.RESTORES.labels(source).inc()
+        if req.cost:
+            try:
+                entry.session.set_costs(req.cost, req.overhead_ms)
+            except ValueError as e:
+                raise Abort(Status.INVALID_ARGUMENT, f"open.cost: {e}") from None
+        entry.touch()
+        entry.tree = []
+        s = entry.session
+        have = len(s.history)
+        rows = np.asarray(req.history_topk, dtype=np.int64).reshape(n_rows, k).tolist()
+        first_row = len(history) - n_rows  # position of rows[0]
+        plain_end = max(have, first_row)
+        s.extend(history[have:plain_end])
+        if plain_end < len(history):
+            s.extend(history[plain_end:], rows[plain_end - first_row :])
+        self.sessions.claim(entry)  # only once the open succeeded: a failed one leaves no stream behind
+        M.DRAFTER_SESSIONS.set(len(self.sessions))
+        return entry, source
+
+    def step(self, entry: Entry, st: Step) -> DraftTree:
+        """Learns from the last tree's feedback and builds the next tree."""
+        s = entry.session
+        k = self.config.topk
+        if entry.tree:
+            n = len(entry.tree)
+            _check(len(st.tree_topk) == n * k, Status.INVALID_ARGUMENT,
+                   f"step.tree_topk: {len(st.tree_topk)} ids, expected {n} nodes x topk {k}")
+            acc = list(st.accepted)
+            _check(bool(acc) and acc[0] == 0, Status.INVALID_ARGUMENT, "step.accepted: must start at the root (0)")
+            _check(all(0 <= a < n for a in acc), Status.INVALID_ARGUMENT, "step.accepted: index outside the tree")
+            parents = entry.parents
+            _check(all(parents[acc[i + 1]] == acc[i] for i in range(len(acc) - 1)), Status.INVALID_ARGUMENT,
+                   "step.accepted: not a root-to-node path of the last tree")
+            _check(1 <= st.commit <= len(acc), Status.INVALID_ARGUMENT, f"step.commit: {st.commit}, accepted {len(acc)}")
+            _check(all(t >= 0 for t in st.tree_topk), Status.INVALID_ARGUMENT, "step.tree_topk: negative token id")
+            rows = np.asarray(st.tree_topk, dtype=np.int64).reshape(n, k).tolist()
+            s.observe_tree(entry.tree, rows, acc)
+            s.extend([entry.tree[i] for i in acc[: st.commit]])
+            entry.rounds_since_save += 1
+        else:
+            _check(not st.tree_topk and not st.accepted, Status.INVALID_ARGUMENT,
+                   "step: feedback for a tree this stream never sent")
+        _check(st.root >= 0, Status.INVALID_ARGUMENT, f"step.root: {st.root}")
+        _check(0 <= st.budget <= MAX_BUDGET, Status.INVALID_ARGUMENT, f"step.budget: {st.budget}, expected 0 (adaptive) or 1..{MAX_BUDGET}")
+        _check(st.budget > 0 or s.chooser is not None or (st.mode or "racer") == "off", Status.FAILED_PRECONDITION,
+               "step.budget: 0 (adaptive) needs a cost curve at open")
+        mode = st.mode or "racer"
+        _check(mode in MODES, Status.INVALID_ARGUMENT, f"step.mode: {mode!r}, expected one of {', '.join(MODES)}")
+        _check(st.batch_rows >= 0, Status.INVALID_ARGUMENT, f"step.batch_rows: {st.batch_rows}")
+        tree = s.draft(st.root, st.budget, mode, st.batch_rows)
+        entry.tree = list(tree.tokens)
+        entry.parents = list(tree.parents)
+        entry.touch()
+        return tree
+
+    def end_turn(self, entry: Entry) -> None:
+        entry.rounds_since_save = self.snapshot_every  # saved right after the response
+
+    def after_response(self, entry: Entry) -> None:
+        """Off the round's critical path: the response is on its way before the snapshot is encoded."""
+        if entry.rounds_since_save >= self.snapshot_every:
+            self._save_later(entry)
+
+    def release(self, entry: Entry) -> None:
+        """The stream ended: the session stays for the next one, and what changed is saved."""
+        self.sessions.release(entry)
+        if len(entry.session.history) != entry.saved_length and entry.key in self.sessions:
+            self._save_later(entry)
+
+    # -- snapshots ----------------------------------------------------------------------------
+    def _save_later(self, entry: Entry) -> None:
+        """Serializes now (consistent with this point of the stream), writes in the background."""
+        entry.rounds_since_save = 0
+        length = len(entry.session.history)
+        if length == entry.saved_length:
+            return
+        t0 = time.perf_counter()
+        data = dumps(entry.session)
+        encode_ms = (time.perf_counter() - t0) * 1e3
+        entry.saved_length = length
+        task = asyncio.create_task(self._write(entry, data, length, encode_ms))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _write(self, entry: Entry, data: bytes, length: int, encode_ms: float) -> None:
+        t0 = time.perf_counter()
+        key = entry.snapshot_key
+        try:
+            await self.store.set(key, data, self.ttl)
+        except Exception as e:  # noqa: BLE001 - a lost snapshot costs draft quality, never output
+            M.SNAPSHOT_FAILURES.labels("save").inc()
+            now = time.monotonic()
+            if now - self._warned_at >= 10.0:
+                log.warning("snapshot save failed", extra={"key": key, "tokens": length, "error": repr(e),
+                                                           "failures_not_logged": self._unlogged})
+                self._warned_at, self._unlogged = now, 0
+            else:
+                self._unlogged += 1
+            if entry.saved_length == length:
+                entry.saved_length = -1  # not saved: the next trigger (or the shutdown flush) tries again
+            return
+        M.SNAPSHOT_BYTES.observe(len(data))
+        M.SNAPSHOT_MS.labels("save").observe(encode_ms + (time.perf_counter() - t0) * 1e3)
+
+    async def _restore(self, tenant: str, session_id: str, history: list[int]) -> DraftSession | None:
+        t0 = time.perf_counter()
+        try:
+            data = await self.store.get(snapshot_key(tenant, session_id))
+        except Exception as e:  # noqa: BLE001
+            M.SNAPSHOT_FAILURES.labels("restore").inc()
+            log.warning("snapshot read failed", extra={"session_id": session_id, "error": repr(e)})
+            return None
+        if data is None:
+            return None
+        try:
+            session = loads(data, self.config, self.prior)
+        except SnapshotError as e:
+            M.SNAPSHOT_FAILURES.labels("restore").inc()
+            log.warning("snapshot unusable", extra={"session_id": session_id, "error": str(e)})
+            return None
+        if not _is_prefix(session.history, history):
+            log.info("snapshot does not match the history; rebuilding", extra={"session_id": session_id})
+            return None
+        M.SNAPSHOT_MS.labels("restore").observe((time.perf_counter() - t0) * 1e3)
+        return session
+
+    async def flush(self) -> None:
+        """Saves every session that changed since its last snapshot and waits for the writes."""
+        for entry in self.sessions:
+            if len(entry.session.history) != entry.saved_length:
+                self._save_later(entry)
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def expire(self) -> int:
+        """Drops sessions idle longer than the TTL (their snapshots expire in the store on their own)."""
+        gone = self.sessions.expire()
+        M.DRAFTER_SESSIONS.set(len(self.sessions))
+        return len(gone)
+
+    async def drop(self, tenant: str, session_id: str) -> bool:
+        """Forgets a session here and in the store; whether there was one."""
+        entry = self.sessions.pop((tenant, session_id))
+        try:
+            in_store = await self.store.delete(snapshot_key(tenant, session_id))
+        except Exception as e:  # noqa: BLE001
+            log.warning("snapshot delete failed", extra={"session_id": session_id, "error": repr(e)})
+            in_store = False
+        M.DRAFTER_SESSIONS.set(len(self.sessions))
+        return entry is not None or in_store
+
+    def stats(self) -> list[SessionStats]:
+        return [SessionStats(e.tenant, e.session_id, len(e.session.history), len(e.session.automaton),
+                             e.session.memory_estimate(), e.streaming) for e in self.sessions]
+
+
+def _is_prefix(a: list[int], b: list[int]) -> bool:
+    return len(a) <= len(b) and b[: len(a)] == a
