@@ -99,7 +99,12 @@ class Drafter:
 
     @property
     def ttl(self) -> float:
+        """Seconds an idle session is kept."""
         return self.sessions.ttl
+
+    @ttl.setter
+    def ttl(self, seconds: float) -> None:
+        self.sessions.ttl = seconds
 
     # -- a stream -----------------------------------------------------------------------------
     async def open(self, req: Open) -> tuple[Entry, str]:

@@ -67,8 +67,10 @@ async def start_drafter(args) -> tuple[Server, object]:
 
 
 async def start_verifier(args, model=None) -> tuple[Server, object]:
+    from common.sessions import janitor
     from common.v1 import verifier_pb2_grpc
     from verifier.service import VerifierService
+    from verifier.sessions import Verifier
 
     if model is None:
         from verifier.model import load
@@ -82,14 +84,10 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
 
         cost = await asyncio.to_thread(measure_cost, model, backend=args.backend, topk=args.topk)
         log.info("cost curve", extra={"ms_by_size": {n: round(c, 2) for n, c in cost.items()}})
-    svc = VerifierService(model, args.topk, args.backend, args.max_sessions, args.max_cache_tokens, args.session_ttl, cost,
-                          args.max_batch, args.max_wait_ms)
+    core = Verifier(model, args.topk, args.backend, args.max_sessions, args.max_cache_tokens, args.session_ttl, cost,
+                    args.max_batch, args.max_wait_ms)
+    svc = VerifierService(core)
     tasks = []
-
-    async def janitor():
-        while True:
-            await asyncio.sleep(min(30.0, args.session_ttl))
-            await svc.expire()
 
     async def drain(grace: float):
         for t in tasks:
@@ -97,8 +95,8 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
 
     srv = await start_server("verifier", lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(svc, s),
                              args.host, args.port, args.max_message_bytes, drain, **_server_kw(args))
-    tasks.append(asyncio.ensure_future(janitor()))
-    return srv, svc
+    tasks.append(asyncio.ensure_future(janitor(core.expire, min(30.0, args.session_ttl))))
+    return srv, core
 
 
 def _cuda() -> bool:

@@ -226,7 +226,7 @@ def test_concurrent_sessions_all_lossless(stack, tiny_llama):
 @contextlib.contextmanager
 def handed_to_model_thread(svc):
     """Sizes of the trees ``svc`` hands to its model thread while the block runs."""
-    from verifier.service import _timed_verify
+    from verifier.batcher import _timed_verify
 
     handed: list[int] = []
     real = svc._run
@@ -256,7 +256,7 @@ def test_a_lone_streams_small_trees_are_verified_inline_and_all_trees_match_the_
     """A lone stream's trees up to INLINE_NODES are verified on the event loop, bigger ones on the
     model thread (the loop stays free for health checks); either way the results are the in-process
     verifier's."""
-    from verifier.service import INLINE_NODES
+    from verifier.batcher import INLINE_NODES
 
     svc = stack.verifiers[0][1]
     wait_until(lambda: svc.streaming() == 0 and not svc.busy, what="no verifier stream open")
@@ -278,7 +278,7 @@ def test_a_lone_streams_small_trees_are_verified_inline_and_all_trees_match_the_
 def test_a_small_tree_waits_for_a_busy_model_thread_and_after_a_slow_forward_uses_it(stack, tiny_llama):
     """The loop never runs a forward while the model thread works (a cancelled stream's prefill,
     say), nor when the last forward took longer than INLINE_MS."""
-    from verifier.service import INLINE_MS
+    from verifier.batcher import INLINE_MS
 
     svc = stack.verifiers[0][1]
     wait_until(lambda: svc.streaming() == 0 and not svc.busy, what="no verifier stream open")
