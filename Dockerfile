@@ -58,36 +58,7 @@ COPY --from=builder /opt/venv /opt/venv
 COPY --from=builder /opt/racer/cache /opt/racer/cache
 
 # gRPC health check for docker compose (Kubernetes uses its native gRPC probes instead):
-#   racer-health [HOST:]PORT [SERVICE]  -> exit 0 only when the service reports SERVING.
-COPY --chmod=0755 <<"EOF" /usr/local/bin/racer-health
-#!/opt/venv/bin/python
-"""racer-health [HOST:]PORT [SERVICE]: exit 0 iff grpc.health.v1 says SERVICE is SERVING."""
-import sys
-
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-
-def main(argv):
-    if len(argv) not in (2, 3):
-        print("usage: racer-health [HOST:]PORT [SERVICE]", file=sys.stderr)
-        return 2
-    target = argv[1] if ":" in argv[1] else "localhost:" + argv[1]
-    service = argv[2] if len(argv) == 3 else ""
-    request = health_pb2.HealthCheckRequest(service=service)
-    try:
-        with grpc.insecure_channel(target) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=3)
-    except grpc.RpcError as e:
-        print(f"{target} {service!r}: {e.code().name}", file=sys.stderr)
-        return 1
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    print(f"{target} {service!r}: {status}")
-    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
-
-
-sys.exit(main(sys.argv))
-EOF
+#   racer health [HOST:]PORT [SERVICE]  -> exit 0 only when the service reports SERVING.
 
 ENV PATH=/opt/venv/bin:$PATH \
     RACER_CACHE=/opt/racer/cache \

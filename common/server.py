@@ -212,22 +212,3 @@ async def serve_forever(srv: Server, drain_seconds: float) -> None:
         log.info("stopped", extra={"service": srv.kind, "seconds": round(time.monotonic() - t0, 3)})
     stopper.cancel()
     waiter.cancel()
-
-
-async def wait_healthy(target: str, service: str = "", timeout: float = 120.0,
-                       credentials: grpc.ChannelCredentials | None = None) -> None:
-    """Polls ``grpc.health.v1`` at ``target`` until SERVING or ``timeout``."""
-    deadline = time.monotonic() + timeout
-    channel = grpc.aio.secure_channel(target, credentials) if credentials else grpc.aio.insecure_channel(target)
-    async with channel as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while True:
-            try:
-                r = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.aio.AioRpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{target} not healthy after {timeout:.0f} s")
-            await asyncio.sleep(0.2)

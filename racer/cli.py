@@ -135,6 +135,13 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_health(args) -> int:
+    from common.health import main
+    from common.tls import channel_credentials
+
+    return main(args.target, args.service, channel_credentials(args.tls_ca, args.tls_cert, args.tls_key))
+
+
 def cmd_stack(args) -> int:
     from . import stack
 
@@ -327,6 +334,15 @@ def main(argv=None) -> int:
     pr.add_argument("--topk", type=int, default=8)
     pr.add_argument("--out", default=None, help="directory (default: ~/.cache/racer/priors)")
     pr.set_defaults(func=cmd_prior)
+
+    hc = sub.add_parser("health", help="exit 0 iff a service's grpc.health.v1 says SERVING (container health checks)")
+    hc.add_argument("target", help="[HOST:]PORT")
+    hc.add_argument("service", nargs="?", default="", help="e.g. racer.v1.Drafter ('': the server as a whole)")
+    hc.add_argument("--tls-ca", default=os.environ.get("RACER_TLS_CA", ""), help="CA of the service's certificate")
+    hc.add_argument("--tls-cert", default=os.environ.get("RACER_TLS_CLIENT_CERT", ""),
+                    help="client certificate, when the service requires one")
+    hc.add_argument("--tls-key", default=os.environ.get("RACER_TLS_CLIENT_KEY", ""))
+    hc.set_defaults(func=cmd_health)
 
     args = p.parse_args(argv)
     try:

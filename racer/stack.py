@@ -49,7 +49,7 @@ def running(model: str = "default", port_base: int = 0, metrics_base: int = 9100
     from verifier.model import resolve_model_dir
 
     from common import cpus
-    from common.server import wait_healthy
+    from common.health import wait_serving
 
     resolve_model_dir(model)  # convert the default model once, before two services want it
     base = dict(os.environ, RACER_MODEL=model, RACER_HOST="127.0.0.1", RACER_LOG_LEVEL=log_level, **(env or {}))
@@ -72,7 +72,8 @@ def running(model: str = "default", port_base: int = 0, metrics_base: int = 9100
             for s in group:
                 procs[s] = _spawn(s, envs[s])
             for s in group:
-                asyncio.run(_wait(wait_healthy, f"127.0.0.1:{ports[s][0]}", HEALTH_SERVICES[s], procs[s]))
+                wait_serving(f"127.0.0.1:{ports[s][0]}", HEALTH_SERVICES[s], timeout=300,
+                             alive=lambda p=procs[s]: p.poll() is None, what=s)
         gateway = f"127.0.0.1:{ports['gateway'][0]}"
         if split:  # the client side, off the verifier's CPUs (threads started from here on inherit it)
             cpus.confine(cpus.format_list(split[1]))
@@ -117,13 +118,3 @@ def run(args) -> int:
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
             signal.sigwait({signal.SIGINT, signal.SIGTERM})
     return 0
-
-
-async def _wait(wait_healthy, target: str, service: str, proc: subprocess.Popen) -> None:
-    task = asyncio.ensure_future(wait_healthy(target, service, timeout=300))
-    while not task.done():
-        if proc.poll() is not None:
-            task.cancel()
-            raise RuntimeError(f"{service} exited with status {proc.returncode} before it was healthy")
-        await asyncio.sleep(0.2)
-    task.result()

@@ -84,7 +84,7 @@ def test_healthchecks_ask_the_grpc_health_service():
     doc = compose()
     for name, service in racer_services(doc).items():
         test = doc["services"][name]["healthcheck"]["test"]
-        assert test == ["CMD", "racer-health", f"localhost:{settings.PORTS[service][0]}", settings.HEALTH_SERVICES[service]]
+        assert test == ["CMD", "racer", "health", f"localhost:{settings.PORTS[service][0]}", settings.HEALTH_SERVICES[service]]
     assert doc["services"]["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
 
 

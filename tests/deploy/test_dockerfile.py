@@ -101,28 +101,26 @@ def test_dockerignore_keeps_what_the_build_needs():
         assert ignored(path), path
 
 
-# --- the health-check script compose runs ------------------------------------------------------------
+# --- the health check compose runs (`racer health`) -------------------------------------------------
 
 
-def _health_script() -> str:
-    (copy,) = [i for i in dockerfile() if i.cmd == "COPY" and i.heredoc and "/usr/local/bin/racer-health" in i.value]
-    assert "--chmod=0755" in copy.flags
-    return copy.heredoc
+def test_the_image_has_no_health_script_of_its_own():
+    """The compose health check is the package's `racer health` command, installed with it."""
+    assert not [i for i in dockerfile() if i.cmd == "COPY" and i.heredoc]
+    assert pyproject()["project"]["scripts"]["racer"] == "racer.cli:main"
 
 
 def _run_health(*argv: str) -> tuple[int, str]:
-    """Runs the script in this process (it only needs grpcio and grpcio-health-checking)."""
+    """Runs `racer health` in this process."""
+    from racer.cli import main
+
     out = io.StringIO()
-    saved = sys.argv
-    sys.argv = ["racer-health", *argv]
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            exec(compile(_health_script(), "racer-health", "exec"), {"__name__": "__main__"})
-    except SystemExit as e:
-        return e.code, out.getvalue()
-    finally:
-        sys.argv = saved
-    raise AssertionError("racer-health did not exit")
+            code = main(["health", *argv])
+    except SystemExit as e:  # argparse: usage
+        code = e.code
+    return code, out.getvalue()
 
 
 @pytest.fixture

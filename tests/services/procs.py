@@ -16,6 +16,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.health import wait_serving
+
 from common.settings import HEALTH_SERVICES
 from common.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
@@ -59,21 +61,11 @@ class Proc:
         return self
 
     def wait_healthy(self, timeout: float = 60.0) -> "Proc":
-        deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.target) as ch:
-            stub = health_pb2_grpc.HealthStub(ch)
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_text()[-3000:]}")
-                try:
-                    r = stub.Check(health_pb2.HealthCheckRequest(service=HEALTH_SERVICES[self.kind]), timeout=1)
-                    if r.status == health_pb2.HealthCheckResponse.SERVING:
-                        return self
-                except grpc.RpcError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{self.name} not healthy after {timeout} s:\n{self.log_text()[-3000:]}")
-                time.sleep(0.1)
+        try:
+            wait_serving(self.target, HEALTH_SERVICES[self.kind], timeout, alive=self.alive, what=self.name)
+        except (RuntimeError, TimeoutError) as e:
+            raise type(e)(f"{e}:\n{self.log_text()[-3000:]}") from None
+        return self
 
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
