@@ -13,8 +13,6 @@ class MemoryStore:
     """A dict with expiry, for one process (the local stack runs each service separately, so the
     drafter's memory store is that drafter's own)."""
 
-    url = "memory://"
-
     def __init__(self):
         self._data: dict[str, tuple[bytes, float]] = {}
 
@@ -37,9 +35,6 @@ class MemoryStore:
         now = time.monotonic()
         return [k for k, (_, exp) in self._data.items() if k.startswith(prefix) and exp >= now]
 
-    async def ping(self) -> bool:
-        return True
-
     async def close(self) -> None:
         pass
 
@@ -54,7 +49,6 @@ class RedisStore:
         from redis.asyncio.retry import Retry
         from redis.backoff import ExponentialBackoff
 
-        self.url = url
         self._r = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0,
                                        retry=Retry(ExponentialBackoff(cap=0.25, base=0.05), 1))
 
@@ -69,9 +63,6 @@ class RedisStore:
 
     async def keys(self, prefix: str) -> list[str]:
         return [k.decode() async for k in self._r.scan_iter(match=_escape(prefix) + "*", count=500)]
-
-    async def ping(self) -> bool:
-        return bool(await self._r.ping())
 
     async def close(self) -> None:
         await self._r.aclose()

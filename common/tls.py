@@ -1,5 +1,5 @@
-"""TLS for the gRPC ports: server credentials from the common settings, the gateway's channel
-credentials to drafters and verifiers, and the client's.
+"""TLS for the gRPC ports: server credentials from the common settings, and channel credentials
+for the gateway's channels to drafters and verifiers, the clients and ``racer health``.
 
 Each service serves TLS only when it has a certificate and key (``--tls-cert``/``--tls-key``); with
 ``--tls-client-ca`` it also requires client certificates signed by that CA (mutual TLS). The gateway
@@ -34,16 +34,19 @@ def server_credentials(cert: str, key: str, client_ca: str = "") -> grpc.ServerC
                                        root_certificates=ca, require_client_auth=ca is not None)
 
 
-def channel_credentials(ca: str, cert: str = "", key: str = "") -> grpc.ChannelCredentials | None:
-    """None (plaintext) when no CA is configured; a client certificate is presented when given."""
-    if not ca:
+def channel_credentials(ca: str, cert: str = "", key: str = "", *,
+                        system_roots: bool = False) -> grpc.ChannelCredentials | None:
+    """TLS to a server whose certificate ``ca`` signed; without a CA, plaintext (None), or with
+    ``system_roots`` the system's CAs (a client of a gateway behind a public certificate). ``cert``
+    and ``key`` are this side's certificate, for servers that require one (mutual TLS)."""
+    if not ca and not system_roots:
         if cert or key:
-            raise ValueError("a client certificate for drafters and verifiers needs --tls-ca")
+            raise ValueError("a client certificate needs --tls-ca")
         return None
     if bool(cert) != bool(key):
-        raise ValueError("--tls-client-cert and --tls-client-key go together")
+        raise ValueError("a client certificate and its key go together")
     return grpc.ssl_channel_credentials(
-        root_certificates=_read(ca, "--tls-ca"),
-        private_key=_read(key, "--tls-client-key") if key else None,
-        certificate_chain=_read(cert, "--tls-client-cert") if cert else None,
+        root_certificates=_read(ca, "--tls-ca") if ca else None,
+        private_key=_read(key, "client key") if key else None,
+        certificate_chain=_read(cert, "client certificate") if cert else None,
     )

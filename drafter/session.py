@@ -96,12 +96,6 @@ class DraftSession:
         if accepted:
             self.last_topk = tuple(tree_topk[accepted[-1]])
 
-    def step(self, tree_tokens, tree_topk, accepted: list[int], root: int, budget: int, mode: str = "racer") -> DraftTree:
-        """One message's worth of work: learn from the last round, then draft from ``root``."""
-        self.observe_tree(tree_tokens, tree_topk, accepted)
-        self.extend([tree_tokens[i] for i in accepted])
-        return self.draft(root, budget, mode)
-
     # -- drafting ---------------------------------------------------------------------------------
     def draft(self, root: int, budget: int, mode: str = "racer", batch_rows: int = 0) -> DraftTree:
         """A tree of at most ``budget`` nodes (root included) rooted at ``root``.

@@ -52,9 +52,6 @@ class _Trie:
     def full(self) -> bool:
         return len(self.tokens) >= self.budget
 
-    def child(self, parent: int, token: int) -> int:
-        return self.index.get((parent, token), -1)
-
     def add(self, parent: int, token: int) -> int:
         """Returns the node for (parent, token), adding it if absent; -1 when the budget is spent."""
         key = (parent, token)

@@ -17,6 +17,7 @@ from common.loop import Stats
 from .inprocess import Engine
 from common.text import chat_ids
 from .prompts import Prompt
+from .stats import percentile
 
 HF_MODES = ("greedy", "hf-pld")
 
@@ -120,13 +121,6 @@ def budget_name(budget: int) -> str:
     return "auto" if budget == 0 else str(budget)
 
 
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
-
-
 def summarize(records: list[Record]) -> list[dict]:
     """One row per (category or 'overall') x (mode, budget)."""
     by_prompt = {(r.question_id, r.mode, r.budget): r for r in records}
@@ -165,8 +159,8 @@ def summarize(records: list[Record]) -> list[dict]:
                     speedup=statistics.median(speed) if speed else float("nan"),
                     speedup_off=statistics.median(speed_off) if speed_off else float("nan"),
                     lossless=f"{sum(1 for r in rs if r.lossless)}/{len(rs)}",
-                    step_p50_ms=_pct(steps, 0.5),
-                    step_p99_ms=_pct(steps, 0.99),
+                    step_p50_ms=percentile(steps, 0.5),
+                    step_p99_ms=percentile(steps, 0.99),
                     drafter_kib=statistics.median(r.drafter_bytes for r in rs) / 1024 if steps else float("nan"),
                 )
             )

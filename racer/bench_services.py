@@ -17,7 +17,7 @@ import statistics
 import sys
 import time
 
-from .bench import _pct
+from .stats import percentile
 
 
 def bench_stack(args) -> int:
@@ -155,7 +155,7 @@ def bench_snapshot(args) -> int:
     for name, xs in (("encode (dumps)", enc), ("store write", put), ("store read", get), ("decode (loads)", dec),
                      ("save = encode + write", [a + b for a, b in zip(enc, put)]),
                      ("restore = read + decode", [a + b for a, b in zip(get, dec)])):
-        print(f"| {name} | {_pct(xs, 0.5):.1f} | {_pct(xs, 0.99):.1f} |")
+        print(f"| {name} | {percentile(xs, 0.5):.1f} | {percentile(xs, 0.99):.1f} |")
     print(f"snapshot size: {len(data) / 1024:.0f} KiB")
     return 0
 

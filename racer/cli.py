@@ -16,6 +16,13 @@ os.environ.setdefault("GRPC_EXPERIMENTS", "-event_engine_client,-event_engine_li
 from common.params import MODES  # noqa: E402
 
 
+DEFAULT_SYSTEM = "You are a helpful assistant."  # the system prompt of every command that chats
+
+
+def system_flag(parser) -> None:
+    parser.add_argument("--system", default=DEFAULT_SYSTEM, help="system prompt ('' for none)")
+
+
 def _csv(kind):
     def parse(s: str):
         try:
@@ -153,9 +160,9 @@ def cmd_client(args) -> int:
 
     from .client import Client, format_stats
 
-    from .client import tls_credentials
+    from common.tls import channel_credentials
 
-    creds = tls_credentials(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca or args.tls_cert else None
+    creds = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key, system_roots=bool(args.tls_cert))
     with Client(args.target, args.api_key or os.environ.get("RACER_API_KEY"), credentials=creds) as c:
         try:
             if args.action == "sessions":
@@ -211,7 +218,7 @@ def main(argv=None) -> int:
     def common(sp):
         sp.add_argument("--model", default="default", help="Hugging Face model directory (default: bundled SmolLM2-135M-Instruct)")
         sp.add_argument("--backend", default="auto", choices=("auto", "fast", "hf"), help="verifier forward implementation")
-        sp.add_argument("--system", default="You are a helpful assistant.", help="system prompt ('' for none)")
+        system_flag(sp)
         sp.add_argument("--max-new-tokens", type=int, default=256)
         sp.add_argument("--no-prior", dest="prior", action="store_false",
                         help="no model-derived copy-logit prior for tokens a session has not seen yet")
@@ -252,7 +259,7 @@ def main(argv=None) -> int:
     st = sub.add_parser("stack", help="drafter, verifier and gateway on localhost; stream an answer through them")
     st.add_argument("prompt", nargs="?", default="Explain speculative decoding in three sentences.")
     st.add_argument("--model", default="default")
-    st.add_argument("--system", default="You are a helpful assistant.")
+    system_flag(st)
     st.add_argument("--max-new-tokens", type=int, default=256)
     st.add_argument("--mode", default="racer", choices=MODES)
     st.add_argument("--budget", type=_budget, default=0, help="tree nodes per round; auto (0, default): adaptive")
@@ -269,7 +276,7 @@ def main(argv=None) -> int:
     cl.add_argument("--target", default="localhost:50051")
     cl.add_argument("--api-key", default=None, help="tenant API key (or env RACER_API_KEY)")
     cl.add_argument("--session", default=None, help="continue (or, with close, close) this session")
-    cl.add_argument("--system", default="You are a helpful assistant.")
+    system_flag(cl)
     cl.add_argument("--max-new-tokens", type=int, default=256)
     cl.add_argument("--mode", default="racer", choices=MODES)
     cl.add_argument("--budget", type=_budget, default=0, help="tree nodes per round; auto (0, default): adaptive")
@@ -282,7 +289,7 @@ def main(argv=None) -> int:
     bs.add_argument("--model", default="default")
     bs.add_argument("--prompts", default=None)
     bs.add_argument("--per-category", type=int, default=1)
-    bs.add_argument("--system", default="You are a helpful assistant.")
+    system_flag(bs)
     bs.add_argument("--max-new-tokens", type=int, default=128)
     bs.add_argument("--mode", default="racer", choices=MODES)
     bs.add_argument("--budget", type=_budget, default=0, help="tree size; auto (0): adaptive")
@@ -295,7 +302,7 @@ def main(argv=None) -> int:
     bb.add_argument("--model", default="default")
     bb.add_argument("--prompts", default=None)
     bb.add_argument("--sessions", type=_csv(int), default=[1, 2, 4, 8, 16])
-    bb.add_argument("--system", default="You are a helpful assistant.")
+    system_flag(bb)
     bb.add_argument("--max-new-tokens", type=int, default=64)
     bb.add_argument("--mode", default="racer", choices=MODES)
     bb.add_argument("--budget", type=_budget, default=4)

@@ -15,16 +15,6 @@ from common.v1 import generation_pb2 as pb
 from common.v1 import generation_pb2_grpc as pb_grpc
 
 
-def tls_credentials(ca: str = "", cert: str = "", key: str = "") -> grpc.ChannelCredentials:
-    """TLS to a gateway: ``ca`` verifies its certificate (empty: the system's roots); ``cert`` and
-    ``key`` are this client's own certificate when the gateway requires one (mutual TLS)."""
-    def read(path):
-        with open(path, "rb") as f:
-            return f.read()
-
-    return grpc.ssl_channel_credentials(read(ca) if ca else None, read(key) if key else None, read(cert) if cert else None)
-
-
 class Client:
     def __init__(self, target: str = "localhost:50051", api_key: str | None = None, timeout: float | None = None,
                  credentials: grpc.ChannelCredentials | None = None):

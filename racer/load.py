@@ -23,6 +23,8 @@ import grpc
 from common.v1 import generation_pb2 as pb
 from common.v1 import generation_pb2_grpc as pb_grpc
 
+from .stats import percentile
+
 MAX_SESSIONS = 256
 MAX_TURNS = 32
 MAX_NEW_TOKENS = 1024
@@ -82,12 +84,7 @@ class Report:
 def percentiles(xs: list[float]) -> dict[str, float]:
     if not xs:
         return {"p50": 0.0, "p99": 0.0, "max": 0.0}
-    s = sorted(xs)
-
-    def q(p: float) -> float:  # nearest rank
-        return s[min(len(s) - 1, max(0, math.ceil(p * len(s)) - 1))]
-
-    return {"p50": q(0.50), "p99": q(0.99), "max": s[-1]}
+    return {"p50": percentile(xs, 0.50), "p99": percentile(xs, 0.99), "max": max(xs)}
 
 
 def check_loopback(target: str) -> None:
@@ -202,9 +199,9 @@ async def run_load(target: str, sessions: int = 8, turns: int = 3, max_new_token
 
 
 def main(args) -> int:
-    from .client import tls_credentials
+    from common.tls import channel_credentials
 
-    creds = tls_credentials(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca or args.tls_cert else None
+    creds = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key, system_roots=bool(args.tls_cert))
     report = asyncio.run(run_load(
         args.target, args.sessions, args.turns, args.max_new_tokens, args.seed, args.ids, args.prompt_tokens,
         args.time_limit, args.api_key, args.mode, args.budget, not args.keep_sessions, creds))

@@ -316,22 +316,6 @@ def test_observe_tree_table_reference(sess, vt):
 
 
 @FAST
-@given(sessions(), verified_trees(), st.integers(0, ALPHA - 1), st.integers(1, 70), st.sampled_from(MODES))
-def test_step_equals_observe_extend_draft(sess, vt, root, budget, mode):
-    s, _ = sess
-    tt, tk, acc = vt
-    manual = copy.deepcopy(s)
-    got = s.step(tt, tk, acc, root, budget, mode)
-    manual.observe_tree(tt, tk, acc)
-    manual.extend([tt[i] for i in acc])
-    want = manual.draft(root, budget, mode)
-    assert got == want
-    assert s.history == manual.history
-    assert s.table.rows == manual.table.rows and s.last_topk == manual.last_topk
-    assert s.automaton.to_state() == manual.automaton.to_state()
-
-
-@FAST
 @given(sessions(), st.lists(st.integers(0, ALPHA - 1), min_size=1, max_size=10), st.data())
 def test_extend_records_history_table_and_last_topk(sess, tokens, data):
     s, history = sess

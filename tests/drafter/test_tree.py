@@ -55,7 +55,7 @@ def test_trie_add_is_unique_bounded_and_flattens_breadth_first(root, budget, ops
             assert node == len(paths)
             model[path] = node
             paths.append(path)
-        assert trie.child(parent, tok) == model.get(path, -1)
+        assert trie.index.get((parent, tok), -1) == model.get(path, -1)
         assert len(trie.tokens) == len(paths) <= budget
     tree = trie.flatten(0)
     check_tree_shape(tree, root, budget)

@@ -10,7 +10,8 @@ import time
 import grpc
 import pytest
 
-from racer.client import Client, tls_credentials
+from common.tls import channel_credentials
+from racer.client import Client
 from common.v1 import drafter_pb2, drafter_pb2_grpc
 
 from ..engine.helpers import hf_greedy
@@ -73,7 +74,7 @@ def tls_stack(loop_thread, tiny_llama, pki):
 
 
 def test_pipeline_over_mutual_tls_is_lossless(tls_stack, tiny_llama, pki):
-    creds = tls_credentials(pki["ca"], *pki["user"])
+    creds = channel_credentials(pki["ca"], *pki["user"])
     with Client(tls_stack.gateway, timeout=60, credentials=creds) as c:
         p = prompt(1)
         ids, _, last = c.complete(p, max_new_tokens=30, budget=8)
@@ -93,12 +94,12 @@ def test_without_the_right_certificates_nothing_connects(tls_stack, pki):
     stats = lambda ch: drafter_pb2_grpc.DrafterStub(ch).Stats(drafter_pb2.DrafterStatsRequest(), timeout=5)  # noqa: E731
     drafter = tls_stack.drafter_target(0)
     refused(drafter, None, stats)  # plaintext
-    refused(drafter, tls_credentials(pki["ca"]), stats)  # TLS without a client certificate
-    refused(drafter, tls_credentials(pki["ca"], *pki["rogue-client"]), stats)  # a certificate from another CA
-    refused(drafter, tls_credentials(pki["rogue_ca"], *pki["user"]), stats)  # the server is not who we trust
-    with grpc.secure_channel(drafter, tls_credentials(pki["ca"], *pki["user"])) as ch:
+    refused(drafter, channel_credentials(pki["ca"]), stats)  # TLS without a client certificate
+    refused(drafter, channel_credentials(pki["ca"], *pki["rogue-client"]), stats)  # a certificate from another CA
+    refused(drafter, channel_credentials(pki["rogue_ca"], *pki["user"]), stats)  # the server is not who we trust
+    with grpc.secure_channel(drafter, channel_credentials(pki["ca"], *pki["user"])) as ch:
         stats(ch)  # the client with a certificate from the trusted CA gets through
-    for creds in (None, tls_credentials(pki["ca"])):
+    for creds in (None, channel_credentials(pki["ca"])):
         with Client(tls_stack.gateway, timeout=10, credentials=creds) as c, pytest.raises(grpc.RpcError) as e:
             c.complete([5, 6], max_new_tokens=2)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
