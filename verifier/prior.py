@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .backends import FastLlamaBackend, make_backend
+from .backends import FastLlamaBackend
+from .generic import make_backend
 
 log = logging.getLogger(__name__)
 
