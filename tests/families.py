@@ -46,6 +46,15 @@ FAMILIES = {
     "gemma": ("gemma", {}, "lean"),
     "gemma2": ("gemma2", dict(sliding_window=8), "generic"),
     "stablelm": ("stablelm", {}, "generic"),
+    "mpt": ("mpt", {}, "chain"),
+    "gpt_bigcode": ("gpt_bigcode", {}, "generic"),
+    "codegen": ("codegen", {}, "generic", dict(embed_scale=4.0)),
+    "starcoder2": ("starcoder2", dict(sliding_window=8), "generic"),
+    "olmo2": ("olmo2", {}, "generic", dict(seed=1, embed_scale=4.0)),
+    "gemma3_text": ("gemma3_text", dict(sliding_window=8), "generic"),
+    "granite": ("granite", {}, "generic"),
+    "cohere": ("cohere", {}, "generic"),
+    "persimmon": ("persimmon", {}, "generic"),
 }
 
 
