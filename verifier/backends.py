@@ -9,7 +9,7 @@ rows in the cache so that the accepted ones can be kept and the rest dropped.
   compacted in place. On a CPU this is what makes tree verification cheap: no cache concatenation
   per step, no generic mask construction, and the output projection done as ``W @ x.T``, which
   MKL runs 2-4x faster than ``x @ W.T`` for 2-16 rows of a 49k vocabulary (same bits).
-* ``HFBackend`` works for any causal LM that accepts a 4D additive mask and a ``DynamicCache``.
+* The generic backend (``verifier/generic.py``) runs any other decoder-only causal LM.
 """
 
 from __future__ import annotations
@@ -44,23 +44,46 @@ class FastLlamaBackend:
 
     @staticmethod
     def supports(model) -> bool:
+        """Whether ``forward_segments`` computes exactly what the model's own forward does: Llama-style
+        decoder layers (q/k/v/o projections, with or without biases; Qwen3's per-head q/k norms;
+        gated MLP; the model's own embedding and norm modules, so Gemma's scaled embedding and
+        1 + weight norms too), rotary embeddings over the whole head on every layer, full attention (no
+        sliding window), and a plain linear head (tied or not). Anything else goes to the generic
+        backend."""
+        cfg = model.config
+        if getattr(cfg, "model_type", "") not in {"llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma"}:
+            return False
         inner = getattr(model, "model", None)
-        if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        if inner is None or not all(hasattr(inner, a) for a in ("layers", "embed_tokens", "norm", "rotary_emb")):
             return False
-        if getattr(model.config, "sliding_window", None) and getattr(model.config, "use_sliding_window", True):
+        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
             return False
-        layer = inner.layers[0]
-        attn = getattr(layer, "self_attn", None)
-        mlp = getattr(layer, "mlp", None)
-        return (
-            attn is not None
-            and all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
-            and mlp is not None
-            and all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj"))
-            and hasattr(layer, "input_layernorm")
-            and hasattr(layer, "post_attention_layernorm")
-            and getattr(model.config, "model_type", "") in {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
-        )
+        if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+            return False
+        if not all(getattr(cfg, "no_rope_layers", None) or [1]):  # SmolLM3: some layers skip RoPE
+            return False
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        if float(rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) or 1.0) != 1.0:
+            return False
+        if any(getattr(cfg, a, None) for a in ("final_logit_softcapping", "logit_scale", "logits_scaling")):
+            return False
+        head = getattr(model, "lm_head", None)
+        if head is None or getattr(head, "bias", None) is not None:
+            return False
+        for layer in inner.layers:
+            attn = getattr(layer, "self_attn", None)
+            mlp = getattr(layer, "mlp", None)
+            if not (
+                attn is not None
+                and all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling"))
+                and hasattr(attn, "q_norm") == hasattr(attn, "k_norm")
+                and mlp is not None
+                and all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+                and hasattr(layer, "input_layernorm")
+                and hasattr(layer, "post_attention_layernorm")
+            ):
+                return False
+        return True
 
     def _ensure_capacity(self, needed: int) -> None:
         cap = self.cache.shape[3]
@@ -156,58 +179,6 @@ def forward_segments(segments) -> list[torch.Tensor]:
     return list(hidden.split(sizes)) if len(sizes) > 1 else [hidden]
 
 
-class HFBackend:
-    """Any causal LM through ``transformers``: 4D additive mask, DynamicCache, gather of kept rows."""
-
-    def __init__(self, model):
-        from transformers import DynamicCache
-
-        self.model = model
-        self.cache = DynamicCache(config=model.config)
-        self.length = 0
-        self._lm_head = model.get_output_embeddings()
-
-    @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        n = tokens.shape[0]
-        total = self.length + n
-        dev = self.model.device
-        if mask is None:
-            mask = torch.ones((n, total), dtype=torch.bool)
-        additive = torch.zeros((1, 1, n, total), dtype=self.model.dtype, device=dev)
-        additive.masked_fill_(~mask.to(dev)[None, None], torch.finfo(self.model.dtype).min)
-        tokens, positions = tokens.to(dev), positions.to(dev)
-        out = self.model.model(
-            input_ids=tokens[None],
-            position_ids=positions[None],
-            attention_mask=additive,
-            past_key_values=self.cache,
-            use_cache=True,
-        )
-        return out.last_hidden_state[0]
-
-    @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._lm_head(hidden)
-
-    def commit(self, keep: list[int] | None, n_new: int) -> None:
-        past = self.length
-        if keep is None:
-            self.length = past + n_new
-            return
-        m = len(keep)
-        idx = torch.tensor([*range(past), *(past + i for i in keep)], dtype=torch.long, device=self.model.device)
-        for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(2, idx)
-            layer.values = layer.values.index_select(2, idx)
-        self.length = past + m
-
-    def truncate(self, length: int) -> None:
-        if length < self.length:
-            self.cache.crop(length - self.length)  # negative: drop that many (transformers 5.x)
-            self.length = length
-
-
 # Beyond a few rows MKL's skinny GEMM gets irregular here (at one thread: 6 rows 71 ms, 12 rows
 # 137 ms for a whole forward's projections, against 64 and 80 ms with oneDNN's), and oneDNN's
 # matmul, on the same dense weights (no second copy), is faster and smooth in the row count.
@@ -253,13 +224,3 @@ def _additive(mask: torch.Tensor, dtype, device) -> torch.Tensor:
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def make_backend(model, kind: str = "auto"):
-    if kind == "hf" or (kind == "auto" and not FastLlamaBackend.supports(model)):
-        return HFBackend(model)
-    if kind in ("fast", "auto"):
-        if not FastLlamaBackend.supports(model):
-            raise ValueError(f"the fast backend does not support model_type={model.config.model_type!r}")
-        return FastLlamaBackend(model)
-    raise ValueError(f"unknown backend {kind!r}")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .acceptance import accept
-from .backends import make_backend
+from .generic import chain_of, make_backend
 from .sampling import Sampler
 from common.params import SamplingParams
 from .tree import tree_inputs, validate
@@ -81,9 +81,36 @@ class VerifierSession:
     @torch.inference_mode()
     def verify(self, tokens: list[int], parents: list[int]) -> VerifyResult:
         """One forward over the whole tree; keeps the accepted path's K/V rows only."""
+        if getattr(self.backend, "chain_only", False):
+            return self._verify_chain(tokens, parents)
         ids, positions, mask = self._inputs(tokens, parents)
         hidden = self.backend.forward(ids, positions, mask)
         return self._settle(tokens, parents, self.backend.logits(hidden))
+
+    def _verify_chain(self, tokens: list[int], parents: list[int]) -> VerifyResult:
+        """For a model that cannot verify trees: the tree's first path, verified as a chain.
+
+        The nodes off that path are not evaluated; their top-k rows (for the drafter's copy-logit
+        table, which never affects the output) are those of an evaluated node with the same token,
+        else of their nearest evaluated ancestor."""
+        validate(tokens, parents, self.vocab_size)
+        chain = chain_of(parents)
+        sub = self._settle([tokens[i] for i in chain], [-1, *range(len(chain) - 1)],
+                           self.backend.logits(self.backend.forward(*self._inputs_chain(tokens, chain))))
+        on = {node: row for node, row in zip(chain, sub.topk)}
+        by_token = {tokens[node]: row for node, row in on.items()}
+        topk = []
+        for i in range(len(tokens)):
+            a = i
+            while a not in on:
+                a = parents[a]
+            topk.append(on[i] if i in on else by_token.get(tokens[i], on[a]))
+        return VerifyResult([chain[j] for j in sub.accepted], sub.bonus, topk)
+
+    def _inputs_chain(self, tokens: list[int], chain: list[int]):
+        n = len(chain)
+        positions, mask = tree_inputs([-1, *range(n - 1)], self.length)
+        return torch.tensor([tokens[i] for i in chain], dtype=torch.long), positions, mask
 
     def _inputs(self, tokens: list[int], parents: list[int]):
         validate(tokens, parents, self.vocab_size)

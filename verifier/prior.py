@@ -20,7 +20,8 @@ import torch
 
 from common.priors import SHIPPED
 
-from .backends import FastLlamaBackend, make_backend
+from .backends import FastLlamaBackend
+from .generic import make_backend
 
 log = logging.getLogger(__name__)
 

@@ -145,7 +145,7 @@ def test_health_script_follows_the_serving_status(health_server):
     servicer.set(service, ServingStatus.NOT_SERVING)  # draining
     code, out = _run_health(f"127.0.0.1:{port}", service)
     assert code == 1 and "NOT_SERVING" in out
-    code, out = _run_health(f"127.0.0.1:{port}", "racer.v1.Unknown")
+    code, out = _run_health(f"127.0.0.1:{port}", "common.v1.Unknown")
     assert code == 1 and "NOT_FOUND" in out
 
 
@@ -153,6 +153,6 @@ def test_health_script_fails_when_nothing_listens():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, not listening: connections are refused
-        code, out = _run_health(f"127.0.0.1:{port}", "racer.v1.Gateway")
+        code, out = _run_health(f"127.0.0.1:{port}", "common.v1.Gateway")
     assert code == 1 and "UNAVAILABLE" in out
     assert _run_health()[0] == 2  # usage

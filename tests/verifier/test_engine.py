@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from verifier.backends import FastLlamaBackend, make_backend
+from verifier.backends import FastLlamaBackend
+from verifier.generic import make_backend
 from verifier.engine import VerifierSession
 from common.params import SamplingParams
 from verifier.tree import InvalidTree

@@ -10,7 +10,8 @@ import random
 import pytest
 import torch
 
-from verifier.backends import FastLlamaBackend, HFBackend
+from verifier.backends import FastLlamaBackend
+from verifier.generic import GenericBackend as HFBackend
 from verifier.engine import VerifierSession
 from verifier.tree import tree_inputs
 
