@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import re
 import secrets
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
@@ -39,6 +37,8 @@ from common.v1 import verifier_pb2 as vpb
 from common.v1 import verifier_pb2_grpc as vgrpc
 
 from common.loop import Stats, cut, settle
+from .auth import tenant_of
+from .records import Record, Records
 from .routing import Endpoints
 
 log = logging.getLogger("racer.gateway")
@@ -46,7 +46,6 @@ log = logging.getLogger("racer.gateway")
 DEFAULT_MAX_NEW_TOKENS = 256
 DEFAULT_BUDGET = 16  # when the request asks for the adaptive budget but the verifier has no cost curve
 ROUND_OVERHEAD_MS = 1.5  # per round outside the verifier's forward: drafter, two RPCs, this loop
-LOCAL_TENANT = "local"
 # Errors that say the request is wrong, or that the session is busy elsewhere (ABORTED: another
 # stream is open on it): failing over would not help, and could run one session twice at once.
 _CALLER_ERRORS = {
@@ -58,10 +57,6 @@ FAILOVERS = 3  # streams lost mid-turn, per service kind and turn (failed opens 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_IDS = 64
-# Server-generated ids are 24 url-safe characters (144 random bits); anything else is refused
-# before it reaches a store key.
-SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
-TENANT = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
 
 
 @dataclass
@@ -77,45 +72,6 @@ class Timeouts:
     backend: float = 60.0  # a drafter or verifier message without an answer this long: the stream is lost
     reconnect: float = 15.0  # how long a turn waits for a drafter or verifier when every one has failed
     store_retry: float = 10.0  # how long session-store calls are retried
-
-
-@dataclass
-class Record:
-    session_id: str
-    tenant: str
-    history: list[int] = field(default_factory=list)
-    turns: int = 0
-    verifier: str = ""
-    created: float = field(default_factory=time.time)
-    last_used: float = field(default_factory=time.time)
-
-    def dumps(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
-
-    @classmethod
-    def loads(cls, data: bytes) -> "Record":
-        return cls(**json.loads(data))
-
-
-def record_key(tenant: str, session_id: str) -> str:
-    return f"racer:session:{tenant}:{session_id}"
-
-
-def load_api_keys(path: str) -> dict[str, str]:
-    """A file of ``key tenant`` lines (``#`` comments). A file without keys lets nobody in."""
-    keys: dict[str, str] = {}
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            line = line.split("#", 1)[0].strip()
-            if not line:
-                continue
-            parts = line.split()
-            if len(parts) != 2:
-                raise ValueError(f"{path}:{n}: expected 'key tenant'")
-            if not TENANT.fullmatch(parts[1]):
-                raise ValueError(f"{path}:{n}: tenant {parts[1]!r}: expected 1-64 of A-Z a-z 0-9 _ . @ -")
-            keys[parts[0]] = parts[1]
-    return keys
 
 
 _END = object()
@@ -206,11 +162,10 @@ class GatewayService(pb_grpc.GenerationServicer):
         self.eos_ids = tuple(eos_ids)
         self.drafters = drafters
         self.verifiers = verifiers
-        self.store = store
+        self.records = Records(store, ttl, timeouts.store_retry)
         self.api_keys = api_keys  # None: no auth; a dict (possibly empty: nobody gets in) otherwise
         self.limits = limits
         self.timeouts = timeouts
-        self.ttl = ttl
         self.vocab_size = vocab_size or (len(tokenizer) if tokenizer is not None else None)
         self._turns: dict[tuple[str, str], _Turn] = {}  # (tenant, session id) -> its turn running on this gateway
         self._verifier_load: dict[str, int] = {}
@@ -231,48 +186,8 @@ class GatewayService(pb_grpc.GenerationServicer):
         if self._turns:
             log.warning("turns still running at shutdown", extra={"turns": len(self._turns)})
 
-    # -- auth ---------------------------------------------------------------------------------
     def tenant(self, context) -> str:
-        if self.api_keys is None:  # auth explicitly off (local use)
-            return LOCAL_TENANT
-        md = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
-        key = md.get("x-api-key", "")
-        auth = md.get("authorization", "")
-        if auth.lower().startswith("bearer "):
-            key = auth[7:].strip()
-        tenant = self.api_keys.get(key) if key else None
-        if tenant is None:
-            raise Abort(Status.UNAUTHENTICATED, "missing or unknown API key (metadata 'authorization: Bearer <key>')")
-        return tenant
-
-    async def _store_call(self, op: str, fn, *args, retry: bool = True):
-        """A session-store call, retried with backoff for ``store_retry`` seconds (a Redis restart)."""
-        deadline = time.monotonic() + (self.timeouts.store_retry if retry else 0.0)
-        delay = 0.05
-        while True:
-            try:
-                return await fn(*args)
-            except Exception as e:  # noqa: BLE001 - any store error is retried, then reported
-                M.STORE_FAILURES.labels(op).inc()
-                if time.monotonic() + delay > deadline:
-                    log.warning("session store call failed", extra={"op": op, "error": repr(e)})
-                    raise Abort(Status.UNAVAILABLE, f"session store unavailable ({op}): {e!r}") from None
-                log.info("session store call failed; retrying", extra={"op": op, "error": repr(e)})
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
-
-    async def _record(self, tenant: str, session_id: str) -> Record:
-        if not SESSION_ID.fullmatch(session_id):
-            raise Abort(Status.INVALID_ARGUMENT,
-                        f"session_id: {session_id[:40]!r}{'...' if len(session_id) > 40 else ''} is not a session id "
-                        "(1-128 of A-Z a-z 0-9 _ -)")
-        data = await self._store_call("get", self.store.get, record_key(tenant, session_id))
-        if data is None:
-            raise Abort(Status.NOT_FOUND, f"session_id {session_id!r}: no such session")
-        rec = Record.loads(data)
-        if rec.tenant != tenant:  # store keys are per tenant; this is a second lock on the door
-            raise Abort(Status.NOT_FOUND, f"session_id {session_id!r}: no such session")
-        return rec
+        return tenant_of(self.api_keys, context.invocation_metadata())
 
     # -- Generate -----------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context):
@@ -366,7 +281,7 @@ class GatewayService(pb_grpc.GenerationServicer):
             raise Abort(Status.UNAVAILABLE, self.stopping)
         max_new, mode, budget = self._check_request(r)
         if r.session_id:
-            record = await self._record(tenant, r.session_id)
+            record = await self.records.load(tenant, r.session_id)
         else:
             record = Record(secrets.token_urlsafe(18), tenant)
         key = (tenant, record.session_id)
@@ -417,15 +332,15 @@ class GatewayService(pb_grpc.GenerationServicer):
         )
 
     async def GetSession(self, request, context):
-        rec = await self._record(self.tenant(context), request.session_id)
+        rec = await self.records.load(self.tenant(context), request.session_id)
         return await self._info(rec)
 
     async def CloseSession(self, request, context):
         tenant = self.tenant(context)
-        rec = await self._record(tenant, request.session_id)
+        rec = await self.records.load(tenant, request.session_id)
         if (tenant, rec.session_id) in self._turns:
             raise Abort(Status.FAILED_PRECONDITION, f"session_id {rec.session_id!r}: a turn is running")
-        await self._store_call("delete", self.store.delete, record_key(tenant, rec.session_id))
+        await self.records.delete(rec)
         await self._drop_everywhere(tenant, rec)
         return await self._info(rec, closed=True)
 
@@ -442,13 +357,7 @@ class GatewayService(pb_grpc.GenerationServicer):
 
     async def ListSessions(self, request, context):
         tenant = self.tenant(context)
-        out = []
-        for k in await self._store_call("keys", self.store.keys, record_key(tenant, ""), retry=False):
-            data = await self._store_call("get", self.store.get, k, retry=False)
-            if data is not None:
-                rec = Record.loads(data)
-                if rec.tenant == tenant:
-                    out.append(await self._info(rec))
+        out = [await self._info(rec) for rec in await self.records.all(tenant)]
         return pb.ListSessionsResponse(sessions=sorted(out, key=lambda s: s.created_unix))
 
 
@@ -735,7 +644,7 @@ class _Turn:
         rec.turns += 1
         rec.last_used = time.time()
         try:
-            await self.gw._store_call("set", self.gw.store.set, record_key(rec.tenant, rec.session_id), rec.dumps(), self.gw.ttl)
+            await self.gw.records.save(rec)
         except Abort as e:
             raise Abort(e.code, f"{e.message}; the turn was not saved: retry it") from None
         total = time.perf_counter() - t0
