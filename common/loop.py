@@ -1,7 +1,8 @@
 """The draft -> verify -> commit loop, readable top to bottom.
 
-``generate`` drives any drafter and verifier that speak the small protocols below: the in-process
-cores for ``racer generate`` and the benchmark, gRPC clients in the services.
+``Rounds`` is the round itself without I/O. ``generate`` drives it with any drafter and verifier that
+speak the small protocols below (the in-process cores for ``racer generate`` and the benchmarks);
+the gateway's turn drives it over gRPC streams.
 """
 
 from __future__ import annotations
@@ -55,49 +56,84 @@ class Stats:
         return self.new_tokens / self.total_s if self.total_s else 0.0
 
 
+class Rounds:
+    """The round's bookkeeping without I/O, for ``generate`` here and the gateway's turn over gRPC.
+
+    Invariant between rounds: the verifier's cache and the drafter's context hold ``committed`` (the
+    prompt and every emitted token but the last one) and ``root`` is that last token (chosen by the
+    target, not yet fed). A round: draft a tree at ``root``, verify it, ``settle`` the result.
+    """
+
+    def __init__(self, prompt_ids: list[int], params: GenerationParams, stats: Stats | None = None):
+        self.committed = list(prompt_ids)
+        self.stop = set(params.stop_token_ids)
+        self.max_new = params.max_new_tokens
+        self.mode = params.mode
+        self.budget = params.budget  # tree nodes per round; a driver may settle an adaptive 0 at open
+        self.stats = stats if stats is not None else Stats()
+        self.root: int | None = None
+
+    def start(self, next_token: int) -> tuple[list[int], bool]:
+        """After prefill: the first tokens to emit (``next_token``, unless there is no room) and whether to stop."""
+        self.root = next_token
+        return cut([next_token], self.stop, self.max_new)
+
+    def emitted(self, tokens: list[int]) -> None:
+        """``tokens`` went out (the gateway may emit fewer than ``settle`` offered: a stop string)."""
+        self.stats.new_tokens += len(tokens)
+
+    def check_tree(self, tree_tokens) -> bool:
+        """Whether a drafted tree is rooted at ``root``: the verifier would otherwise check the wrong text."""
+        return len(tree_tokens) > 0 and tree_tokens[0] == self.root
+
+    def settle(self, tree_tokens, accepted, bonus: int) -> tuple[list[int], list[int], bool]:
+        """After a verification (``accepted``: node indices, root first): the tokens to emit, the tokens
+        to commit (the drafter and verifier drop the rest of the accepted path) and whether to stop."""
+        path = [tree_tokens[i] for i in accepted]
+        out, fed, done = settle(path, bonus, self.stop, self.max_new - self.stats.new_tokens)
+        self.committed.extend(fed)
+        self.root = out[-1] if out else bonus
+        self.stats.count_round(len(tree_tokens), len(accepted))
+        return out, fed, done
+
+
 def generate(
     drafter: Drafter, verifier: Verifier, prompt_ids: list[int], params: GenerationParams, stats: Stats | None = None
 ) -> Iterator[list[int]]:
     """Yields the new token ids as they are verified (a list per round). Fills ``stats``."""
-    stats = stats if stats is not None else Stats()
-    stop = set(params.stop_token_ids)
+    rounds = Rounds(prompt_ids, params, stats)
+    stats = rounds.stats
     t0 = time.perf_counter()
     pre = verifier.prefill(prompt_ids)
     stats.prefill_s = time.perf_counter() - t0
     t = time.perf_counter()
     drafter.extend(prompt_ids, pre.topk)
     stats.draft_s += time.perf_counter() - t
-    root = pre.next_token
-    out, done = cut([root], stop, params.max_new_tokens)
-    # Invariant between rounds: the verifier's cache and the drafter's context hold the prompt and
-    # every emitted token but the last one (``root``: chosen by the target, not yet fed).
+    out, done = rounds.start(pre.next_token)
     while True:
-        stats.new_tokens += len(out)
+        rounds.emitted(out)
         stats.total_s = time.perf_counter() - t0
         if out:
             yield out
         if done:
             return
         t = time.perf_counter()
-        tree = drafter.draft(root, params.budget, params.mode)
+        tree = drafter.draft(rounds.root, rounds.budget, rounds.mode)
         t_draft = time.perf_counter() - t
-        if not tree.tokens or tree.tokens[0] != root:
-            raise ValueError(f"drafter returned a tree rooted at {tree.tokens[:1]}, expected root {root}")
+        if not rounds.check_tree(tree.tokens):
+            raise ValueError(f"drafter returned a tree rooted at {tree.tokens[:1]}, expected root {rounds.root}")
         t = time.perf_counter()
         res = verifier.verify(list(tree.tokens), list(tree.parents))
         stats.verify_s += time.perf_counter() - t
-        path = [tree.tokens[i] for i in res.accepted]  # root first
-        out, fed, done = settle(path, res.bonus, stop, params.max_new_tokens - stats.new_tokens)
-        if len(fed) < len(path):
-            verifier.truncate(verifier.length - (len(path) - len(fed)))
+        out, fed, done = rounds.settle(tree.tokens, res.accepted, res.bonus)
+        if len(fed) < len(res.accepted):  # the verifier cached the whole accepted path
+            verifier.truncate(verifier.length - (len(res.accepted) - len(fed)))
         t = time.perf_counter()
         drafter.observe_tree(tree.tokens, res.topk, res.accepted)
         drafter.extend(fed)
         t_draft += time.perf_counter() - t
         stats.draft_s += t_draft
         stats.draft_step_s.append(t_draft)
-        stats.count_round(len(tree.tokens), len(res.accepted))
-        root = out[-1] if out else res.bonus
 
 
 def settle(path: list[int], bonus: int, stop: set[int], room: int) -> tuple[list[int], list[int], bool]:

@@ -37,7 +37,7 @@ def bench_stack(args) -> int:
     from .v1 import verifier_pb2 as vpb
     from .v1 import verifier_pb2_grpc as vpb_grpc
 
-    from gateway.service import ROUND_OVERHEAD_MS
+    from gateway.failover import ROUND_OVERHEAD_MS
 
     prompts = load_spec_bench(args.prompts or DEFAULT_PROMPTS, args.per_category)
     engine = Engine.load(args.model)

@@ -107,7 +107,10 @@ def _cuda() -> bool:
 
 async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, resolver=None) -> tuple[Server, object]:
     from gateway.routing import Endpoints
-    from gateway.service import GatewayService, Limits, Timeouts, load_api_keys
+    from gateway.auth import load_api_keys
+    from gateway.core import Timeouts
+    from gateway.requests import Limits
+    from gateway.service import GatewayService
     from common.v1 import generation_pb2_grpc
 
     from common.server import channel_options

@@ -298,7 +298,7 @@ def test_gateway_does_not_start_without_a_tenant_key(overlay, tmp_path):
     """A gateway whose key file holds no key refuses every call, so an init container keeps the
     pod from starting (and from passing its probes) until the Secret has one. Its check must agree with the
     gateway's own parser on every kind of file, and must refuse the file shipped in k8s/base."""
-    from gateway.service import load_api_keys
+    from gateway.auth import load_api_keys
 
     objs = render(overlay)
     pod = workload(objs, "gateway")["spec"]["template"]["spec"]

@@ -9,7 +9,7 @@ import re
 import grpc
 import pytest
 
-from gateway.service import load_api_keys
+from gateway.auth import load_api_keys
 from racer.client import Client
 from common.v1 import drafter_pb2 as dpb
 from common.v1 import drafter_pb2_grpc as dgrpc

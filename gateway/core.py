@@ -1,0 +1,152 @@
+"""The gateway: the public ``Generation`` API over drafter and verifier streams, without protobuf.
+
+Stateless itself: a session's token history lives in the session store (Redis in a deployment), so
+any gateway replica can serve any turn. Per turn it opens one stream to the session's drafter
+(rendezvous hashing) and one to its verifier (sticky), and runs the rounds: two messages per round.
+A stream that breaks is reopened elsewhere (``failover``); session-store calls are retried (``records``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Iterable
+
+from common.errors import Abort, Status
+
+from .auth import tenant_of
+from .links import Backends
+from .records import Record, Records
+from .requests import Limits, Request, check, input_ids
+from .routing import Endpoints
+from .turn import Chunk, Finished, Turn
+
+log = logging.getLogger("racer.gateway")
+
+
+@dataclass
+class Timeouts:
+    backend: float = 60.0  # a drafter or verifier message without an answer this long: the stream is lost
+    reconnect: float = 15.0  # how long a turn waits for a drafter or verifier when every one has failed
+    store_retry: float = 10.0  # how long session-store calls are retried
+
+
+_END = object()
+
+
+async def _pump(responses, queue: asyncio.Queue) -> None:
+    """Moves an async generator's items (then ``_END``, or the exception that ended it) into ``queue``."""
+    try:
+        async with contextlib.aclosing(responses):
+            async for item in responses:
+                queue.put_nowait(item)
+    except BaseException as e:  # noqa: BLE001 - the consumer re-raises it (or, cancelled, drops it)
+        queue.put_nowait(e)
+    else:
+        queue.put_nowait(_END)
+
+
+class Gateway:
+    def __init__(self, tokenizer, eos_ids, drafters: Endpoints, verifiers: Endpoints, store,
+                 api_keys: dict[str, str] | None = None, limits: Limits = Limits(), ttl: float = 1800.0,
+                 vocab_size: int | None = None, timeouts: Timeouts = Timeouts()):
+        self.tokenizer = tokenizer
+        self.eos_ids = tuple(eos_ids)
+        self.backends = Backends(drafters, verifiers, timeouts.backend)
+        self.records = Records(store, ttl, timeouts.store_retry)
+        self.api_keys = api_keys  # None: no auth; a dict (possibly empty: nobody gets in) otherwise
+        self.limits = limits
+        self.timeouts = timeouts
+        self.vocab_size = vocab_size or (len(tokenizer) if tokenizer is not None else None)
+        self._turns: dict[tuple[str, str], Turn] = {}  # (tenant, session id) -> its turn running on this gateway
+        self._verifier_load: dict[str, int] = {}  # endpoint -> turns streaming to it from this gateway
+        self.stopping: str | None = None  # set when the gateway drains: why new turns are refused
+
+    def tenant(self, metadata: Iterable[tuple[str, str]] | None) -> str:
+        return tenant_of(self.api_keys, metadata)
+
+    async def drain(self, seconds: float) -> None:
+        """Refuses new turns; lets running ones finish for ``seconds``, then ends the rest with
+        UNAVAILABLE (their sessions stay as they were before the turn)."""
+        self.stopping = "the gateway is shutting down; retry on another gateway"
+        deadline = time.monotonic() + seconds
+        while self._turns and time.monotonic() < deadline - min(1.0, seconds / 2):
+            await asyncio.sleep(0.05)
+        for turn in list(self._turns.values()):
+            turn.stop("the gateway is shutting down; this turn was not saved (the session is as it was "
+                      "before it): retry it")
+        while self._turns and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._turns:
+            log.warning("turns still running at shutdown", extra={"turns": len(self._turns)})
+
+    async def generate(self, tenant: str, r: Request) -> AsyncIterator[Chunk | Finished]:
+        """One turn: checks, admits and runs it; ``Chunk`` messages, then one ``Finished``."""
+        if self.stopping:
+            raise Abort(Status.UNAVAILABLE, self.stopping)
+        req = check(r, self.limits, self.vocab_size)
+        if r.session_id:
+            record = await self.records.load(tenant, r.session_id)
+        else:
+            record = Record(secrets.token_urlsafe(18), tenant)
+        key = (tenant, record.session_id)
+        if key in self._turns:
+            raise Abort(Status.ABORTED, f"session_id {record.session_id!r}: a turn is already running")
+        lim = self.limits
+        running = sum(1 for t, _ in self._turns if t == tenant)
+        if lim.max_sessions_per_tenant and running >= lim.max_sessions_per_tenant:
+            raise Abort(Status.RESOURCE_EXHAUSTED,
+                        f"tenant {tenant!r}: {running} sessions are generating, the limit is "
+                        f"max_sessions_per_tenant={lim.max_sessions_per_tenant}; retry when one ends")
+        turn = input_ids(r, record.history, self.tokenizer, self.eos_ids, lim, self.vocab_size)
+        history = record.history + turn
+        if len(history) > lim.max_prompt_tokens:
+            raise Abort(Status.FAILED_PRECONDITION,
+                        f"session_id {record.session_id!r}: the session holds {len(record.history)} tokens, with this "
+                        f"turn's {len(turn)} it would exceed max_prompt_tokens={lim.max_prompt_tokens}; "
+                        "start a new session")
+        run = self._turns[key] = Turn(self, record, history, len(turn), req)
+        # The rounds run in their own task and hand their responses over through a queue: a
+        # streamed message's send completes ~0.4 ms after it is queued, and the next round need
+        # not wait for it. The queue holds at most one turn's tokens.
+        queue: asyncio.Queue = asyncio.Queue()
+        rounds = asyncio.create_task(_pump(run.stream(), queue))
+        try:
+            while True:
+                item = await queue.get()
+                if item is _END:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if not rounds.done():
+                rounds.cancel()  # the client went away: the turn releases its drafter and verifier
+            await asyncio.gather(rounds, return_exceptions=True)
+            del self._turns[key]
+
+    # -- sessions -----------------------------------------------------------------------------
+    def drafter_of(self, rec: Record) -> str:
+        """The drafter the session's next turn goes to ("" if none is known)."""
+        ranked = self.backends.drafters.ranked(rec.session_id)
+        return ranked[0] if ranked else ""
+
+    async def session(self, tenant: str, session_id: str) -> Record:
+        return await self.records.load(tenant, session_id)
+
+    async def close(self, tenant: str, session_id: str) -> Record:
+        """Deletes the record, then drops the session's state in the backends (best effort)."""
+        rec = await self.records.load(tenant, session_id)
+        if (tenant, rec.session_id) in self._turns:
+            raise Abort(Status.FAILED_PRECONDITION, f"session_id {rec.session_id!r}: a turn is running")
+        await self.records.delete(rec)
+        await self.backends.drop(rec.session_id, tenant, rec.verifier)
+        return rec
+
+    async def sessions(self, tenant: str) -> list[Record]:
+        """The tenant's sessions, oldest first."""
+        return sorted(await self.records.all(tenant), key=lambda rec: rec.created)

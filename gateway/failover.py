@@ -1,0 +1,231 @@
+"""A turn's drafter and verifier streams, reopened on other endpoints when one breaks or goes silent.
+
+A stream lost mid-turn is reopened on the next endpoint with the committed tokens (``FAILOVERS``
+times per kind and turn at most); when every endpoint of a kind has failed, the turn waits up to
+``reconnect`` seconds for one to come back (a restarted pod) before it fails with UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from common.errors import Abort, Status
+from common.loop import Rounds
+
+from . import metrics as M
+from .links import DrafterLink, Feedback, Lost, Opened, Tree, Verified, VerifierLink
+from .records import Record
+
+log = logging.getLogger("racer.gateway")
+
+DEFAULT_BUDGET = 16  # when the request asks for the adaptive budget but the verifier has no cost curve
+ROUND_OVERHEAD_MS = 1.5  # per round outside the verifier's forward: drafter, two RPCs, this loop
+FAILOVERS = 3  # streams lost mid-turn, per service kind and turn (failed opens are bounded by time)
+
+
+class TurnLinks:
+    """The streams of one turn: chooses endpoints, opens, fails over, and counts backend time."""
+
+    def __init__(self, gw, record: Record, sampling, rounds: Rounds):
+        self.gw = gw  # the gateway: its backends, timeouts and verifier load
+        self.record = record
+        self.sampling = sampling  # SamplingParams, for the verifier
+        self.rounds = rounds  # the committed tokens, root, budget and mode the streams carry
+        self.drafter: DrafterLink | None = None
+        self.verifier: VerifierLink | None = None
+        self.cost = None  # the verifier's cost curve (adaptive budget)
+        self.prefill_ms = self.draft_ms = self.verify_ms = 0.0  # inside the backends, summed over the turn
+        self.failed: dict[str, set[str]] = {"drafter": set(), "verifier": set()}  # not tried again this turn
+        self.full: set[str] = set()  # verifiers that refused the session for lack of room
+        self.lost = {"drafter": 0, "verifier": 0}  # streams lost mid-turn
+        self.last_error = {"drafter": "", "verifier": ""}
+        self.abort: str | None = None  # set by a draining gateway: end the turn with UNAVAILABLE
+        self.waiting: dict[str, float] = {}  # kind -> when to stop waiting for one to come back
+
+    def check_abort(self) -> None:
+        if self.abort:
+            raise Abort(Status.UNAVAILABLE, self.abort)
+
+    async def _candidates(self, kind: str) -> list[str]:
+        """Endpoints of ``kind`` to try, best first. When every one has failed this turn, waits with
+        backoff (at most ``reconnect`` seconds in all) and tries them all again: a restarted pod, a
+        Redis-backed drafter coming back, a DNS change."""
+        gw = self.gw
+        eps = gw.backends.drafters if kind == "drafter" else gw.backends.verifiers
+        delay = 0.05
+        while True:
+            self.check_abort()
+            await eps.refresh()
+            if kind == "drafter":
+                ranked = eps.ranked(self.record.session_id, exclude=self.failed[kind])
+            else:
+                live = [e for e in eps.live() if e not in self.failed[kind] and e not in self.full]
+                sticky = self.record.verifier
+                ranked = sorted(live, key=lambda e: (e != sticky, gw._verifier_load.get(e, 0)))
+            if ranked:
+                return ranked
+            if kind == "verifier" and self.full and not self.failed[kind]:
+                raise Abort(Status.RESOURCE_EXHAUSTED, f"every verifier is full: {self.last_error[kind]}")
+            now = time.monotonic()
+            deadline = self.waiting.get(kind)
+            if deadline is None:  # kept until an open succeeds: the retries below do not restart the clock
+                deadline = self.waiting[kind] = now + gw.timeouts.reconnect
+                log.warning(f"no {kind} reachable; waiting for one", extra={"session_id": self.record.session_id,
+                                                                             "seconds": gw.timeouts.reconnect})
+            if now + delay > deadline:
+                raise Abort(Status.UNAVAILABLE,
+                            f"no {kind} reachable for {gw.timeouts.reconnect:g} s "
+                            f"(last error: {self.last_error[kind]}); the turn was not saved: retry it")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+            self.failed[kind].clear()
+            await eps.refresh(force=True)
+
+    async def open_verifier(self) -> Opened:
+        """A verifier stream holding the committed tokens; its next token is the root again (greedy)."""
+        gw, rec = self.gw, self.record
+        while True:
+            ep = (await self._candidates("verifier"))[0]
+            link = gw.backends.verifier(ep)
+            try:
+                opened = await link.open(rec.session_id, rec.tenant, self.rounds.committed, self.sampling)
+            except (Lost, Abort) as e:
+                await link.close(cancel=True)
+                if isinstance(e, Abort) and e.code == Status.RESOURCE_EXHAUSTED:
+                    self.full.add(ep)  # that verifier has no room: another may
+                    self.last_error["verifier"] = f"{ep}: {e.message}"
+                    continue
+                if isinstance(e, Abort):
+                    raise
+                self._unreachable("verifier", e)
+                continue
+            self.verifier = link
+            self.waiting.pop("verifier", None)
+            if rec.verifier and rec.verifier != ep:
+                log.info("session moved to another verifier", extra={"session_id": rec.session_id,
+                                                                      "from": rec.verifier, "to": ep})
+            rec.verifier = ep
+            if opened.cost is not None:
+                self.cost = opened.cost
+            gw._verifier_load[ep] = gw._verifier_load.get(ep, 0) + 1
+            self.prefill_ms += opened.elapsed_ms
+            return opened
+
+    async def open_drafter(self, topk: list[int], topk_width: int) -> None:
+        """A drafter stream holding the committed tokens (``topk``: the verifier's rows for them, if any)."""
+        rounds, rec = self.rounds, self.record
+        adaptive = rounds.budget == 0 and self.cost is not None
+        while True:
+            ep = (await self._candidates("drafter"))[0]
+            link = self.gw.backends.drafter(ep)
+            try:
+                restored_from, elapsed_ms = await link.open(
+                    rec.session_id, rec.tenant, rounds.committed, topk, topk_width, self.cost if adaptive else None,
+                    ROUND_OVERHEAD_MS)
+            except (Lost, Abort) as e:
+                await link.close(cancel=True)
+                if isinstance(e, Abort):
+                    raise
+                self._unreachable("drafter", e)
+                continue
+            self.drafter = link
+            self.waiting.pop("drafter", None)
+            self.draft_ms += elapsed_ms
+            if rounds.budget == 0 and not adaptive:
+                rounds.budget = DEFAULT_BUDGET
+            log.debug("drafter open",
+                      extra={"session_id": rec.session_id, "drafter": ep, "restored_from": restored_from})
+            return
+
+    def _unreachable(self, kind: str, e: Lost) -> None:
+        """An open failed: try the next endpoint (``_candidates`` bounds the retries by time)."""
+        log.warning(f"{kind} unreachable",
+                    extra={"session_id": self.record.session_id, "endpoint": e.endpoint, "error": e.error})
+        self._exclude(kind, e)
+
+    def _exclude(self, kind: str, e: Lost) -> None:
+        """Not tried again this turn; every turn skips it for a while (``Endpoints.mark_down``)."""
+        self.failed[kind].add(e.endpoint)
+        self.last_error[kind] = f"{e.endpoint}: {e.error}"
+        (self.gw.backends.drafters if kind == "drafter" else self.gw.backends.verifiers).mark_down(e.endpoint)
+
+    def _lost(self, kind: str, e: Lost) -> None:
+        """A stream broke mid-turn: fail over (a few times per turn at most)."""
+        self.check_abort()
+        log.warning(f"{kind} lost; failing over",
+                    extra={"session_id": self.record.session_id, "endpoint": e.endpoint, "error": e.error})
+        M.FAILOVERS.labels(kind).inc()
+        self._exclude(kind, e)
+        self.lost[kind] += 1
+        if self.lost[kind] > FAILOVERS:
+            raise Abort(Status.UNAVAILABLE, f"{kind}s keep failing ({self.lost[kind]} streams lost this turn; "
+                                            f"last: {e.error}); the turn was not saved: retry it")
+
+    async def release(self, cancel: bool) -> None:
+        for link in (self.drafter, self.verifier):
+            if link is not None:
+                await link.close(cancel=cancel)
+        if self.verifier is not None:
+            self.gw._verifier_load[self.verifier.endpoint] -= 1
+        self.drafter = self.verifier = None
+
+    async def send_step(self, feedback: Feedback) -> bool:
+        """Sends the next step now, for ``draft(sent=True)`` to read its tree; False: no drafter to send to."""
+        if self.drafter is None:
+            return False
+        await self.drafter.send_step(self.rounds.root, self.rounds.budget, self.rounds.mode, feedback)
+        return True
+
+    async def draft(self, feedback: Feedback, sent: bool = False) -> Tree:
+        """The next tree at the root; ``sent``: its step is already on its way (only its tree is read)."""
+        rounds = self.rounds
+        while True:
+            if self.drafter is None:
+                await self.open_drafter([], 0)
+                feedback = Feedback(batch_rows=feedback.batch_rows)  # a fresh stream has no tree to learn from
+                sent = False
+            try:
+                if not sent:
+                    await self.drafter.send_step(rounds.root, rounds.budget, rounds.mode, feedback)
+                sent = False
+                tree = await self.drafter.receive_tree()
+            except Lost as e:
+                await self.drafter.close(cancel=True)
+                self.drafter = None
+                self._lost("drafter", e)
+                continue
+            except Abort as e:  # the request was checked at the door: a refused step is our bug, not the caller's
+                raise Abort(Status.INTERNAL, f"drafter {self.drafter.endpoint} refused a step: "
+                                             f"{e.code.name}: {e.message}") from None
+            self.draft_ms += tree.elapsed_ms
+            if not rounds.check_tree(tree.tokens):
+                raise Abort(Status.INTERNAL, f"drafter {self.drafter.endpoint} returned a tree with the wrong root")
+            return tree
+
+    async def verify(self, tree: Tree) -> Verified:
+        while True:
+            if self.verifier is None:
+                await self.open_verifier()  # its next token is the root again (greedy) or a discarded draw
+            try:
+                res = await self.verifier.verify(tree.tokens, tree.parents)
+            except Abort as e:
+                raise Abort(Status.INTERNAL, f"verifier {self.verifier.endpoint} refused a draft tree: "
+                                             f"{e.code.name}: {e.message}") from None
+            except Lost as e:
+                await self.verifier.close(cancel=True)
+                self.gw._verifier_load[self.verifier.endpoint] -= 1
+                self.verifier = None
+                self._lost("verifier", e)
+                continue
+            self.verify_ms += res.elapsed_ms
+            return res
+
+    async def end_turn(self) -> None:
+        """Tells the drafter the turn is over (it may snapshot the session); a failure only logs."""
+        try:
+            await self.drafter.end_turn()
+        except (Lost, Abort) as e:  # the snapshot is an optimisation; the turn is done
+            log.warning("end_turn failed",
+                        extra={"session_id": self.record.session_id, "error": getattr(e, "error", repr(e))})

@@ -1,0 +1,203 @@
+"""The gateway's gRPC side towards the backends: one bidi stream per drafter or verifier a turn uses.
+
+Protobuf stops here: the links take and return plain values, and say how a stream failed with
+``Lost`` (another replica can repair it) or ``Abort`` (it would fail there too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import grpc
+
+from common.errors import Abort, Status
+from common.v1 import common_pb2 as cpb
+from common.v1 import drafter_pb2 as dpb
+from common.v1 import drafter_pb2_grpc as dgrpc
+from common.v1 import verifier_pb2 as vpb
+from common.v1 import verifier_pb2_grpc as vgrpc
+
+from .routing import Endpoints
+
+log = logging.getLogger("racer.gateway")
+
+# Errors that say the request is wrong, or that the session is busy elsewhere (ABORTED: another
+# stream is open on it): failing over would not help, and could run one session twice at once.
+_CALLER_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.ABORTED,
+}
+
+Cost = tuple[tuple[int, ...], tuple[float, ...]]  # a verifier's cost curve: tree sizes, forward ms at each
+
+
+class Lost(Exception):
+    """A drafter or verifier stream broke in a way another replica can repair."""
+
+    def __init__(self, endpoint: str, error: str):
+        self.endpoint, self.error = endpoint, error
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A verifier's answer to an open: the prefill's next token and top-k rows, and its cost curve."""
+
+    next_token: int
+    topk: list[int]  # [tokens * topk_width], flattened
+    topk_width: int
+    cost: Cost | None  # None: not measured
+    elapsed_ms: float
+
+
+@dataclass(frozen=True)
+class Tree:
+    tokens: list[int]  # root first
+    parents: list[int]  # parents[0] = -1
+    elapsed_ms: float  # inside the drafter
+
+
+@dataclass(frozen=True)
+class Verified:
+    accepted: list[int]  # node indices of the accepted path, root first
+    next_token: int  # the bonus token after that path
+    topk: list[int]  # the tree's top-k rows, for the drafter to learn from
+    batch_rows: int  # rows of other sessions' trees in the same forward
+    elapsed_ms: float  # inside the verifier
+
+
+@dataclass(frozen=True)
+class Feedback:
+    """What the drafter learns from a round's verification, sent with its next step."""
+
+    topk: Sequence[int] = ()
+    accepted: Sequence[int] = ()
+    commit: int = 0  # accepted tokens the drafter keeps (a cut round keeps fewer)
+    batch_rows: int = 0
+
+
+class _Link:
+    """One bidi stream to one endpoint: ``ask`` sends a request and waits for its response."""
+
+    def __init__(self, endpoint: str, call, timeout: float | None = None):
+        self.endpoint = endpoint
+        self.call = call
+        self.timeout = timeout
+        self._broken: Exception | None = None  # how the last send failed, for ``receive`` to raise
+
+    async def ask(self, request):
+        await self.send(request)
+        return await self.receive()
+
+    async def send(self, request) -> None:
+        """Sends ``request``; its response is ``receive``'s to read (a failed send shows there)."""
+        try:
+            async with asyncio.timeout(self.timeout):  # unlike wait_for, no task per call
+                await self.call.write(request)
+        except asyncio.TimeoutError:
+            self._broken = Lost(self.endpoint, f"could not send in {self.timeout:g} s")
+        except grpc.aio.AioRpcError as e:
+            self._broken = self._classify(e)
+        except asyncio.InvalidStateError:  # the call ended before this write (the server went away)
+            self._broken = EOFError()
+
+    async def receive(self):
+        broken, self._broken = self._broken, None
+        try:
+            if isinstance(broken, (Lost, Abort)):
+                raise broken
+            async with asyncio.timeout(self.timeout):
+                resp = grpc.aio.EOF if broken is not None else await self.call.read()
+                if resp is grpc.aio.EOF:
+                    code = await self.call.code()
+                    raise self._classify(None, code, await self.call.details())
+        except asyncio.TimeoutError:
+            raise Lost(self.endpoint, f"no answer in {self.timeout:g} s") from None
+        except grpc.aio.AioRpcError as e:
+            raise self._classify(e) from None
+        return resp
+
+    def _classify(self, e, code=None, details=None):
+        code = e.code() if e is not None else code
+        details = e.details() if e is not None else details
+        if code in _CALLER_ERRORS:
+            return Abort(Status[code.name], details or str(code))
+        return Lost(self.endpoint, f"{code}: {details}")
+
+    async def close(self, cancel: bool = False) -> None:
+        if cancel:
+            self.call.cancel()
+            return
+        try:
+            await self.call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass
+
+
+class DrafterLink(_Link):
+    async def open(self, session_id: str, tenant: str, history: list[int], history_topk: list[int], topk_width: int,
+                   cost: Cost | None, overhead_ms: float) -> tuple[str, float]:
+        """Where the drafter found the session ("memory", "snapshot", "history", "new") and its ms."""
+        resp = await self.ask(dpb.DraftRequest(open=dpb.DrafterOpen(
+            session_id=session_id, tenant=tenant, history=history, history_topk=history_topk, topk=topk_width,
+            cost=cpb.CostCurve(sizes=cost[0], ms=cost[1]) if cost is not None else None, overhead_ms=overhead_ms)))
+        return resp.restored_from, resp.elapsed_ms
+
+    async def send_step(self, root: int, budget: int, mode: str, feedback: Feedback) -> None:
+        """The next step; ``receive_tree`` reads its tree (so the gateway can work while the drafter does)."""
+        await self.send(dpb.DraftRequest(step=dpb.DraftStep(
+            tree_topk=feedback.topk, accepted=feedback.accepted, commit=feedback.commit, root=root, budget=budget,
+            mode=mode, batch_rows=feedback.batch_rows)))
+
+    async def receive_tree(self) -> Tree:
+        resp = await self.receive()
+        return Tree(list(resp.tree.tokens), list(resp.tree.parents), resp.elapsed_ms)
+
+    async def end_turn(self) -> None:
+        """The drafter may snapshot the session now: no step comes before the next turn's open."""
+        await self.ask(dpb.DraftRequest(end_turn=dpb.EndTurn()))
+
+
+class VerifierLink(_Link):
+    async def open(self, session_id: str, tenant: str, history: list[int], sampling) -> Opened:
+        """Prefills ``history`` (what the verifier's cache lacks of it); ``sampling``: a SamplingParams."""
+        s = vpb.Sampling(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+        if sampling.seed is not None:
+            s.seed = sampling.seed
+        resp = await self.ask(vpb.VerifyRequest(open=vpb.VerifierOpen(
+            session_id=session_id, tenant=tenant, history=history, sampling=s)))
+        cost = (tuple(resp.cost.sizes), tuple(resp.cost.ms)) if resp.cost.sizes else None
+        return Opened(resp.next_token, list(resp.topk), resp.topk_width, cost, resp.elapsed_ms)
+
+    async def verify(self, tokens: list[int], parents: list[int]) -> Verified:
+        resp = await self.ask(vpb.VerifyRequest(tree=vpb.VerifyTree(tokens=tokens, parents=parents)))
+        return Verified(list(resp.accepted), resp.next_token, list(resp.topk), resp.batch_rows, resp.elapsed_ms)
+
+
+class Backends:
+    """The drafters and verifiers of one gateway, and how to reach them."""
+
+    def __init__(self, drafters: Endpoints, verifiers: Endpoints, timeout_s: float):
+        self.drafters = drafters
+        self.verifiers = verifiers
+        self.timeout_s = timeout_s  # a message without an answer this long: the stream is lost
+
+    def drafter(self, endpoint: str) -> DrafterLink:
+        return DrafterLink(endpoint, dgrpc.DrafterStub(self.drafters.channel(endpoint)).Session(), self.timeout_s)
+
+    def verifier(self, endpoint: str) -> VerifierLink:
+        return VerifierLink(endpoint, vgrpc.VerifierStub(self.verifiers.channel(endpoint)).Session(), self.timeout_s)
+
+    async def drop(self, session_id: str, tenant: str, verifier: str) -> None:
+        """Best effort: every drafter (any may hold a copy after a failover) and the session's verifier."""
+        calls = [dgrpc.DrafterStub(self.drafters.channel(ep)).Drop(
+            dpb.DropRequest(session_id=session_id, tenant=tenant), timeout=5) for ep in self.drafters.endpoints]
+        if verifier:
+            calls.append(vgrpc.VerifierStub(self.verifiers.channel(verifier)).Drop(
+                vpb.VerifierDropRequest(session_id=session_id, tenant=tenant), timeout=5))
+        for res in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(res, Exception):
+                log.warning("drop failed", extra={"session_id": session_id, "error": repr(res)})

@@ -1,0 +1,140 @@
+"""A Generate request checked at the door: every field against its limit, then the input tokenized.
+
+A request that passes cannot make a drafter or verifier refuse a message of its turn, so a refusal
+there is the gateway's bug (INTERNAL), not the caller's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.errors import Abort, Status
+from common.params import MODES, SamplingParams
+from common.text import continue_ids, messages_ids
+
+DEFAULT_MAX_NEW_TOKENS = 256
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_IDS = 64
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class Limits:
+    max_prompt_tokens: int = 8192  # tokens of a session's history before a turn generates
+    max_new_tokens: int = 2048
+    max_budget: int = 256
+    max_sessions_per_tenant: int = 32  # turns running at once per tenant, on one gateway (0: no limit)
+
+
+@dataclass(frozen=True)
+class Request:
+    """A Generate request's fields as the client sent them (the servicer copies them out of protobuf)."""
+
+    session_id: str = ""  # "": a new session
+    input: str | None = None  # which one is set: "prompt", "chat" or "prompt_ids"
+    prompt: str = ""
+    system: str = ""
+    chat: tuple[tuple[str, str], ...] = ()  # (role, content)
+    prompt_ids: tuple[int, ...] = ()
+    max_new_tokens: int = 0  # 0: the default
+    mode: str = ""  # "": racer
+    budget: int = 0  # 0: adaptive
+    temperature: float = 0.0
+    top_p: float = 0.0  # 0: off (1.0)
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """What a turn runs with, once checked."""
+
+    session_id: str
+    max_new: int
+    mode: str
+    budget: int  # tree nodes per round; 0: adaptive
+    sampling: SamplingParams
+    stop: tuple[str, ...]  # stop strings
+    stop_ids: tuple[int, ...]  # the request's own; the turn adds the model's end-of-sequence ids
+
+
+def check(r: Request, limits: Limits, vocab_size: int | None) -> TurnRequest:
+    """Every field but the input (which needs the session's history) against its limit."""
+    lim = limits
+    max_new = r.max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, lim.max_new_tokens)  # 0: the default, within the limit
+    if not 1 <= max_new <= lim.max_new_tokens:
+        raise Abort(Status.INVALID_ARGUMENT, f"max_new_tokens: {r.max_new_tokens}, expected 1..{lim.max_new_tokens}")
+    mode = r.mode or "racer"
+    if mode not in MODES:
+        raise Abort(Status.INVALID_ARGUMENT, f"speculation.mode: {mode!r}, expected one of {', '.join(MODES)}")
+    if not 0 <= r.budget <= lim.max_budget:
+        raise Abort(Status.INVALID_ARGUMENT,
+                    f"speculation.budget: {r.budget}, expected 0 (adaptive) or 1..{lim.max_budget}")
+    try:
+        sampling = SamplingParams(r.temperature, r.top_p or 1.0, r.top_k, r.seed)
+    except ValueError as e:
+        raise Abort(Status.INVALID_ARGUMENT, str(e)) from None
+    if len(r.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in r.stop):
+        raise Abort(Status.INVALID_ARGUMENT,
+                    f"stop: at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
+    if any(s == "" for s in r.stop):
+        raise Abort(Status.INVALID_ARGUMENT, "stop: empty stop string")
+    if len(r.stop_ids) > MAX_STOP_IDS:
+        raise Abort(Status.INVALID_ARGUMENT, f"stop_ids: {len(r.stop_ids)} ids, at most {MAX_STOP_IDS}")
+    if any(t < 0 or (vocab_size and t >= vocab_size) for t in r.stop_ids):
+        raise Abort(Status.INVALID_ARGUMENT, "stop_ids: token id outside the vocabulary")
+    if r.system and r.input != "prompt":
+        raise Abort(Status.INVALID_ARGUMENT, "system: only with a prompt input (chat carries its own)")
+    return TurnRequest(r.session_id, max_new, mode, r.budget, sampling, r.stop, r.stop_ids)
+
+
+def input_ids(r: Request, history: list[int], tokenizer, eos_ids, limits: Limits, vocab_size: int | None) -> list[int]:
+    """The turn's new tokens: ``prompt_ids`` as they are, text through the chat template after ``history``."""
+    ids = _input_ids(r, history, tokenizer, eos_ids, limits, vocab_size)
+    if len(ids) > limits.max_prompt_tokens:
+        raise Abort(Status.INVALID_ARGUMENT,
+                    f"{r.input}: {len(ids)} tokens, the limit is max_prompt_tokens={limits.max_prompt_tokens}")
+    return ids
+
+
+def _input_ids(r: Request, history, tokenizer, eos_ids, limits: Limits, vocab_size: int | None) -> list[int]:
+    kind = r.input
+    if kind is None:
+        raise Abort(Status.INVALID_ARGUMENT, "input: set one of prompt, chat, prompt_ids")
+    if kind == "prompt_ids":
+        ids = list(r.prompt_ids)
+        if not ids:
+            raise Abort(Status.INVALID_ARGUMENT, "prompt_ids: empty")
+        bad = next((t for t in ids if t < 0 or (vocab_size and t >= vocab_size)), None)
+        if bad is not None:
+            raise Abort(Status.INVALID_ARGUMENT, f"prompt_ids: token id {bad} outside the vocabulary [0, {vocab_size})")
+        return ids
+    if tokenizer is None:
+        raise Abort(Status.FAILED_PRECONDITION, f"{kind}: this gateway has no tokenizer; send prompt_ids")
+    if kind == "prompt":
+        if not r.prompt:
+            raise Abort(Status.INVALID_ARGUMENT, "prompt: empty")
+        messages = [{"role": "user", "content": r.prompt}]
+        if r.system and not history:
+            messages.insert(0, {"role": "system", "content": r.system})
+    else:
+        messages = [{"role": role, "content": content} for role, content in r.chat]
+        if not messages:
+            raise Abort(Status.INVALID_ARGUMENT, "chat.messages: empty")
+        bad = next((m["role"] for m in messages if m["role"] not in ROLES), None)
+        if bad is not None:
+            raise Abort(Status.INVALID_ARGUMENT, f"chat.messages.role: {bad!r}, expected system, user or assistant")
+    # Text longer than this cannot fit the token limit (a token is at least one character for the
+    # tokenizers this serves; checked before tokenizing a huge string).
+    chars = len(r.prompt) + len(r.system) + sum(len(content) for _, content in r.chat)
+    if chars > 64 * limits.max_prompt_tokens:
+        raise Abort(Status.INVALID_ARGUMENT,
+                    f"{kind}: {chars} characters, more than max_prompt_tokens={limits.max_prompt_tokens} tokens "
+                    "can hold (refused before tokenizing)")
+    try:
+        return continue_ids(tokenizer, history, messages, eos_ids) if history else messages_ids(tokenizer, messages)
+    except Exception as e:  # noqa: BLE001 - template errors are the caller's input
+        raise Abort(Status.INVALID_ARGUMENT, f"{kind}: the chat template rejected it: {e}") from None

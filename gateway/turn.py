@@ -1,0 +1,148 @@
+"""One turn of one session: the rounds over the turn's streams, stop strings, metrics, the saved record.
+
+A turn is all or nothing for the session record: it is saved when the turn ends, so a cancelled or
+failed turn leaves the session as it was before (the client may retry it). Drafter and verifier
+reconcile their state with the history at every open, whatever happened before.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from common.errors import Abort
+from common.loop import Rounds, Stats
+from common.params import GenerationParams
+from common.text import Detokenizer
+
+from . import metrics as M
+from .failover import TurnLinks
+from .links import Feedback, Tree, Verified
+from .records import Record
+from .requests import TurnRequest
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens verified in one round (or the first token), and their text."""
+
+    session_id: str
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The turn's last message: why it ended, the token counts and how the speculation went."""
+
+    session_id: str
+    finish_reason: str  # "stop" or "length"
+    prompt_tokens: int  # this turn's new input
+    completion_tokens: int
+    session_tokens: int  # the whole history, this turn's output included
+    stats: Stats
+    prefill_ms: float  # inside the backends, summed
+    draft_ms: float
+    verify_ms: float
+    total_ms: float  # seen by the gateway
+    tokens_per_second: float
+
+
+class Turn:
+    def __init__(self, gw, record: Record, history: list[int], n_turn: int, req: TurnRequest):
+        self.gw = gw
+        self.record = record
+        self.history = history  # the record's history and this turn's input
+        self.n_turn = n_turn  # tokens of this turn's input
+        self.req = req
+        self.stop_ids = set(gw.eos_ids) | set(req.stop_ids)
+        self.rounds = Rounds(history, GenerationParams(req.max_new, tuple(self.stop_ids), req.mode, req.budget))
+        self.stats = self.rounds.stats
+        self.links = TurnLinks(gw, record, req.sampling, self.rounds)
+
+    def stop(self, reason: str) -> None:
+        """Ends the turn with UNAVAILABLE at its next round or failover (a draining gateway)."""
+        self.links.abort = reason
+
+    async def stream(self):
+        """``Chunk`` messages, then one ``Finished`` once the record is saved."""
+        t0 = time.perf_counter()
+        sid = self.record.session_id
+        rounds, links = self.rounds, self.links
+        detok = Detokenizer(self.gw.tokenizer) if self.gw.tokenizer is not None else None
+        emitted: list[int] = []
+        finished = False
+        try:
+            opened = await links.open_verifier()
+            await links.open_drafter(opened.topk, opened.topk_width)
+            out, done = rounds.start(opened.next_token)
+            feedback = Feedback()
+            sent = False  # the next step is already on its way to the drafter
+            while True:
+                out, done, text = self._stop_strings(detok, out, done)
+                if out:
+                    if not emitted:
+                        M.TTFT_MS.observe((time.perf_counter() - t0) * 1e3)
+                    emitted.extend(out)
+                    rounds.emitted(out)
+                    M.GENERATED_TOKENS.inc(len(out))
+                    yield Chunk(sid, text, out)
+                if done:
+                    break
+                links.check_abort()
+                t_round = time.perf_counter()
+                tree = await links.draft(feedback, sent)
+                res = await links.verify(tree)
+                out, fed, done = rounds.settle(tree.tokens, res.accepted, res.next_token)
+                feedback = Feedback(res.topk, res.accepted, len(fed), res.batch_rows)
+                # The next step goes out before this round's bookkeeping and text, which are then done
+                # while the drafter works. Not with stop strings: the text may still end the turn, and
+                # the drafter would have committed tokens past the cut.
+                sent = not done and not self.req.stop and await links.send_step(feedback)
+                self._count(tree, res)
+                M.ROUND_MS.observe((time.perf_counter() - t_round) * 1e3)
+            finished = True
+            yield await self._finish(emitted, t0)
+        finally:
+            await links.release(cancel=not finished)
+
+    def _stop_strings(self, detok, out, done):
+        """Text of ``out``; cut after the token that completes a stop string (which ends the turn)."""
+        if detok is None:
+            return out, done, ""
+        stops = self.req.stop
+        text = ""
+        for i, tok in enumerate(out):
+            before = len(detok.text)
+            text += detok.push([tok])
+            if stops and any(s in detok.text[max(0, before - max(map(len, stops))):] for s in stops):
+                return out[: i + 1], True, text
+        return out, done, text
+
+    def _count(self, tree: Tree, res: Verified) -> None:
+        mode = self.rounds.mode
+        M.NUM_DRAFTS.labels(mode).inc()
+        M.NUM_DRAFT_TOKENS.labels(mode).inc(len(tree.tokens) - 1)
+        M.NUM_ACCEPTED_TOKENS.labels(mode).inc(len(res.accepted) - 1)
+        for pos in range(1, len(res.accepted)):
+            M.ACCEPTED_PER_POS.labels(str(pos)).inc()
+
+    async def _finish(self, emitted: list[int], t0: float) -> Finished:
+        rec = self.record
+        await self.links.end_turn()
+        rec.history = self.history + emitted
+        rec.turns += 1
+        rec.last_used = time.time()
+        try:
+            await self.gw.records.save(rec)
+        except Abort as e:
+            raise Abort(e.code, f"{e.message}; the turn was not saved: retry it") from None
+        total = time.perf_counter() - t0
+        s = self.stats
+        last = emitted[-1] if emitted else None
+        stop_hit = last in self.stop_ids or (s.new_tokens < self.req.max_new)
+        return Finished(
+            rec.session_id, "stop" if stop_hit else "length", self.n_turn, s.new_tokens, len(rec.history), s,
+            self.links.prefill_ms, self.links.draft_ms, self.links.verify_ms, total * 1e3,
+            s.new_tokens / total if total else 0.0,
+        )
