@@ -19,13 +19,17 @@ from .requests import Request
 from .turn import Chunk, Finished
 
 
-class GatewayService(Gateway, pb_grpc.GenerationServicer):
+class GatewayService(pb_grpc.GenerationServicer):
+    def __init__(self, gateway: Gateway):
+        self.gateway = gateway
+
     async def Generate(self, request: pb.GenerateRequest, context):
         M.ACTIVE_STREAMS.inc()
         code = "OK"
         try:
-            tenant = self.tenant(context.invocation_metadata())
-            async for item in self.generate(tenant, _request(request)):
+            gw = self.gateway
+            tenant = gw.tenant(context.invocation_metadata())
+            async for item in gw.generate(tenant, _request(request)):
                 yield _response(item)
         except Abort as e:
             code = e.code.name
@@ -38,20 +42,23 @@ class GatewayService(Gateway, pb_grpc.GenerationServicer):
             M.REQUESTS.labels(code).inc()
 
     async def GetSession(self, request, context):
-        rec = await self.session(self.tenant(context.invocation_metadata()), request.session_id)
+        gw = self.gateway
+        rec = await gw.session(gw.tenant(context.invocation_metadata()), request.session_id)
         return self._info(rec)
 
     async def CloseSession(self, request, context):
-        rec = await self.close(self.tenant(context.invocation_metadata()), request.session_id)
+        gw = self.gateway
+        rec = await gw.close(gw.tenant(context.invocation_metadata()), request.session_id)
         return self._info(rec, closed=True)
 
     async def ListSessions(self, request, context):
-        recs = await self.sessions(self.tenant(context.invocation_metadata()))
+        gw = self.gateway
+        recs = await gw.sessions(gw.tenant(context.invocation_metadata()))
         return pb.ListSessionsResponse(sessions=[self._info(rec) for rec in recs])
 
     def _info(self, rec: Record, closed: bool = False) -> pb.SessionInfo:
         return pb.SessionInfo(
-            session_id=rec.session_id, turns=rec.turns, tokens=len(rec.history), drafter=self.drafter_of(rec),
+            session_id=rec.session_id, turns=rec.turns, tokens=len(rec.history), drafter=self.gateway.drafter_of(rec),
             verifier=rec.verifier, created_unix=rec.created, last_used_unix=rec.last_used, closed=closed,
         )
 

@@ -108,7 +108,7 @@ def _cuda() -> bool:
 async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, resolver=None) -> tuple[Server, object]:
     from gateway.routing import Endpoints
     from gateway.auth import load_api_keys
-    from gateway.core import Timeouts
+    from gateway.core import Gateway, Timeouts
     from gateway.requests import Limits
     from gateway.service import GatewayService
     from common.v1 import generation_pb2_grpc
@@ -138,7 +138,7 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
     store = open_store(args.session_url)
     limits = Limits(args.max_prompt_tokens, args.max_new_tokens, args.max_budget, args.max_sessions_per_tenant)
     timeouts = Timeouts(args.backend_timeout, args.reconnect_seconds, args.store_retry_seconds)
-    svc = GatewayService(tokenizer, eos_ids or (), drafters, verifiers, store, load_api_keys(args.api_keys) if args.api_keys else None, limits,
+    core = Gateway(tokenizer, eos_ids or (), drafters, verifiers, store, load_api_keys(args.api_keys) if args.api_keys else None, limits,
                          args.session_ttl, vocab_size, timeouts)
 
     async def closed():
@@ -146,6 +146,7 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
         await verifiers.close()
         await store.close()
 
+    svc = GatewayService(core)
     srv = await start_server("gateway", lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(svc, s),
-                             args.host, args.port, args.max_message_bytes, svc.drain, closed=closed, **_server_kw(args))
-    return srv, svc
+                             args.host, args.port, args.max_message_bytes, core.drain, closed=closed, **_server_kw(args))
+    return srv, core
