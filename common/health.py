@@ -10,23 +10,30 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
-def status(target: str, service: str = "", timeout: float = 3.0,
-           credentials: grpc.ChannelCredentials | None = None) -> str:
+def status(
+    target: str, service: str = "", timeout: float = 3.0, credentials: grpc.ChannelCredentials | None = None
+) -> str:
     """The serving status's name (``SERVING``, ``NOT_SERVING``...), or the gRPC status's name
     (``UNAVAILABLE``, ``NOT_FOUND``...) when the check itself fails."""
     channel = grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
     with channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                              timeout=timeout)
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
         except grpc.RpcError as e:
             return e.code().name
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
-def wait_serving(target: str, service: str = "", timeout: float = 120.0,
-                 credentials: grpc.ChannelCredentials | None = None,
-                 alive: Callable[[], bool] | None = None, what: str = "") -> None:
+def wait_serving(
+    target: str,
+    service: str = "",
+    timeout: float = 120.0,
+    credentials: grpc.ChannelCredentials | None = None,
+    alive: Callable[[], bool] | None = None,
+    what: str = "",
+) -> None:
     """Polls until ``service`` at ``target`` is SERVING. Raises TimeoutError after ``timeout``
     seconds, or RuntimeError as soon as ``alive()`` says the process behind it has exited."""
     deadline = time.monotonic() + timeout

@@ -32,7 +32,6 @@ class SamplingParams:
         return self.temperature == 0
 
 
-
 @dataclass(frozen=True)
 class GenerationParams:
     max_new_tokens: int = 256

@@ -55,8 +55,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     await context.abort(grpc.StatusCode[e.code.name], e.message)
 
         make = getattr(grpc, f"{kind}_rpc_method_handler")
-        return make(call, request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer)
+        return make(
+            call, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
 
 
 class JsonFormatter(logging.Formatter):
@@ -111,7 +112,9 @@ def server_options(max_message_bytes: int, keepalive_seconds: float = 10.0) -> l
     ]
 
 
-def channel_options(max_message_bytes: int, keepalive_seconds: float = 10.0, server_name: str = "") -> list[tuple[str, object]]:
+def channel_options(
+    max_message_bytes: int, keepalive_seconds: float = 10.0, server_name: str = ""
+) -> list[tuple[str, object]]:
     """The gateway's channels to drafters and verifiers: the common limits and keepalive, and a short
     reconnect backoff (at most 1 s), so a restarted pod is used again as soon as it listens."""
     opts = _common_options(max_message_bytes, keepalive_seconds) + [
@@ -127,9 +130,15 @@ def channel_options(max_message_bytes: int, keepalive_seconds: float = 10.0, ser
 class Server:
     """A started gRPC server for one service kind, with health and reflection registered."""
 
-    def __init__(self, kind: str, server: grpc.aio.Server, port: int, health_servicer,
-                 drain: Callable[[float], Awaitable[None]] | None,
-                 closed: Callable[[], Awaitable[None]] | None = None):
+    def __init__(
+        self,
+        kind: str,
+        server: grpc.aio.Server,
+        port: int,
+        health_servicer,
+        drain: Callable[[float], Awaitable[None]] | None,
+        closed: Callable[[], Awaitable[None]] | None = None,
+    ):
         self.kind = kind
         self.server = server
         self.port = port
@@ -171,15 +180,19 @@ async def start_server(
     keepalive_seconds: float = 10.0,
     closed: Callable[[], Awaitable[None]] | None = None,
 ) -> Server:
-    server = grpc.aio.server(options=server_options(max_message_bytes, keepalive_seconds),
-                             interceptors=[ErrorInterceptor(), *(interceptors or ())])
+    server = grpc.aio.server(
+        options=server_options(max_message_bytes, keepalive_seconds),
+        interceptors=[ErrorInterceptor(), *(interceptors or ())],
+    )
     register(server)
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     name = HEALTH_SERVICES[kind]
     reflection.enable_server_reflection((name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{host}:{port}"
-    bound = server.add_secure_port(address, credentials) if credentials is not None else server.add_insecure_port(address)
+    bound = (
+        server.add_secure_port(address, credentials) if credentials is not None else server.add_insecure_port(address)
+    )
     if bound == 0:
         raise RuntimeError(f"{kind}: cannot bind {host}:{port}")
     await server.start()

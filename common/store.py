@@ -49,8 +49,9 @@ class RedisStore:
         from redis.asyncio.retry import Retry
         from redis.backoff import ExponentialBackoff
 
-        self._r = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0,
-                                       retry=Retry(ExponentialBackoff(cap=0.25, base=0.05), 1))
+        self._r = redis.Redis.from_url(
+            url, socket_timeout=2.0, socket_connect_timeout=2.0, retry=Retry(ExponentialBackoff(cap=0.25, base=0.05), 1)
+        )
 
     async def get(self, key: str) -> bytes | None:
         return await self._r.get(key)

@@ -30,12 +30,14 @@ def server_credentials(cert: str, key: str, client_ca: str = "") -> grpc.ServerC
     if not (cert and key):
         raise ValueError("TLS needs both --tls-cert and --tls-key")
     ca = _read(client_ca, "--tls-client-ca") if client_ca else None
-    return grpc.ssl_server_credentials([(_read(key, "--tls-key"), _read(cert, "--tls-cert"))],
-                                       root_certificates=ca, require_client_auth=ca is not None)
+    return grpc.ssl_server_credentials(
+        [(_read(key, "--tls-key"), _read(cert, "--tls-cert"))], root_certificates=ca, require_client_auth=ca is not None
+    )
 
 
-def channel_credentials(ca: str, cert: str = "", key: str = "", *,
-                        system_roots: bool = False) -> grpc.ChannelCredentials | None:
+def channel_credentials(
+    ca: str, cert: str = "", key: str = "", *, system_roots: bool = False
+) -> grpc.ChannelCredentials | None:
     """TLS to a server whose certificate ``ca`` signed; without a CA, plaintext (None), or with
     ``system_roots`` the system's CAs (a client of a gateway behind a public certificate). ``cert``
     and ``key`` are this side's certificate, for servers that require one (mutual TLS)."""

@@ -29,7 +29,9 @@ from .tree import DraftTree
 class BudgetChooser:
     """Acceptance statistics of one session and the choice they imply."""
 
-    def __init__(self, cost_ms: dict[int, float], overhead_ms: float = 1.0, window: int = 32, prior_rounds: float = 2.0):
+    def __init__(
+        self, cost_ms: dict[int, float], overhead_ms: float = 1.0, window: int = 32, prior_rounds: float = 2.0
+    ):
         if not cost_ms or any(n < 1 or not (c > 0 and math.isfinite(c)) for n, c in cost_ms.items()):
             raise ValueError("cost_ms: need positive finite costs for sizes >= 1")
         self.sizes = sorted(cost_ms)

@@ -27,8 +27,19 @@ ROOT = 0
 
 class Automaton:
     __slots__ = (
-        "window", "max_nodes", "children", "parent", "token", "depth", "freq", "fail",
-        "start", "_free", "_buckets", "frontier", "length",
+        "window",
+        "max_nodes",
+        "children",
+        "parent",
+        "token",
+        "depth",
+        "freq",
+        "fail",
+        "start",
+        "_free",
+        "_buckets",
+        "frontier",
+        "length",
     )
 
     def __init__(self, window: int = 10, max_nodes: int = 10_000):

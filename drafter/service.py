@@ -31,11 +31,22 @@ class DrafterService(pb_grpc.DrafterServicer):
                 elif kind == "step":
                     _check(entry is not None, Status.FAILED_PRECONDITION, "step: open the session first")
                     st = req.step
-                    tree = d.step(entry, Step(list(st.tree_topk), list(st.accepted), st.commit, st.root, st.budget,
-                                              st.mode or "racer", st.batch_rows))
-                    resp = pb.DraftResponse(tree=pb.DraftTree(tokens=tree.tokens, parents=tree.parents,
-                                                              retrieval_nodes=tree.n_retrieval),
-                                            tokens=len(entry.session.history))
+                    tree = d.step(
+                        entry,
+                        Step(
+                            list(st.tree_topk),
+                            list(st.accepted),
+                            st.commit,
+                            st.root,
+                            st.budget,
+                            st.mode or "racer",
+                            st.batch_rows,
+                        ),
+                    )
+                    resp = pb.DraftResponse(
+                        tree=pb.DraftTree(tokens=tree.tokens, parents=tree.parents, retrieval_nodes=tree.n_retrieval),
+                        tokens=len(entry.session.history),
+                    )
                     M.DRAFT_MS.observe((time.perf_counter() - t0) * 1e3)
                 elif kind == "end_turn":
                     _check(entry is not None, Status.FAILED_PRECONDITION, "end_turn: open the session first")
@@ -55,16 +66,26 @@ class DrafterService(pb_grpc.DrafterServicer):
         return pb.DropResponse(existed=await self.drafter.drop(request.tenant, request.session_id))
 
     async def Stats(self, request, context):
-        return pb.DrafterStatsResponse(sessions=[
-            pb.DrafterSessionStats(session_id=s.session_id, tenant=s.tenant, tokens=s.tokens, nodes=s.nodes,
-                                   memory_bytes=s.memory_bytes, streaming=s.streaming)
-            for s in self.drafter.stats()
-        ])
+        return pb.DrafterStatsResponse(
+            sessions=[
+                pb.DrafterSessionStats(
+                    session_id=s.session_id,
+                    tenant=s.tenant,
+                    tokens=s.tokens,
+                    nodes=s.nodes,
+                    memory_bytes=s.memory_bytes,
+                    streaming=s.streaming,
+                )
+                for s in self.drafter.stats()
+            ]
+        )
 
 
 def _open(op: pb.DrafterOpen) -> Open:
     cost = None
     if op.cost.sizes:
-        _check(len(op.cost.sizes) == len(op.cost.ms), Status.INVALID_ARGUMENT, "open.cost: sizes and ms differ in length")
+        _check(
+            len(op.cost.sizes) == len(op.cost.ms), Status.INVALID_ARGUMENT, "open.cost: sizes and ms differ in length"
+        )
         cost = dict(zip(op.cost.sizes, op.cost.ms))
     return Open(op.tenant, op.session_id, list(op.history), list(op.history_topk), op.topk, cost, op.overhead_ms)

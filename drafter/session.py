@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.params import MODES
+
 from .adaptive import BudgetChooser
 from .automaton import Automaton
 from .copy_logits import CopyLogitTable
 from .tree import DraftTree, _Trie, add_logits, add_logits_best_first, add_retrieval
 
-from common.params import MODES
 AUTO = 0  # budget: chosen per round from the verifier's cost curve (``DraftSession.set_costs``)
 
 

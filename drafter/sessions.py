@@ -85,8 +85,15 @@ class SessionStats:
 
 
 class Drafter:
-    def __init__(self, config: DrafterConfig, store, prior=None, snapshot_every: int = 32, ttl: float = 1800.0,
-                 max_tokens: int = 65_536):
+    def __init__(
+        self,
+        config: DrafterConfig,
+        store,
+        prior=None,
+        snapshot_every: int = 32,
+        ttl: float = 1800.0,
+        max_tokens: int = 65_536,
+    ):
         self.config = config
         self.max_tokens = max_tokens
         self.store = store
@@ -114,12 +121,17 @@ class Drafter:
         _check(bool(req.tenant), Status.INVALID_ARGUMENT, "open.tenant: required")
         history = list(req.history)
         _check(len(history) > 0, Status.INVALID_ARGUMENT, "open.history: empty")
-        _check(len(history) <= self.max_tokens, Status.RESOURCE_EXHAUSTED,
-               f"open.history: {len(history)} tokens, this drafter holds at most {self.max_tokens} per session")
+        _check(
+            len(history) <= self.max_tokens,
+            Status.RESOURCE_EXHAUSTED,
+            f"open.history: {len(history)} tokens, this drafter holds at most {self.max_tokens} per session",
+        )
         _check(all(t >= 0 for t in history), Status.INVALID_ARGUMENT, "open.history: negative token id")
         k = self.config.topk
         _check(req.topk in (0, k), Status.INVALID_ARGUMENT, f"open.topk: {req.topk}, this drafter uses {k}")
-        _check(len(req.history_topk) % k == 0, Status.INVALID_ARGUMENT, f"open.history_topk: not a multiple of topk={k}")
+        _check(
+            len(req.history_topk) % k == 0, Status.INVALID_ARGUMENT, f"open.history_topk: not a multiple of topk={k}"
+        )
         _check(all(t >= 0 for t in req.history_topk), Status.INVALID_ARGUMENT, "open.history_topk: negative token id")
         n_rows = len(req.history_topk) // k
         _check(n_rows <= len(history), Status.INVALID_ARGUMENT, "open.history_topk: more rows than history tokens")
@@ -160,27 +172,45 @@ class Drafter:
         k = self.config.topk
         if entry.tree:
             n = len(entry.tree)
-            _check(len(st.tree_topk) == n * k, Status.INVALID_ARGUMENT,
-                   f"step.tree_topk: {len(st.tree_topk)} ids, expected {n} nodes x topk {k}")
+            _check(
+                len(st.tree_topk) == n * k,
+                Status.INVALID_ARGUMENT,
+                f"step.tree_topk: {len(st.tree_topk)} ids, expected {n} nodes x topk {k}",
+            )
             acc = list(st.accepted)
             _check(bool(acc) and acc[0] == 0, Status.INVALID_ARGUMENT, "step.accepted: must start at the root (0)")
             _check(all(0 <= a < n for a in acc), Status.INVALID_ARGUMENT, "step.accepted: index outside the tree")
             parents = entry.parents
-            _check(all(parents[acc[i + 1]] == acc[i] for i in range(len(acc) - 1)), Status.INVALID_ARGUMENT,
-                   "step.accepted: not a root-to-node path of the last tree")
-            _check(1 <= st.commit <= len(acc), Status.INVALID_ARGUMENT, f"step.commit: {st.commit}, accepted {len(acc)}")
+            _check(
+                all(parents[acc[i + 1]] == acc[i] for i in range(len(acc) - 1)),
+                Status.INVALID_ARGUMENT,
+                "step.accepted: not a root-to-node path of the last tree",
+            )
+            _check(
+                1 <= st.commit <= len(acc), Status.INVALID_ARGUMENT, f"step.commit: {st.commit}, accepted {len(acc)}"
+            )
             _check(all(t >= 0 for t in st.tree_topk), Status.INVALID_ARGUMENT, "step.tree_topk: negative token id")
             rows = np.asarray(st.tree_topk, dtype=np.int64).reshape(n, k).tolist()
             s.observe_tree(entry.tree, rows, acc)
             s.extend([entry.tree[i] for i in acc[: st.commit]])
             entry.rounds_since_save += 1
         else:
-            _check(not st.tree_topk and not st.accepted, Status.INVALID_ARGUMENT,
-                   "step: feedback for a tree this stream never sent")
+            _check(
+                not st.tree_topk and not st.accepted,
+                Status.INVALID_ARGUMENT,
+                "step: feedback for a tree this stream never sent",
+            )
         _check(st.root >= 0, Status.INVALID_ARGUMENT, f"step.root: {st.root}")
-        _check(0 <= st.budget <= MAX_BUDGET, Status.INVALID_ARGUMENT, f"step.budget: {st.budget}, expected 0 (adaptive) or 1..{MAX_BUDGET}")
-        _check(st.budget > 0 or s.chooser is not None or (st.mode or "racer") == "off", Status.FAILED_PRECONDITION,
-               "step.budget: 0 (adaptive) needs a cost curve at open")
+        _check(
+            0 <= st.budget <= MAX_BUDGET,
+            Status.INVALID_ARGUMENT,
+            f"step.budget: {st.budget}, expected 0 (adaptive) or 1..{MAX_BUDGET}",
+        )
+        _check(
+            st.budget > 0 or s.chooser is not None or (st.mode or "racer") == "off",
+            Status.FAILED_PRECONDITION,
+            "step.budget: 0 (adaptive) needs a cost curve at open",
+        )
         mode = st.mode or "racer"
         _check(mode in MODES, Status.INVALID_ARGUMENT, f"step.mode: {mode!r}, expected one of {', '.join(MODES)}")
         _check(st.batch_rows >= 0, Status.INVALID_ARGUMENT, f"step.batch_rows: {st.batch_rows}")
@@ -228,8 +258,10 @@ class Drafter:
             M.SNAPSHOT_FAILURES.labels("save").inc()
             now = time.monotonic()
             if now - self._warned_at >= 10.0:
-                log.warning("snapshot save failed", extra={"key": key, "tokens": length, "error": repr(e),
-                                                           "failures_not_logged": self._unlogged})
+                log.warning(
+                    "snapshot save failed",
+                    extra={"key": key, "tokens": length, "error": repr(e), "failures_not_logged": self._unlogged},
+                )
                 self._warned_at, self._unlogged = now, 0
             else:
                 self._unlogged += 1
@@ -287,8 +319,17 @@ class Drafter:
         return entry is not None or in_store
 
     def stats(self) -> list[SessionStats]:
-        return [SessionStats(e.tenant, e.session_id, len(e.session.history), len(e.session.automaton),
-                             e.session.memory_estimate(), e.streaming) for e in self.sessions]
+        return [
+            SessionStats(
+                e.tenant,
+                e.session_id,
+                len(e.session.history),
+                len(e.session.automaton),
+                e.session.memory_estimate(),
+                e.streaming,
+            )
+            for e in self.sessions
+        ]
 
 
 def _is_prefix(a: list[int], b: list[int]) -> bool:

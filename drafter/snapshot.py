@@ -46,12 +46,23 @@ def dumps(session: DraftSession) -> bytes:
         table[i, : len(row)] = row
     arrays = {
         "meta": _i64([FORMAT, cfg.window, cfg.max_nodes, cfg.topk, len(session.history), len(st["parent"])]),
-        "parent": _i64(st["parent"]), "token": _i64(st["token"]), "freq": _i64(st["freq"]), "fail": _i64(st["fail"]),
-        "start": _i64(st["start"]), "free": _i64(st["free"]), "child_ptr": child_ptr, "child_ids": child_ids,
-        "bucket_starts": _i64(bucket_starts), "bucket_ptr": bucket_ptr, "bucket_nodes": bucket_nodes,
-        "frontier": _i64(st["frontier"]), "a_length": _i64([st["length"]]),
-        "table_tokens": _i64(list(rows.keys())), "table_rows": table,
-        "last_topk": _i64(session.last_topk), "history": _i64(session.history),
+        "parent": _i64(st["parent"]),
+        "token": _i64(st["token"]),
+        "freq": _i64(st["freq"]),
+        "fail": _i64(st["fail"]),
+        "start": _i64(st["start"]),
+        "free": _i64(st["free"]),
+        "child_ptr": child_ptr,
+        "child_ids": child_ids,
+        "bucket_starts": _i64(bucket_starts),
+        "bucket_ptr": bucket_ptr,
+        "bucket_nodes": bucket_nodes,
+        "frontier": _i64(st["frontier"]),
+        "a_length": _i64([st["length"]]),
+        "table_tokens": _i64(list(rows.keys())),
+        "table_rows": table,
+        "last_topk": _i64(session.last_topk),
+        "history": _i64(session.history),
     }
     buf = io.BytesIO()
     np.savez(buf, **arrays)
@@ -87,14 +98,22 @@ def loads(data: bytes, config: DrafterConfig, prior=None) -> DraftSession:
     try:
         ptr, ids = z["child_ptr"].tolist(), z["child_ids"].tolist()
         bptr, bnodes = z["bucket_ptr"].tolist(), z["bucket_nodes"].tolist()
-        a = Automaton.from_state({
-            "window": window, "max_nodes": max_nodes,
-            "parent": z["parent"].tolist(), "token": z["token"].tolist(), "freq": z["freq"].tolist(),
-            "fail": z["fail"].tolist(), "start": z["start"].tolist(), "free": z["free"].tolist(),
-            "children": [ids[ptr[i] : ptr[i + 1]] for i in range(nodes)],
-            "buckets": [(s_, bnodes[bptr[i] : bptr[i + 1]]) for i, s_ in enumerate(z["bucket_starts"].tolist())],
-            "frontier": z["frontier"].tolist(), "length": int(z["a_length"][0]),
-        })
+        a = Automaton.from_state(
+            {
+                "window": window,
+                "max_nodes": max_nodes,
+                "parent": z["parent"].tolist(),
+                "token": z["token"].tolist(),
+                "freq": z["freq"].tolist(),
+                "fail": z["fail"].tolist(),
+                "start": z["start"].tolist(),
+                "free": z["free"].tolist(),
+                "children": [ids[ptr[i] : ptr[i + 1]] for i in range(nodes)],
+                "buckets": [(s_, bnodes[bptr[i] : bptr[i + 1]]) for i, s_ in enumerate(z["bucket_starts"].tolist())],
+                "frontier": z["frontier"].tolist(),
+                "length": int(z["a_length"][0]),
+            }
+        )
         if not (len(a.parent) == len(a.token) == len(a.freq) == len(a.fail) == len(a.start) == nodes):
             raise SnapshotError("snapshot arrays disagree on the node count")
         s = DraftSession(config, prior)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from .automaton import ROOT, Automaton
+from .automaton import Automaton
 
 
 @dataclass(frozen=True)

@@ -51,9 +51,19 @@ async def _pump(responses, queue: asyncio.Queue) -> None:
 
 
 class Gateway:
-    def __init__(self, tokenizer, eos_ids, drafters: Endpoints, verifiers: Endpoints, store,
-                 api_keys: dict[str, str] | None = None, limits: Limits = Limits(), ttl: float = 1800.0,
-                 vocab_size: int | None = None, timeouts: Timeouts = Timeouts()):
+    def __init__(
+        self,
+        tokenizer,
+        eos_ids,
+        drafters: Endpoints,
+        verifiers: Endpoints,
+        store,
+        api_keys: dict[str, str] | None = None,
+        limits: Limits = Limits(),
+        ttl: float = 1800.0,
+        vocab_size: int | None = None,
+        timeouts: Timeouts = Timeouts(),
+    ):
         self.tokenizer = tokenizer
         self.eos_ids = tuple(eos_ids)
         self.backends = Backends(drafters, verifiers, timeouts.backend)
@@ -77,8 +87,9 @@ class Gateway:
         while self._turns and time.monotonic() < deadline - min(1.0, seconds / 2):
             await asyncio.sleep(0.05)
         for turn in list(self._turns.values()):
-            turn.stop("the gateway is shutting down; this turn was not saved (the session is as it was "
-                      "before it): retry it")
+            turn.stop(
+                "the gateway is shutting down; this turn was not saved (the session is as it was before it): retry it"
+            )
         while self._turns and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self._turns:
@@ -99,16 +110,20 @@ class Gateway:
         lim = self.limits
         running = sum(1 for t, _ in self._turns if t == tenant)
         if lim.max_sessions_per_tenant and running >= lim.max_sessions_per_tenant:
-            raise Abort(Status.RESOURCE_EXHAUSTED,
-                        f"tenant {tenant!r}: {running} sessions are generating, the limit is "
-                        f"max_sessions_per_tenant={lim.max_sessions_per_tenant}; retry when one ends")
+            raise Abort(
+                Status.RESOURCE_EXHAUSTED,
+                f"tenant {tenant!r}: {running} sessions are generating, the limit is "
+                f"max_sessions_per_tenant={lim.max_sessions_per_tenant}; retry when one ends",
+            )
         turn = input_ids(r, record.history, self.tokenizer, self.eos_ids, lim, self.vocab_size)
         history = record.history + turn
         if len(history) > lim.max_prompt_tokens:
-            raise Abort(Status.FAILED_PRECONDITION,
-                        f"session_id {record.session_id!r}: the session holds {len(record.history)} tokens, with this "
-                        f"turn's {len(turn)} it would exceed max_prompt_tokens={lim.max_prompt_tokens}; "
-                        "start a new session")
+            raise Abort(
+                Status.FAILED_PRECONDITION,
+                f"session_id {record.session_id!r}: the session holds {len(record.history)} tokens, with this "
+                f"turn's {len(turn)} it would exceed max_prompt_tokens={lim.max_prompt_tokens}; "
+                "start a new session",
+            )
         run = self._turns[key] = Turn(self, record, history, len(turn), req)
         # The rounds run in their own task and hand their responses over through a queue: a
         # streamed message's send completes ~0.4 ms after it is queued, and the next round need

@@ -72,12 +72,16 @@ class TurnLinks:
             deadline = self.waiting.get(kind)
             if deadline is None:  # kept until an open succeeds: the retries below do not restart the clock
                 deadline = self.waiting[kind] = now + gw.timeouts.reconnect
-                log.warning(f"no {kind} reachable; waiting for one", extra={"session_id": self.record.session_id,
-                                                                             "seconds": gw.timeouts.reconnect})
+                log.warning(
+                    f"no {kind} reachable; waiting for one",
+                    extra={"session_id": self.record.session_id, "seconds": gw.timeouts.reconnect},
+                )
             if now + delay > deadline:
-                raise Abort(Status.UNAVAILABLE,
-                            f"no {kind} reachable for {gw.timeouts.reconnect:g} s "
-                            f"(last error: {self.last_error[kind]}); the turn was not saved: retry it")
+                raise Abort(
+                    Status.UNAVAILABLE,
+                    f"no {kind} reachable for {gw.timeouts.reconnect:g} s "
+                    f"(last error: {self.last_error[kind]}); the turn was not saved: retry it",
+                )
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
             self.failed[kind].clear()
@@ -104,8 +108,10 @@ class TurnLinks:
             self.verifier = link
             self.waiting.pop("verifier", None)
             if rec.verifier and rec.verifier != ep:
-                log.info("session moved to another verifier", extra={"session_id": rec.session_id,
-                                                                      "from": rec.verifier, "to": ep})
+                log.info(
+                    "session moved to another verifier",
+                    extra={"session_id": rec.session_id, "from": rec.verifier, "to": ep},
+                )
             rec.verifier = ep
             if opened.cost is not None:
                 self.cost = opened.cost
@@ -122,8 +128,14 @@ class TurnLinks:
             link = self.gw.backends.drafter(ep)
             try:
                 restored_from, elapsed_ms = await link.open(
-                    rec.session_id, rec.tenant, rounds.committed, topk, topk_width, self.cost if adaptive else None,
-                    ROUND_OVERHEAD_MS)
+                    rec.session_id,
+                    rec.tenant,
+                    rounds.committed,
+                    topk,
+                    topk_width,
+                    self.cost if adaptive else None,
+                    ROUND_OVERHEAD_MS,
+                )
             except (Lost, Abort) as e:
                 await link.close(cancel=True)
                 if isinstance(e, Abort):
@@ -135,14 +147,17 @@ class TurnLinks:
             self.draft_ms += elapsed_ms
             if rounds.budget == 0 and not adaptive:
                 rounds.budget = DEFAULT_BUDGET
-            log.debug("drafter open",
-                      extra={"session_id": rec.session_id, "drafter": ep, "restored_from": restored_from})
+            log.debug(
+                "drafter open", extra={"session_id": rec.session_id, "drafter": ep, "restored_from": restored_from}
+            )
             return
 
     def _unreachable(self, kind: str, e: Lost) -> None:
         """An open failed: try the next endpoint (``_candidates`` bounds the retries by time)."""
-        log.warning(f"{kind} unreachable",
-                    extra={"session_id": self.record.session_id, "endpoint": e.endpoint, "error": e.error})
+        log.warning(
+            f"{kind} unreachable",
+            extra={"session_id": self.record.session_id, "endpoint": e.endpoint, "error": e.error},
+        )
         self._exclude(kind, e)
 
     def _exclude(self, kind: str, e: Lost) -> None:
@@ -154,14 +169,19 @@ class TurnLinks:
     def _lost(self, kind: str, e: Lost) -> None:
         """A stream broke mid-turn: fail over (a few times per turn at most)."""
         self.check_abort()
-        log.warning(f"{kind} lost; failing over",
-                    extra={"session_id": self.record.session_id, "endpoint": e.endpoint, "error": e.error})
+        log.warning(
+            f"{kind} lost; failing over",
+            extra={"session_id": self.record.session_id, "endpoint": e.endpoint, "error": e.error},
+        )
         M.FAILOVERS.labels(kind).inc()
         self._exclude(kind, e)
         self.lost[kind] += 1
         if self.lost[kind] > FAILOVERS:
-            raise Abort(Status.UNAVAILABLE, f"{kind}s keep failing ({self.lost[kind]} streams lost this turn; "
-                                            f"last: {e.error}); the turn was not saved: retry it")
+            raise Abort(
+                Status.UNAVAILABLE,
+                f"{kind}s keep failing ({self.lost[kind]} streams lost this turn; "
+                f"last: {e.error}); the turn was not saved: retry it",
+            )
 
     async def release(self, cancel: bool) -> None:
         for link in (self.drafter, self.verifier):
@@ -197,8 +217,9 @@ class TurnLinks:
                 self._lost("drafter", e)
                 continue
             except Abort as e:  # the request was checked at the door: a refused step is our bug, not the caller's
-                raise Abort(Status.INTERNAL, f"drafter {self.drafter.endpoint} refused a step: "
-                                             f"{e.code.name}: {e.message}") from None
+                raise Abort(
+                    Status.INTERNAL, f"drafter {self.drafter.endpoint} refused a step: {e.code.name}: {e.message}"
+                ) from None
             self.draft_ms += tree.elapsed_ms
             if not rounds.check_tree(tree.tokens):
                 raise Abort(Status.INTERNAL, f"drafter {self.drafter.endpoint} returned a tree with the wrong root")
@@ -211,8 +232,10 @@ class TurnLinks:
             try:
                 res = await self.verifier.verify(tree.tokens, tree.parents)
             except Abort as e:
-                raise Abort(Status.INTERNAL, f"verifier {self.verifier.endpoint} refused a draft tree: "
-                                             f"{e.code.name}: {e.message}") from None
+                raise Abort(
+                    Status.INTERNAL,
+                    f"verifier {self.verifier.endpoint} refused a draft tree: {e.code.name}: {e.message}",
+                ) from None
             except Lost as e:
                 await self.verifier.close(cancel=True)
                 self.gw._verifier_load[self.verifier.endpoint] -= 1
@@ -227,5 +250,6 @@ class TurnLinks:
         try:
             await self.drafter.end_turn()
         except (Lost, Abort) as e:  # the snapshot is an optimisation; the turn is done
-            log.warning("end_turn failed",
-                        extra={"session_id": self.record.session_id, "error": getattr(e, "error", repr(e))})
+            log.warning(
+                "end_turn failed", extra={"session_id": self.record.session_id, "error": getattr(e, "error", repr(e))}
+            )

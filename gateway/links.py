@@ -27,8 +27,12 @@ log = logging.getLogger("racer.gateway")
 # Errors that say the request is wrong, or that the session is busy elsewhere (ABORTED: another
 # stream is open on it): failing over would not help, and could run one session twice at once.
 _CALLER_ERRORS = {
-    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNAUTHENTICATED,
     grpc.StatusCode.ABORTED,
 }
 
@@ -138,19 +142,47 @@ class _Link:
 
 
 class DrafterLink(_Link):
-    async def open(self, session_id: str, tenant: str, history: list[int], history_topk: list[int], topk_width: int,
-                   cost: Cost | None, overhead_ms: float) -> tuple[str, float]:
+    async def open(
+        self,
+        session_id: str,
+        tenant: str,
+        history: list[int],
+        history_topk: list[int],
+        topk_width: int,
+        cost: Cost | None,
+        overhead_ms: float,
+    ) -> tuple[str, float]:
         """Where the drafter found the session ("memory", "snapshot", "history", "new") and its ms."""
-        resp = await self.ask(dpb.DraftRequest(open=dpb.DrafterOpen(
-            session_id=session_id, tenant=tenant, history=history, history_topk=history_topk, topk=topk_width,
-            cost=cpb.CostCurve(sizes=cost[0], ms=cost[1]) if cost is not None else None, overhead_ms=overhead_ms)))
+        resp = await self.ask(
+            dpb.DraftRequest(
+                open=dpb.DrafterOpen(
+                    session_id=session_id,
+                    tenant=tenant,
+                    history=history,
+                    history_topk=history_topk,
+                    topk=topk_width,
+                    cost=cpb.CostCurve(sizes=cost[0], ms=cost[1]) if cost is not None else None,
+                    overhead_ms=overhead_ms,
+                )
+            )
+        )
         return resp.restored_from, resp.elapsed_ms
 
     async def send_step(self, root: int, budget: int, mode: str, feedback: Feedback) -> None:
         """The next step; ``receive_tree`` reads its tree (so the gateway can work while the drafter does)."""
-        await self.send(dpb.DraftRequest(step=dpb.DraftStep(
-            tree_topk=feedback.topk, accepted=feedback.accepted, commit=feedback.commit, root=root, budget=budget,
-            mode=mode, batch_rows=feedback.batch_rows)))
+        await self.send(
+            dpb.DraftRequest(
+                step=dpb.DraftStep(
+                    tree_topk=feedback.topk,
+                    accepted=feedback.accepted,
+                    commit=feedback.commit,
+                    root=root,
+                    budget=budget,
+                    mode=mode,
+                    batch_rows=feedback.batch_rows,
+                )
+            )
+        )
 
     async def receive_tree(self) -> Tree:
         resp = await self.receive()
@@ -167,8 +199,9 @@ class VerifierLink(_Link):
         s = vpb.Sampling(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
         if sampling.seed is not None:
             s.seed = sampling.seed
-        resp = await self.ask(vpb.VerifyRequest(open=vpb.VerifierOpen(
-            session_id=session_id, tenant=tenant, history=history, sampling=s)))
+        resp = await self.ask(
+            vpb.VerifyRequest(open=vpb.VerifierOpen(session_id=session_id, tenant=tenant, history=history, sampling=s))
+        )
         cost = (tuple(resp.cost.sizes), tuple(resp.cost.ms)) if resp.cost.sizes else None
         return Opened(resp.next_token, list(resp.topk), resp.topk_width, cost, resp.elapsed_ms)
 
@@ -193,11 +226,18 @@ class Backends:
 
     async def drop(self, session_id: str, tenant: str, verifier: str) -> None:
         """Best effort: every drafter (any may hold a copy after a failover) and the session's verifier."""
-        calls = [dgrpc.DrafterStub(self.drafters.channel(ep)).Drop(
-            dpb.DropRequest(session_id=session_id, tenant=tenant), timeout=5) for ep in self.drafters.endpoints]
+        calls = [
+            dgrpc.DrafterStub(self.drafters.channel(ep)).Drop(
+                dpb.DropRequest(session_id=session_id, tenant=tenant), timeout=5
+            )
+            for ep in self.drafters.endpoints
+        ]
         if verifier:
-            calls.append(vgrpc.VerifierStub(self.verifiers.channel(verifier)).Drop(
-                vpb.VerifierDropRequest(session_id=session_id, tenant=tenant), timeout=5))
+            calls.append(
+                vgrpc.VerifierStub(self.verifiers.channel(verifier)).Drop(
+                    vpb.VerifierDropRequest(session_id=session_id, tenant=tenant), timeout=5
+                )
+            )
         for res in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(res, Exception):
                 log.warning("drop failed", extra={"session_id": session_id, "error": repr(res)})

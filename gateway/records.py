@@ -64,9 +64,11 @@ class Records:
 
     async def load(self, tenant: str, session_id: str) -> Record:
         if not SESSION_ID.fullmatch(session_id):
-            raise Abort(Status.INVALID_ARGUMENT,
-                        f"session_id: {session_id[:40]!r}{'...' if len(session_id) > 40 else ''} is not a session id "
-                        "(1-128 of A-Z a-z 0-9 _ -)")
+            raise Abort(
+                Status.INVALID_ARGUMENT,
+                f"session_id: {session_id[:40]!r}{'...' if len(session_id) > 40 else ''} is not a session id "
+                "(1-128 of A-Z a-z 0-9 _ -)",
+            )
         data = await self.call("get", self.store.get, record_key(tenant, session_id))
         if data is None:
             raise Abort(Status.NOT_FOUND, f"session_id {session_id!r}: no such session")

@@ -71,15 +71,18 @@ def check(r: Request, limits: Limits, vocab_size: int | None) -> TurnRequest:
     if mode not in MODES:
         raise Abort(Status.INVALID_ARGUMENT, f"speculation.mode: {mode!r}, expected one of {', '.join(MODES)}")
     if not 0 <= r.budget <= lim.max_budget:
-        raise Abort(Status.INVALID_ARGUMENT,
-                    f"speculation.budget: {r.budget}, expected 0 (adaptive) or 1..{lim.max_budget}")
+        raise Abort(
+            Status.INVALID_ARGUMENT, f"speculation.budget: {r.budget}, expected 0 (adaptive) or 1..{lim.max_budget}"
+        )
     try:
         sampling = SamplingParams(r.temperature, r.top_p or 1.0, r.top_k, r.seed)
     except ValueError as e:
         raise Abort(Status.INVALID_ARGUMENT, str(e)) from None
     if len(r.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in r.stop):
-        raise Abort(Status.INVALID_ARGUMENT,
-                    f"stop: at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
+        raise Abort(
+            Status.INVALID_ARGUMENT,
+            f"stop: at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters",
+        )
     if any(s == "" for s in r.stop):
         raise Abort(Status.INVALID_ARGUMENT, "stop: empty stop string")
     if len(r.stop_ids) > MAX_STOP_IDS:
@@ -95,8 +98,10 @@ def input_ids(r: Request, history: list[int], tokenizer, eos_ids, limits: Limits
     """The turn's new tokens: ``prompt_ids`` as they are, text through the chat template after ``history``."""
     ids = _input_ids(r, history, tokenizer, eos_ids, limits, vocab_size)
     if len(ids) > limits.max_prompt_tokens:
-        raise Abort(Status.INVALID_ARGUMENT,
-                    f"{r.input}: {len(ids)} tokens, the limit is max_prompt_tokens={limits.max_prompt_tokens}")
+        raise Abort(
+            Status.INVALID_ARGUMENT,
+            f"{r.input}: {len(ids)} tokens, the limit is max_prompt_tokens={limits.max_prompt_tokens}",
+        )
     return ids
 
 
@@ -131,9 +136,11 @@ def _input_ids(r: Request, history, tokenizer, eos_ids, limits: Limits, vocab_si
     # tokenizers this serves; checked before tokenizing a huge string).
     chars = len(r.prompt) + len(r.system) + sum(len(content) for _, content in r.chat)
     if chars > 64 * limits.max_prompt_tokens:
-        raise Abort(Status.INVALID_ARGUMENT,
-                    f"{kind}: {chars} characters, more than max_prompt_tokens={limits.max_prompt_tokens} tokens "
-                    "can hold (refused before tokenizing)")
+        raise Abort(
+            Status.INVALID_ARGUMENT,
+            f"{kind}: {chars} characters, more than max_prompt_tokens={limits.max_prompt_tokens} tokens "
+            "can hold (refused before tokenizing)",
+        )
     try:
         return continue_ids(tokenizer, history, messages, eos_ids) if history else messages_ids(tokenizer, messages)
     except Exception as e:  # noqa: BLE001 - template errors are the caller's input

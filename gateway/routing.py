@@ -22,6 +22,7 @@ log = logging.getLogger("racer.gateway")
 
 def rendezvous(key: str, endpoints: list[str]) -> list[str]:
     """``endpoints`` ranked for ``key``, best first (stable for a given set)."""
+
     def weight(ep: str) -> bytes:
         return hashlib.blake2b(f"{key}\x00{ep}".encode(), digest_size=8).digest()
 
@@ -55,8 +56,15 @@ def _getaddrinfo(host: str, port: int) -> list[str]:
 class Endpoints:
     """A live set of endpoints of one kind, with one channel per endpoint and local health marks."""
 
-    def __init__(self, spec: str, resolve_every: float = 10.0, resolver: Callable[[str, int], list[str]] = _getaddrinfo,
-                 channel_options=None, down_for: float = 5.0, credentials: grpc.ChannelCredentials | None = None):
+    def __init__(
+        self,
+        spec: str,
+        resolve_every: float = 10.0,
+        resolver: Callable[[str, int], list[str]] = _getaddrinfo,
+        channel_options=None,
+        down_for: float = 5.0,
+        credentials: grpc.ChannelCredentials | None = None,
+    ):
         self.host, self.port, static = parse_spec(spec)
         self.resolve_every = resolve_every
         self.resolver = resolver

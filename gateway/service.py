@@ -58,18 +58,34 @@ class GatewayService(pb_grpc.GenerationServicer):
 
     def _info(self, rec: Record, closed: bool = False) -> pb.SessionInfo:
         return pb.SessionInfo(
-            session_id=rec.session_id, turns=rec.turns, tokens=len(rec.history), drafter=self.gateway.drafter_of(rec),
-            verifier=rec.verifier, created_unix=rec.created, last_used_unix=rec.last_used, closed=closed,
+            session_id=rec.session_id,
+            turns=rec.turns,
+            tokens=len(rec.history),
+            drafter=self.gateway.drafter_of(rec),
+            verifier=rec.verifier,
+            created_unix=rec.created,
+            last_used_unix=rec.last_used,
+            closed=closed,
         )
 
 
 def _request(r: pb.GenerateRequest) -> Request:
     return Request(
-        session_id=r.session_id, input=r.WhichOneof("input"), prompt=r.prompt, system=r.system,
-        chat=tuple((m.role, m.content) for m in r.chat.messages), prompt_ids=tuple(r.prompt_ids.ids),
-        max_new_tokens=r.max_new_tokens, mode=r.speculation.mode, budget=r.speculation.budget,
-        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=r.seed if r.HasField("seed") else None,
-        stop=tuple(r.stop), stop_ids=tuple(r.stop_ids),
+        session_id=r.session_id,
+        input=r.WhichOneof("input"),
+        prompt=r.prompt,
+        system=r.system,
+        chat=tuple((m.role, m.content) for m in r.chat.messages),
+        prompt_ids=tuple(r.prompt_ids.ids),
+        max_new_tokens=r.max_new_tokens,
+        mode=r.speculation.mode,
+        budget=r.speculation.budget,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        seed=r.seed if r.HasField("seed") else None,
+        stop=tuple(r.stop),
+        stop_ids=tuple(r.stop_ids),
     )
 
 
@@ -80,11 +96,20 @@ def _response(item: Chunk | Finished) -> pb.GenerateResponse:
     return pb.GenerateResponse(
         session_id=item.session_id,
         finish_reason=item.finish_reason,
-        usage=pb.Usage(prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens,
-                       session_tokens=item.session_tokens),
+        usage=pb.Usage(
+            prompt_tokens=item.prompt_tokens,
+            completion_tokens=item.completion_tokens,
+            session_tokens=item.session_tokens,
+        ),
         stats=pb.SpeculationStats(
-            rounds=s.rounds, drafted=s.drafted, accepted=s.accepted, mat=s.mat, prefill_ms=item.prefill_ms,
-            draft_ms=item.draft_ms, verify_ms=item.verify_ms, total_ms=item.total_ms,
+            rounds=s.rounds,
+            drafted=s.drafted,
+            accepted=s.accepted,
+            mat=s.mat,
+            prefill_ms=item.prefill_ms,
+            draft_ms=item.draft_ms,
+            verify_ms=item.verify_ms,
+            total_ms=item.total_ms,
             tokens_per_second=item.tokens_per_second,
         ),
     )

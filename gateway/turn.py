@@ -115,7 +115,7 @@ class Turn:
         for i, tok in enumerate(out):
             before = len(detok.text)
             text += detok.push([tok])
-            if stops and any(s in detok.text[max(0, before - max(map(len, stops))):] for s in stops):
+            if stops and any(s in detok.text[max(0, before - max(map(len, stops))) :] for s in stops):
                 return out[: i + 1], True, text
         return out, done, text
 
@@ -142,7 +142,15 @@ class Turn:
         last = emitted[-1] if emitted else None
         stop_hit = last in self.stop_ids or (s.new_tokens < self.req.max_new)
         return Finished(
-            rec.session_id, "stop" if stop_hit else "length", self.n_turn, s.new_tokens, len(rec.history), s,
-            self.links.prefill_ms, self.links.draft_ms, self.links.verify_ms, total * 1e3,
+            rec.session_id,
+            "stop" if stop_hit else "length",
+            self.n_turn,
+            s.new_tokens,
+            len(rec.history),
+            s,
+            self.links.prefill_ms,
+            self.links.draft_ms,
+            self.links.verify_ms,
+            total * 1e3,
             s.new_tokens / total if total else 0.0,
         )

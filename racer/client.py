@@ -1,8 +1,8 @@
 """Python client of the gateway's ``Generation`` API, for internal users.
 
-    with Client("localhost:50051", api_key="...") as c:
-        for chunk in c.generate("Name three primary colors.", max_new_tokens=64):
-            print(chunk.text, end="", flush=True)
+with Client("localhost:50051", api_key="...") as c:
+    for chunk in c.generate("Name three primary colors.", max_new_tokens=64):
+        print(chunk.text, end="", flush=True)
 """
 
 from __future__ import annotations
@@ -16,8 +16,13 @@ from common.v1 import generation_pb2_grpc as pb_grpc
 
 
 class Client:
-    def __init__(self, target: str = "localhost:50051", api_key: str | None = None, timeout: float | None = None,
-                 credentials: grpc.ChannelCredentials | None = None):
+    def __init__(
+        self,
+        target: str = "localhost:50051",
+        api_key: str | None = None,
+        timeout: float | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ):
         self.channel = grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
@@ -46,8 +51,14 @@ class Client:
         """
         if request is None:
             request = pb.GenerateRequest(
-                session_id=session_id, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                top_k=top_k, stop=list(stop), stop_ids=list(stop_ids), system=system,
+                session_id=session_id,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                stop=list(stop),
+                stop_ids=list(stop_ids),
+                system=system,
                 speculation=pb.Speculation(mode=mode, budget=budget),
             )
             if seed is not None:
@@ -72,13 +83,17 @@ class Client:
         return ids, "".join(text), last
 
     def close_session(self, session_id: str) -> pb.SessionInfo:
-        return self.stub.CloseSession(pb.SessionRef(session_id=session_id), metadata=self.metadata, timeout=self.timeout)
+        return self.stub.CloseSession(
+            pb.SessionRef(session_id=session_id), metadata=self.metadata, timeout=self.timeout
+        )
 
     def get_session(self, session_id: str) -> pb.SessionInfo:
         return self.stub.GetSession(pb.SessionRef(session_id=session_id), metadata=self.metadata, timeout=self.timeout)
 
     def list_sessions(self) -> list[pb.SessionInfo]:
-        return list(self.stub.ListSessions(pb.ListSessionsRequest(), metadata=self.metadata, timeout=self.timeout).sessions)
+        return list(
+            self.stub.ListSessions(pb.ListSessionsRequest(), metadata=self.metadata, timeout=self.timeout).sessions
+        )
 
     def close(self) -> None:
         self.channel.close()

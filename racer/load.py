@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
-import math
 import random
 import socket
 import time
@@ -30,11 +29,32 @@ MAX_TURNS = 32
 MAX_NEW_TOKENS = 1024
 MAX_SECONDS = 600.0
 
-TOPICS = ["the tides", "binary search", "photosynthesis", "a bicycle gear", "compound interest", "the water cycle",
-          "public-key cryptography", "a hash table", "volcanoes", "the Fibonacci numbers", "a sourdough starter",
-          "TCP handshakes", "the moon's phases", "garbage collection", "rainbows", "a bloom filter"]
-ASKS = ["Explain {} in two sentences.", "Give three facts about {}.", "What is a common misconception about {}?",
-        "Summarize {} for a ten-year-old.", "Write a haiku about {}.", "List the steps of {} briefly."]
+TOPICS = [
+    "the tides",
+    "binary search",
+    "photosynthesis",
+    "a bicycle gear",
+    "compound interest",
+    "the water cycle",
+    "public-key cryptography",
+    "a hash table",
+    "volcanoes",
+    "the Fibonacci numbers",
+    "a sourdough starter",
+    "TCP handshakes",
+    "the moon's phases",
+    "garbage collection",
+    "rainbows",
+    "a bloom filter",
+]
+ASKS = [
+    "Explain {} in two sentences.",
+    "Give three facts about {}.",
+    "What is a common misconception about {}?",
+    "Summarize {} for a ten-year-old.",
+    "Write a haiku about {}.",
+    "List the steps of {} briefly.",
+]
 
 
 @dataclass
@@ -73,12 +93,14 @@ class Report:
 
     def format(self) -> str:
         e = ", ".join(f"{k} {v}" for k, v in sorted(self.errors.items())) or "none"
-        return (f"{self.sessions} sessions x {self.turns} turns: {self.completed_turns}/{self.sessions * self.turns} turns "
-                f"completed, errors: {e}\n"
-                f"tokens {self.tokens} in {self.wall_s:.2f} s: {self.tokens_per_s:.1f} tok/s aggregate\n"
-                f"time to first token  p50 {self.ttft_ms['p50']:.1f} ms  p99 {self.ttft_ms['p99']:.1f} ms\n"
-                f"inter-token latency  p50 {self.itl_ms['p50']:.2f} ms  p99 {self.itl_ms['p99']:.2f} ms\n"
-                f"turn latency         p50 {self.turn_ms['p50']:.1f} ms  p99 {self.turn_ms['p99']:.1f} ms")
+        return (
+            f"{self.sessions} sessions x {self.turns} turns: {self.completed_turns}/{self.sessions * self.turns} turns "
+            f"completed, errors: {e}\n"
+            f"tokens {self.tokens} in {self.wall_s:.2f} s: {self.tokens_per_s:.1f} tok/s aggregate\n"
+            f"time to first token  p50 {self.ttft_ms['p50']:.1f} ms  p99 {self.ttft_ms['p99']:.1f} ms\n"
+            f"inter-token latency  p50 {self.itl_ms['p50']:.2f} ms  p99 {self.itl_ms['p99']:.2f} ms\n"
+            f"turn latency         p50 {self.turn_ms['p50']:.1f} ms  p99 {self.turn_ms['p99']:.1f} ms"
+        )
 
 
 def percentiles(xs: list[float]) -> dict[str, float]:
@@ -106,16 +128,30 @@ def make_prompts(sessions: int, turns: int, seed: int, ids_vocab: int = 0, promp
     out = []
     for _ in range(sessions):
         if ids_vocab:
-            out.append([[rng.randrange(min(6, ids_vocab - 1), ids_vocab) for _ in range(prompt_tokens)] for _ in range(turns)])
+            out.append(
+                [[rng.randrange(min(6, ids_vocab - 1), ids_vocab) for _ in range(prompt_tokens)] for _ in range(turns)]
+            )
         else:
             out.append([rng.choice(ASKS).format(rng.choice(TOPICS)) for _ in range(turns)])
     return out
 
 
-async def run_load(target: str, sessions: int = 8, turns: int = 3, max_new_tokens: int = 64, seed: int = 0,
-                   ids_vocab: int = 0, prompt_tokens: int = 16, time_limit: float = 120.0, api_key: str | None = None,
-                   mode: str = "", budget: int = 0, close: bool = True, credentials: grpc.ChannelCredentials | None = None,
-                   loopback_only: bool = True) -> Report:
+async def run_load(
+    target: str,
+    sessions: int = 8,
+    turns: int = 3,
+    max_new_tokens: int = 64,
+    seed: int = 0,
+    ids_vocab: int = 0,
+    prompt_tokens: int = 16,
+    time_limit: float = 120.0,
+    api_key: str | None = None,
+    mode: str = "",
+    budget: int = 0,
+    close: bool = True,
+    credentials: grpc.ChannelCredentials | None = None,
+    loopback_only: bool = True,
+) -> Report:
     if not 1 <= sessions <= MAX_SESSIONS:
         raise ValueError(f"--sessions {sessions}: expected 1..{MAX_SESSIONS}")
     if not 1 <= turns <= MAX_TURNS:
@@ -133,7 +169,9 @@ async def run_load(target: str, sessions: int = 8, turns: int = 3, max_new_token
     itl: list[float] = []
     turn_ms: list[float] = []
     opts = [("grpc.max_receive_message_length", 64 << 20)]
-    channel = grpc.aio.secure_channel(target, credentials, opts) if credentials else grpc.aio.insecure_channel(target, opts)
+    channel = (
+        grpc.aio.secure_channel(target, credentials, opts) if credentials else grpc.aio.insecure_channel(target, opts)
+    )
     stub = pb_grpc.GenerationStub(channel)
 
     async def one(i: int) -> None:
@@ -142,8 +180,11 @@ async def run_load(target: str, sessions: int = 8, turns: int = 3, max_new_token
             p = prompts[i][t]
             turn = Turn(p)
             run.turns.append(turn)
-            req = pb.GenerateRequest(session_id=run.session_id, max_new_tokens=max_new_tokens,
-                                     speculation=pb.Speculation(mode=mode, budget=budget))
+            req = pb.GenerateRequest(
+                session_id=run.session_id,
+                max_new_tokens=max_new_tokens,
+                speculation=pb.Speculation(mode=mode, budget=budget),
+            )
             if isinstance(p, str):
                 req.prompt = p
             else:
@@ -180,8 +221,14 @@ async def run_load(target: str, sessions: int = 8, turns: int = 3, max_new_token
         await asyncio.gather(*tasks, return_exceptions=True)
         wall = time.perf_counter() - t_start
         if close:
-            await asyncio.gather(*(stub.CloseSession(pb.SessionRef(session_id=r.session_id), metadata=md, timeout=10)
-                                   for r in runs if r.session_id), return_exceptions=True)
+            await asyncio.gather(
+                *(
+                    stub.CloseSession(pb.SessionRef(session_id=r.session_id), metadata=md, timeout=10)
+                    for r in runs
+                    if r.session_id
+                ),
+                return_exceptions=True,
+            )
     finally:
         await channel.close()
     errors: dict[str, int] = {}
@@ -192,9 +239,17 @@ async def run_load(target: str, sessions: int = 8, turns: int = 3, max_new_token
                 errors[code] = errors.get(code, 0) + 1
     tokens = sum(len(t.ids) for r in runs for t in r.turns)
     return Report(
-        sessions=sessions, turns=turns, completed_turns=sum(1 for r in runs for t in r.turns if not t.error),
-        errors=errors, tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall if wall else 0.0,
-        ttft_ms=percentiles(ttft), itl_ms=percentiles(itl), turn_ms=percentiles(turn_ms), runs=runs,
+        sessions=sessions,
+        turns=turns,
+        completed_turns=sum(1 for r in runs for t in r.turns if not t.error),
+        errors=errors,
+        tokens=tokens,
+        wall_s=wall,
+        tokens_per_s=tokens / wall if wall else 0.0,
+        ttft_ms=percentiles(ttft),
+        itl_ms=percentiles(itl),
+        turn_ms=percentiles(turn_ms),
+        runs=runs,
     )
 
 
@@ -202,12 +257,25 @@ def main(args) -> int:
     from common.tls import channel_credentials
 
     creds = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key, system_roots=bool(args.tls_cert))
-    report = asyncio.run(run_load(
-        args.target, args.sessions, args.turns, args.max_new_tokens, args.seed, args.ids, args.prompt_tokens,
-        args.time_limit, args.api_key, args.mode, args.budget, not args.keep_sessions, creds))
+    report = asyncio.run(
+        run_load(
+            args.target,
+            args.sessions,
+            args.turns,
+            args.max_new_tokens,
+            args.seed,
+            args.ids,
+            args.prompt_tokens,
+            args.time_limit,
+            args.api_key,
+            args.mode,
+            args.budget,
+            not args.keep_sessions,
+            creds,
+        )
+    )
     print(report.format())
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report.summary(), f, indent=2)
     return 0 if not report.errors else 1
-

@@ -37,8 +37,15 @@ def build(out: Path) -> list[str]:
     files = [str(p.relative_to(PROTO_DIR)) for p in proto_files()]
     with tempfile.TemporaryDirectory() as tmp:
         rc = protoc.main(
-            ["grpc_tools.protoc", f"-I{PROTO_DIR}", f"-I{include}", f"--python_out={tmp}", f"--pyi_out={tmp}",
-             f"--grpc_python_out={tmp}", *files]
+            [
+                "grpc_tools.protoc",
+                f"-I{PROTO_DIR}",
+                f"-I{include}",
+                f"--python_out={tmp}",
+                f"--pyi_out={tmp}",
+                f"--grpc_python_out={tmp}",
+                *files,
+            ]
         )
         if rc != 0:
             raise RuntimeError(f"protoc failed with status {rc}")

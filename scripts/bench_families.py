@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from tests.engine.helpers import hf_greedy, run_racer  # noqa: E402
-from tests.families import FAMILIES, backend_kind, echo_prompt, make  # noqa: E402
+from tests.support.engine import hf_greedy, run_racer  # noqa: E402
+from tests.support.families import FAMILIES, backend_kind, echo_prompt, make  # noqa: E402
 from verifier.engine import VerifierSession  # noqa: E402
 
 
@@ -48,7 +48,10 @@ def main(argv=None) -> None:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)
-    print(f"| family | model_type | backend | lossless 1/8/64 | HF greedy tok/s | racer tok/s (budget {args.budget}) | speed-up | MAT |")
+    print(
+        "| family | model_type | backend | lossless 1/8/64 | HF greedy tok/s "
+        f"| racer tok/s (budget {args.budget}) | speed-up | MAT |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name in args.names:
         m = make(name)
@@ -58,11 +61,15 @@ def main(argv=None) -> None:
         ok = [run_racer(m, list(prompt), "auto", max_new_tokens=args.tokens, budget=b)[0] == ref for b in (1, 8, 64)]
         _, t_hf = timed(lambda: hf_greedy(m, prompt, args.tokens), args.reps)
         (out, stats, _), t_racer = timed(
-            lambda: run_racer(m, list(prompt), "auto", max_new_tokens=args.tokens, budget=args.budget), args.reps)
+            lambda: run_racer(m, list(prompt), "auto", max_new_tokens=args.tokens, budget=args.budget), args.reps
+        )
         assert out == ref
         n = args.tokens
-        print(f"| {name} | {m.config.model_type} | {kind} | {'/'.join('yes' if x else 'NO' for x in ok)} "
-              f"| {n / t_hf:.0f} | {n / t_racer:.0f} | {t_hf / t_racer:.2f}x | {stats.mat:.2f} |", flush=True)
+        print(
+            f"| {name} | {m.config.model_type} | {kind} | {'/'.join('yes' if x else 'NO' for x in ok)} "
+            f"| {n / t_hf:.0f} | {n / t_racer:.0f} | {t_hf / t_racer:.2f}x | {stats.mat:.2f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -220,7 +220,11 @@ def _probe(model) -> Plan:
     except _Unsupported as e:
         raise ValueError(f"model_type={model_type!r} is not supported by the generic backend: {e}") from None
     dtype = next(model.parameters()).dtype
-    vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else model.config.vocab_size
+    vocab = (
+        model.config.get_text_config().vocab_size
+        if hasattr(model.config, "get_text_config")
+        else model.config.vocab_size
+    )
     rng = random.Random(1234)
     hi = min(vocab, 1000)
     ctx = [rng.randrange(hi) for _ in range(6)]
@@ -235,16 +239,24 @@ def _probe(model) -> Plan:
         except Exception as e:  # noqa: BLE001 - any failure (an assertion, an error in the model) means: not this way
             errors.append(f"tree: {_describe(e)}")
     reason = _CHAIN_REASONS.get(model_type) or (
-        "it takes no position ids" if not takes_positions else "it does not honour a custom 4D attention mask with tree positions")
+        "it takes no position ids"
+        if not takes_positions
+        else "it does not honour a custom 4D attention mask with tree positions"
+    )
     chain_plan = Plan("chain", reason=reason, takes_positions=takes_positions, window_masks=windows)
     try:
         _check_chain(model, chain_plan, ctx, tree_tokens, dtype)
     except Exception as e:  # noqa: BLE001
         errors.append(f"chain: {_describe(e)}")
-        raise ValueError(f"model_type={model_type!r} is not supported by the generic backend "
-                         f"(neither tree nor chain verification reproduces its own forward: {'; '.join(errors)})") from None
-    log.warning("model_type=%r cannot verify trees (%s); verifying chains only (the draft tree's first path)",
-                model_type, reason)
+        raise ValueError(
+            f"model_type={model_type!r} is not supported by the generic backend "
+            f"(neither tree nor chain verification reproduces its own forward: {'; '.join(errors)})"
+        ) from None
+    log.warning(
+        "model_type=%r cannot verify trees (%s); verifying chains only (the draft tree's first path)",
+        model_type,
+        reason,
+    )
     return chain_plan
 
 
@@ -288,7 +300,7 @@ def _check_chain(model, plan, ctx, tokens, dtype) -> None:
     _prefill(b, ctx)
     chain = tokens[:4]
     got = b.logits(b.forward(torch.tensor(chain), torch.arange(b.length, b.length + 4), None))
-    want = _reference(model, ctx + chain)[len(ctx):]
+    want = _reference(model, ctx + chain)[len(ctx) :]
     assert _close(got, want, dtype), "chain logits differ from transformers' own forward"
     b.commit([0, 1], 4)  # a prefix: the cache is cropped
     nxt = tokens[5]

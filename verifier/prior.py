@@ -28,7 +28,9 @@ log = logging.getLogger(__name__)
 
 def neutral_prefix(tokenizer) -> list[int]:
     if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True, tokenize=True)
+        out = tokenizer.apply_chat_template(
+            [{"role": "user", "content": ""}], add_generation_prompt=True, tokenize=True
+        )
         return list(out["input_ids"] if hasattr(out, "keys") else out)
     return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
 
@@ -82,9 +84,13 @@ def find_or_compute(model, tokenizer, topk: int, cache_dir: Path | None = None, 
     if not compute:
         return None
     if not FastLlamaBackend.supports(model):
-        log.info("no copy-logit prior for model_type=%s (the generic backend would take too long)", model.config.model_type)
+        log.info(
+            "no copy-logit prior for model_type=%s (the generic backend would take too long)", model.config.model_type
+        )
         return None
-    log.warning("computing the copy-logit prior for %d tokens (once per model; cached in %s)", model.config.vocab_size, path)
+    log.warning(
+        "computing the copy-logit prior for %d tokens (once per model; cached in %s)", model.config.vocab_size, path
+    )
     from tqdm import tqdm
 
     with tqdm(total=model.config.vocab_size, desc="copy-logit prior", unit="tok", leave=False) as bar:

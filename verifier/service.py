@@ -25,19 +25,37 @@ class VerifierService(pb_grpc.VerifierServicer):
                         raise Abort(Status.FAILED_PRECONDITION, "open: this stream already has a session")
                     op = req.open
                     s = op.sampling
-                    entry = v.claim(Open(op.tenant, op.session_id, list(op.history),
-                                         (s.temperature, s.top_p or 1.0, s.top_k, s.seed if s.HasField("seed") else None)))
+                    entry = v.claim(
+                        Open(
+                            op.tenant,
+                            op.session_id,
+                            list(op.history),
+                            (s.temperature, s.top_p or 1.0, s.top_k, s.seed if s.HasField("seed") else None),
+                        )
+                    )
                     res = await v.open(entry, list(op.history))
-                    yield pb.VerifyResponse(next_token=res.next_token, topk=res.topk, topk_width=v.topk,
-                                            reused_tokens=res.reused_tokens, cache_tokens=res.cache_tokens,
-                                            elapsed_ms=res.elapsed_ms, cost=self._cost_curve())
+                    yield pb.VerifyResponse(
+                        next_token=res.next_token,
+                        topk=res.topk,
+                        topk_width=v.topk,
+                        reused_tokens=res.reused_tokens,
+                        cache_tokens=res.cache_tokens,
+                        elapsed_ms=res.elapsed_ms,
+                        cost=self._cost_curve(),
+                    )
                 elif kind == "tree":
                     if entry is None:
                         raise Abort(Status.FAILED_PRECONDITION, "tree: open the session first")
                     res = await v.verify(entry, list(req.tree.tokens), list(req.tree.parents))
-                    yield pb.VerifyResponse(next_token=res.next_token, accepted=res.accepted, topk=res.topk,
-                                            topk_width=v.topk, cache_tokens=res.cache_tokens,
-                                            elapsed_ms=res.elapsed_ms, batch_rows=res.batch_rows)
+                    yield pb.VerifyResponse(
+                        next_token=res.next_token,
+                        accepted=res.accepted,
+                        topk=res.topk,
+                        topk_width=v.topk,
+                        cache_tokens=res.cache_tokens,
+                        elapsed_ms=res.elapsed_ms,
+                        batch_rows=res.batch_rows,
+                    )
                 else:
                     raise Abort(Status.INVALID_ARGUMENT, "request: set one of open, tree")
         finally:
@@ -53,9 +71,16 @@ class VerifierService(pb_grpc.VerifierServicer):
 
     async def Stats(self, request, context):
         return pb.VerifierStatsResponse(
-            sessions=[pb.VerifierSessionStats(session_id=s.session_id, tenant=s.tenant, cache_tokens=s.cache_tokens,
-                                              streaming=s.streaming, idle_seconds=s.idle_seconds)
-                      for s in self.verifier.stats()],
+            sessions=[
+                pb.VerifierSessionStats(
+                    session_id=s.session_id,
+                    tenant=s.tenant,
+                    cache_tokens=s.cache_tokens,
+                    streaming=s.streaming,
+                    idle_seconds=s.idle_seconds,
+                )
+                for s in self.verifier.stats()
+            ],
             cache_tokens=self.verifier.cache_tokens,
             cost=self._cost_curve(),
         )

@@ -73,9 +73,18 @@ class SessionStats:
 
 
 class Verifier:
-    def __init__(self, model, topk: int = 8, backend: str = "auto", max_sessions: int = 64,
-                 max_cache_tokens: int = 262_144, ttl: float = 1800.0, cost: dict[int, float] | None = None,
-                 max_batch: int = 16, max_wait_ms: float = 20.0):
+    def __init__(
+        self,
+        model,
+        topk: int = 8,
+        backend: str = "auto",
+        max_sessions: int = 64,
+        max_cache_tokens: int = 262_144,
+        ttl: float = 1800.0,
+        cost: dict[int, float] | None = None,
+        max_batch: int = 16,
+        max_wait_ms: float = 20.0,
+    ):
         self.model = model
         self.topk = topk
         self.backend = backend
@@ -89,8 +98,9 @@ class Verifier:
         # OpenMP thread settings are per thread: the worker takes the creating thread's count.
         threads = torch.get_num_threads()
         self.busy = 0  # calls handed to the model thread and not yet over
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="verifier-model", initializer=torch.set_num_threads,
-                                        initargs=(threads,))
+        self._pool = ThreadPoolExecutor(
+            1, thread_name_prefix="verifier-model", initializer=torch.set_num_threads, initargs=(threads,)
+        )
 
     @property
     def ttl(self) -> float:
@@ -129,10 +139,14 @@ class Verifier:
             raise Abort(Status.INVALID_ARGUMENT, "open.history: empty")
         bad = next((t for t in op.history if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise Abort(Status.INVALID_ARGUMENT, f"open.history: token id {bad} outside the vocabulary [0, {self.vocab_size})")
+            raise Abort(
+                Status.INVALID_ARGUMENT, f"open.history: token id {bad} outside the vocabulary [0, {self.vocab_size})"
+            )
         if len(op.history) > self.max_cache_tokens:
-            raise Abort(Status.RESOURCE_EXHAUSTED,
-                         f"open.history: {len(op.history)} tokens, this verifier holds at most {self.max_cache_tokens}")
+            raise Abort(
+                Status.RESOURCE_EXHAUSTED,
+                f"open.history: {len(op.history)} tokens, this verifier holds at most {self.max_cache_tokens}",
+            )
         try:
             sampling = SamplingParams(*op.sampling)
         except ValueError as e:
@@ -143,8 +157,9 @@ class Verifier:
             raise Abort(Status.ABORTED, f"session {op.session_id}: another stream is open on it")
         self._make_room(len(op.history), keep=key)
         if entry is None:
-            entry = self.sessions.put(Entry(op.tenant, op.session_id,
-                                            session=VerifierSession(self.model, self.topk, self.backend, sampling)))
+            entry = self.sessions.put(
+                Entry(op.tenant, op.session_id, session=VerifierSession(self.model, self.topk, self.backend, sampling))
+            )
         entry.session.set_sampling(sampling)
         self.sessions.claim(entry)
         M.VERIFIER_SESSIONS.set(len(self.sessions))
@@ -152,6 +167,7 @@ class Verifier:
 
     def _make_room(self, tokens: int, keep: tuple[str, str]) -> None:
         """Evicts idle caches, least recently used first, until a session of ``tokens`` fits."""
+
         def over() -> bool:
             held = sum(len(e.tokens) for e in self.sessions if e.key != keep)
             count = len(self.sessions) + (keep not in self.sessions)
@@ -218,7 +234,9 @@ class Verifier:
         entry.touch()
         elapsed = (time.perf_counter() - t0) * 1e3
         M.VERIFY_MS.observe(elapsed)
-        return Verified(res.bonus, res.accepted, [t for row in res.topk for t in row], len(entry.tokens), elapsed, others)
+        return Verified(
+            res.bonus, res.accepted, [t for row in res.topk for t in row], len(entry.tokens), elapsed, others
+        )
 
     def streaming(self) -> int:
         return self.sessions.streaming()
@@ -247,7 +265,9 @@ class Verifier:
 
     def stats(self) -> list[SessionStats]:
         now = time.monotonic()
-        return [SessionStats(e.tenant, e.session_id, len(e.tokens), e.streaming, now - e.last_used) for e in self.sessions]
+        return [
+            SessionStats(e.tenant, e.session_id, len(e.tokens), e.streaming, now - e.last_used) for e in self.sessions
+        ]
 
     @property
     def cache_tokens(self) -> int:

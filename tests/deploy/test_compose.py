@@ -3,8 +3,6 @@ settings (common/settings.py) and with the image (Dockerfile)."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from urllib.parse import urlsplit
 
 import jsonschema
@@ -14,7 +12,6 @@ from check_jsonschema.builtin_schemas import get_builtin_schema
 from common import settings
 
 from .manifests import (
-    ROOT,
     allowed_env,
     compose,
     compose_env,
@@ -84,7 +81,13 @@ def test_healthchecks_ask_the_grpc_health_service():
     doc = compose()
     for name, service in racer_services(doc).items():
         test = doc["services"][name]["healthcheck"]["test"]
-        assert test == ["CMD", "racer", "health", f"localhost:{settings.PORTS[service][0]}", settings.HEALTH_SERVICES[service]]
+        assert test == [
+            "CMD",
+            "racer",
+            "health",
+            f"localhost:{settings.PORTS[service][0]}",
+            settings.HEALTH_SERVICES[service],
+        ]
     assert doc["services"]["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
 
 

@@ -9,7 +9,6 @@ import fnmatch
 import io
 import re
 import socket
-import sys
 from concurrent import futures
 
 import grpc

@@ -118,10 +118,20 @@ def test_generated_names_follow_their_content():
 
 
 def test_strategic_merge_follows_kubernetes_merge_keys():
-    base = {"spec": {"containers": [{"name": "a", "image": "x", "env": [{"name": "A", "value": "1"}]}, {"name": "b"}],
-                     "tolerations": [{"key": "k1"}], "nodeSelector": {"n": "1"}}}
-    patch = {"spec": {"containers": [{"name": "a", "env": [{"name": "B", "value": "2"}]}],
-                      "tolerations": [{"key": "k2"}], "nodeSelector": None}}
+    base = {
+        "spec": {
+            "containers": [{"name": "a", "image": "x", "env": [{"name": "A", "value": "1"}]}, {"name": "b"}],
+            "tolerations": [{"key": "k1"}],
+            "nodeSelector": {"n": "1"},
+        }
+    }
+    patch = {
+        "spec": {
+            "containers": [{"name": "a", "env": [{"name": "B", "value": "2"}]}],
+            "tolerations": [{"key": "k2"}],
+            "nodeSelector": None,
+        }
+    }
     merged = kustomize.strategic_merge(base, patch)
     assert merged["spec"]["containers"] == [
         {"name": "a", "image": "x", "env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]},
@@ -269,10 +279,16 @@ def test_redis_urls_point_at_the_redis_service(overlay):
         assert url.scheme == "redis"
         host = url.hostname.split(".")
         svc = find(objs, "Service", host[0])
-        assert host[1:] in ([], [svc["metadata"]["namespace"]], [svc["metadata"]["namespace"], "svc", "cluster", "local"])
+        assert host[1:] in (
+            [],
+            [svc["metadata"]["namespace"]],
+            [svc["metadata"]["namespace"], "svc", "cluster", "local"],
+        )
         assert url.port in {p["port"] for p in svc["spec"]["ports"]}
         selector = {"matchLabels": svc["spec"]["selector"]}
-        (redis,) = [s for s in of_kind(objs, "StatefulSet") if selects(selector, s["spec"]["template"]["metadata"]["labels"])]
+        (redis,) = [
+            s for s in of_kind(objs, "StatefulSet") if selects(selector, s["spec"]["template"]["metadata"]["labels"])
+        ]
         assert redis["spec"]["serviceName"] == svc["metadata"]["name"]
         args = redis["spec"]["template"]["spec"]["containers"][0]["args"]
         assert args[args.index("--appendonly") + 1] == "yes"  # sessions survive a Redis restart
@@ -360,7 +376,9 @@ def test_every_workload_has_a_pdb_that_selects_only_its_pods(overlay):
     workloads = of_kind(objs, "Deployment", "StatefulSet")
     covered = set()
     for pdb in of_kind(objs, "PodDisruptionBudget"):
-        matched = [w for w in workloads if selects(pdb["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])]
+        matched = [
+            w for w in workloads if selects(pdb["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])
+        ]
         assert len(matched) == 1, f"{pdb['metadata']['name']} selects {len(matched)} workloads"
         (w,) = matched
         covered.add(w["metadata"]["name"])
@@ -383,7 +401,9 @@ def test_resources_threads_and_security(overlay):
             assert c["securityContext"]["allowPrivilegeEscalation"] is False
             env = container_env(objs, c)
             if "OMP_NUM_THREADS" in env:  # more threads than cores makes every op several times slower
-                assert int(env["OMP_NUM_THREADS"]) <= max(1, math.ceil(cpu_quantity(c["resources"]["limits"]["cpu"]))), c["name"]
+                assert int(env["OMP_NUM_THREADS"]) <= max(
+                    1, math.ceil(cpu_quantity(c["resources"]["limits"]["cpu"]))
+                ), c["name"]
             if c.get("command", [None])[0] == "racer":
                 # The image's user, and writable /tmp and $HOME over the read-only image.
                 assert f"{pod['securityContext']['runAsUser']}:{pod['securityContext']['runAsGroup']}" == user

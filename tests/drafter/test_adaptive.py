@@ -23,7 +23,9 @@ def _paths(tree) -> set[tuple[int, ...]]:
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 10_000), vocab=st.integers(3, 30), mode=st.sampled_from(["racer", "retrieval", "logits", "pld"]))
+@given(
+    seed=st.integers(0, 10_000), vocab=st.integers(3, 30), mode=st.sampled_from(["racer", "retrieval", "logits", "pld"])
+)
 def test_the_tree_of_budget_c_is_the_prefix_of_the_big_tree(seed, vocab, mode):
     rng = random.Random(seed)
     s = DraftSession(DrafterConfig(window=5, max_nodes=200, topk=4))

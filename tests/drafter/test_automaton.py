@@ -64,7 +64,8 @@ def unbounded(draw, max_len=60):
 
 class Spy(Automaton):
     """Records every eviction (victim, its string, whether it had children, its LRU key and the
-    minimum key at that moment) and flags a victim that the current append walks to (an existing ``s + c`` for a suffix ``s`` on the frontier)."""
+    minimum key at that moment) and flags a victim that the current append walks to (an existing
+    ``s + c`` for a suffix ``s`` on the frontier)."""
 
     __slots__ = ("evictions", "path", "reached_node_evicted")
 
@@ -205,7 +206,7 @@ def test_eviction_is_lru_of_leaves(case):
     distinct = len(substring_counts(tokens, window))
     if distinct + 1 > max_nodes:
         assert a.evictions, "capacity exceeded by distinct substrings but nothing was evicted"
-    for victim, s, had_children, key, min_key in a.evictions:
+    for _victim, s, had_children, key, min_key in a.evictions:
         assert not had_children, f"evicted {s} while it had children"
         assert key is not None, f"evicted {s}, a node created in this very append (never touched)"
         assert key == min_key, f"evicted {s} with key {key}, but the LRU key is {min_key}"

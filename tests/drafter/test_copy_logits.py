@@ -77,11 +77,13 @@ def test_put_many_later_positions_win():
 
 prior_st = st.one_of(
     st.none(),
-    st.integers(0, 9).flatmap(
+    st.integers(0, 9)
+    .flatmap(
         lambda vocab: st.lists(
             st.lists(st.integers(0, 9), unique=True, min_size=10, max_size=10), min_size=vocab, max_size=vocab
         )
-    ).flatmap(lambda rows: st.sampled_from([rows, np.array(rows, dtype=np.uint16).reshape(len(rows), 10)])),
+    )
+    .flatmap(lambda rows: st.sampled_from([rows, np.array(rows, dtype=np.uint16).reshape(len(rows), 10)])),
 )
 
 

@@ -6,15 +6,13 @@ retrieval references are exact.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import drafter.tree as tree_mod
-from drafter.session import DrafterConfig, DraftSession
 from common.params import MODES
+from drafter.session import DrafterConfig, DraftSession
 
 from .refs import (
     best_first_frontier,
@@ -291,7 +289,10 @@ def test_pld_independent_of_chunking(ngram, history, root, budget, cuts):
         many.extend(history[prev:c])
         prev = c
     assert one.draft(root, budget, "pld") == many.draft(root, budget, "pld")
-    assert one.draft(root, budget, "pld").tokens == (root, *(pld_reference(history, root, ngram, budget) if budget > 1 else ()))
+    assert one.draft(root, budget, "pld").tokens == (
+        root,
+        *(pld_reference(history, root, ngram, budget) if budget > 1 else ()),
+    )
 
 
 # -- learning -----------------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from drafter.session import DrafterConfig, DraftSession
 from common.params import MODES
+from drafter.session import DrafterConfig, DraftSession
 from drafter.snapshot import SnapshotError, dumps, loads, snapshot_length
 
 CFG = DrafterConfig(window=4, max_nodes=4 * 5 + 1 + 9, topk=3)

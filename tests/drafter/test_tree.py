@@ -17,9 +17,9 @@ from drafter.tree import _Trie, add_logits, add_logits_best_first, add_retrieval
 
 from .refs import (
     best_first_frontier,
-    rank_value,
-    logits_reference,
     check_tree_shape,
+    logits_reference,
+    rank_value,
     retrieval_paths_reference,
     substring_counts,
     suffix,
@@ -98,11 +98,7 @@ def _acceptance_estimates(ctx, window, root, min_depth, backoff=Fraction(1, 2), 
     path of count(ctx'+child)/count(ctx') in the deepest border context that still holds the child,
     times ``backoff`` when that context is shallower than the deepest one holding the parent."""
     counts = substring_counts(ctx, window)
-    Ls = [
-        L
-        for L in range(min(len(ctx), window), -1, -1)
-        if L + 1 >= min_depth and suffix(ctx, L) + (root,) in counts
-    ]
+    Ls = [L for L in range(min(len(ctx), window), -1, -1) if L + 1 >= min_depth and suffix(ctx, L) + (root,) in counts]
 
     def holders(path):
         return [L for L in Ls if suffix(ctx, L) + (root,) + path in counts]
@@ -209,9 +205,7 @@ def test_retrieval_min_prob_prunes_exactly(window, ctx, root, min_depth, min_pro
 
 
 # -- logits expansion --------------------------------------------------------------------------------
-table_st = st.dictionaries(
-    st.integers(0, 5), st.lists(st.integers(0, 5), unique=True, max_size=6), max_size=6
-)
+table_st = st.dictionaries(st.integers(0, 5), st.lists(st.integers(0, 5), unique=True, max_size=6), max_size=6)
 
 
 @FAST

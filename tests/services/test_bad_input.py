@@ -13,32 +13,41 @@ import random
 import threading
 
 import grpc
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from common.params import MODES
-from racer import launch as services
-from racer.client import Client
 from common.text import continue_ids, messages_ids
 from common.v1 import drafter_pb2 as dpb
 from common.v1 import drafter_pb2_grpc as dgrpc
 from common.v1 import generation_pb2 as pb
 from common.v1 import verifier_pb2 as vpb
 from common.v1 import verifier_pb2_grpc as vgrpc
+from racer import launch as services
+from racer.client import Client
+from tests.support.engine import hf_greedy
+from tests.support.stack import start_stack, wait_until
+from tests.support.tinytok import make_char_tokenizer
 
-from ..engine.helpers import hf_greedy
-from .conftest import start_stack, wait_until
-from .tinytok import make_char_tokenizer
-
-IA, NF, RE, FP, UA, AB = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.ABORTED)
+IA, NF, RE, FP, UA, AB = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.ABORTED,
+)
 VOCAB = 96
 MAX_PROMPT, MAX_NEW, MAX_BUDGET = 48, 24, 16
 MAX_MESSAGE = 64 * 1024
-FUZZ = settings(max_examples=200, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 def prompt(seed: int, n: int = 12) -> list[int]:
@@ -55,9 +64,19 @@ def tok():
 def env(loop_thread, tiny_llama, tok, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys"
     keys.write_text("key-a acme\nkey-b globex\n")
-    st_ = start_stack(loop_thread, tiny_llama, drafters=2, api_keys=str(keys), tokenizer=tok, eos_ids=(),
-                      max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW, max_budget=MAX_BUDGET,
-                      max_message_bytes=MAX_MESSAGE, max_sessions_per_tenant=4)
+    st_ = start_stack(
+        loop_thread,
+        tiny_llama,
+        drafters=2,
+        api_keys=str(keys),
+        tokenizer=tok,
+        eos_ids=(),
+        max_prompt_tokens=MAX_PROMPT,
+        max_new_tokens=MAX_NEW,
+        max_budget=MAX_BUDGET,
+        max_message_bytes=MAX_MESSAGE,
+        max_sessions_per_tenant=4,
+    )
     a, b = Client(st_.gateway, api_key="key-a", timeout=30), Client(st_.gateway, api_key="key-b", timeout=30)
     own_p = prompt(1, 8)
     own_ids, _, last = a.complete(own_p, max_new_tokens=4)
@@ -102,17 +121,31 @@ def generate_requests(draw):
         for _ in range(draw(mostly(st.integers(1, 2), st.just(0)))):
             role = draw(mostly(st.sampled_from(["user", "system", "assistant"]), st.sampled_from(["tool", "", "USER"])))
             r.chat.messages.add(role=role, content=draw(text))
-    r.session_id = draw(st.sampled_from(["", "", "", "own", "own", "full", "other", "closed", "unknown", "bad id!", "x" * 200]))
+    r.session_id = draw(
+        st.sampled_from(["", "", "", "own", "own", "full", "other", "closed", "unknown", "bad id!", "x" * 200])
+    )
     r.max_new_tokens = draw(mostly(st.sampled_from([0, 1, 3, 8]), st.sampled_from([-1, MAX_NEW + 1, 2**31 - 1])))
     r.temperature = draw(mostly(st.sampled_from([0.0, 0.0, -0.0, 0.7]), f32))
     r.top_p = draw(mostly(st.sampled_from([0.0, 1.0, 0.9]), f32))
     r.top_k = draw(mostly(st.sampled_from([0, 0, 5]), st.sampled_from([-1, -(2**31)])))
     if draw(st.booleans()):
         r.seed = draw(st.integers(-(2**63), 2**63 - 1))
-    r.stop.extend(draw(mostly(st.one_of(st.just([]), st.lists(text.filter(bool), max_size=2)),
-                              st.sampled_from([[""], ["a"] * 17, ["y" * 300]]))))
-    r.stop_ids.extend(draw(mostly(st.one_of(st.just([]), st.lists(st.integers(0, VOCAB - 1), max_size=2)),
-                                  st.one_of(st.lists(st.integers(-2, VOCAB + 2), min_size=1, max_size=3), st.just([7] * 65)))))
+    r.stop.extend(
+        draw(
+            mostly(
+                st.one_of(st.just([]), st.lists(text.filter(bool), max_size=2)),
+                st.sampled_from([[""], ["a"] * 17, ["y" * 300]]),
+            )
+        )
+    )
+    r.stop_ids.extend(
+        draw(
+            mostly(
+                st.one_of(st.just([]), st.lists(st.integers(0, VOCAB - 1), max_size=2)),
+                st.one_of(st.lists(st.integers(-2, VOCAB + 2), min_size=1, max_size=3), st.just([7] * 65)),
+            )
+        )
+    )
     r.speculation.mode = draw(mostly(st.sampled_from(["", "racer", "off", "pld"]), st.sampled_from(["magic", "RACER"])))
     r.speculation.budget = draw(mostly(st.sampled_from([0, 1, 4, MAX_BUDGET]), st.sampled_from([MAX_BUDGET + 1, -3])))
     r.system = draw(st.sampled_from(["", "", "", "Be brief."]))
@@ -246,8 +279,14 @@ def test_generate_fuzz(env, tiny_llama, tok):
 def _nothing_left_running(stack):
     gw = stack.gateway_pair[1]
     wait_until(lambda: not gw._turns, timeout=5, what="gateway turns ended")
-    wait_until(lambda: not any(s.streaming for i in range(len(stack.drafters)) for s in stack.drafter_sessions(i))
-               and not any(s.streaming for s in stack.verifier_sessions()), timeout=5, what="backend streams ended")
+    wait_until(
+        lambda: (
+            not any(s.streaming for i in range(len(stack.drafters)) for s in stack.drafter_sessions(i))
+            and not any(s.streaming for s in stack.verifier_sessions())
+        ),
+        timeout=5,
+        what="backend streams ended",
+    )
 
 
 def test_oversized_messages_and_limits(env, tiny_llama):
@@ -312,10 +351,15 @@ class _Stream:
 def _tree_cases():
     """(tokens, parents, what is wrong: a field name, or None)."""
     tokens = st.integers(0, VOCAB - 1)
-    good = st.integers(1, 12).flatmap(lambda n: st.tuples(
-        st.lists(tokens, min_size=n, max_size=n), st.just(n)).flatmap(
-        lambda tn: st.tuples(st.just(tn[0]), st.tuples(*[st.just(-1)] + [st.integers(0, i - 1) for i in range(1, tn[1])])
-                             .map(list), st.just(None))))
+    good = st.integers(1, 12).flatmap(
+        lambda n: st.tuples(st.lists(tokens, min_size=n, max_size=n), st.just(n)).flatmap(
+            lambda tn: st.tuples(
+                st.just(tn[0]),
+                st.tuples(*[st.just(-1)] + [st.integers(0, i - 1) for i in range(1, tn[1])]).map(list),
+                st.just(None),
+            )
+        )
+    )
 
     def spoil(case, how):
         toks, parents, _ = case
@@ -343,8 +387,9 @@ def _tree_cases():
         field = "tree.tokens" if how == "vocab" else "tree.parents"
         return toks, parents, field
 
-    return st.tuples(good, st.sampled_from(["none", "none", "cycle", "forward", "range", "root", "length", "vocab",
-                                            "empty", "huge"])).map(lambda x: spoil(*x))
+    return st.tuples(
+        good, st.sampled_from(["none", "none", "cycle", "forward", "range", "root", "length", "vocab", "empty", "huge"])
+    ).map(lambda x: spoil(*x))
 
 
 def _spoil_open(op, kind: str):
@@ -370,8 +415,11 @@ def test_verifier_stream_fuzz(env, tiny_llama):
     n_case = [0]
 
     @FUZZ
-    @given(st.sampled_from(["ok", "ok", "no-id", "no-tenant", "empty", "vocab", "sampling", "huge", "tree-first", "kind"]),
-           st.lists(_tree_cases(), min_size=1, max_size=3), st.booleans())
+    @given(
+        st.sampled_from(["ok", "ok", "no-id", "no-tenant", "empty", "vocab", "sampling", "huge", "tree-first", "kind"]),
+        st.lists(_tree_cases(), min_size=1, max_size=3),
+        st.booleans(),
+    )
     def check(open_kind, trees, twice):
         n_case[0] += 1
         s = _Stream(stub.Session)
@@ -435,20 +483,60 @@ def test_drafter_stream_fuzz(env):
     k = 8
     counts: dict[str, int] = {}
     n_case = [0]
-    steps = st.lists(st.sampled_from(["ok", "ok", "ok", "topk-size", "topk-neg", "accepted-root", "accepted-range",
-                                      "accepted-path", "commit", "budget", "mode", "root", "end"]), min_size=1, max_size=4)
+    steps = st.lists(
+        st.sampled_from(
+            [
+                "ok",
+                "ok",
+                "ok",
+                "topk-size",
+                "topk-neg",
+                "accepted-root",
+                "accepted-range",
+                "accepted-path",
+                "commit",
+                "budget",
+                "mode",
+                "root",
+                "end",
+            ]
+        ),
+        min_size=1,
+        max_size=4,
+    )
 
     @FUZZ
-    @given(st.sampled_from(["ok", "ok", "no-id", "no-tenant", "empty", "negative", "topk", "rows", "rows-neg",
-                            "too-many-rows", "huge", "step-first", "end-first", "kind"]), steps, st.booleans())
+    @given(
+        st.sampled_from(
+            [
+                "ok",
+                "ok",
+                "no-id",
+                "no-tenant",
+                "empty",
+                "negative",
+                "topk",
+                "rows",
+                "rows-neg",
+                "too-many-rows",
+                "huge",
+                "step-first",
+                "end-first",
+                "kind",
+            ]
+        ),
+        steps,
+        st.booleans(),
+    )
     @example("huge", ["ok"], False)  # the statuses asserted below must not hang on what the draws happen to be
     def check(open_kind, plan, twice):
         n_case[0] += 1
         s = _Stream(stub.Session)
         try:
             hist = prompt(n_case[0], 6)
-            op = dpb.DrafterOpen(session_id=f"fz{n_case[0]}", tenant="fuzz", history=hist, topk=k,
-                                 history_topk=[7] * (k * 2))
+            op = dpb.DrafterOpen(
+                session_id=f"fz{n_case[0]}", tenant="fuzz", history=hist, topk=k, history_topk=[7] * (k * 2)
+            )
             want = _spoil_open(op, open_kind)
             if open_kind == "negative":
                 op.history.append(-4)
@@ -540,8 +628,9 @@ def test_drafter_stream_fuzz(env):
 
 def test_internal_oversized_message_is_refused(loop_thread):
     async def go():
-        return await services.start_drafter(services.defaults("drafter", host="127.0.0.1", port=0, prior="none",
-                                                              max_message_bytes=4096))
+        return await services.start_drafter(
+            services.defaults("drafter", host="127.0.0.1", port=0, prior="none", max_message_bytes=4096)
+        )
 
     srv, svc = loop_thread.run(go())
     try:

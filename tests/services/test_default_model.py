@@ -9,11 +9,10 @@ import sys
 
 import pytest
 
-from racer.client import Client
 from common.text import DEFAULT_SYSTEM, chat_ids, continue_ids
-
-from ..engine.helpers import hf_greedy
-from .conftest import free_port, start_stack
+from racer.client import Client
+from tests.support.engine import hf_greedy
+from tests.support.stack import free_port, start_stack
 
 pytestmark = pytest.mark.slow
 
@@ -28,15 +27,21 @@ def test_chat_turns_from_text_equal_greedy_on_the_whole_conversation(loop_thread
         sid = ""
         with Client(st.gateway, timeout=300) as c:
             for i, text in enumerate(turns):
-                ids, streamed, last = c.complete(text, session_id=sid, max_new_tokens=24, system=DEFAULT_SYSTEM, budget=16)
-                expect_in = chat_ids(tok, text, DEFAULT_SYSTEM) if i == 0 else continue_ids(tok, history, [{"role": "user", "content": text}], eos)
+                ids, streamed, last = c.complete(
+                    text, session_id=sid, max_new_tokens=24, system=DEFAULT_SYSTEM, budget=16
+                )
+                expect_in = (
+                    chat_ids(tok, text, DEFAULT_SYSTEM)
+                    if i == 0
+                    else continue_ids(tok, history, [{"role": "user", "content": text}], eos)
+                )
                 history += expect_in
                 assert ids == hf_greedy(default_model.model, history, 24, eos), f"turn {i}"
                 assert streamed == tok.decode(ids, skip_special_tokens=True)
                 history += ids
                 sid = last.session_id
         # the token-level continuation is what the chat template renders for the whole conversation
-        answers = tok.decode(history[len(chat_ids(tok, turns[0], DEFAULT_SYSTEM)):], skip_special_tokens=False)
+        answers = tok.decode(history[len(chat_ids(tok, turns[0], DEFAULT_SYSTEM)) :], skip_special_tokens=False)
         assert "<|im_start|>user\nWhich of them is warmest?<|im_end|>" in answers
     finally:
         st.stop()
@@ -62,9 +67,23 @@ def _free(port: int) -> bool:
 def test_stack_command_streams_an_answer_and_stops_cleanly():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "racer.cli", "stack", "Name three primary colors.", "--max-new-tokens", "16",
-         "--port-base", str(_three_free_ports()), "--metrics-base", str(_three_free_ports())],
-        env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "racer.cli",
+            "stack",
+            "Name three primary colors.",
+            "--max-new-tokens",
+            "16",
+            "--port-base",
+            str(_three_free_ports()),
+            "--metrics-base",
+            str(_three_free_ports()),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip(), "no answer streamed"

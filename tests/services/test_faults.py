@@ -18,10 +18,9 @@ import pytest
 
 from drafter.snapshot import snapshot_length
 from racer.client import Client
-
-from ..engine.helpers import hf_greedy
-from .conftest import prompt, wait_until
-from .procs import Proc, RedisProc, reap
+from tests.support.engine import hf_greedy
+from tests.support.procs import Proc, RedisProc, reap
+from tests.support.stack import prompt, wait_until
 
 N = 240  # long enough that a turn is still running when a fault lands right after its first chunk
 
@@ -41,20 +40,43 @@ class Cluster:
         self.tmp = tmp
         self.redis = RedisProc(tmp / "redis").start()
         common = {"RACER_DRAIN_SECONDS": "1", "RACER_KEEPALIVE_SECONDS": "1"}
-        self.verifiers = [Proc("verifier", dict(common, RACER_MODEL=str(model_dir), RACER_THREADS="1",
-                                                RACER_BACKEND="fast"), tmp, f"verifier{i}") for i in range(2)]
-        self.drafters = [Proc("drafter", dict(common, RACER_SNAPSHOT_URL=self.redis.url, RACER_SNAPSHOT_EVERY="2",
-                                              RACER_PRIOR="none"), tmp, f"drafter{i}") for i in range(2)]
+        self.verifiers = [
+            Proc(
+                "verifier",
+                dict(common, RACER_MODEL=str(model_dir), RACER_THREADS="1", RACER_BACKEND="fast"),
+                tmp,
+                f"verifier{i}",
+            )
+            for i in range(2)
+        ]
+        self.drafters = [
+            Proc(
+                "drafter",
+                dict(common, RACER_SNAPSHOT_URL=self.redis.url, RACER_SNAPSHOT_EVERY="2", RACER_PRIOR="none"),
+                tmp,
+                f"drafter{i}",
+            )
+            for i in range(2)
+        ]
         self.gateway = self.make_gateway("gateway", self.verifiers)
         self.extra: list[Proc] = []
 
     def make_gateway(self, name: str, verifiers: list[Proc]) -> Proc:
-        return Proc("gateway", {
-            "RACER_MODEL": "none", "RACER_SESSION_URL": self.redis.url, "RACER_DRAIN_SECONDS": "1",
-            "RACER_DRAFTERS": ",".join(d.target for d in self.drafters),
-            "RACER_VERIFIERS": ",".join(v.target for v in verifiers),
-            "RACER_BACKEND_TIMEOUT": "2", "RACER_RECONNECT_SECONDS": "30", "RACER_STORE_RETRY_SECONDS": "20",
-        }, self.tmp, name)
+        return Proc(
+            "gateway",
+            {
+                "RACER_MODEL": "none",
+                "RACER_SESSION_URL": self.redis.url,
+                "RACER_DRAIN_SECONDS": "1",
+                "RACER_DRAFTERS": ",".join(d.target for d in self.drafters),
+                "RACER_VERIFIERS": ",".join(v.target for v in verifiers),
+                "RACER_BACKEND_TIMEOUT": "2",
+                "RACER_RECONNECT_SECONDS": "30",
+                "RACER_STORE_RETRY_SECONDS": "20",
+            },
+            self.tmp,
+            name,
+        )
 
     @property
     def procs(self) -> list[Proc]:
@@ -131,6 +153,7 @@ def stream_turn(target: str, sid: str, p2: list[int], n: int, on_first, budget: 
 
 def hold(proc: Proc):
     """Context: the process is frozen inside (its peers' streams wait on it)."""
+
     class _Hold:
         def __enter__(self):
             proc.signal(signal.SIGSTOP)
@@ -196,7 +219,9 @@ def test_a_frozen_verifier_is_left_after_the_backend_timeout(healthy, tiny_llama
     assert time.monotonic() - t0 < 2 + 10, "the turn waited about RACER_BACKEND_TIMEOUT (2 s), no more"
     assert got == hf_greedy(tiny_llama, p1 + ids1 + p2, N) and last.usage.completion_tokens == N
     assert Client(cl.gateway.target).get_session(sid).verifier == other.target
-    wait_until(lambda: not any(s.streaming for s in victim.sessions()), timeout=5, what="the thawed verifier's stream ended")
+    wait_until(
+        lambda: not any(s.streaming for s in victim.sessions()), timeout=5, what="the thawed verifier's stream ended"
+    )
 
 
 def test_the_only_verifier_killed_and_restarted_mid_turn(healthy, tiny_llama):
@@ -247,8 +272,11 @@ def test_redis_stopped_mid_session_and_restarted(healthy, tiny_llama):
         # machine Redis was back before the turn ended and the save went through at the first try.)
         # The gateway retries the save for RACER_STORE_RETRY_SECONDS (20 s).
         deadline = time.monotonic() + 15
-        while (not ended.is_set() and time.monotonic() < deadline
-               and cl.gateway.metric("racer_store_failures_total", op="set") <= store_failures):
+        while (
+            not ended.is_set()
+            and time.monotonic() < deadline
+            and cl.gateway.metric("racer_store_failures_total", op="set") <= store_failures
+        ):
             time.sleep(0.05)
         cl.redis.start()
         back.set()
@@ -332,6 +360,7 @@ def test_a_killed_or_frozen_gateway_frees_the_round_state(healthy):
 
 def _load(target: str, jobs: list[tuple[str, list[int], int]], results: dict, budget: int = 4):
     """One thread per (session, prompt, n): results[i] = ("ok", ids) or (status code, details)."""
+
     def one(i, sid, p, n):
         try:
             with Client(target, timeout=90) as c:
@@ -370,7 +399,7 @@ def test_sigterm_on_a_backend_under_load_loses_no_stream(healthy, tiny_llama, ki
     for t in threads:
         t.join(60)
     assert not any(t.is_alive() for t in threads), "a stream hangs"
-    for i, (p1, ids1, sid) in enumerate(starts):
+    for i, (p1, ids1, _sid) in enumerate(starts):
         assert results[i] == ("ok", hf_greedy(tiny_llama, p1 + ids1 + jobs[i][1], N)), f"session {i}"
 
 

@@ -9,14 +9,13 @@ import re
 import grpc
 import pytest
 
-from gateway.auth import load_api_keys
-from racer.client import Client
 from common.v1 import drafter_pb2 as dpb
 from common.v1 import drafter_pb2_grpc as dgrpc
 from common.v1 import generation_pb2 as pb
 from common.v1 import generation_pb2_grpc as pb_grpc
-
-from .conftest import prompt, start_stack
+from gateway.auth import load_api_keys
+from racer.client import Client
+from tests.support.stack import prompt, start_stack
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +58,10 @@ def test_another_tenants_text_never_shapes_drafts(stack):
 
 def test_through_the_gateway_b_speculates_the_same_whatever_a_did(stack):
     p = prompt(3, 20)
-    with Client(stack.gateway, api_key="key-b", timeout=60) as b, Client(stack.gateway, api_key="key-a", timeout=60) as a:
+    with (
+        Client(stack.gateway, api_key="key-b", timeout=60) as b,
+        Client(stack.gateway, api_key="key-a", timeout=60) as a,
+    ):
         first = b.complete(p, max_new_tokens=30, budget=16)
         for _ in range(2):  # A sends B's prompt and B's answer: a shared structure would now predict it all
             a.complete(p + first[0] + p, max_new_tokens=30, budget=16)
@@ -75,10 +77,14 @@ def test_every_call_needs_a_key(stack):
     for md in ((), (("authorization", "Bearer nope"),), (("authorization", "key-a"),), (("x-api-key", "nope"),)):
         with grpc.insecure_channel(stack.gateway) as ch:
             stub = pb_grpc.GenerationStub(ch)
-            calls = [lambda: list(stub.Generate(pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=[5])), metadata=md, timeout=10)),
-                     lambda: stub.GetSession(pb.SessionRef(session_id=sid), metadata=md, timeout=10),
-                     lambda: stub.CloseSession(pb.SessionRef(session_id=sid), metadata=md, timeout=10),
-                     lambda: stub.ListSessions(pb.ListSessionsRequest(), metadata=md, timeout=10)]
+            calls = [
+                lambda: list(
+                    stub.Generate(pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=[5])), metadata=md, timeout=10)
+                ),
+                lambda: stub.GetSession(pb.SessionRef(session_id=sid), metadata=md, timeout=10),
+                lambda: stub.CloseSession(pb.SessionRef(session_id=sid), metadata=md, timeout=10),
+                lambda: stub.ListSessions(pb.ListSessionsRequest(), metadata=md, timeout=10),
+            ]
             for call in calls:
                 with pytest.raises(grpc.RpcError) as e:
                     call()

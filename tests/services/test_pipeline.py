@@ -12,18 +12,15 @@ import pytest
 import redis
 from prometheus_client import REGISTRY
 
-from common.params import MODES
 from common.loop import generate
-from common.params import GenerationParams
-from drafter.session import DraftSession
-from racer.client import Client
+from common.params import MODES, GenerationParams, SamplingParams
 from common.v1 import verifier_pb2 as vpb
 from common.v1 import verifier_pb2_grpc as vgrpc
+from drafter.session import DraftSession
+from racer.client import Client
+from tests.support.engine import hf_greedy
+from tests.support.stack import prompt, start_stack, wait_until
 from verifier.engine import VerifierSession
-from common.params import SamplingParams
-
-from ..engine.helpers import hf_greedy
-from .conftest import prompt, start_stack, wait_until
 
 N = 40
 
@@ -115,8 +112,16 @@ def test_sampling_through_the_services_equals_the_in_process_engine(stack, tiny_
     with Client(stack.gateway, timeout=60) as c:
         ids, _, _ = c.complete(p, max_new_tokens=N, temperature=0.8, top_p=0.9, seed=1234, budget=8)
     sampling = SamplingParams(0.8, 0.9, 0, 1234)
-    local = [t for ch in generate(DraftSession(), VerifierSession(tiny_llama, sampling=sampling), p,
-                                  GenerationParams(max_new_tokens=N, budget=8)) for t in ch]
+    local = [
+        t
+        for ch in generate(
+            DraftSession(),
+            VerifierSession(tiny_llama, sampling=sampling),
+            p,
+            GenerationParams(max_new_tokens=N, budget=8),
+        )
+        for t in ch
+    ]
     assert ids == local
 
 
@@ -155,7 +160,9 @@ def test_cancelled_stream_frees_drafter_and_verifier_streams(stack):
 
 
 def test_a_drafter_stopping_mid_session_does_not_change_the_output(loop_thread, tiny_llama, redis_url):
-    st = start_stack(loop_thread, tiny_llama, drafters=2, snapshot_url=redis_url, session_url=redis_url, snapshot_every=4)
+    st = start_stack(
+        loop_thread, tiny_llama, drafters=2, snapshot_url=redis_url, session_url=redis_url, snapshot_every=4
+    )
     try:
         p = prompt(6)
         with Client(st.gateway, timeout=60) as c:
@@ -187,8 +194,11 @@ def test_tenants_are_isolated(loop_thread, tiny_llama, tmp_path):
     try:
         with Client(st.gateway, api_key="key-a", timeout=30) as a, Client(st.gateway, api_key="key-b", timeout=30) as b:
             sid = a.complete(prompt(8), max_new_tokens=5)[2].session_id
-            for call in (lambda: b.get_session(sid), lambda: b.close_session(sid),
-                         lambda: b.complete([5, 6], session_id=sid, max_new_tokens=2)):
+            for call in (
+                lambda: b.get_session(sid),
+                lambda: b.close_session(sid),
+                lambda: b.complete([5, 6], session_id=sid, max_new_tokens=2),
+            ):
                 with pytest.raises(grpc.RpcError) as e:
                     call()
                 assert e.value.code() == grpc.StatusCode.NOT_FOUND
@@ -367,16 +377,20 @@ def test_speculation_metrics_count_what_the_stream_reports(stack):
     def value(name, **labels):
         return REGISTRY.get_sample_value(name, labels) or 0.0
 
-    before = (value("racer_spec_decode_num_drafts_total", mode="racer"),
-              value("racer_spec_decode_num_draft_tokens_total", mode="racer"),
-              value("racer_spec_decode_num_accepted_tokens_total", mode="racer"),
-              value("racer_spec_decode_num_accepted_tokens_per_pos_total", position="1"))
+    before = (
+        value("racer_spec_decode_num_drafts_total", mode="racer"),
+        value("racer_spec_decode_num_draft_tokens_total", mode="racer"),
+        value("racer_spec_decode_num_accepted_tokens_total", mode="racer"),
+        value("racer_spec_decode_num_accepted_tokens_per_pos_total", position="1"),
+    )
     with Client(stack.gateway, timeout=60) as c:
         _, _, last = c.complete(prompt(50), max_new_tokens=N, budget=16)
-    after = (value("racer_spec_decode_num_drafts_total", mode="racer"),
-             value("racer_spec_decode_num_draft_tokens_total", mode="racer"),
-             value("racer_spec_decode_num_accepted_tokens_total", mode="racer"),
-             value("racer_spec_decode_num_accepted_tokens_per_pos_total", position="1"))
+    after = (
+        value("racer_spec_decode_num_drafts_total", mode="racer"),
+        value("racer_spec_decode_num_draft_tokens_total", mode="racer"),
+        value("racer_spec_decode_num_accepted_tokens_total", mode="racer"),
+        value("racer_spec_decode_num_accepted_tokens_per_pos_total", position="1"),
+    )
     s = last.stats
     assert after[0] - before[0] == s.rounds
     assert after[1] - before[1] == s.drafted

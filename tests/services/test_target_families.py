@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 
 from racer.client import Client
-from tests.families import FAMILIES, model
-
-from ..engine.helpers import hf_greedy
-from .conftest import prompt, start_stack
+from tests.support.engine import hf_greedy
+from tests.support.families import FAMILIES, model
+from tests.support.stack import prompt, start_stack
 
 N = 20
 

@@ -11,11 +11,10 @@ import grpc
 import pytest
 
 from common.tls import channel_credentials
-from racer.client import Client
 from common.v1 import drafter_pb2, drafter_pb2_grpc
-
-from ..engine.helpers import hf_greedy
-from .conftest import prompt, start_stack
+from racer.client import Client
+from tests.support.engine import hf_greedy
+from tests.support.stack import prompt, start_stack
 
 
 def _cert(name: str, issuer=None, ca: bool = False):
@@ -28,15 +27,24 @@ def _cert(name: str, issuer=None, ca: bool = False):
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     signer_cert, signer_key = issuer if issuer else (None, key)
     now = datetime.datetime.now(datetime.timezone.utc)
-    b = (x509.CertificateBuilder().subject_name(subject).issuer_name(signer_cert.subject if signer_cert else subject)
-         .public_key(key.public_key()).serial_number(x509.random_serial_number())
-         .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    b = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(signer_cert.subject if signer_cert else subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
     if not ca:
-        b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-        b = b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                            critical=False)
+        b = b.add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        b = b.add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
     return b.sign(signer_key, hashes.SHA256()), key
 
 
@@ -44,8 +52,9 @@ def _write(path, cert, key):
     from cryptography.hazmat.primitives import serialization
 
     (path.parent / f"{path.name}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (path.parent / f"{path.name}.key").write_bytes(key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    (path.parent / f"{path.name}.key").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return str(path.parent / f"{path.name}.crt"), str(path.parent / f"{path.name}.key")
 
 
@@ -65,10 +74,18 @@ def tls_stack(loop_thread, tiny_llama, pki):
     cert, key = pki["server"]
     gcert, gkey = pki["gateway-client"]
     st = start_stack(
-        loop_thread, tiny_llama, drafters=2,
+        loop_thread,
+        tiny_llama,
+        drafters=2,
         backend=dict(tls_cert=cert, tls_key=key, tls_client_ca=pki["ca"]),  # drafters, verifier: mutual TLS
-        tls_cert=cert, tls_key=key, tls_client_ca=pki["ca"],  # the gateway's own port: clients need a certificate
-        tls_ca=pki["ca"], tls_client_cert=gcert, tls_client_key=gkey, reconnect_seconds=0.5)
+        tls_cert=cert,
+        tls_key=key,
+        tls_client_ca=pki["ca"],  # the gateway's own port: clients need a certificate
+        tls_ca=pki["ca"],
+        tls_client_cert=gcert,
+        tls_client_key=gkey,
+        reconnect_seconds=0.5,
+    )
     yield st
     st.stop()
 
@@ -109,8 +126,16 @@ def test_a_gateway_without_a_client_certificate_cannot_use_mtls_backends(loop_th
     from racer import launch as services
 
     async def go():
-        args = services.defaults("gateway", host="127.0.0.1", port=0, model="none", tls_ca=pki["ca"], reconnect_seconds=0.3,
-                                 drafters=tls_stack.drafter_target(0), verifiers=tls_stack.verifier_target(0))
+        args = services.defaults(
+            "gateway",
+            host="127.0.0.1",
+            port=0,
+            model="none",
+            tls_ca=pki["ca"],
+            reconnect_seconds=0.3,
+            drafters=tls_stack.drafter_target(0),
+            verifiers=tls_stack.verifier_target(0),
+        )
         return await services.start_gateway(args, vocab_size=96)
 
     srv, _ = loop_thread.run(go())
@@ -129,8 +154,12 @@ def test_tls_settings_that_cannot_work_are_refused_at_start(pki):
 
     cert, key = pki["server"]
     assert server_credentials("", "") is None and channel_credentials("") is None
-    for bad in (lambda: server_credentials(cert, ""), lambda: server_credentials("", "", pki["ca"]),
-                lambda: channel_credentials("", cert, key), lambda: channel_credentials(pki["ca"], cert, ""),
-                lambda: server_credentials("/nonexistent.crt", key)):
+    for bad in (
+        lambda: server_credentials(cert, ""),
+        lambda: server_credentials("", "", pki["ca"]),
+        lambda: channel_credentials("", cert, key),
+        lambda: channel_credentials(pki["ca"], cert, ""),
+        lambda: server_credentials("/nonexistent.crt", key),
+    ):
         with pytest.raises(ValueError):
             bad()

@@ -41,6 +41,7 @@ def brute_force_accept(tokens, parents, target) -> tuple[list[int], int]:
         p = path_to(parents, i)
         if all(tokens[c] == target[a] for a, c in zip(p, p[1:])):
             matching.append(p)
+
     # an accepted path cannot stop early when its last node has a matching child, so "longest" and
     # "the walk never skips an agreeing child" coincide; the tie rule picks the first sibling.
     def canonical(p):
@@ -85,7 +86,8 @@ def test_accept_without_duplicate_siblings_takes_the_deepest_agreeing_node(case)
         seen.add((parents[i], tokens[i]))
     path, bonus = accept(tokens, parents, target.__getitem__)
     agreeing = [
-        p for p in (path_to(parents, i) for i in range(len(tokens)))
+        p
+        for p in (path_to(parents, i) for i in range(len(tokens)))
         if all(tokens[c] == target[a] for a, c in zip(p, p[1:]))
     ]
     longest = max(len(p) for p in agreeing)

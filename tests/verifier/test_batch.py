@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import random
 
-import pytest
-
-from drafter.session import DraftSession
 from common.loop import cut, generate, settle
-from common.params import GenerationParams
+from common.params import GenerationParams, SamplingParams
+from drafter.session import DraftSession
 from verifier.engine import VerifierSession, verify_batch
-from common.params import SamplingParams
 
 N = 30
 SPECS = [  # (prompt length, mode, budget, sampling)
@@ -31,7 +28,11 @@ def _prompt(i: int, n: int) -> list[int]:
 
 def _alone(model, prompt, mode, budget, sampling):
     v = VerifierSession(model, backend="fast", sampling=sampling or SamplingParams())
-    return [t for ch in generate(DraftSession(), v, prompt, GenerationParams(max_new_tokens=N, mode=mode, budget=budget)) for t in ch]
+    return [
+        t
+        for ch in generate(DraftSession(), v, prompt, GenerationParams(max_new_tokens=N, mode=mode, budget=budget))
+        for t in ch
+    ]
 
 
 def _lockstep(model, specs):

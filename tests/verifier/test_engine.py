@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-from verifier.backends import FastLlamaBackend
-from verifier.generic import make_backend
-from verifier.engine import VerifierSession
 from common.params import SamplingParams
+from verifier.backends import FastLlamaBackend
+from verifier.engine import VerifierSession
+from verifier.generic import make_backend
 from verifier.tree import InvalidTree
 
 
@@ -91,7 +91,7 @@ def test_make_backend_rejects_unknown_kinds(tiny_llama):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("backend", ["fast", "hf"])
 def test_model_on_cuda_gives_the_cpu_results(backend):
-    from tests.conftest import make_tiny_llama
+    from tests.support.models import make_tiny_llama
 
     cpu = make_tiny_llama()
     gpu = make_tiny_llama().cuda()

@@ -11,13 +11,12 @@ import pytest
 import torch
 
 from common.params import GenerationParams
-from tests.families import FAMILIES, VOCAB, backend_kind, echo_prompt, make, model
+from tests.support.engine import ScriptedDrafter, hf_greedy, run, run_racer
+from tests.support.families import FAMILIES, VOCAB, backend_kind, echo_prompt, make, model
 from verifier.backends import FastLlamaBackend
 from verifier.engine import VerifierSession
 from verifier.generic import GenericBackend, chain_of, plan_for
 from verifier.tree import tree_inputs
-
-from ..engine.helpers import ScriptedDrafter, hf_greedy, run, run_racer
 
 N = 24
 
@@ -42,7 +41,9 @@ def test_family_output_is_hf_greedy_at_budgets_1_8_64(name):
     truth = prompt + hf_greedy(m, prompt, N + 64)
     for budget in (8, 64):
         drafter = ScriptedDrafter(truth, VOCAB, "near", seed=budget)
-        out, stats, _ = run(drafter, VerifierSession(m), list(prompt), GenerationParams(max_new_tokens=N, budget=budget))
+        out, stats, _ = run(
+            drafter, VerifierSession(m), list(prompt), GenerationParams(max_new_tokens=N, budget=budget)
+        )
         assert out == ref, f"near trees, budget {budget}"
 
 
@@ -97,10 +98,16 @@ def test_a_chain_only_family_says_so_at_load(caplog):
     assert set(res.accepted) <= {0, 1, 3} and len(res.topk) == 5
 
 
-@pytest.mark.parametrize("model_type, overrides", [
-    ("mamba", dict(hidden_size=32, num_hidden_layers=2, vocab_size=VOCAB, state_size=4)),
-    ("rwkv", dict(hidden_size=32, num_hidden_layers=2, vocab_size=VOCAB, attention_hidden_size=32, intermediate_size=64)),
-])
+@pytest.mark.parametrize(
+    "model_type, overrides",
+    [
+        ("mamba", dict(hidden_size=32, num_hidden_layers=2, vocab_size=VOCAB, state_size=4)),
+        (
+            "rwkv",
+            dict(hidden_size=32, num_hidden_layers=2, vocab_size=VOCAB, attention_hidden_size=32, intermediate_size=64),
+        ),
+    ],
+)
 def test_an_unsupported_family_fails_at_load_naming_its_model_type(model_type, overrides):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -159,7 +166,9 @@ def test_lean_supports_agrees_with_what_it_computes(variant):
     m = make(family, **more)
     claims = FastLlamaBackend.supports(m)
     assert claims == _lean_computes(m), f"supports() says {claims}"
-    assert claims == (variant in {"llama", "llama-biases", "llama-tied", "mistral", "qwen2", "qwen3", "smollm3", "gemma"})
+    assert claims == (
+        variant in {"llama", "llama-biases", "llama-tied", "mistral", "qwen2", "qwen3", "smollm3", "gemma"}
+    )
     if claims:  # and what it claims is lossless end to end
         prompt = echo_prompt(m)
         out, _, _ = run_racer(m, list(prompt), "fast", max_new_tokens=N, mode="racer", budget=8)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from verifier.backends import FastLlamaBackend
-from verifier.generic import GenericBackend as HFBackend
 from verifier.engine import VerifierSession
+from verifier.generic import GenericBackend as HFBackend
 from verifier.tree import tree_inputs
 
 BACKENDS = ["fast", "hf"]

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
-from drafter.session import DraftSession
 from common.loop import Stats, generate
 from common.params import GenerationParams
+from drafter.session import DraftSession
 from verifier.engine import VerifierSession
 
-from ..conftest import single_thread  # noqa: F401  (module-scoped fixtures use it)
+from .models import single_thread  # noqa: F401  (module-scoped fixtures use it)
 
 
 @torch.inference_mode()
@@ -108,7 +108,9 @@ class ScriptedDrafter:
             if p == 0:
                 tokens.append(self._wrong_token(right))
             else:
-                tokens.append(self.rng.choice(ahead) if ahead and self.rng.random() < 0.5 else self.rng.randrange(self.vocab))
+                tokens.append(
+                    self.rng.choice(ahead) if ahead and self.rng.random() < 0.5 else self.rng.randrange(self.vocab)
+                )
             parents.append(p)
         self.expected_accepts.append(0)
         return Tree(tuple(tokens), tuple(parents))
@@ -154,7 +156,10 @@ class ScriptedDrafter:
     def _random(self, root, budget, ahead):
         n = self.rng.randint(1, budget)
         parents = [-1] + [self.rng.randrange(i) for i in range(1, n)]
-        tokens = [root] + [self.rng.choice(ahead) if ahead and self.rng.random() < 0.3 else self.rng.randrange(self.vocab) for _ in range(n - 1)]
+        tokens = [root] + [
+            self.rng.choice(ahead) if ahead and self.rng.random() < 0.3 else self.rng.randrange(self.vocab)
+            for _ in range(n - 1)
+        ]
         self.expected_accepts.append(-1)  # unknown
         return Tree(tuple(tokens), tuple(parents))
 

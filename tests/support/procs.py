@@ -13,15 +13,13 @@ import urllib.request
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.health import wait_serving
-
 from common.settings import HEALTH_SERVICES
 from common.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
-from .conftest import free_port as _free_port
+from .stack import free_port as _free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 _TAKEN: set[int] = set()
@@ -46,8 +44,15 @@ class Proc:
         self.metrics_port = free_port()
         self.log = log_dir / f"{self.name}.log"
         base = {k: v for k, v in os.environ.items() if not k.startswith("RACER_")}  # only the settings given here
-        self.env = dict(base, OMP_NUM_THREADS="1", RACER_HOST="127.0.0.1", RACER_PORT=str(self.port),
-                        RACER_METRICS_PORT=str(self.metrics_port), RACER_LOG_LEVEL="INFO", **env)
+        self.env = dict(
+            base,
+            OMP_NUM_THREADS="1",
+            RACER_HOST="127.0.0.1",
+            RACER_PORT=str(self.port),
+            RACER_METRICS_PORT=str(self.metrics_port),
+            RACER_LOG_LEVEL="INFO",
+            **env,
+        )
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -56,8 +61,14 @@ class Proc:
 
     def start(self) -> "Proc":
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "racer.cli", "serve", self.kind], cwd=ROOT, env=self.env,
-                                         stdout=log, stderr=log, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "racer.cli", "serve", self.kind],
+                cwd=ROOT,
+                env=self.env,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
         return self
 
     def wait_healthy(self, timeout: float = 60.0) -> "Proc":
@@ -98,8 +109,12 @@ class Proc:
         """Stats of a drafter or verifier: the sessions it holds."""
         with grpc.insecure_channel(self.target) as ch:
             if self.kind == "drafter":
-                return list(drafter_pb2_grpc.DrafterStub(ch).Stats(drafter_pb2.DrafterStatsRequest(), timeout=5).sessions)
-            return list(verifier_pb2_grpc.VerifierStub(ch).Stats(verifier_pb2.VerifierStatsRequest(), timeout=5).sessions)
+                return list(
+                    drafter_pb2_grpc.DrafterStub(ch).Stats(drafter_pb2.DrafterStatsRequest(), timeout=5).sessions
+                )
+            return list(
+                verifier_pb2_grpc.VerifierStub(ch).Stats(verifier_pb2.VerifierStatsRequest(), timeout=5).sessions
+            )
 
 
 class RedisProc:
@@ -122,8 +137,24 @@ class RedisProc:
         import redis
 
         self.proc = subprocess.Popen(
-            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "",
-             "--appendonly", "yes", "--appendfsync", "always"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                self.exe,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.dir),
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         r = redis.Redis(port=self.port)
         for _ in range(200):
             try:

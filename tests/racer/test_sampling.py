@@ -14,17 +14,24 @@ import numpy as np
 import pytest
 import torch
 
+from common.params import GenerationParams, SamplingParams
 from drafter.session import DraftSession
-from common.params import GenerationParams
+from tests.support.engine import Tree, hf_greedy, run, single_thread
 from verifier.engine import VerifierSession
 from verifier.sampling import Sampler, processed_probs
-from common.params import SamplingParams
-
-from .helpers import Tree, hf_greedy, run, single_thread
 
 CHI2_999 = {  # df -> upper 0.1 % point of the chi-square distribution
-    1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322, 8: 26.124,
-    9: 27.877, 10: 29.588, 30: 59.703,
+    1: 10.828,
+    2: 13.816,
+    3: 16.266,
+    4: 18.467,
+    5: 20.515,
+    6: 22.458,
+    7: 24.322,
+    8: 26.124,
+    9: 27.877,
+    10: 29.588,
+    30: 59.703,
 }
 
 
@@ -97,12 +104,16 @@ def test_same_seed_same_tokens_as_plain_sampling(tiny_llama, echo_prompt, backen
         for prompt in ([1, 5, 9, 13, 5, 9, 13, 5, 9], echo_prompt):
             params = SamplingParams(sp.temperature, sp.top_p, sp.top_k, seed=seed)
             plain, _, _ = run(
-                DraftSession(), VerifierSession(tiny_llama, backend=backend, sampling=params), prompt,
+                DraftSession(),
+                VerifierSession(tiny_llama, backend=backend, sampling=params),
+                prompt,
                 GenerationParams(max_new_tokens=24, mode="off"),
             )
             drafter = TopKTreeDrafter(tiny_llama) if mode == "topk-tree" else DraftSession()
             spec, stats, _ = run(
-                drafter, VerifierSession(tiny_llama, backend=backend, sampling=params), prompt,
+                drafter,
+                VerifierSession(tiny_llama, backend=backend, sampling=params),
+                prompt,
                 GenerationParams(max_new_tokens=24, mode="racer" if mode == "topk-tree" else mode, budget=16),
             )
             assert spec == plain, (seed, prompt)
@@ -114,7 +125,9 @@ def test_different_seeds_differ(tiny_llama):
     outs = set()
     for seed in range(4):
         sp = SamplingParams(temperature=1.0, seed=seed)
-        out, _, _ = run(DraftSession(), VerifierSession(tiny_llama, sampling=sp), [1, 7], GenerationParams(max_new_tokens=12))
+        out, _, _ = run(
+            DraftSession(), VerifierSession(tiny_llama, sampling=sp), [1, 7], GenerationParams(max_new_tokens=12)
+        )
         outs.add(tuple(out))
     assert len(outs) > 1
 
@@ -273,7 +286,12 @@ def test_filtered_sampling_never_leaves_the_allowed_set(tiny_llama, echo_prompt,
         prompt = echo_prompt if seed % 2 else [1, 5, 9, 13, 5, 9]
         params = SamplingParams(sp.temperature, sp.top_p, sp.top_k, seed=seed)
         drafter = TopKTreeDrafter(tiny_llama, widths=(6, 2)) if seed % 3 == 0 else DraftSession()
-        out, _, _ = run(drafter, VerifierSession(tiny_llama, backend=backend, sampling=params), prompt, GenerationParams(max_new_tokens=20, budget=24))
+        out, _, _ = run(
+            drafter,
+            VerifierSession(tiny_llama, backend=backend, sampling=params),
+            prompt,
+            GenerationParams(max_new_tokens=20, budget=24),
+        )
         with torch.inference_mode():
             logits = tiny_llama(torch.tensor([prompt + out])).logits[0, len(prompt) - 1 : -1]
         for i, t in enumerate(out):
@@ -288,7 +306,12 @@ def test_a_single_allowed_token_is_greedy(tiny_llama, echo_prompt, sp):
     greedy, _, _ = run(DraftSession(), VerifierSession(tiny_llama), echo_prompt, GenerationParams(max_new_tokens=20))
     for seed in range(2):
         params = SamplingParams(sp.temperature, sp.top_p, sp.top_k, seed=seed)
-        out, _, _ = run(DraftSession(), VerifierSession(tiny_llama, sampling=params), echo_prompt, GenerationParams(max_new_tokens=20))
+        out, _, _ = run(
+            DraftSession(),
+            VerifierSession(tiny_llama, sampling=params),
+            echo_prompt,
+            GenerationParams(max_new_tokens=20),
+        )
         assert out == greedy
 
 

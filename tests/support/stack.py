@@ -1,4 +1,4 @@
-"""Services in this process on a background event loop, real gRPC on loopback, a real Redis.
+"""Services in this process on a background event loop, real gRPC on loopback, and a real Redis.
 
 Redis: a ``redis-server`` started here (scripts/setup.sh installs it), or a container through
 testcontainers when a Docker engine is reachable instead. Neither: the tests fail and say so.
@@ -7,6 +7,7 @@ testcontainers when a Docker engine is reachable instead. Neither: the tests fai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import shutil
 import socket
@@ -18,8 +19,8 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
-from racer import launch as services
 from common.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from racer import launch as services
 
 
 def prompt(seed: int, n: int = 12, vocab: int = 96) -> list[int]:
@@ -34,13 +35,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def redis_url():
+@contextlib.contextmanager
+def redis_server():
+    """A Redis for the tests: yields its URL."""
     exe = shutil.which("redis-server")
     if exe:
         port = free_port()
-        proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         import redis
 
         r = redis.Redis(port=port)
@@ -53,9 +58,11 @@ def redis_url():
         else:
             proc.kill()
             pytest.fail("redis-server did not answer PING")
-        yield f"redis://127.0.0.1:{port}/0"
-        proc.terminate()
-        proc.wait(10)
+        try:
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            proc.terminate()
+            proc.wait(10)
         return
     try:
         from testcontainers.redis import RedisContainer
@@ -80,13 +87,6 @@ class LoopThread:
     def close(self):
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
-
-
-@pytest.fixture(scope="session")
-def loop_thread():
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 @dataclass
@@ -114,7 +114,9 @@ class Stack:
 
     def verifier_sessions(self, i: int = 0):
         with grpc.insecure_channel(self.verifier_target(i)) as ch:
-            return list(verifier_pb2_grpc.VerifierStub(ch).Stats(verifier_pb2.VerifierStatsRequest(), timeout=10).sessions)
+            return list(
+                verifier_pb2_grpc.VerifierStub(ch).Stats(verifier_pb2.VerifierStatsRequest(), timeout=10).sessions
+            )
 
     def stop_drafter(self, i: int, grace: float = 0.0):
         self.lt.run(self.drafters[i][0].stop(grace))
@@ -127,27 +129,60 @@ class Stack:
             svc.close()
 
 
-def start_stack(lt: LoopThread, model, *, drafters: int = 1, verifiers: int = 1, snapshot_url: str = "memory://",
-                session_url: str = "memory://", api_keys: str = "", tokenizer=None, eos_ids=(), snapshot_every: int = 32,
-                backend: dict | None = None, **gateway) -> Stack:
+def start_stack(
+    lt: LoopThread,
+    model,
+    *,
+    drafters: int = 1,
+    verifiers: int = 1,
+    snapshot_url: str = "memory://",
+    session_url: str = "memory://",
+    api_keys: str = "",
+    tokenizer=None,
+    eos_ids=(),
+    snapshot_every: int = 32,
+    backend: dict | None = None,
+    **gateway,
+) -> Stack:
     """``backend``: settings for the drafters and verifiers; the other keywords are the gateway's."""
     st = Stack(lt)
     backend = backend or {}
 
     async def go():
         for _ in range(verifiers):
-            st.verifiers.append(await services.start_verifier(
-                services.defaults("verifier", host="127.0.0.1", port=0, max_sessions=16, **backend), model=model))
+            st.verifiers.append(
+                await services.start_verifier(
+                    services.defaults("verifier", host="127.0.0.1", port=0, max_sessions=16, **backend), model=model
+                )
+            )
         for _ in range(drafters):
-            st.drafters.append(await services.start_drafter(
-                services.defaults("drafter", host="127.0.0.1", port=0, snapshot_url=snapshot_url, prior="none",
-                                  snapshot_every=snapshot_every, **backend)))
+            st.drafters.append(
+                await services.start_drafter(
+                    services.defaults(
+                        "drafter",
+                        host="127.0.0.1",
+                        port=0,
+                        snapshot_url=snapshot_url,
+                        prior="none",
+                        snapshot_every=snapshot_every,
+                        **backend,
+                    )
+                )
+            )
         args = services.defaults(
-            "gateway", host="127.0.0.1", port=0, model="none", session_url=session_url, api_keys=api_keys,
+            "gateway",
+            host="127.0.0.1",
+            port=0,
+            model="none",
+            session_url=session_url,
+            api_keys=api_keys,
             drafters=",".join(f"127.0.0.1:{s.port}" for s, _ in st.drafters),
-            verifiers=",".join(f"127.0.0.1:{s.port}" for s, _ in st.verifiers), **gateway)
-        st.gateway_pair = await services.start_gateway(args, tokenizer=tokenizer, eos_ids=eos_ids,
-                                                       vocab_size=model.config.vocab_size)
+            verifiers=",".join(f"127.0.0.1:{s.port}" for s, _ in st.verifiers),
+            **gateway,
+        )
+        st.gateway_pair = await services.start_gateway(
+            args, tokenizer=tokenizer, eos_ids=eos_ids, vocab_size=model.config.vocab_size
+        )
 
     lt.run(go())
     return st

@@ -1,16 +1,10 @@
-"""The checked-in stubs match the protos; routing moves a session only when its drafter goes away."""
+"""Routing moves a session only when its drafter goes away."""
 
 from __future__ import annotations
 
 import asyncio
 
 from gateway.routing import Endpoints, parse_spec, rendezvous
-from racer import protos
-
-
-def test_checked_in_stubs_are_fresh():
-    assert protos.proto_files(), "no .proto files found"
-    assert protos.stale() == [], "run: python -m racer.protos"
 
 
 def test_rendezvous_moves_only_the_sessions_of_a_removed_endpoint():
@@ -29,9 +23,11 @@ def test_rendezvous_moves_only_the_sessions_of_a_removed_endpoint():
 
 
 def test_dns_endpoints_follow_a_changing_resolver():
-    answers = [["10.0.0.1:50061", "10.0.0.2:50061", "10.0.0.3:50061"],
-               ["10.0.0.1:50061", "10.0.0.3:50061"],  # pod .2 went away
-               ["10.0.0.1:50061", "10.0.0.3:50061", "10.0.0.4:50061"]]  # pod .4 came
+    answers = [
+        ["10.0.0.1:50061", "10.0.0.2:50061", "10.0.0.3:50061"],
+        ["10.0.0.1:50061", "10.0.0.3:50061"],  # pod .2 went away
+        ["10.0.0.1:50061", "10.0.0.3:50061", "10.0.0.4:50061"],
+    ]  # pod .4 came
     calls = []
 
     def resolver(host, port):

@@ -11,9 +11,8 @@ from prometheus_client import REGISTRY
 
 from racer.client import Client
 from racer.load import check_loopback, make_prompts, percentiles, run_load
-
-from ..engine.helpers import hf_greedy
-from .conftest import start_stack, wait_until
+from tests.support.engine import hf_greedy
+from tests.support.stack import start_stack, wait_until
 
 SESSIONS, TURNS, NEW, PROMPT = 16, 3, 12, 6
 
@@ -26,8 +25,11 @@ def stack(loop_thread, tiny_llama, redis_url):
 
 
 def test_sixteen_sessions_three_turns_all_lossless_and_nothing_leaks(stack, tiny_llama, redis_url):
-    report = asyncio.run(run_load(stack.gateway, SESSIONS, TURNS, NEW, seed=7, ids_vocab=96, prompt_tokens=PROMPT,
-                                  time_limit=240, budget=8))
+    report = asyncio.run(
+        run_load(
+            stack.gateway, SESSIONS, TURNS, NEW, seed=7, ids_vocab=96, prompt_tokens=PROMPT, time_limit=240, budget=8
+        )
+    )
     assert report.errors == {} and report.completed_turns == SESSIONS * TURNS, report.format()
     assert report.tokens == SESSIONS * TURNS * NEW
     assert 0 < report.ttft_ms["p50"] <= report.ttft_ms["p99"] and 0 < report.itl_ms["p50"] <= report.itl_ms["p99"]
@@ -55,8 +57,10 @@ def test_sixteen_sessions_three_turns_all_lossless_and_nothing_leaks(stack, tiny
     held |= {s.session_id for i in range(2) for s in stack.verifier_sessions(i)}
     assert not sids & held
     r = redis.Redis.from_url(redis_url)
-    wait_until(lambda: not any(r.exists(f"racer:{kind}:local:{sid}") for sid in sids for kind in ("session", "drafter")),
-               what="no record or snapshot left in Redis")
+    wait_until(
+        lambda: not any(r.exists(f"racer:{kind}:local:{sid}") for sid in sids for kind in ("session", "drafter")),
+        what="no record or snapshot left in Redis",
+    )
 
 
 def test_load_is_bounded_and_loopback_only():
@@ -65,7 +69,13 @@ def test_load_is_bounded_and_loopback_only():
     for bad in ("10.0.0.1:50051", "8.8.8.8:53"):
         with pytest.raises(ValueError, match="loopback"):
             check_loopback(bad)
-    for kw in (dict(sessions=0), dict(sessions=10_000), dict(turns=100), dict(max_new_tokens=10**6), dict(time_limit=10**5)):
+    for kw in (
+        dict(sessions=0),
+        dict(sessions=10_000),
+        dict(turns=100),
+        dict(max_new_tokens=10**6),
+        dict(time_limit=10**5),
+    ):
         with pytest.raises(ValueError):
             asyncio.run(run_load("127.0.0.1:1", **kw))
     assert make_prompts(3, 2, 5) == make_prompts(3, 2, 5) != make_prompts(3, 2, 6)
@@ -73,7 +83,9 @@ def test_load_is_bounded_and_loopback_only():
 
 
 def test_a_run_past_its_time_limit_stops_and_says_so(stack):
-    report = asyncio.run(run_load(stack.gateway, 2, 1, 1000, seed=1, ids_vocab=96, time_limit=0.3, budget=1, mode="off"))
+    report = asyncio.run(
+        run_load(stack.gateway, 2, 1, 1000, seed=1, ids_vocab=96, time_limit=0.3, budget=1, mode="off")
+    )
     assert report.errors.get("TIME_LIMIT") == 2 and report.completed_turns == 0
     gw = stack.gateway_pair[1]
     wait_until(lambda: not gw._turns, timeout=5, what="the cancelled turns ended")

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from common.params import MODES, GenerationParams
 from drafter.session import DraftSession
-from common.params import MODES
-from common.params import GenerationParams
+from tests.support.engine import RecordingVerifier, ScriptedDrafter, Tree, hf_greedy, run, run_racer, single_thread
 from verifier.engine import VerifierSession
-
-from .helpers import RecordingVerifier, ScriptedDrafter, Tree, hf_greedy, run, run_racer, single_thread
 
 BACKENDS = ["fast", "hf"]
 N = 32  # new tokens per prompt
@@ -154,7 +152,9 @@ def test_stop_token_with_real_drafts(tiny_llama, refs, backend, mode):
     for prompt, ref in refs.items():
         for k in (first_new_occurrence(ref, 1), first_new_occurrence(ref, 9)):
             stops = (ref[k], tiny_llama.config.eos_token_id)
-            out, stats, _ = run_racer(tiny_llama, list(prompt), backend, max_new_tokens=N + 20, stop_token_ids=stops, mode=mode, budget=32)
+            out, stats, _ = run_racer(
+                tiny_llama, list(prompt), backend, max_new_tokens=N + 20, stop_token_ids=stops, mode=mode, budget=32
+            )
             want = ref[: next(i for i, t in enumerate(ref) if t in stops) + 1]
             assert out == want
             assert stats.new_tokens == len(want)
@@ -178,7 +178,12 @@ def test_max_new_tokens_is_exact(tiny_llama, refs, backend, max_new):
     for prompt, ref in refs.items():
         for budget in (8, 64):  # accepted paths longer than the room left
             drafter = ScriptedDrafter(list(prompt) + ref, vocab, "exact")
-            out, stats, _ = run(drafter, VerifierSession(tiny_llama, backend=backend), list(prompt), GenerationParams(max_new_tokens=max_new, budget=budget))
+            out, stats, _ = run(
+                drafter,
+                VerifierSession(tiny_llama, backend=backend),
+                list(prompt),
+                GenerationParams(max_new_tokens=max_new, budget=budget),
+            )
             assert out == ref[:max_new]
             assert stats.new_tokens == max_new
         out, stats, _ = run_racer(tiny_llama, list(prompt), backend, max_new_tokens=max_new, mode="racer")
@@ -225,7 +230,13 @@ def test_default_model_greedy_lossless(default_model, chat_refs, mode):
     accepted = 0
     for prompt, ref in chat_refs.items():
         out, stats, _ = run_racer(
-            default_model.model, list(prompt), "auto", max_new_tokens=48, stop_token_ids=default_model.eos_token_ids, mode=mode, budget=16
+            default_model.model,
+            list(prompt),
+            "auto",
+            max_new_tokens=48,
+            stop_token_ids=default_model.eos_token_ids,
+            mode=mode,
+            budget=16,
         )
         assert out == ref, default_model.tokenizer.decode(out)
         accepted += stats.accepted
@@ -253,7 +264,12 @@ class WrongRootDrafter:
 def test_tree_with_a_wrong_root_is_rejected_or_harmless(tiny_llama, refs, backend):
     prompt, ref = next(iter(refs.items()))
     try:
-        out, _, _ = run(WrongRootDrafter(), VerifierSession(tiny_llama, backend=backend), list(prompt), GenerationParams(max_new_tokens=10))
+        out, _, _ = run(
+            WrongRootDrafter(),
+            VerifierSession(tiny_llama, backend=backend),
+            list(prompt),
+            GenerationParams(max_new_tokens=10),
+        )
     except ValueError as exc:
         assert "root" in str(exc)
     else:
@@ -262,7 +278,7 @@ def test_tree_with_a_wrong_root_is_rejected_or_harmless(tiny_llama, refs, backen
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_verifier_holds_prompt_plus_output_but_last_after_a_normal_end(tiny_llama, refs, backend):
-    for prompt, ref in refs.items():
+    for prompt, _ref in refs.items():
         verifier = VerifierSession(tiny_llama, backend=backend)
         out, _, _ = run(DraftSession(), verifier, list(prompt), GenerationParams(max_new_tokens=9, mode="off"))
         assert verifier.length == len(prompt) + len(out) - 1
@@ -302,8 +318,11 @@ def tiny_costs(tiny_llama):
 @pytest.mark.parametrize("costs", ["measured", "flat", "steep"])
 @pytest.mark.parametrize("mode", ["racer", "retrieval", "logits", "pld", "off"])
 def test_adaptive_budget_is_lossless(tiny_llama, refs, tiny_costs, mode, costs):
-    curve = {"measured": tiny_costs, "flat": {1: 1.0, 8: 1.0, 32: 1.0},  # big trees free: budget 32
-             "steep": {1: 1.0, 2: 5.0, 8: 50.0}}[costs]  # speculation never pays: budget 1
+    curve = {
+        "measured": tiny_costs,
+        "flat": {1: 1.0, 8: 1.0, 32: 1.0},  # big trees free: budget 32
+        "steep": {1: 1.0, 2: 5.0, 8: 50.0},
+    }[costs]  # speculation never pays: budget 1
     sizes = []
     for prompt, ref in refs.items():
         drafter = DraftSession()

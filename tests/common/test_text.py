@@ -13,9 +13,11 @@ pytestmark = pytest.mark.slow
 
 def test_incremental_text_equals_decoding_everything(default_model):
     tok = default_model.tokenizer
-    samples = ["Héllo wörld — naïve café: 東京 🚀🚀 ok.\n\n  indented  code()\t# done",
-               "def f(x):\n    return x ** 2  # ½ ≈ 0.5",
-               "<|im_start|>assistant\nSure! Here's 1, 2, 3…<|im_end|>"]
+    samples = [
+        "Héllo wörld — naïve café: 東京 🚀🚀 ok.\n\n  indented  code()\t# done",
+        "def f(x):\n    return x ** 2  # ½ ≈ 0.5",
+        "<|im_start|>assistant\nSure! Here's 1, 2, 3…<|im_end|>",
+    ]
     rng = random.Random(0)
     for text in samples:
         ids = tok(text, add_special_tokens=False)["input_ids"]

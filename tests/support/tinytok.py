@@ -23,7 +23,8 @@ def make_char_tokenizer(vocab_size: int = 96):
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.add_special_tokens(SPECIAL)
     tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>", unk_token="<unk>",
-                                   pad_token="<pad>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>", unk_token="<unk>", pad_token="<pad>"
+    )
     fast.chat_template = TEMPLATE
     return fast

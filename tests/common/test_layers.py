@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("common", "drafter", "verifier", "gateway", "racer")
 
 
@@ -25,12 +25,15 @@ def test_the_packages_keep_their_layers():
     assert run.returncode == 0, run.stdout + run.stderr
 
 
-@pytest.mark.parametrize(("path", "line", "contract", "edge"), [
-    ("common/params.py", "import racer.cli", "layers", "common.params -> racer.cli"),  # upward
-    ("verifier/tree.py", "import drafter.tree", "layers", "verifier.tree -> drafter.tree"),  # sideways
-    ("drafter/automaton.py", "import grpc", "cores", "drafter.automaton -> grpc"),  # grpc in a core
-    ("gateway/turn.py", "import common.v1.generation_pb2", "cores", "gateway.turn -> common.v1.generation_pb2"),
-])
+@pytest.mark.parametrize(
+    ("path", "line", "contract", "edge"),
+    [
+        ("common/params.py", "import racer.cli", "layers", "common.params -> racer.cli"),  # upward
+        ("verifier/tree.py", "import drafter.tree", "layers", "verifier.tree -> drafter.tree"),  # sideways
+        ("drafter/automaton.py", "import grpc", "cores", "drafter.automaton -> grpc"),  # grpc in a core
+        ("gateway/turn.py", "import common.v1.generation_pb2", "cores", "gateway.turn -> common.v1.generation_pb2"),
+    ],
+)
 def test_the_contracts_catch_a_bad_import(tmp_path, path, line, contract, edge):
     """The same contracts over a copy of the packages with one bad import added."""
     for name in PACKAGES:

@@ -16,10 +16,28 @@ VOCAB = 96
 
 # Sizes every family understands under one of its own names (only the names a config has are set).
 _SMALL = dict(
-    vocab_size=VOCAB, hidden_size=64, n_embd=64, d_model=64, intermediate_size=128, ffn_dim=128, n_inner=128,
-    num_hidden_layers=2, n_layer=2, num_layers=2, n_layers=2, num_attention_heads=4, n_head=4, num_heads=4,
-    num_key_value_heads=2, max_position_embeddings=512, n_positions=512, n_ctx=512, head_dim=16,
-    word_embed_proj_dim=64, rotary_dim=8, tie_word_embeddings=False,
+    vocab_size=VOCAB,
+    hidden_size=64,
+    n_embd=64,
+    d_model=64,
+    intermediate_size=128,
+    ffn_dim=128,
+    n_inner=128,
+    num_hidden_layers=2,
+    n_layer=2,
+    num_layers=2,
+    n_layers=2,
+    num_attention_heads=4,
+    n_head=4,
+    num_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    n_positions=512,
+    n_ctx=512,
+    head_dim=16,
+    word_embed_proj_dim=64,
+    rotary_dim=8,
+    tie_word_embeddings=False,
 )
 
 # name -> (model_type, config overrides, backend the verifier picks: "lean", "generic"
@@ -66,8 +84,9 @@ def make(name: str, seed: int | None = None, **more):
     opts = opts[0] if opts else {}
     seed = opts.get("seed", 0) if seed is None else seed
     base = AutoConfig.for_model(model_type)
-    kw = {k: v for k, v in _SMALL.items()
-          if hasattr(base, k) and not isinstance(getattr(type(base), k, None), property)}
+    kw = {
+        k: v for k, v in _SMALL.items() if hasattr(base, k) and not isinstance(getattr(type(base), k, None), property)
+    }
     kw.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     kw.update(overrides)
     kw.update(more)
@@ -99,7 +118,7 @@ def model(name: str):
 
 def echo_prompt(m, n: int = 20) -> list[int]:
     """A prompt that holds a stretch of its own greedy continuation: retrieval drafts find it."""
-    from tests.engine.helpers import hf_greedy
+    from tests.support.engine import hf_greedy
 
     base = [3, 7, 11]
     return base + hf_greedy(m, base, n)

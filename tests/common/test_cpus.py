@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from common import cpus
-
-from .procs import ROOT, Proc
+from tests.support.procs import ROOT, Proc
 
 linux_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux-only")
 
@@ -36,8 +35,9 @@ def _threads_cpus(pid: int) -> dict[str, str]:
     for task in Path(f"/proc/{pid}/task").iterdir():
         status = (task / "status").read_text()
         name = (task / "comm").read_text().strip()
-        out[f"{task.name}:{name}"] = next(line.split(":", 1)[1].strip() for line in status.splitlines()
-                                          if line.startswith("Cpus_allowed_list"))
+        out[f"{task.name}:{name}"] = next(
+            line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("Cpus_allowed_list")
+        )
     return out
 
 
@@ -57,6 +57,12 @@ def test_a_confined_service_runs_every_thread_on_its_cpus(tmp_path):
 def test_a_bad_cpu_list_stops_the_service_with_a_clear_message():
     env = {k: v for k, v in os.environ.items() if not k.startswith("RACER_")}
     for spec, words in (("1-", "not a CPU number or range"), (str(10_000), "none of these CPUs is available")):
-        r = subprocess.run([sys.executable, "-m", "racer.cli", "serve", "drafter", "--cpus", spec, "--prior", "none"],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-m", "racer.cli", "serve", "drafter", "--cpus", spec, "--prior", "none"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 2 and "--cpus" in r.stderr and words in r.stderr, (r.returncode, r.stderr[-500:])
