@@ -7,8 +7,9 @@ rows in the cache so that the accepted ones can be kept and the rest dropped.
 * ``FastLlamaBackend`` runs the decoder layers of a Llama-family model (Llama, Mistral, Qwen2/3,
   SmolLM) directly on the model's own weights and modules, with a preallocated KV cache that is
   compacted in place. On a CPU this is what makes tree verification cheap: no cache concatenation
-  per step, no generic mask construction, and the output projection done as ``W @ x.T``, which
-  MKL runs 2-4x faster than ``x @ W.T`` for 2-16 rows of a 49k vocabulary (same bits).
+  per step, no generic mask construction, and projections run by the kernels measured fastest on
+  this machine for each row count (``verifier/kernels.py``). In reduced precision the forward is
+  batch invariant: a row's bits do not depend on what else shares the call (see ``forward_segments``).
 * ``HFBackend`` works for any causal LM that accepts a 4D additive mask and a ``DynamicCache``.
 """
 
@@ -24,7 +25,11 @@ class FastLlamaBackend:
     """Decoder forward over a preallocated per-session KV cache [layers, 2, kv_heads, capacity, head_dim]."""
 
     def __init__(self, model, capacity: int = 1024):
+        from .kernels import plan_for
+
         self.model = model
+        self.plan = plan_for(model)
+        self.invariant = self.plan.invariant
         inner = model.model
         cfg = model.config
         self.layers = list(inner.layers)
@@ -41,6 +46,23 @@ class FastLlamaBackend:
             (len(self.layers), 2, self.n_kv, capacity, self.head_dim), dtype=self.dtype, device=self.device
         )
         self.length = 0  # rows of the cache that hold committed context
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # invariant mode: cos, sin by position
+
+    _ROPE_CHUNK = 256
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, n, head_dim] of ``positions`` from a table computed in fixed chunks of
+        positions, so a position's values never depend on which other positions share the call."""
+        need = int(positions.max()) + 1
+        have = 0 if self._rope is None else self._rope[0].shape[0]
+        if need > have:
+            dummy = torch.zeros((1, 1, self.head_dim), dtype=self.dtype, device=self.device)
+            parts = [self.rotary(dummy, torch.arange(s, s + self._ROPE_CHUNK, device=self.device)[None])
+                     for s in range(have, need, self._ROPE_CHUNK)]
+            cos = torch.cat([p[0][0] for p in parts])
+            sin = torch.cat([p[1][0] for p in parts])
+            self._rope = (cos, sin) if self._rope is None else (torch.cat((self._rope[0], cos)), torch.cat((self._rope[1], sin)))
+        return self._rope[0][positions][None], self._rope[1][positions][None]
 
     @staticmethod
     def supports(model) -> bool:
@@ -71,18 +93,21 @@ class FastLlamaBackend:
         grown[:, :, :, : self.length] = self.cache[:, :, :, : self.length]
         self.cache = grown
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                rows_exact: bool = True) -> torch.Tensor:
         """tokens, positions: [n] int64; mask: [n, length + n] bool or None (= attend everything).
 
         Writes the new K/V rows at [length, length + n) without committing them; returns
-        final-normed hidden states [n, hidden].
+        final-normed hidden states [n, hidden]. ``rows_exact=False`` (a prompt's prefill) lets
+        invariant mode attend with one fused call for all rows: the same prompt gets the same bits,
+        but a row's are not those it would get alone.
         """
-        return forward_segments([(self, tokens, positions, mask)])[0]
+        return forward_segments([(self, tokens, positions, mask)], rows_exact)[0]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, V]."""
-        return _mm(hidden, self.lm_head_w, None)
+        return self.plan.mm(hidden, self.lm_head_w, None)
 
     def commit(self, keep: list[int] | None, n_new: int) -> None:
         """Keeps the new rows at offsets ``keep`` (ascending; None = all ``n_new``), drops the rest."""
@@ -101,59 +126,124 @@ class FastLlamaBackend:
 
 
 @torch.inference_mode()
-def forward_segments(segments) -> list[torch.Tensor]:
+def forward_segments(segments, rows_exact: bool = True) -> list[torch.Tensor]:
     """Several sessions' new tokens in one pass over the weights.
 
     ``segments``: ``(backend, tokens [n], positions [n], mask [n, length + n] or None)`` of
     FastLlamaBackends of one model. Every projection and MLP runs once over all rows (the weights
     are read once: the point of batching); attention runs per segment over its own cache and mask,
     so no row ever sees another session's tokens. Returns each segment's hidden states.
+
+    In invariant mode (reduced precision) a row's bits do not depend on the other rows of the call:
+    projections run in fixed row chunks (``kernels.Plan``), rotary values come from a per-position
+    table, norms and elementwise ops are rowwise, and (``rows_exact``) each row attends alone, one
+    query over exactly the keys it may see in position order (a tree node's ancestors gathered after
+    the context), which is the very call a one-token step makes at that position.
     """
     b0 = segments[0][0]
     dev = b0.device
+    plan = b0.plan
+    exact = b0.invariant and rows_exact
     sizes = [seg[1].shape[0] for seg in segments]
     n = sum(sizes)
     spans, start = [], 0
     for size, (b, _, _, mask) in zip(sizes, segments):
         b._ensure_capacity(b.length + size)
-        spans.append((b, start, start + size, b.length, None if mask is None else _additive(mask, b.dtype, dev)))
+        if exact:
+            how = _row_groups(mask, b.length, size, dev)
+        else:
+            how = None if mask is None else _additive(mask, b.dtype, dev)
+        spans.append((b, start, start + size, b.length, how))
         start += size
     tokens = torch.cat([seg[1] for seg in segments]).to(dev)
     positions = torch.cat([seg[2] for seg in segments]).to(dev)
     x = b0.embed(tokens)[None]  # [1, n, hidden]
-    cos, sin = b0.rotary(x, positions[None])  # [1, n, head_dim]
+    if b0.invariant:
+        cos, sin = b0.rope(positions)
+    else:
+        cos, sin = b0.rotary(x, positions[None])  # [1, n, head_dim]
     cos, sin = cos[:, None], sin[:, None]
+    gqa = b0.n_kv != b0.n_heads
     for i, layer in enumerate(b0.layers):
         attn, mlp = layer.self_attn, layer.mlp
         h = layer.input_layernorm(x)[0]  # [n, hidden]
-        q = _linear(h, attn.q_proj).view(1, n, b0.n_heads, b0.head_dim).transpose(1, 2)
-        k = _linear(h, attn.k_proj).view(1, n, b0.n_kv, b0.head_dim).transpose(1, 2)
-        v = _linear(h, attn.v_proj).view(1, n, b0.n_kv, b0.head_dim).transpose(1, 2)
+        q = _linear(plan, h, attn.q_proj).view(1, n, b0.n_heads, b0.head_dim).transpose(1, 2)
+        k = _linear(plan, h, attn.k_proj).view(1, n, b0.n_kv, b0.head_dim).transpose(1, 2)
+        v = _linear(plan, h, attn.v_proj).view(1, n, b0.n_kv, b0.head_dim).transpose(1, 2)
         if hasattr(attn, "q_norm"):  # Qwen3-style per-head norms
             q = attn.q_norm(q.transpose(1, 2)).transpose(1, 2)
             k = attn.k_norm(k.transpose(1, 2)).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         outs = []
-        for b, s, e, past, mask in spans:
+        for b, s, e, past, how in spans:
             total = past + e - s
             kv = b.cache[i]
             kv[0, :, past:total] = k[0, :, s:e]
             kv[1, :, past:total] = v[0, :, s:e]
+            if exact:
+                outs.append(_rows_attention(q[:, :, s:e], kv, how, attn.scaling, gqa))
+                continue
             outs.append(F.scaled_dot_product_attention(
                 q[:, :, s:e],
                 kv[0, :, :total][None],
                 kv[1, :, :total][None],
-                attn_mask=mask,
+                attn_mask=how,
                 scale=attn.scaling,
-                enable_gqa=b0.n_kv != b0.n_heads,
+                enable_gqa=gqa,
             ))
         o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-        x = x + _linear(o.transpose(1, 2).reshape(n, -1), attn.o_proj)[None]
+        x = x + _linear(plan, o.transpose(1, 2).reshape(n, -1), attn.o_proj)[None]
         h = layer.post_attention_layernorm(x)[0]
-        x = x + _linear(mlp.act_fn(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)[None]
+        x = x + _linear(plan, mlp.act_fn(_linear(plan, h, mlp.gate_proj)) * _linear(plan, h, mlp.up_proj), mlp.down_proj)[None]
     hidden = b0.norm(x)[0]
     return list(hidden.split(sizes)) if len(sizes) > 1 else [hidden]
+
+
+def _row_groups(mask: torch.Tensor | None, past: int, n: int, dev) -> list:
+    """Rows grouped by how they attend alone: ``(rows, total, None)`` for a row that sees exactly the
+    cache prefix [0, total) (a chain's nodes, a lone step) and ``(rows, total, idx [g, total])`` for
+    rows of one key count that see a gathered subset (tree nodes past a branch), in position order."""
+    if mask is None:
+        mask = torch.ones((n, past + n), dtype=torch.bool)
+    mask = mask.cpu()
+    counts = mask.sum(1)
+    prefix = mask.cumsum(1) == torch.arange(1, mask.shape[1] + 1)  # [n, m]: True while no gap
+    groups: dict = {}
+    for r in range(n):
+        t = int(counts[r])
+        if bool(prefix[r, t - 1]):
+            groups.setdefault(("prefix", r), []).append(r)
+        else:
+            groups.setdefault(("gather", t), []).append(r)
+    out = []
+    for (kind, key), rows in groups.items():
+        r_idx = torch.tensor(rows, device=dev)
+        if kind == "prefix":
+            out.append((r_idx, int(counts[rows[0]]), None))
+        else:
+            idx = torch.stack([mask[r].nonzero()[:, 0] for r in rows]).to(dev)
+            out.append((r_idx, key, idx))
+    return out
+
+
+def _rows_attention(q: torch.Tensor, kv: torch.Tensor, groups, scale: float, gqa: bool) -> torch.Tensor:
+    """q [1, H, n, D]; kv [2, kv_heads, capacity, D]. Every row is one query over its own keys (no
+    mask), in calls whose every batch element has the shape a one-token step at that position has."""
+    out = torch.empty_like(q)
+    for rows, total, idx in groups:
+        if idx is None:
+            qr = q[:, :, rows]  # [1, H, 1, D]
+            o = F.scaled_dot_product_attention(qr, kv[0, :, :total][None], kv[1, :, :total][None], scale=scale,
+                                               enable_gqa=gqa)
+            out[:, :, rows] = o
+            continue
+        qr = q[0, :, rows].transpose(0, 1)[:, :, None]  # [g, H, 1, D]
+        keys = kv[0][:, idx].transpose(0, 1)  # [g, kv_heads, total, D]
+        vals = kv[1][:, idx].transpose(0, 1)
+        o = F.scaled_dot_product_attention(qr, keys, vals, scale=scale, enable_gqa=gqa)  # [g, H, 1, D]
+        out[0, :, rows] = o[:, :, 0].transpose(0, 1)
+    return out
 
 
 class HFBackend:
@@ -208,38 +298,10 @@ class HFBackend:
             self.length = length
 
 
-# Beyond a few rows MKL's skinny GEMM gets irregular here (at one thread: 6 rows 71 ms, 12 rows
-# 137 ms for a whole forward's projections, against 64 and 80 ms with oneDNN's), and oneDNN's
-# matmul, on the same dense weights (no second copy), is faster and smooth in the row count.
-_MKL_MAX_ROWS = 4
-_ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
-
-
-def _mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [n, in] -> [n, out]. For 2+ rows MKL runs ``W @ x.T`` (one tall GEMM) much faster than
-    ``x @ W.T`` on a CPU. A single row on a CPU is computed as two: MKL's GEMV reads the weights
-    at ~12 GB/s here, its two-column GEMM at ~19 GB/s (a whole SmolLM2-135M forward's
-    projections: 47 ms vs 30 ms at one thread)."""
-    if x.shape[0] == 1:
-        if not x.is_cpu:
-            return F.linear(x, weight, bias)
-        x = torch.cat((x, x))
-        y = (weight @ x.t())[:, :1].t()
-        return y if bias is None else y + bias
-    if x.shape[0] > _MKL_MAX_ROWS and _ONEDNN_LINEAR is not None and x.is_cpu:
-        return _ONEDNN_LINEAR(x.contiguous(), weight, bias, "none", [], "")
-    # Contiguous rows first: this function returns transposed views, and elementwise ops keep that
-    # layout, so the next projection (the MLP's down_proj) would get ``x.t()`` contiguous and MKL's
-    # plain GEMM for few columns, ~6x slower here than the transposed-B one (1.07 ms vs 0.18 ms for
-    # a 1536x576 weight and 2 rows).
-    y = (weight @ x.contiguous().t()).t()
-    return y if bias is None else y + bias
-
-
-def _linear(x: torch.Tensor, layer) -> torch.Tensor:
-    """A decoder projection with contiguous rows out: the heads viewed from it must have a unit
-    stride in ``head_dim``, or CPU SDPA leaves its flash kernel for the unfused math path."""
-    return _mm(x, layer.weight, layer.bias).contiguous()
+def _linear(plan, x: torch.Tensor, layer) -> torch.Tensor:
+    """A decoder projection by the plan's kernel, contiguous rows out: the heads viewed from it must
+    have a unit stride in ``head_dim``, or CPU SDPA leaves its flash kernel for the unfused math path."""
+    return plan.mm(x, layer.weight, layer.bias).contiguous()
 
 
 def _additive(mask: torch.Tensor, dtype, device) -> torch.Tensor:
