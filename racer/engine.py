@@ -23,15 +23,31 @@ class Engine:
 
     @classmethod
     def load(cls, model: str = DEFAULT_MODEL, backend: str = "auto", prior: bool = True, threads: int | None = None,
-             **drafter) -> "Engine":
-        loaded = load(model, threads=threads)
+             dtype: str = "auto", **drafter) -> "Engine":
+        loaded = load(model, dtype=dtype, threads=threads)
         config = DrafterConfig(**drafter)
         table = None
         if prior:
             from verifier.prior import find_or_compute
 
             table = find_or_compute(loaded.model, loaded.tokenizer, config.topk)
-        return cls(loaded, config, backend, table)
+        engine = cls(loaded, config, backend, table)
+        engine.tune_kernels()
+        return engine
+
+    def tune_kernels(self) -> str | None:
+        """The lean backend's kernel choice for this model, dtype and thread count (measured now, or
+        read from the cache); a description of it, or None when the lean backend is not used."""
+        from verifier.backends import FastLlamaBackend
+        from verifier.kernels import plan_for
+
+        if self.backend == "hf" or not FastLlamaBackend.supports(self.loaded.model):
+            return None
+        return plan_for(self.loaded.model).describe()
+
+    @property
+    def dtype(self) -> str:
+        return str(self.loaded.model.dtype).replace("torch.", "")
 
     def new_drafter(self) -> DraftSession:
         session = DraftSession(self.drafter_config, self.prior)
