@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import torch
+
 from drafter.session import DrafterConfig, DraftSession
 from gateway.loop import GenerationParams, Stats, generate
 from verifier.engine import VerifierSession
@@ -30,7 +32,14 @@ class Engine:
         if prior:
             from verifier.prior import find_or_compute
 
-            table = find_or_compute(loaded.model, loaded.tokenizer, config.topk)
+            source = loaded.model
+            if source.dtype != torch.float32:
+                # The prior is a drafting hint that depends on the weights, not on the dtype they run in:
+                # the float32 weights' prior (shipped for the default model) serves, instead of
+                # computing it again through a reduced-precision forward.
+                source = load(model, dtype="float32", tokenizer=False).model
+            table = find_or_compute(source, loaded.tokenizer, config.topk)
+            del source
         engine = cls(loaded, config, backend, table)
         engine.tune_kernels()
         return engine
