@@ -16,16 +16,17 @@ from gateway.loop import GenerationParams, generate
 from verifier.engine import VerifierSession
 
 from ..conftest import make_tiny_llama
+from ..verifier.test_batch_invariance import make_wide_llama
 
 N = 40
 
 
-@pytest.fixture(scope="module")
-def bf16_llama(tmp_path_factory):
+@pytest.fixture(scope="module", params=["tiny", "wide"])
+def bf16_llama(request, tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("RACER_KERNELS", "linear:4")  # 4-row chunks: a 1-row step pads, trees span chunks
     mp.setenv("RACER_CACHE", str(tmp_path_factory.mktemp("cache")))
-    yield make_tiny_llama().to(torch.bfloat16)
+    yield make_tiny_llama().to(torch.bfloat16) if request.param == "tiny" else make_wide_llama()
     mp.undo()
 
 
