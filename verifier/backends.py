@@ -42,7 +42,8 @@ class FastLlamaBackend:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.dtype = self.lm_head_w.dtype
         self.device = self.lm_head_w.device
-        self.cache = torch.empty(
+        # Zeroed: invariant attention reads masked keys past a row's own, which must be finite.
+        self.cache = torch.zeros(
             (len(self.layers), 2, self.n_kv, capacity, self.head_dim), dtype=self.dtype, device=self.device
         )
         self.length = 0  # rows of the cache that hold committed context
@@ -89,7 +90,7 @@ class FastLlamaBackend:
         if needed <= cap:
             return
         new_cap = max(needed, cap * 2)
-        grown = torch.empty((*self.cache.shape[:3], new_cap, self.head_dim), dtype=self.dtype, device=self.device)
+        grown = torch.zeros((*self.cache.shape[:3], new_cap, self.head_dim), dtype=self.dtype, device=self.device)
         grown[:, :, :, : self.length] = self.cache[:, :, :, : self.length]
         self.cache = grown
 
@@ -148,9 +149,9 @@ def forward_segments(segments, rows_exact: bool = True) -> list[torch.Tensor]:
     n = sum(sizes)
     spans, start = [], 0
     for size, (b, _, _, mask) in zip(sizes, segments):
-        b._ensure_capacity(b.length + size)
+        b._ensure_capacity(b.length + size + (_KEY_BLOCK if exact else 0))
         if exact:
-            how = _row_groups(mask, b.length, size, dev)
+            how = _row_groups(mask, b.length, size, dev, b.dtype)
         else:
             how = None if mask is None else _additive(mask, b.dtype, dev)
         spans.append((b, start, start + size, b.length, how))
@@ -200,48 +201,55 @@ def forward_segments(segments, rows_exact: bool = True) -> list[torch.Tensor]:
     return list(hidden.split(sizes)) if len(sizes) > 1 else [hidden]
 
 
-def _row_groups(mask: torch.Tensor | None, past: int, n: int, dev) -> list:
-    """Rows grouped by how they attend alone: ``(rows, total, None)`` for a row that sees exactly the
-    cache prefix [0, total) (a chain's nodes, a lone step) and ``(rows, total, idx [g, total])`` for
-    rows of one key count that see a gathered subset (tree nodes past a branch), in position order."""
+_KEY_BLOCK = 64  # invariant attention: key counts padded to a multiple of this (masked), so rows share calls
+
+
+def _row_groups(mask: torch.Tensor | None, past: int, n: int, dev, dtype=torch.float32) -> list:
+    """Rows grouped for invariant attention. A row that sees ``t`` keys attends over ``t`` rounded up
+    to ``_KEY_BLOCK`` keys, the extra ones masked: the call shape depends on its position only, so it
+    is the one a one-token step at that position makes, and rows of one padded length share a call.
+    ``(rows, padded, idx, additive mask [g, 1, 1, padded])``: ``idx`` None for rows that see exactly a
+    cache prefix (a chain's nodes, a lone step; keys read in place), else [g, padded] cache indices
+    of the keys each row sees in position order (tree nodes past a branch; gathered)."""
     if mask is None:
         mask = torch.ones((n, past + n), dtype=torch.bool)
     mask = mask.cpu()
-    counts = mask.sum(1)
-    prefix = mask.cumsum(1) == torch.arange(1, mask.shape[1] + 1)  # [n, m]: True while no gap
+    counts = mask.sum(1).tolist()
+    prefix = (mask.cumsum(1) == torch.arange(1, mask.shape[1] + 1)).gather(1, (mask.sum(1, keepdim=True) - 1)).view(-1)
     groups: dict = {}
     for r in range(n):
-        t = int(counts[r])
-        if bool(prefix[r, t - 1]):
-            groups.setdefault(("prefix", r), []).append(r)
-        else:
-            groups.setdefault(("gather", t), []).append(r)
+        padded = -(-counts[r] // _KEY_BLOCK) * _KEY_BLOCK
+        groups.setdefault((bool(prefix[r]), padded), []).append(r)
     out = []
-    for (kind, key), rows in groups.items():
-        r_idx = torch.tensor(rows, device=dev)
-        if kind == "prefix":
-            out.append((r_idx, int(counts[rows[0]]), None))
-        else:
-            idx = torch.stack([mask[r].nonzero()[:, 0] for r in rows]).to(dev)
-            out.append((r_idx, key, idx))
+    for (is_prefix, padded), rows in groups.items():
+        add = torch.full((len(rows), 1, 1, padded), float("-inf"))
+        for j, r in enumerate(rows):
+            add[j, :, :, : counts[r]] = 0.0
+        idx = None
+        if not is_prefix:
+            idx = torch.zeros((len(rows), padded), dtype=torch.long)
+            for j, r in enumerate(rows):
+                idx[j, : counts[r]] = mask[r].nonzero()[:, 0]
+            idx = idx.to(dev)
+        out.append((torch.tensor(rows, device=dev), padded, idx, add.to(device=dev, dtype=dtype)))
     return out
 
 
 def _rows_attention(q: torch.Tensor, kv: torch.Tensor, groups, scale: float, gqa: bool) -> torch.Tensor:
-    """q [1, H, n, D]; kv [2, kv_heads, capacity, D]. Every row is one query over its own keys (no
-    mask), in calls whose every batch element has the shape a one-token step at that position has."""
+    """q [1, H, n, D]; kv [2, kv_heads, capacity, D]. Every row is one query over its own keys, in
+    calls whose every batch element has the shape a one-token step at that position has."""
     out = torch.empty_like(q)
-    for rows, total, idx in groups:
-        if idx is None:
-            qr = q[:, :, rows]  # [1, H, 1, D]
-            o = F.scaled_dot_product_attention(qr, kv[0, :, :total][None], kv[1, :, :total][None], scale=scale,
-                                               enable_gqa=gqa)
-            out[:, :, rows] = o
-            continue
+    for rows, padded, idx, add in groups:
+        g = rows.shape[0]
         qr = q[0, :, rows].transpose(0, 1)[:, :, None]  # [g, H, 1, D]
-        keys = kv[0][:, idx].transpose(0, 1)  # [g, kv_heads, total, D]
-        vals = kv[1][:, idx].transpose(0, 1)
-        o = F.scaled_dot_product_attention(qr, keys, vals, scale=scale, enable_gqa=gqa)  # [g, H, 1, D]
+        if idx is None:
+            keys = kv[0, :, :padded][None].expand(g, -1, -1, -1)
+            vals = kv[1, :, :padded][None].expand(g, -1, -1, -1)
+        else:  # whole key rows copied (index_select), [g, kv_heads, padded, D]
+            flat = idx.view(-1)
+            keys = kv[0].index_select(1, flat).view(kv.shape[1], g, padded, -1).transpose(0, 1)
+            vals = kv[1].index_select(1, flat).view(kv.shape[1], g, padded, -1).transpose(0, 1)
+        o = F.scaled_dot_product_attention(qr, keys, vals, attn_mask=add, scale=scale, enable_gqa=gqa)
         out[0, :, rows] = o[:, :, 0].transpose(0, 1)
     return out
 
