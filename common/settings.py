@@ -68,6 +68,9 @@ SERVICE = {
                 "target model: 'default' or a Hugging Face causal-LM directory (tokenizer files not needed)"),
         Setting("--backend", "RACER_BACKEND", "auto", "forward implementation: auto, fast or hf"),
         Setting("--device", "RACER_DEVICE", "auto", "torch device: auto, cpu or cuda"),
+        Setting("--dtype", "RACER_DTYPE", "auto",
+                "model and KV cache dtype: auto (bfloat16 on CUDA or a CPU with AMX/AVX512-BF16, else float32), "
+                "float32, bfloat16 or float16"),
         Setting("--threads", "RACER_THREADS", 0, "torch CPU threads (0: torch's default, one per core)", int),
         Setting("--max-batch", "RACER_MAX_BATCH", 16, "trees of concurrent sessions verified in one forward, at most", int),
         Setting("--max-wait-ms", "RACER_MAX_WAIT_MS", 20.0,

@@ -1,7 +1,10 @@
 """``racer bench``: plain greedy, HF prompt lookup and every drafting mode on the same prompts.
 
 Runs are interleaved prompt by prompt (every mode and budget on prompt 1, then prompt 2, ...) so
-that a noisy machine slows all of them alike. Each run gets a fresh session.
+that a noisy machine slows all of them alike. Each run gets a fresh session. Every mode, HF's
+included, runs in the engine's dtype. "Lossless" is the exactness contract of that dtype: float32
+output identical to HF greedy; reduced precision identical to the engine's own ``off`` output (and
+how often it also equals HF's greedy in that dtype is counted separately).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class Record:
     new_tokens: int
     seconds: float
     lossless: bool | None = None
+    equals_hf: bool | None = None
     mat: float = 0.0
     draft_step_ms: list[float] = field(default_factory=list)
     drafter_bytes: int = 0
@@ -81,9 +85,14 @@ def run(
 ) -> list[Record]:
     from tqdm import tqdm
 
-    runs = [(m, 0) for m in modes if m in HF_MODES] + [(m, b) for m in modes if m not in HF_MODES for b in budgets]
+    # ``off`` drafts nothing, so its budget is moot: it runs once per prompt (at the first budget).
+    runs = [(m, 0) for m in modes if m in HF_MODES] + [
+        (m, b) for m in modes if m not in HF_MODES for b in (budgets[:1] if m == "off" else budgets)]
     if not any(m == "greedy" for m, _ in runs):
         raise ValueError("--modes must include greedy: it is the baseline and the lossless reference")
+    ref_mode = reference_mode(engine)
+    if ref_mode not in modes:
+        raise ValueError(f"--modes must include {ref_mode}: in {engine.dtype} it is the lossless reference")
     if 0 in budgets and engine.costs is None:
         costs = engine.measure_costs()
         print("verifier cost curve (ms by tree size): " + ", ".join(f"{n}: {c:.1f}" for n, c in costs.items()), file=sys.stderr)
@@ -95,7 +104,7 @@ def run(
     run_engine(engine, warm, "racer", max(budgets), 4)
     for p in prompts:
         ids = chat_ids(engine.tokenizer, p.text, system)
-        reference = None
+        reference = hf = None
         for mode, budget in runs:
             bar.set_description(f"{p.category[:12]} {mode}{'' if mode in HF_MODES else '@' + budget_name(budget)}")
             if mode in HF_MODES:
@@ -108,13 +117,21 @@ def run(
                     mat=st.mat, draft_step_ms=[s * 1e3 for s in st.draft_step_s], drafter_bytes=mem,
                 )
             if mode == "greedy":
+                hf = out
+            if mode == ref_mode and reference is None:
                 reference = out
             records.append(rec)
             bar.update()
         for rec in records[-len(runs) :]:
             rec.lossless = rec.output_ids == reference
+            rec.equals_hf = rec.output_ids == hf
     bar.close()
     return records
+
+
+def reference_mode(engine) -> str:
+    """The output every mode must equal: HF greedy in float32, the engine's own ``off`` otherwise."""
+    return "greedy" if engine.dtype == "float32" else "off"
 
 
 def budget_name(budget: int) -> str:
@@ -159,6 +176,7 @@ def summarize(records: list[Record]) -> list[dict]:
                     speedup=statistics.median(speed) if speed else float("nan"),
                     speedup_off=statistics.median(speed_off) if speed_off else float("nan"),
                     lossless=f"{sum(1 for r in rs if r.lossless)}/{len(rs)}",
+                    equals_hf=f"{sum(1 for r in rs if r.equals_hf)}/{len(rs)}",
                     step_p50_ms=percentile(steps, 0.5),
                     step_p99_ms=percentile(steps, 0.99),
                     drafter_kib=statistics.median(r.drafter_bytes for r in rs) / 1024 if steps else float("nan"),
@@ -169,13 +187,13 @@ def summarize(records: list[Record]) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     head = ("category", "mode", "C", "n", "tokens", "rounds", "MAT", "tok/s", "x greedy", "x off", "lossless",
-            "step p50 ms", "step p99 ms", "drafter KiB")
+            "= HF", "step p50 ms", "step p99 ms", "drafter KiB")
     lines = []
     for r in rows:
         lines.append((
             r["category"], r["mode"], "-" if r["mode"] in HF_MODES else budget_name(r["budget"]), str(r["prompts"]), str(r["new_tokens"]),
             str(r["rounds"]), f"{r['mat']:.2f}", f"{r['tok_s']:.1f}", f"{r['speedup']:.2f}",
-            f"{r['speedup_off']:.2f}", r["lossless"], _fmt(r["step_p50_ms"], 3), _fmt(r["step_p99_ms"], 3),
+            f"{r['speedup_off']:.2f}", r["lossless"], r.get("equals_hf", "-"), _fmt(r["step_p50_ms"], 3), _fmt(r["step_p99_ms"], 3),
             _fmt(r["drafter_kib"], 0),
         ))
     widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(head)]
@@ -196,7 +214,8 @@ def _fmt(x: float, digits: int) -> str:
 def write_json(records: list[Record], path: str) -> None:
     fields = ("mode", "budget", "question_id", "category", "prompt_ids", "output_ids", "rounds", "new_tokens", "seconds")
     with open(path, "w", encoding="utf-8") as f:
-        json.dump([{k: asdict(r)[k] for k in fields} | {"lossless": r.lossless, "mat": r.mat} for r in records], f)
+        json.dump([{k: asdict(r)[k] for k in fields} | {"lossless": r.lossless, "equals_hf": r.equals_hf, "mat": r.mat}
+                   for r in records], f)
 
 
 def plot(rows: list[dict], path: str) -> None:

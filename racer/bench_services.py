@@ -34,13 +34,13 @@ def bench_stack(args) -> int:
     from .inprocess import Engine
     from .prompts import DEFAULT_PROMPTS, load_spec_bench
     from common.text import chat_ids
-    from .v1 import verifier_pb2 as vpb
-    from .v1 import verifier_pb2_grpc as vpb_grpc
+    from common.v1 import verifier_pb2 as vpb
+    from common.v1 import verifier_pb2_grpc as vpb_grpc
 
     from gateway.failover import ROUND_OVERHEAD_MS
 
     prompts = load_spec_bench(args.prompts or DEFAULT_PROMPTS, args.per_category)
-    engine = Engine.load(args.model)
+    engine = Engine.load(args.model, dtype=getattr(args, "dtype", "auto"))
     engine.overhead_ms = ROUND_OVERHEAD_MS  # what the gateway tells its drafters: the same budget choices
     rows = []
 
@@ -51,7 +51,7 @@ def bench_stack(args) -> int:
             curve = stub.Stats(vpb.VerifierStatsRequest(), timeout=30).cost
             engine.costs = dict(zip(curve.sizes, curve.ms))
 
-    with stack.running(args.model, args.port_base, args.metrics_base, pin=args.pin) as gateway, Client(gateway, timeout=600) as c, \
+    with stack.running(args.model, args.port_base, args.metrics_base, pin=args.pin, dtype=getattr(args, "dtype", None)) as gateway, Client(gateway, timeout=600) as c, \
             grpc.insecure_channel(stack.target("verifier", args.port_base)) as vch:
         verifier = vpb_grpc.VerifierStub(vch)
         # As many torch threads as this thread's CPUs: with the verifier pinned, the engine shares
@@ -172,8 +172,10 @@ def bench_batch(args) -> int:
     configs = {"batched": {"RACER_MAX_BATCH": "16"}, "unbatched": {"RACER_MAX_BATCH": "1"}}
     reference: dict[int, list[int]] = {}
     rows = []
-    with stack.running(args.model, args.port_base, args.metrics_base, env=configs["batched"], pin=args.pin) as g_on, \
-            stack.running(args.model, args.port_base + 10, args.metrics_base + 10, env=configs["unbatched"], pin=args.pin) as g_off:
+    dtype = getattr(args, "dtype", None)
+    with stack.running(args.model, args.port_base, args.metrics_base, env=configs["batched"], pin=args.pin, dtype=dtype) as g_on, \
+            stack.running(args.model, args.port_base + 10, args.metrics_base + 10, env=configs["unbatched"], pin=args.pin,
+                          dtype=dtype) as g_off:
         targets = {"batched": g_on, "unbatched": g_off}
         for n in args.sessions:
             for name in (("batched", "unbatched") if len(rows) % 2 == 0 else ("unbatched", "batched")):

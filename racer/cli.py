@@ -38,6 +38,14 @@ def pin_flag(parser) -> None:
                         help="let the verifier share CPUs with the other services (default: CPUs of its own)")
 
 
+def dtype_flag(parser) -> None:
+    from verifier.model import DTYPES
+
+    parser.add_argument("--dtype", default="auto", choices=DTYPES,
+                        help="model and KV cache dtype (auto: bfloat16 on CUDA or a CPU with AMX/AVX512-BF16, "
+                             "else float32); float32 output equals HF greedy, reduced precision equals --mode off")
+
+
 def _budget(s: str) -> int:
     return 0 if s == "auto" else int(s)
 
@@ -49,7 +57,8 @@ def cmd_generate(args) -> int:
     from .inprocess import Engine
     from common.text import Detokenizer, chat_ids
 
-    engine = Engine.load(args.model, backend=args.backend, prior=args.prior, logits_tree=args.logits_tree)
+    engine = Engine.load(args.model, backend=args.backend, prior=args.prior, dtype=args.dtype,
+                         logits_tree=args.logits_tree)
     if args.budget == 0:
         engine.measure_costs()
     ids = chat_ids(engine.tokenizer, args.prompt, args.system or None)
@@ -90,10 +99,16 @@ def cmd_bench(args) -> int:
     import torch
 
     engine = Engine.load(args.model, backend=args.backend, prior=args.prior, threads=args.threads or None,
-                         logits_tree=args.logits_tree)
+                         dtype=args.dtype, logits_tree=args.logits_tree)
+    kernels = engine.tune_kernels()
+    print(f"dtype: {engine.dtype} (every mode, HF's included); {kernels or 'kernels: transformers (generic backend)'}",
+          file=sys.stderr)
     records = bench.run(engine, prompts, args.modes, args.budget, args.max_new_tokens, args.system or None)
     rows = bench.summarize(records)
-    print(f"torch threads: {torch.get_num_threads()} (every mode, HF's included)")
+    print(f"torch threads: {torch.get_num_threads()} (every mode, HF's included); dtype: {engine.dtype}; "
+          f"lossless = identical to {bench.reference_mode(engine)} output")
+    if kernels:
+        print(kernels)
     print(bench.format_table(rows))
     if args.json:
         bench.write_json(records, args.json)
@@ -218,6 +233,7 @@ def main(argv=None) -> int:
     def common(sp):
         sp.add_argument("--model", default="default", help="Hugging Face model directory (default: bundled SmolLM2-135M-Instruct)")
         sp.add_argument("--backend", default="auto", choices=("auto", "fast", "hf"), help="verifier forward implementation")
+        dtype_flag(sp)
         system_flag(sp)
         sp.add_argument("--max-new-tokens", type=int, default=256)
         sp.add_argument("--no-prior", dest="prior", action="store_false",
@@ -259,6 +275,7 @@ def main(argv=None) -> int:
     st = sub.add_parser("stack", help="drafter, verifier and gateway on localhost; stream an answer through them")
     st.add_argument("prompt", nargs="?", default="Explain speculative decoding in three sentences.")
     st.add_argument("--model", default="default")
+    dtype_flag(st)
     system_flag(st)
     st.add_argument("--max-new-tokens", type=int, default=256)
     st.add_argument("--mode", default="racer", choices=MODES)
@@ -287,6 +304,7 @@ def main(argv=None) -> int:
 
     bs = sub.add_parser("bench-stack", help="tokens/s through the gateway vs in process, side by side")
     bs.add_argument("--model", default="default")
+    dtype_flag(bs)
     bs.add_argument("--prompts", default=None)
     bs.add_argument("--per-category", type=int, default=1)
     system_flag(bs)
@@ -300,6 +318,7 @@ def main(argv=None) -> int:
 
     bb = sub.add_parser("bench-batch", help="aggregate tok/s of N concurrent sessions, batching on vs off")
     bb.add_argument("--model", default="default")
+    dtype_flag(bb)
     bb.add_argument("--prompts", default=None)
     bb.add_argument("--sessions", type=_csv(int), default=[1, 2, 4, 8, 16])
     system_flag(bb)

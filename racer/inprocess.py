@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import torch
+
 from drafter.session import DrafterConfig, DraftSession
 from common.loop import Stats, generate
 from common.params import GenerationParams
@@ -24,15 +26,38 @@ class Engine:
 
     @classmethod
     def load(cls, model: str = DEFAULT_MODEL, backend: str = "auto", prior: bool = True, threads: int | None = None,
-             **drafter) -> "Engine":
-        loaded = load(model, threads=threads)
+             dtype: str = "auto", **drafter) -> "Engine":
+        loaded = load(model, dtype=dtype, threads=threads)
         config = DrafterConfig(**drafter)
         table = None
         if prior:
             from verifier.prior import find_or_compute
 
-            table = find_or_compute(loaded.model, loaded.tokenizer, config.topk)
-        return cls(loaded, config, backend, table)
+            source = loaded.model
+            if source.dtype != torch.float32:
+                # The prior is a drafting hint that depends on the weights, not on the dtype they run in:
+                # the float32 weights' prior (shipped for the default model) serves, instead of
+                # computing it again through a reduced-precision forward.
+                source = load(model, dtype="float32", tokenizer=False).model
+            table = find_or_compute(source, loaded.tokenizer, config.topk)
+            del source
+        engine = cls(loaded, config, backend, table)
+        engine.tune_kernels()
+        return engine
+
+    def tune_kernels(self) -> str | None:
+        """The lean backend's kernel choice for this model, dtype and thread count (measured now, or
+        read from the cache); a description of it, or None when the lean backend is not used."""
+        from verifier.backends import FastLlamaBackend
+        from verifier.kernels import plan_for
+
+        if self.backend == "hf" or not FastLlamaBackend.supports(self.loaded.model):
+            return None
+        return plan_for(self.loaded.model).describe()
+
+    @property
+    def dtype(self) -> str:
+        return str(self.loaded.model.dtype).replace("torch.", "")
 
     def new_drafter(self) -> DraftSession:
         session = DraftSession(self.drafter_config, self.prior)

@@ -75,9 +75,20 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
     if model is None:
         from verifier.model import load
 
-        model = (await asyncio.to_thread(load, args.model, "float32", args.threads or None, False)).model
-        if args.device not in ("auto", "cpu") or (args.device == "auto" and _cuda()):
-            model = model.to("cuda" if args.device == "auto" else args.device)
+        from verifier.model import resolve_dtype
+
+        device = "cuda" if args.device == "auto" and _cuda() else ("cpu" if args.device == "auto" else args.device)
+        dtype = resolve_dtype(getattr(args, "dtype", "auto"), device)
+        model = (await asyncio.to_thread(load, args.model, dtype, args.threads or None, False)).model
+        if device != "cpu":
+            model = model.to(device)
+    if args.backend != "hf":
+        from verifier.backends import FastLlamaBackend
+        from verifier.kernels import plan_for
+
+        if FastLlamaBackend.supports(model):  # kernels measured (or read from the cache) before serving
+            plan = await asyncio.to_thread(plan_for, model)
+            log.info("kernels", extra={"dtype": str(model.dtype), "choice": plan.describe()})
     cost = None
     if args.measure_cost:
         from verifier.engine import measure_cost

@@ -38,7 +38,7 @@ def target(service: str, port_base: int = 0) -> str:
 
 @contextlib.contextmanager
 def running(model: str = "default", port_base: int = 0, metrics_base: int = 9100, log_level: str = "WARNING",
-            env: dict[str, str] | None = None, pin: bool = True):
+            env: dict[str, str] | None = None, pin: bool = True, dtype: str | None = None):
     """Starts the three services, waits for their health, yields the gateway target, stops them.
 
     ``pin`` (on two CPUs or more): the verifier runs on CPUs of its own (the upper half), the
@@ -53,6 +53,8 @@ def running(model: str = "default", port_base: int = 0, metrics_base: int = 9100
 
     resolve_model_dir(model)  # convert the default model once, before two services want it
     base = dict(os.environ, RACER_MODEL=model, RACER_HOST="127.0.0.1", RACER_LOG_LEVEL=log_level, **(env or {}))
+    if dtype:
+        base["RACER_DTYPE"] = dtype
     ports = _ports(port_base, metrics_base)
     envs = {s: dict(base, RACER_PORT=str(p), RACER_METRICS_PORT=str(m)) for s, (p, m) in ports.items()}
     envs["gateway"].update(RACER_DRAFTERS=f"127.0.0.1:{ports['drafter'][0]}", RACER_VERIFIERS=f"127.0.0.1:{ports['verifier'][0]}")
@@ -100,7 +102,8 @@ def running(model: str = "default", port_base: int = 0, metrics_base: int = 9100
 def run(args) -> int:
     from .client import Client, format_stats
 
-    with running(args.model, args.port_base, args.metrics_base, args.log_level, pin=args.pin) as gateway:
+    with running(args.model, args.port_base, args.metrics_base, args.log_level, pin=args.pin,
+                 dtype=getattr(args, "dtype", None)) as gateway:
         if args.prompt:
             with Client(gateway) as c:
                 last = None

@@ -7,8 +7,9 @@ rows in the cache so that the accepted ones can be kept and the rest dropped.
 * ``FastLlamaBackend`` runs the decoder layers of a Llama-family model (Llama, Mistral, Qwen2/3,
   SmolLM) directly on the model's own weights and modules, with a preallocated KV cache that is
   compacted in place. On a CPU this is what makes tree verification cheap: no cache concatenation
-  per step, no generic mask construction, and the output projection done as ``W @ x.T``, which
-  MKL runs 2-4x faster than ``x @ W.T`` for 2-16 rows of a 49k vocabulary (same bits).
+  per step, no generic mask construction, and projections run by the kernels measured fastest on
+  this machine for each row count (``verifier/kernels.py``). In reduced precision the forward is
+  batch invariant: a row's bits do not depend on what else shares the call (see ``forward_segments``).
 * The generic backend (``verifier/generic.py``) runs any other decoder-only causal LM.
 """
 
@@ -24,7 +25,11 @@ class FastLlamaBackend:
     """Decoder forward over a preallocated per-session KV cache [layers, 2, kv_heads, capacity, head_dim]."""
 
     def __init__(self, model, capacity: int = 1024):
+        from .kernels import plan_for
+
         self.model = model
+        self.plan = plan_for(model)
+        self.invariant = self.plan.invariant
         inner = model.model
         cfg = model.config
         self.layers = list(inner.layers)
@@ -37,10 +42,28 @@ class FastLlamaBackend:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.dtype = self.lm_head_w.dtype
         self.device = self.lm_head_w.device
-        self.cache = torch.empty(
+        # Zeroed: invariant attention reads masked keys past a row's own, which must be finite.
+        self.cache = torch.zeros(
             (len(self.layers), 2, self.n_kv, capacity, self.head_dim), dtype=self.dtype, device=self.device
         )
         self.length = 0  # rows of the cache that hold committed context
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # invariant mode: cos, sin by position
+
+    _ROPE_CHUNK = 256
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, n, head_dim] of ``positions`` from a table computed in fixed chunks of
+        positions, so a position's values never depend on which other positions share the call."""
+        need = int(positions.max()) + 1
+        have = 0 if self._rope is None else self._rope[0].shape[0]
+        if need > have:
+            dummy = torch.zeros((1, 1, self.head_dim), dtype=self.dtype, device=self.device)
+            parts = [self.rotary(dummy, torch.arange(s, s + self._ROPE_CHUNK, device=self.device)[None])
+                     for s in range(have, need, self._ROPE_CHUNK)]
+            cos = torch.cat([p[0][0] for p in parts])
+            sin = torch.cat([p[1][0] for p in parts])
+            self._rope = (cos, sin) if self._rope is None else (torch.cat((self._rope[0], cos)), torch.cat((self._rope[1], sin)))
+        return self._rope[0][positions][None], self._rope[1][positions][None]
 
     @staticmethod
     def supports(model) -> bool:
@@ -90,22 +113,25 @@ class FastLlamaBackend:
         if needed <= cap:
             return
         new_cap = max(needed, cap * 2)
-        grown = torch.empty((*self.cache.shape[:3], new_cap, self.head_dim), dtype=self.dtype, device=self.device)
+        grown = torch.zeros((*self.cache.shape[:3], new_cap, self.head_dim), dtype=self.dtype, device=self.device)
         grown[:, :, :, : self.length] = self.cache[:, :, :, : self.length]
         self.cache = grown
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                rows_exact: bool = True) -> torch.Tensor:
         """tokens, positions: [n] int64; mask: [n, length + n] bool or None (= attend everything).
 
         Writes the new K/V rows at [length, length + n) without committing them; returns
-        final-normed hidden states [n, hidden].
+        final-normed hidden states [n, hidden]. ``rows_exact=False`` (a prompt's prefill) lets
+        invariant mode attend with one fused call for all rows: the same prompt gets the same bits,
+        but a row's are not those it would get alone.
         """
-        return forward_segments([(self, tokens, positions, mask)])[0]
+        return forward_segments([(self, tokens, positions, mask)], rows_exact)[0]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, V]."""
-        return _mm(hidden, self.lm_head_w, None)
+        return self.plan.mm(hidden, self.lm_head_w, None)
 
     def commit(self, keep: list[int] | None, n_new: int) -> None:
         """Keeps the new rows at offsets ``keep`` (ascending; None = all ``n_new``), drops the rest."""
@@ -124,93 +150,137 @@ class FastLlamaBackend:
 
 
 @torch.inference_mode()
-def forward_segments(segments) -> list[torch.Tensor]:
+def forward_segments(segments, rows_exact: bool = True) -> list[torch.Tensor]:
     """Several sessions' new tokens in one pass over the weights.
 
     ``segments``: ``(backend, tokens [n], positions [n], mask [n, length + n] or None)`` of
     FastLlamaBackends of one model. Every projection and MLP runs once over all rows (the weights
     are read once: the point of batching); attention runs per segment over its own cache and mask,
     so no row ever sees another session's tokens. Returns each segment's hidden states.
+
+    In invariant mode (reduced precision) a row's bits do not depend on the other rows of the call:
+    projections run in fixed row chunks (``kernels.Plan``), rotary values come from a per-position
+    table, norms and elementwise ops are rowwise, and (``rows_exact``) each row attends alone, one
+    query over exactly the keys it may see in position order (a tree node's ancestors gathered after
+    the context), which is the very call a one-token step makes at that position.
     """
     b0 = segments[0][0]
     dev = b0.device
+    plan = b0.plan
+    exact = b0.invariant and rows_exact
     sizes = [seg[1].shape[0] for seg in segments]
     n = sum(sizes)
     spans, start = [], 0
     for size, (b, _, _, mask) in zip(sizes, segments):
-        b._ensure_capacity(b.length + size)
-        spans.append((b, start, start + size, b.length, None if mask is None else _additive(mask, b.dtype, dev)))
+        b._ensure_capacity(b.length + size + (_KEY_BLOCK if exact else 0))
+        if exact:
+            how = _row_groups(mask, b.length, size, dev, b.dtype)
+        else:
+            how = None if mask is None else _additive(mask, b.dtype, dev)
+        spans.append((b, start, start + size, b.length, how))
         start += size
     tokens = torch.cat([seg[1] for seg in segments]).to(dev)
     positions = torch.cat([seg[2] for seg in segments]).to(dev)
     x = b0.embed(tokens)[None]  # [1, n, hidden]
-    cos, sin = b0.rotary(x, positions[None])  # [1, n, head_dim]
+    if b0.invariant:
+        cos, sin = b0.rope(positions)
+    else:
+        cos, sin = b0.rotary(x, positions[None])  # [1, n, head_dim]
     cos, sin = cos[:, None], sin[:, None]
+    gqa = b0.n_kv != b0.n_heads
     for i, layer in enumerate(b0.layers):
         attn, mlp = layer.self_attn, layer.mlp
         h = layer.input_layernorm(x)[0]  # [n, hidden]
-        q = _linear(h, attn.q_proj).view(1, n, b0.n_heads, b0.head_dim).transpose(1, 2)
-        k = _linear(h, attn.k_proj).view(1, n, b0.n_kv, b0.head_dim).transpose(1, 2)
-        v = _linear(h, attn.v_proj).view(1, n, b0.n_kv, b0.head_dim).transpose(1, 2)
+        q = _linear(plan, h, attn.q_proj).view(1, n, b0.n_heads, b0.head_dim).transpose(1, 2)
+        k = _linear(plan, h, attn.k_proj).view(1, n, b0.n_kv, b0.head_dim).transpose(1, 2)
+        v = _linear(plan, h, attn.v_proj).view(1, n, b0.n_kv, b0.head_dim).transpose(1, 2)
         if hasattr(attn, "q_norm"):  # Qwen3-style per-head norms
             q = attn.q_norm(q.transpose(1, 2)).transpose(1, 2)
             k = attn.k_norm(k.transpose(1, 2)).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         outs = []
-        for b, s, e, past, mask in spans:
+        for b, s, e, past, how in spans:
             total = past + e - s
             kv = b.cache[i]
             kv[0, :, past:total] = k[0, :, s:e]
             kv[1, :, past:total] = v[0, :, s:e]
+            if exact:
+                outs.append(_rows_attention(q[:, :, s:e], kv, how, attn.scaling, gqa))
+                continue
             outs.append(F.scaled_dot_product_attention(
                 q[:, :, s:e],
                 kv[0, :, :total][None],
                 kv[1, :, :total][None],
-                attn_mask=mask,
+                attn_mask=how,
                 scale=attn.scaling,
-                enable_gqa=b0.n_kv != b0.n_heads,
+                enable_gqa=gqa,
             ))
         o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-        x = x + _linear(o.transpose(1, 2).reshape(n, -1), attn.o_proj)[None]
+        x = x + _linear(plan, o.transpose(1, 2).reshape(n, -1), attn.o_proj)[None]
         h = layer.post_attention_layernorm(x)[0]
-        x = x + _linear(mlp.act_fn(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)[None]
+        x = x + _linear(plan, mlp.act_fn(_linear(plan, h, mlp.gate_proj)) * _linear(plan, h, mlp.up_proj), mlp.down_proj)[None]
     hidden = b0.norm(x)[0]
     return list(hidden.split(sizes)) if len(sizes) > 1 else [hidden]
 
 
-# Beyond a few rows MKL's skinny GEMM gets irregular here (at one thread: 6 rows 71 ms, 12 rows
-# 137 ms for a whole forward's projections, against 64 and 80 ms with oneDNN's), and oneDNN's
-# matmul, on the same dense weights (no second copy), is faster and smooth in the row count.
-_MKL_MAX_ROWS = 4
-_ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+_KEY_BLOCK = 64  # invariant attention: key counts padded to a multiple of this (masked), so rows share calls
 
 
-def _mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [n, in] -> [n, out]. For 2+ rows MKL runs ``W @ x.T`` (one tall GEMM) much faster than
-    ``x @ W.T`` on a CPU. A single row on a CPU is computed as two: MKL's GEMV reads the weights
-    at ~12 GB/s here, its two-column GEMM at ~19 GB/s (a whole SmolLM2-135M forward's
-    projections: 47 ms vs 30 ms at one thread)."""
-    if x.shape[0] == 1:
-        if not x.is_cpu:
-            return F.linear(x, weight, bias)
-        x = torch.cat((x, x))
-        y = (weight @ x.t())[:, :1].t()
-        return y if bias is None else y + bias
-    if x.shape[0] > _MKL_MAX_ROWS and _ONEDNN_LINEAR is not None and x.is_cpu:
-        return _ONEDNN_LINEAR(x.contiguous(), weight, bias, "none", [], "")
-    # Contiguous rows first: this function returns transposed views, and elementwise ops keep that
-    # layout, so the next projection (the MLP's down_proj) would get ``x.t()`` contiguous and MKL's
-    # plain GEMM for few columns, ~6x slower here than the transposed-B one (1.07 ms vs 0.18 ms for
-    # a 1536x576 weight and 2 rows).
-    y = (weight @ x.contiguous().t()).t()
-    return y if bias is None else y + bias
+def _row_groups(mask: torch.Tensor | None, past: int, n: int, dev, dtype=torch.float32) -> list:
+    """Rows grouped for invariant attention. A row that sees ``t`` keys attends over ``t`` rounded up
+    to ``_KEY_BLOCK`` keys, the extra ones masked: the call shape depends on its position only, so it
+    is the one a one-token step at that position makes, and rows of one padded length share a call.
+    ``(rows, padded, idx, additive mask [g, 1, 1, padded])``: ``idx`` None for rows that see exactly a
+    cache prefix (a chain's nodes, a lone step; keys read in place), else [g, padded] cache indices
+    of the keys each row sees in position order (tree nodes past a branch; gathered)."""
+    if mask is None:
+        mask = torch.ones((n, past + n), dtype=torch.bool)
+    mask = mask.cpu()
+    counts = mask.sum(1).tolist()
+    prefix = (mask.cumsum(1) == torch.arange(1, mask.shape[1] + 1)).gather(1, (mask.sum(1, keepdim=True) - 1)).view(-1)
+    groups: dict = {}
+    for r in range(n):
+        padded = -(-counts[r] // _KEY_BLOCK) * _KEY_BLOCK
+        groups.setdefault((bool(prefix[r]), padded), []).append(r)
+    out = []
+    for (is_prefix, padded), rows in groups.items():
+        add = torch.full((len(rows), 1, 1, padded), float("-inf"))
+        for j, r in enumerate(rows):
+            add[j, :, :, : counts[r]] = 0.0
+        idx = None
+        if not is_prefix:
+            idx = torch.zeros((len(rows), padded), dtype=torch.long)
+            for j, r in enumerate(rows):
+                idx[j, : counts[r]] = mask[r].nonzero()[:, 0]
+            idx = idx.to(dev)
+        out.append((torch.tensor(rows, device=dev), padded, idx, add.to(device=dev, dtype=dtype)))
+    return out
 
 
-def _linear(x: torch.Tensor, layer) -> torch.Tensor:
-    """A decoder projection with contiguous rows out: the heads viewed from it must have a unit
-    stride in ``head_dim``, or CPU SDPA leaves its flash kernel for the unfused math path."""
-    return _mm(x, layer.weight, layer.bias).contiguous()
+def _rows_attention(q: torch.Tensor, kv: torch.Tensor, groups, scale: float, gqa: bool) -> torch.Tensor:
+    """q [1, H, n, D]; kv [2, kv_heads, capacity, D]. Every row is one query over its own keys, in
+    calls whose every batch element has the shape a one-token step at that position has."""
+    out = torch.empty_like(q)
+    for rows, padded, idx, add in groups:
+        g = rows.shape[0]
+        qr = q[0, :, rows].transpose(0, 1)[:, :, None]  # [g, H, 1, D]
+        if idx is None:
+            keys = kv[0, :, :padded][None].expand(g, -1, -1, -1)
+            vals = kv[1, :, :padded][None].expand(g, -1, -1, -1)
+        else:  # whole key rows copied (index_select), [g, kv_heads, padded, D]
+            flat = idx.view(-1)
+            keys = kv[0].index_select(1, flat).view(kv.shape[1], g, padded, -1).transpose(0, 1)
+            vals = kv[1].index_select(1, flat).view(kv.shape[1], g, padded, -1).transpose(0, 1)
+        o = F.scaled_dot_product_attention(qr, keys, vals, attn_mask=add, scale=scale, enable_gqa=gqa)
+        out[0, :, rows] = o[:, :, 0].transpose(0, 1)
+    return out
+
+
+def _linear(plan, x: torch.Tensor, layer) -> torch.Tensor:
+    """A decoder projection by the plan's kernel, contiguous rows out: the heads viewed from it must
+    have a unit stride in ``head_dim``, or CPU SDPA leaves its flash kernel for the unfused math path."""
+    return plan.mm(x, layer.weight, layer.bias).contiguous()
 
 
 def _additive(mask: torch.Tensor, dtype, device) -> torch.Tensor:

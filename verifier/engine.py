@@ -68,7 +68,10 @@ class VerifierSession:
         if n > 1:
             mask = torch.ones((n, past + n), dtype=torch.bool)
             mask[:, past:] = torch.ones((n, n), dtype=torch.bool).tril()
-        hidden = self.backend.forward(ids, positions, mask)
+        # A prompt is one fused forward even in invariant mode: every run of the same prompt gets the
+        # same bits; only tree rows must match what a one-token step computes.
+        exact = {"rows_exact": False} if getattr(self.backend, "invariant", False) else {}
+        hidden = self.backend.forward(ids, positions, mask, **exact)
         self.backend.commit(None, n)
         topk: list[list[int]] = []
         last_logits = None

@@ -97,6 +97,7 @@ def load(model: str = DEFAULT_MODEL, dtype: str = "float32", threads: int | None
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dtype = resolve_dtype(dtype)
     if threads:
         torch.set_num_threads(threads)
     path = resolve_model_dir(model)
@@ -104,6 +105,22 @@ def load(model: str = DEFAULT_MODEL, dtype: str = "float32", threads: int | None
     model_obj = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     model_obj.eval()
     return LoadedModel(model_obj, tokenizer, path)
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def resolve_dtype(dtype: str = "auto", device: str = "cpu") -> str:
+    """``auto``: bfloat16 on CUDA or a CPU that multiplies it natively (AMX, AVX512-BF16), float32
+    elsewhere. float32 is token-identical to Hugging Face greedy decoding; reduced precision runs the
+    batch-invariant forward (speculation never changes the output; see README, Exactness)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r} (one of {', '.join(DTYPES)})")
+    if dtype == "auto":
+        from .kernels import auto_dtype
+
+        return auto_dtype(device)
+    return dtype
 
 
 def eos_token_ids(path: Path, tokenizer) -> tuple[int, ...]:

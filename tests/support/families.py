@@ -1,7 +1,7 @@
 """Tiny random-weight causal LMs of many ``transformers`` families, built in the test (no downloads).
 
 ``make(name)`` builds a seeded float32 model of 2 layers, hidden size 32-64 and a 96-token
-vocabulary (the services tests' prompts use ids below 96). As in ``conftest.make_tiny_llama`` the
+vocabulary (the services tests' prompts use ids below 96). As in ``tests.support.models.make_tiny_llama`` the
 input and output embeddings are untied and scaled up, so that greedy continuations are varied but
 fall into short cycles, like a small LM's: drafts then get accepted and trees are exercised.
 """

@@ -1,0 +1,131 @@
+"""Reduced precision: a row's bits do not depend on what shares its forward (tree nodes, sessions).
+
+The contract this buys (README, Exactness): in bfloat16 speculation never changes what the engine
+produces, because every tree node's hidden state, logits and K/V rows are bit-identical to those a
+one-token step at that position computes.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from verifier.backends import forward_segments
+from verifier.engine import VerifierSession
+from verifier.tree import tree_inputs
+
+from tests.support.models import make_tiny_llama
+
+VOCAB = 96
+
+
+def make_wide_llama(seed: int = 0):
+    """A small random Llama with SmolLM2's head size (64) in bfloat16. With the tiny model's 16-wide
+    heads the fused forward happens to be invariant on a CPU too; with these it is not (CPU SDPA's
+    row results depend on the query count and key length), so these tests can tell the difference."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # as make_tiny_llama: sharper distributions, greedy paths that wander
+        model.model.embed_tokens.weight.mul_(8.0)
+        model.lm_head.weight.mul_(16.0)
+    return model.eval().to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module", params=["linear:4", "auto"])
+def bf16_model(request, tmp_path_factory):
+    """A bfloat16 model with 4-row chunks forced, and with the tuned choice."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RACER_KERNELS", request.param)
+    mp.setenv("RACER_CACHE", str(tmp_path_factory.mktemp("cache")))
+    yield make_wide_llama()
+    mp.undo()
+
+
+def _tree(rng, n):
+    parents = [-1] + [rng.randrange(i) for i in range(1, n)]
+    return [rng.randrange(3, VOCAB) for _ in range(n)], parents
+
+
+def _session(model, prompt):
+    s = VerifierSession(model, backend="fast")
+    s.prefill(prompt)
+    return s
+
+
+def _path(parents, i):
+    out = []
+    while i >= 0:
+        out.append(i)
+        i = parents[i]
+    return out[::-1]
+
+
+def _stepwise(model, prompt, tokens):
+    """Hidden state and logits of the last of ``tokens`` fed one by one (each step committed)."""
+    s = _session(model, prompt)
+    for t in tokens:
+        ids, positions, mask = s._inputs([t], [-1])
+        hidden = s.backend.forward(ids, positions, mask)
+        s.backend.commit(None, 1)
+    return hidden[0], s.backend.logits(hidden)[0]
+
+
+def _tree_hidden(session, tokens, parents):
+    ids, positions, mask = session._inputs(tokens, parents)
+    return session.backend.forward(ids, positions, mask)
+
+
+def test_a_row_is_bit_identical_alone_in_a_64_node_tree_and_in_a_batch(bf16_model):
+    rng = random.Random(0)
+    prompt = [rng.randrange(3, VOCAB) for _ in range(45)]
+    tokens, parents = _tree(rng, 64)
+    tree = _tree_hidden(_session(bf16_model, prompt), tokens, parents)
+    tree_logits = _session(bf16_model, prompt).backend.logits(tree)
+
+    # The same tree among other sessions' trees in one forward (sizes chosen to shift its rows).
+    others = [(_session(bf16_model, [rng.randrange(3, VOCAB) for _ in range(k)]), *_tree(rng, m)) for k, m in ((9, 5), (40, 23))]
+    mine = _session(bf16_model, prompt)
+    segs = []
+    for s, tk, pa in [others[0], (mine, tokens, parents), others[1]]:
+        ids, positions, mask = s._inputs(tk, pa)
+        segs.append((s.backend, ids, positions, mask))
+    batched = forward_segments(segs)[1]
+    assert torch.equal(batched, tree)
+
+    checked = 0
+    for i in sorted(rng.sample(range(64), 8)) + [63]:
+        path = _path(parents, i)
+        alone, logits = _stepwise(bf16_model, prompt, [tokens[j] for j in path])
+        assert torch.equal(alone, tree[i]), f"node {i} (depth {len(path) - 1}) differs from its one-token step"
+        assert torch.equal(logits, tree_logits[i])
+        checked += 1
+    assert checked == 9
+
+
+def test_kv_rows_kept_from_a_tree_equal_those_of_one_token_steps(bf16_model):
+    rng = random.Random(1)
+    prompt = [rng.randrange(3, VOCAB) for _ in range(30)]
+    tokens, parents = _tree(rng, 32)
+    keep = _path(parents, 31)
+    s = _session(bf16_model, prompt)
+    _tree_hidden(s, tokens, parents)
+    s.backend.commit(keep, len(tokens))
+    ref = _session(bf16_model, prompt)
+    for j in keep:
+        ids, positions, mask = ref._inputs([tokens[j]], [-1])
+        ref.backend.forward(ids, positions, mask)
+        ref.backend.commit(None, 1)
+    assert s.length == ref.length
+    assert torch.equal(s.backend.cache[:, :, :, : s.length], ref.backend.cache[:, :, :, : ref.length])
+
+
+def test_float32_keeps_the_fastest_kernels_and_no_row_chunks():
+    s = VerifierSession(make_tiny_llama(), backend="fast")
+    assert not s.backend.invariant and not s.backend.plan.invariant

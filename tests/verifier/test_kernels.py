@@ -1,0 +1,117 @@
+"""Kernel selection: measured choices agree with F.linear, are cached per key, and the invariant plan's
+chunks really are position invariant (checked, not assumed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from verifier import kernels
+from verifier.kernels import BUCKETS, CANDIDATES, auto_dtype, chunked, plan_for, position_invariant, tune_shape
+
+from tests.support.models import make_tiny_llama
+
+ROWS = sorted({*BUCKETS, 3, 5, 13, 33, 70, 130})  # buckets, rows between them, rows beyond the largest
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("RACER_CACHE", str(tmp_path))
+    monkeypatch.setenv("RACER_KERNELS", "auto")
+    return tmp_path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tuned_choice_agrees_with_linear_for_every_shape_and_row_count(cache, dtype):
+    model = make_tiny_llama().to(dtype)
+    plan = plan_for(model)
+    assert plan.source == "tuned" and plan.invariant == (dtype != torch.float32)
+    weights = kernels.projection_weights(model)
+    assert set(plan.shapes) == set(weights) == {(64, 64), (32, 64), (128, 64), (64, 128), (96, 64)}
+    gen = torch.Generator().manual_seed(0)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for shape, w in weights.items():
+        for n in ROWS:
+            x = torch.randn((n, w.shape[1]), generator=gen).to(dtype)
+            y = plan.mm(x, w, None)
+            assert y.shape == (n, w.shape[0]) and y.is_contiguous()
+            torch.testing.assert_close(y.float(), F.linear(x, w).float(), **tol, msg=f"{shape} x {n} rows")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_candidate_agrees_with_linear(dtype):
+    w = torch.randn(96, 64).to(dtype)
+    for n in (1, 2, 7, 64):
+        x = torch.randn(n, 64).to(dtype)
+        for name, fn in CANDIDATES.items():
+            try:
+                y = fn(x, w, None)
+            except RuntimeError:  # a candidate without a kernel for this dtype here is never chosen
+                continue
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(y.float(), F.linear(x, w).float(), atol=tol, rtol=tol, msg=f"{name} x {n}")
+
+
+def test_choice_is_cached_per_model_dtype_and_threads(cache):
+    model = make_tiny_llama()
+    first = plan_for(model)
+    files = list((cache / "kernels").glob("*.json"))
+    assert first.source == "tuned" and len(files) == 1
+    record = json.loads(files[0].read_text())
+    assert record["key"]["dtype"] == "float32" and record["key"]["threads"] == torch.get_num_threads()
+    assert record["key"]["machine"]["torch"] == torch.__version__
+    again = plan_for(make_tiny_llama(seed=1))  # same shapes, another object: read back, not tuned
+    assert again.source == "cache" and again.describe().split(":", 1)[1] == first.describe().split(":", 1)[1]
+    plan_for(make_tiny_llama().to(torch.bfloat16))
+    plan_for(make_tiny_llama(vocab_size=80))
+    assert len(list((cache / "kernels").glob("*.json"))) == 3  # dtype and model are part of the key
+    with torch.inference_mode():
+        torch.set_num_threads(2)
+        try:
+            assert plan_for(make_tiny_llama()).source == "tuned"
+        finally:
+            torch.set_num_threads(1)
+    assert len(list((cache / "kernels").glob("*.json"))) == 4
+
+
+def test_forced_kernel_skips_tuning(cache, monkeypatch):
+    monkeypatch.setenv("RACER_KERNELS", "linear:4")
+    plan = plan_for(make_tiny_llama().to(torch.bfloat16))
+    assert plan.source == "forced" and all(p.kernel == "linear" and p.rows == 4 for p in plan.shapes.values())
+    assert not (cache / "kernels").exists()
+    monkeypatch.setenv("RACER_KERNELS", "nope")
+    with pytest.raises(ValueError):
+        plan_for(make_tiny_llama())
+
+
+def test_chunked_rows_are_bit_identical_alone_and_in_any_call():
+    w = torch.randn(96, 64).to(torch.bfloat16)
+    x = torch.randn(70, 64).to(torch.bfloat16)
+    for rows in (1, 4, 16):
+        full = chunked(kernels._linear, x, w, None, rows)
+        for r in (0, 5, 31, 69):
+            assert torch.equal(chunked(kernels._linear, x[r : r + 1], w, None, rows)[0], full[r])
+            assert torch.equal(chunked(kernels._linear, x[r:], w, None, rows)[0], full[r])
+
+
+def test_position_check_rejects_a_kernel_whose_rows_depend_on_their_neighbours():
+    def leaky(x, w, b):  # each row picks up a trace of the row before it
+        y = F.linear(x, w, b)
+        return y + 1e-3 * torch.roll(y, 1, 0)
+
+    w = torch.randn(32, 64)
+    assert position_invariant(kernels._linear, w, 4)
+    assert not position_invariant(leaky, w, 4)
+    plan = tune_shape(w.to(torch.bfloat16), buckets=(1, 2, 4), invariant=True, reps=1, candidates={"linear": leaky})
+    assert plan.rows == 1  # every multi-row chunk failed the check; one-row chunks cannot
+
+
+def test_auto_dtype_follows_native_bf16(monkeypatch):
+    native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    assert auto_dtype("cpu") == ("bfloat16" if native else "float32")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert auto_dtype("cpu") == "bfloat16"
+    assert auto_dtype("cuda") == "bfloat16"
