@@ -39,78 +39,187 @@ COMMON = [
     Setting("--host", "RACER_HOST", "0.0.0.0", "address to bind"),
     Setting("--log-level", "RACER_LOG_LEVEL", "INFO", "logging level"),
     Setting("--drain-seconds", "RACER_DRAIN_SECONDS", 20.0, "on SIGTERM, time in-flight streams get to finish", float),
-    Setting("--max-message-bytes", "RACER_MAX_MESSAGE_BYTES", 16 * 1024 * 1024,
-            "largest gRPC message accepted or sent (a larger one gets RESOURCE_EXHAUSTED)", int),
-    Setting("--keepalive-seconds", "RACER_KEEPALIVE_SECONDS", 10.0,
-            "gRPC keepalive: ping a peer that has been silent this long, drop it when the ping is not answered "
-            "in as long again (a frozen peer's streams are freed)", float),
-    Setting("--cpus", "RACER_CPUS", "",
-            "CPUs this service runs on, as a Linux CPU list (e.g. 1 or 0,2-3); empty: any (common/cpus.py)"),
-    Setting("--tls-cert", "RACER_TLS_CERT", "", "PEM certificate chain of this server; with --tls-key the gRPC port serves TLS only"),
+    Setting(
+        "--max-message-bytes",
+        "RACER_MAX_MESSAGE_BYTES",
+        16 * 1024 * 1024,
+        "largest gRPC message accepted or sent (a larger one gets RESOURCE_EXHAUSTED)",
+        int,
+    ),
+    Setting(
+        "--keepalive-seconds",
+        "RACER_KEEPALIVE_SECONDS",
+        10.0,
+        "gRPC keepalive: ping a peer that has been silent this long, drop it when the ping is not answered "
+        "in as long again (a frozen peer's streams are freed)",
+        float,
+    ),
+    Setting(
+        "--cpus",
+        "RACER_CPUS",
+        "",
+        "CPUs this service runs on, as a Linux CPU list (e.g. 1 or 0,2-3); empty: any (common/cpus.py)",
+    ),
+    Setting(
+        "--tls-cert",
+        "RACER_TLS_CERT",
+        "",
+        "PEM certificate chain of this server; with --tls-key the gRPC port serves TLS only",
+    ),
     Setting("--tls-key", "RACER_TLS_KEY", "", "PEM private key of --tls-cert"),
-    Setting("--tls-client-ca", "RACER_TLS_CLIENT_CA", "",
-            "PEM CA bundle: clients must present a certificate it signed (mutual TLS); needs --tls-cert"),
+    Setting(
+        "--tls-client-ca",
+        "RACER_TLS_CLIENT_CA",
+        "",
+        "PEM CA bundle: clients must present a certificate it signed (mutual TLS); needs --tls-cert",
+    ),
 ]
 
 SERVICE = {
     "drafter": [
-        Setting("--snapshot-url", "RACER_SNAPSHOT_URL", "memory://", "snapshot store: memory:// or redis://host:port/db"),
-        Setting("--snapshot-every", "RACER_SNAPSHOT_EVERY", 32, "rounds between snapshots (also at every turn end)", int),
-        Setting("--session-ttl", "RACER_SESSION_TTL", 1800.0, "seconds an idle session (and its snapshot) is kept", float),
+        Setting(
+            "--snapshot-url", "RACER_SNAPSHOT_URL", "memory://", "snapshot store: memory:// or redis://host:port/db"
+        ),
+        Setting(
+            "--snapshot-every", "RACER_SNAPSHOT_EVERY", 32, "rounds between snapshots (also at every turn end)", int
+        ),
+        Setting(
+            "--session-ttl", "RACER_SESSION_TTL", 1800.0, "seconds an idle session (and its snapshot) is kept", float
+        ),
         Setting("--max-nodes", "RACER_MAX_NODES", 10_000, "automaton capacity per session", int),
         Setting("--window", "RACER_WINDOW", 10, "longest n-gram in the automaton", int),
         Setting("--topk", "RACER_TOPK", 8, "copy-logit row width", int),
-        Setting("--prior", "RACER_PRIOR", "default", "copy-logit prior: 'default' (shipped for the default model), a .npy path, or 'none'"),
-        Setting("--max-session-tokens", "RACER_MAX_SESSION_TOKENS", 65_536, "longest session history a drafter takes", int),
+        Setting(
+            "--prior",
+            "RACER_PRIOR",
+            "default",
+            "copy-logit prior: 'default' (shipped for the default model), a .npy path, or 'none'",
+        ),
+        Setting(
+            "--max-session-tokens", "RACER_MAX_SESSION_TOKENS", 65_536, "longest session history a drafter takes", int
+        ),
     ],
     "verifier": [
-        Setting("--model", "RACER_MODEL", "default",
-                "target model: 'default' or a Hugging Face causal-LM directory (tokenizer files not needed)"),
+        Setting(
+            "--model",
+            "RACER_MODEL",
+            "default",
+            "target model: 'default' or a Hugging Face causal-LM directory (tokenizer files not needed)",
+        ),
         Setting("--backend", "RACER_BACKEND", "auto", "forward implementation: auto, fast or hf"),
         Setting("--device", "RACER_DEVICE", "auto", "torch device: auto, cpu or cuda"),
-        Setting("--dtype", "RACER_DTYPE", "auto",
-                "model and KV cache dtype: auto (bfloat16 on CUDA or a CPU with AMX/AVX512-BF16, else float32), "
-                "float32, bfloat16 or float16"),
+        Setting(
+            "--dtype",
+            "RACER_DTYPE",
+            "auto",
+            "model and KV cache dtype: auto (bfloat16 on CUDA or a CPU with AMX/AVX512-BF16, else float32), "
+            "float32, bfloat16 or float16",
+        ),
         Setting("--threads", "RACER_THREADS", 0, "torch CPU threads (0: torch's default, one per core)", int),
-        Setting("--max-batch", "RACER_MAX_BATCH", 16, "trees of concurrent sessions verified in one forward, at most", int),
-        Setting("--max-wait-ms", "RACER_MAX_WAIT_MS", 20.0,
-                "longest a batch waits for the other streaming sessions' trees (it waits a quarter of a forward at most)", float),
-        Setting("--measure-cost", "RACER_MEASURE_COST", 1, "measure the cost curve at start-up for the adaptive budget (0: off)", int),
+        Setting(
+            "--max-batch", "RACER_MAX_BATCH", 16, "trees of concurrent sessions verified in one forward, at most", int
+        ),
+        Setting(
+            "--max-wait-ms",
+            "RACER_MAX_WAIT_MS",
+            20.0,
+            "longest a batch waits for the other streaming sessions' trees (it waits a quarter of a forward at most)",
+            float,
+        ),
+        Setting(
+            "--measure-cost",
+            "RACER_MEASURE_COST",
+            1,
+            "measure the cost curve at start-up for the adaptive budget (0: off)",
+            int,
+        ),
         Setting("--topk", "RACER_TOPK", 8, "top-k ids returned per position", int),
         Setting("--session-ttl", "RACER_SESSION_TTL", 1800.0, "seconds an idle KV cache is kept", float),
         Setting("--max-sessions", "RACER_MAX_SESSIONS", 64, "KV caches kept; the least recently used goes first", int),
         Setting("--max-cache-tokens", "RACER_MAX_CACHE_TOKENS", 262_144, "tokens held in all KV caches together", int),
     ],
     "gateway": [
-        Setting("--model", "RACER_MODEL", "default",
-                "tokenizer source: 'default', a Hugging Face model directory, or 'none' (no tokenizer: clients send "
-                "prompt_ids, end-of-turn tokens come only from stop_ids, and the verifier checks the vocabulary)"),
-        Setting("--drafters", "RACER_DRAFTERS", "localhost:50061", "drafter endpoints: host:port,... or dns:///name:port"),
-        Setting("--verifiers", "RACER_VERIFIERS", "localhost:50062", "verifier endpoints: host:port,... or dns:///name:port"),
+        Setting(
+            "--model",
+            "RACER_MODEL",
+            "default",
+            "tokenizer source: 'default', a Hugging Face model directory, or 'none' (no tokenizer: clients send "
+            "prompt_ids, end-of-turn tokens come only from stop_ids, and the verifier checks the vocabulary)",
+        ),
+        Setting(
+            "--drafters", "RACER_DRAFTERS", "localhost:50061", "drafter endpoints: host:port,... or dns:///name:port"
+        ),
+        Setting(
+            "--verifiers", "RACER_VERIFIERS", "localhost:50062", "verifier endpoints: host:port,... or dns:///name:port"
+        ),
         Setting("--session-url", "RACER_SESSION_URL", "memory://", "session store: memory:// or redis://host:port/db"),
         Setting("--session-ttl", "RACER_SESSION_TTL", 1800.0, "seconds an idle session record is kept", float),
-        Setting("--api-keys", "RACER_API_KEYS", "", "file of 'key tenant' lines (a file without keys refuses every call); unset: no auth, local use only"),
-        Setting("--resolve-every", "RACER_RESOLVE_EVERY", 10.0, "seconds between DNS re-resolutions of endpoints", float),
-        Setting("--max-prompt-tokens", "RACER_MAX_PROMPT_TOKENS", 8192,
-                "longest session history (all turns, this turn's input included) a turn may start from", int),
+        Setting(
+            "--api-keys",
+            "RACER_API_KEYS",
+            "",
+            "file of 'key tenant' lines (a file without keys refuses every call); unset: no auth, local use only",
+        ),
+        Setting(
+            "--resolve-every", "RACER_RESOLVE_EVERY", 10.0, "seconds between DNS re-resolutions of endpoints", float
+        ),
+        Setting(
+            "--max-prompt-tokens",
+            "RACER_MAX_PROMPT_TOKENS",
+            8192,
+            "longest session history (all turns, this turn's input included) a turn may start from",
+            int,
+        ),
         Setting("--max-new-tokens", "RACER_MAX_NEW_TOKENS", 2048, "largest max_new_tokens accepted", int),
         Setting("--max-budget", "RACER_MAX_BUDGET", 256, "largest draft budget accepted", int),
-        Setting("--max-sessions-per-tenant", "RACER_MAX_SESSIONS_PER_TENANT", 32,
-                "sessions of one tenant generating at once on one gateway; more get RESOURCE_EXHAUSTED (0: no limit)", int),
-        Setting("--backend-timeout", "RACER_BACKEND_TIMEOUT", 60.0,
-                "seconds a drafter or verifier may take to answer one message before the gateway fails over", float),
-        Setting("--reconnect-seconds", "RACER_RECONNECT_SECONDS", 15.0,
-                "when every drafter (or verifier) has failed, how long a turn waits for one to come back", float),
-        Setting("--store-retry-seconds", "RACER_STORE_RETRY_SECONDS", 10.0,
-                "how long session-store calls are retried before the call fails with UNAVAILABLE", float),
-        Setting("--tls-ca", "RACER_TLS_CA", "",
-                "PEM CA bundle that signed the drafters' and verifiers' certificates; set: the gateway talks TLS to them"),
-        Setting("--tls-client-cert", "RACER_TLS_CLIENT_CERT", "",
-                "PEM certificate the gateway presents to drafters and verifiers (for their --tls-client-ca)"),
+        Setting(
+            "--max-sessions-per-tenant",
+            "RACER_MAX_SESSIONS_PER_TENANT",
+            32,
+            "sessions of one tenant generating at once on one gateway; more get RESOURCE_EXHAUSTED (0: no limit)",
+            int,
+        ),
+        Setting(
+            "--backend-timeout",
+            "RACER_BACKEND_TIMEOUT",
+            60.0,
+            "seconds a drafter or verifier may take to answer one message before the gateway fails over",
+            float,
+        ),
+        Setting(
+            "--reconnect-seconds",
+            "RACER_RECONNECT_SECONDS",
+            15.0,
+            "when every drafter (or verifier) has failed, how long a turn waits for one to come back",
+            float,
+        ),
+        Setting(
+            "--store-retry-seconds",
+            "RACER_STORE_RETRY_SECONDS",
+            10.0,
+            "how long session-store calls are retried before the call fails with UNAVAILABLE",
+            float,
+        ),
+        Setting(
+            "--tls-ca",
+            "RACER_TLS_CA",
+            "",
+            "PEM CA bundle that signed the drafters' and verifiers' certificates; set: the gateway talks TLS to them",
+        ),
+        Setting(
+            "--tls-client-cert",
+            "RACER_TLS_CLIENT_CERT",
+            "",
+            "PEM certificate the gateway presents to drafters and verifiers (for their --tls-client-ca)",
+        ),
         Setting("--tls-client-key", "RACER_TLS_CLIENT_KEY", "", "PEM private key of --tls-client-cert"),
-        Setting("--tls-server-name", "RACER_TLS_SERVER_NAME", "",
-                "name the drafters' and verifiers' certificates must carry (default: the endpoint's host; set it when "
-                "endpoints are pod IPs)"),
+        Setting(
+            "--tls-server-name",
+            "RACER_TLS_SERVER_NAME",
+            "",
+            "name the drafters' and verifiers' certificates must carry (default: the endpoint's host; set it when "
+            "endpoints are pod IPs)",
+        ),
     ],
 }
 
@@ -122,10 +231,14 @@ def env_names(service: str) -> set[str]:
 def add_arguments(parser: argparse.ArgumentParser, service: str) -> None:
     """Flags for ``service``; each defaults to its environment variable, then to the table."""
     port, metrics = PORTS[service]
-    settings = COMMON + SERVICE[service] + [
-        Setting("--port", "RACER_PORT", port, "gRPC port", int),
-        Setting("--metrics-port", "RACER_METRICS_PORT", metrics, "Prometheus metrics HTTP port (0: off)", int),
-    ]
+    settings = (
+        COMMON
+        + SERVICE[service]
+        + [
+            Setting("--port", "RACER_PORT", port, "gRPC port", int),
+            Setting("--metrics-port", "RACER_METRICS_PORT", metrics, "Prometheus metrics HTTP port (0: off)", int),
+        ]
+    )
     for s in settings:
         raw = os.environ.get(s.env)
         default = s.type(raw) if raw is not None else s.default

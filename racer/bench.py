@@ -16,9 +16,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from common.loop import Stats
+from common.text import chat_ids
 
 from .inprocess import Engine
-from common.text import chat_ids
 from .prompts import Prompt
 from .stats import percentile
 
@@ -87,7 +87,8 @@ def run(
 
     # ``off`` drafts nothing, so its budget is moot: it runs once per prompt (at the first budget).
     runs = [(m, 0) for m in modes if m in HF_MODES] + [
-        (m, b) for m in modes if m not in HF_MODES for b in (budgets[:1] if m == "off" else budgets)]
+        (m, b) for m in modes if m not in HF_MODES for b in (budgets[:1] if m == "off" else budgets)
+    ]
     if not any(m == "greedy" for m, _ in runs):
         raise ValueError("--modes must include greedy: it is the baseline and the lossless reference")
     ref_mode = reference_mode(engine)
@@ -95,7 +96,10 @@ def run(
         raise ValueError(f"--modes must include {ref_mode}: in {engine.dtype} it is the lossless reference")
     if 0 in budgets and engine.costs is None:
         costs = engine.measure_costs()
-        print("verifier cost curve (ms by tree size): " + ", ".join(f"{n}: {c:.1f}" for n, c in costs.items()), file=sys.stderr)
+        print(
+            "verifier cost curve (ms by tree size): " + ", ".join(f"{n}: {c:.1f}" for n, c in costs.items()),
+            file=sys.stderr,
+        )
     records: list[Record] = []
     bar = tqdm(total=len(prompts) * len(runs), disable=not progress, file=sys.stderr, unit="run")
     # Warm-up: the first forward of a process pays for allocation and kernel selection.
@@ -113,8 +117,18 @@ def run(
             else:
                 out, secs, st, mem = run_engine(engine, ids, mode, budget, max_new_tokens)
                 rec = Record(
-                    mode, budget, p.question_id, p.category, ids, out, st.rounds, len(out), secs,
-                    mat=st.mat, draft_step_ms=[s * 1e3 for s in st.draft_step_s], drafter_bytes=mem,
+                    mode,
+                    budget,
+                    p.question_id,
+                    p.category,
+                    ids,
+                    out,
+                    st.rounds,
+                    len(out),
+                    secs,
+                    mat=st.mat,
+                    draft_step_ms=[s * 1e3 for s in st.draft_step_s],
+                    drafter_bytes=mem,
                 )
             if mode == "greedy":
                 hf = out
@@ -186,24 +200,52 @@ def summarize(records: list[Record]) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ("category", "mode", "C", "n", "tokens", "rounds", "MAT", "tok/s", "x greedy", "x off", "lossless",
-            "= HF", "step p50 ms", "step p99 ms", "drafter KiB")
+    head = (
+        "category",
+        "mode",
+        "C",
+        "n",
+        "tokens",
+        "rounds",
+        "MAT",
+        "tok/s",
+        "x greedy",
+        "x off",
+        "lossless",
+        "= HF",
+        "step p50 ms",
+        "step p99 ms",
+        "drafter KiB",
+    )
     lines = []
     for r in rows:
-        lines.append((
-            r["category"], r["mode"], "-" if r["mode"] in HF_MODES else budget_name(r["budget"]), str(r["prompts"]), str(r["new_tokens"]),
-            str(r["rounds"]), f"{r['mat']:.2f}", f"{r['tok_s']:.1f}", f"{r['speedup']:.2f}",
-            f"{r['speedup_off']:.2f}", r["lossless"], r.get("equals_hf", "-"), _fmt(r["step_p50_ms"], 3), _fmt(r["step_p99_ms"], 3),
-            _fmt(r["drafter_kib"], 0),
-        ))
-    widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(head)]
+        lines.append(
+            (
+                r["category"],
+                r["mode"],
+                "-" if r["mode"] in HF_MODES else budget_name(r["budget"]),
+                str(r["prompts"]),
+                str(r["new_tokens"]),
+                str(r["rounds"]),
+                f"{r['mat']:.2f}",
+                f"{r['tok_s']:.1f}",
+                f"{r['speedup']:.2f}",
+                f"{r['speedup_off']:.2f}",
+                r["lossless"],
+                r.get("equals_hf", "-"),
+                _fmt(r["step_p50_ms"], 3),
+                _fmt(r["step_p99_ms"], 3),
+                _fmt(r["drafter_kib"], 0),
+            )
+        )
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
     out = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
     prev = None
-    for l in lines:
-        if prev is not None and l[0] != prev:
+    for line in lines:
+        if prev is not None and line[0] != prev:
             out.append("")
-        prev = l[0]
-        out.append("  ".join(c.ljust(w) for c, w in zip(l, widths)))
+        prev = line[0]
+        out.append("  ".join(c.ljust(w) for c, w in zip(line, widths)))
     return "\n".join(out)
 
 
@@ -212,10 +254,25 @@ def _fmt(x: float, digits: int) -> str:
 
 
 def write_json(records: list[Record], path: str) -> None:
-    fields = ("mode", "budget", "question_id", "category", "prompt_ids", "output_ids", "rounds", "new_tokens", "seconds")
+    fields = (
+        "mode",
+        "budget",
+        "question_id",
+        "category",
+        "prompt_ids",
+        "output_ids",
+        "rounds",
+        "new_tokens",
+        "seconds",
+    )
     with open(path, "w", encoding="utf-8") as f:
-        json.dump([{k: asdict(r)[k] for k in fields} | {"lossless": r.lossless, "equals_hf": r.equals_hf, "mat": r.mat}
-                   for r in records], f)
+        json.dump(
+            [
+                {k: asdict(r)[k] for k in fields} | {"lossless": r.lossless, "equals_hf": r.equals_hf, "mat": r.mat}
+                for r in records
+            ],
+            f,
+        )
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -231,8 +288,10 @@ def plot(rows: list[dict], path: str) -> None:
     for j, (mode, budget) in enumerate(keys):
         label = f"{mode}@{budget}" if budget else mode
         for ax, metric in zip(axes, ("speedup", "mat")):
-            vals = [next((r[metric] for r in rows if r["category"] == c and (r["mode"], r["budget"]) == (mode, budget)), 0)
-                    for c in cats]
+            vals = [
+                next((r[metric] for r in rows if r["category"] == c and (r["mode"], r["budget"]) == (mode, budget)), 0)
+                for c in cats
+            ]
             ax.bar([i + j * width for i in range(len(cats))], vals, width, label=label)
     axes[0].axhline(1.0, color="black", linewidth=0.8)
     axes[0].set_ylabel("speedup vs HF greedy (median)")

@@ -22,22 +22,20 @@ from .stats import percentile
 
 def bench_stack(args) -> int:
     import grpc
+    import torch
     from tqdm import tqdm
 
-    import torch
-
     from common import cpus
+    from common.text import chat_ids
+    from common.v1 import verifier_pb2 as vpb
+    from common.v1 import verifier_pb2_grpc as vpb_grpc
+    from gateway.failover import ROUND_OVERHEAD_MS
 
     from . import stack
     from .bench import run_engine
     from .client import Client
     from .inprocess import Engine
     from .prompts import DEFAULT_PROMPTS, load_spec_bench
-    from common.text import chat_ids
-    from common.v1 import verifier_pb2 as vpb
-    from common.v1 import verifier_pb2_grpc as vpb_grpc
-
-    from gateway.failover import ROUND_OVERHEAD_MS
 
     prompts = load_spec_bench(args.prompts or DEFAULT_PROMPTS, args.per_category)
     engine = Engine.load(args.model, dtype=getattr(args, "dtype", "auto"))
@@ -51,8 +49,13 @@ def bench_stack(args) -> int:
             curve = stub.Stats(vpb.VerifierStatsRequest(), timeout=30).cost
             engine.costs = dict(zip(curve.sizes, curve.ms))
 
-    with stack.running(args.model, args.port_base, args.metrics_base, pin=args.pin, dtype=getattr(args, "dtype", None)) as gateway, Client(gateway, timeout=600) as c, \
-            grpc.insecure_channel(stack.target("verifier", args.port_base)) as vch:
+    with (
+        stack.running(
+            args.model, args.port_base, args.metrics_base, pin=args.pin, dtype=getattr(args, "dtype", None)
+        ) as gateway,
+        Client(gateway, timeout=600) as c,
+        grpc.insecure_channel(stack.target("verifier", args.port_base)) as vch,
+    ):
         verifier = vpb_grpc.VerifierStub(vch)
         # As many torch threads as this thread's CPUs: with the verifier pinned, the engine shares
         # what is left (torch counted every CPU when it was imported, before the pinning).
@@ -70,47 +73,82 @@ def bench_stack(args) -> int:
             for where in order:
                 if where == "local":
                     out, secs, st, _ = run_engine(engine, ids, args.mode, args.budget, args.max_new_tokens)
-                    got[where] = (out, secs, st.rounds, None, st.verify_s * 1e3 / max(1, st.rounds),
-                                  st.draft_s * 1e3 / max(1, st.rounds))
+                    got[where] = (
+                        out,
+                        secs,
+                        st.rounds,
+                        None,
+                        st.verify_s * 1e3 / max(1, st.rounds),
+                        st.draft_s * 1e3 / max(1, st.rounds),
+                    )
                 else:
                     t0 = time.perf_counter()
-                    out, _, last = c.complete(ids, max_new_tokens=args.max_new_tokens, mode=args.mode, budget=args.budget)
+                    out, _, last = c.complete(
+                        ids, max_new_tokens=args.max_new_tokens, mode=args.mode, budget=args.budget
+                    )
                     secs = time.perf_counter() - t0
                     s = last.stats
                     overhead = (s.total_ms - s.prefill_ms - s.draft_ms - s.verify_ms) / max(1, s.rounds)
-                    got[where] = (out, secs, s.rounds, overhead, s.verify_ms / max(1, s.rounds), s.draft_ms / max(1, s.rounds))
+                    got[where] = (
+                        out,
+                        secs,
+                        s.rounds,
+                        overhead,
+                        s.verify_ms / max(1, s.rounds),
+                        s.draft_ms / max(1, s.rounds),
+                    )
                     c.close_session(last.session_id)
             (lo, ls, lr, _, lv, ld), (so, ss, sr, oh, sv, sd) = got["local"], got["stack"]
-            rows.append(dict(category=p.category, tokens=len(so), local_tps=len(lo) / ls, stack_tps=len(so) / ss,
-                             ratio=(len(so) / ss) / (len(lo) / ls), overhead_ms=oh, rounds=sr, local_rounds=lr,
-                             verify=(lv, sv), draft=(ld, sd), same=lo == so))
-    print(f"mode={args.mode} C={args.budget} prompts={len(rows)} max_new_tokens={args.max_new_tokens} "
-          f"in-process threads={engine_threads}")
+            rows.append(
+                dict(
+                    category=p.category,
+                    tokens=len(so),
+                    local_tps=len(lo) / ls,
+                    stack_tps=len(so) / ss,
+                    ratio=(len(so) / ss) / (len(lo) / ls),
+                    overhead_ms=oh,
+                    rounds=sr,
+                    local_rounds=lr,
+                    verify=(lv, sv),
+                    draft=(ld, sd),
+                    same=lo == so,
+                )
+            )
+    print(
+        f"mode={args.mode} C={args.budget} prompts={len(rows)} max_new_tokens={args.max_new_tokens} "
+        f"in-process threads={engine_threads}"
+    )
     # verify and draft: ms per round on each side (in process: the engine's calls; through the
     # gateway: what the verifier and the drafter report as their own time for the round).
-    print("| prompt | category | tokens | rounds in-process / gateway | in-process tok/s | gateway tok/s | ratio | "
-          "verify ms/round in-process / verifier | draft ms/round in-process / drafter | overhead/round ms | identical |")
+    print(
+        "| prompt | category | tokens | rounds in-process / gateway | in-process tok/s | gateway tok/s | ratio | "
+        "verify ms/round in-process / verifier | draft ms/round in-process / drafter | overhead/round ms | identical |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for i, r in enumerate(rows):
-        print(f"| {i} | {r['category']} | {r['tokens']} | {r['local_rounds']} / {r['rounds']} | {r['local_tps']:.2f} | {r['stack_tps']:.2f} | "
-              f"{r['ratio']:.3f} | {r['verify'][0]:.1f} / {r['verify'][1]:.1f} | {r['draft'][0]:.2f} / {r['draft'][1]:.2f} | "
-              f"{r['overhead_ms']:.2f} | {'yes' if r['same'] else 'NO'} |")
+        print(
+            f"| {i} | {r['category']} | {r['tokens']} | {r['local_rounds']} / {r['rounds']} | {r['local_tps']:.2f} "
+            f"| {r['stack_tps']:.2f} | {r['ratio']:.3f} | {r['verify'][0]:.1f} / {r['verify'][1]:.1f} "
+            f"| {r['draft'][0]:.2f} / {r['draft'][1]:.2f} | "
+            f"{r['overhead_ms']:.2f} | {'yes' if r['same'] else 'NO'} |"
+        )
 
     def med(key, i=None):
         return statistics.median(r[key] if i is None else r[key][i] for r in rows)
 
-    print(f"| median | | | | {med('local_tps'):.2f} | {med('stack_tps'):.2f} | {med('ratio'):.3f} | "
-          f"{med('verify', 0):.1f} / {med('verify', 1):.1f} | {med('draft', 0):.2f} / {med('draft', 1):.2f} | "
-          f"{med('overhead_ms'):.2f} | {sum(r['same'] for r in rows)}/{len(rows)} |")
+    print(
+        f"| median | | | | {med('local_tps'):.2f} | {med('stack_tps'):.2f} | {med('ratio'):.3f} | "
+        f"{med('verify', 0):.1f} / {med('verify', 1):.1f} | {med('draft', 0):.2f} / {med('draft', 1):.2f} | "
+        f"{med('overhead_ms'):.2f} | {sum(r['same'] for r in rows)}/{len(rows)} |"
+    )
     return 0 if all(r["same"] for r in rows) else 1
 
 
 def bench_snapshot(args) -> int:
     from common.priors import load_prior
+    from common.store import open_store
     from drafter.session import DrafterConfig, DraftSession
     from drafter.snapshot import dumps, loads
-
-    from common.store import open_store
 
     cfg = DrafterConfig()
     prior = load_prior("default", cfg.topk)
@@ -148,13 +186,20 @@ def bench_snapshot(args) -> int:
         await store.close()
 
     asyncio.run(io())
-    print(f"session: {nodes} automaton nodes, {len(s.history)} tokens, {len(s.table)} copy-logit rows; "
-          f"store {args.store}; {args.repeat} repeats")
+    print(
+        f"session: {nodes} automaton nodes, {len(s.history)} tokens, {len(s.table)} copy-logit rows; "
+        f"store {args.store}; {args.repeat} repeats"
+    )
     print("| step | p50 ms | p99 ms |")
     print("|---|---|---|")
-    for name, xs in (("encode (dumps)", enc), ("store write", put), ("store read", get), ("decode (loads)", dec),
-                     ("save = encode + write", [a + b for a, b in zip(enc, put)]),
-                     ("restore = read + decode", [a + b for a, b in zip(get, dec)])):
+    for name, xs in (
+        ("encode (dumps)", enc),
+        ("store write", put),
+        ("store read", get),
+        ("decode (loads)", dec),
+        ("save = encode + write", [a + b for a, b in zip(enc, put)]),
+        ("restore = read + decode", [a + b for a, b in zip(get, dec)]),
+    ):
         print(f"| {name} | {percentile(xs, 0.5):.1f} | {percentile(xs, 0.99):.1f} |")
     print(f"snapshot size: {len(data) / 1024:.0f} KiB")
     return 0
@@ -173,12 +218,17 @@ def bench_batch(args) -> int:
     reference: dict[int, list[int]] = {}
     rows = []
     dtype = getattr(args, "dtype", None)
-    with stack.running(args.model, args.port_base, args.metrics_base, env=configs["batched"], pin=args.pin, dtype=dtype) as g_on, \
-            stack.running(args.model, args.port_base + 10, args.metrics_base + 10, env=configs["unbatched"], pin=args.pin,
-                          dtype=dtype) as g_off:
+    with (
+        stack.running(
+            args.model, args.port_base, args.metrics_base, env=configs["batched"], pin=args.pin, dtype=dtype
+        ) as g_on,
+        stack.running(
+            args.model, args.port_base + 10, args.metrics_base + 10, env=configs["unbatched"], pin=args.pin, dtype=dtype
+        ) as g_off,
+    ):
         targets = {"batched": g_on, "unbatched": g_off}
         for n in args.sessions:
-            for name in (("batched", "unbatched") if len(rows) % 2 == 0 else ("unbatched", "batched")):
+            for name in ("batched", "unbatched") if len(rows) % 2 == 0 else ("unbatched", "batched"):
                 outs: dict[int, list[int]] = {}
                 lat: list[float] = []
                 errors: list[str] = []
@@ -187,8 +237,13 @@ def bench_batch(args) -> int:
                     try:
                         with Client(target, timeout=1800) as c:
                             t0 = time.perf_counter()
-                            ids, _, last = c.complete(prompts[i % len(prompts)], max_new_tokens=args.max_new_tokens,
-                                                      mode=args.mode, budget=args.budget, system=args.system)
+                            ids, _, last = c.complete(
+                                prompts[i % len(prompts)],
+                                max_new_tokens=args.max_new_tokens,
+                                mode=args.mode,
+                                budget=args.budget,
+                                system=args.system,
+                            )
                             lat.append(time.perf_counter() - t0)
                             outs[i] = ids
                             c.close_session(last.session_id)
@@ -206,14 +261,27 @@ def bench_batch(args) -> int:
                     reference.setdefault(i % len(prompts), ids)
                 same = sum(1 for i, ids in outs.items() if ids == reference[i % len(prompts)])
                 tokens = sum(len(v) for v in outs.values())
-                rows.append(dict(n=n, name=name, tps=tokens / wall, p50=statistics.median(lat) if lat else float("nan"),
-                                 p_max=max(lat) if lat else float("nan"), same=same, done=len(outs), errors=len(errors)))
+                rows.append(
+                    dict(
+                        n=n,
+                        name=name,
+                        tps=tokens / wall,
+                        p50=statistics.median(lat) if lat else float("nan"),
+                        p_max=max(lat) if lat else float("nan"),
+                        same=same,
+                        done=len(outs),
+                        errors=len(errors),
+                    )
+                )
                 print(f"{name:9s} sessions={n:2d} tok/s={tokens / wall:6.1f} errors={len(errors)}", file=sys.stderr)
     print(f"mode={args.mode} budget={'auto' if args.budget == 0 else args.budget} max_new_tokens={args.max_new_tokens}")
     print("| sessions | batching | aggregate tok/s | session latency p50 s | slowest s | identical | errors |")
     print("|---|---|---|---|---|---|---|")
     for r in sorted(rows, key=lambda r: (r["n"], r["name"])):
-        print(f"| {r['n']} | {r['name']} | {r['tps']:.1f} | {r['p50']:.1f} | {r['p_max']:.1f} | {r['same']}/{r['done']} | {r['errors']} |")
+        print(
+            f"| {r['n']} | {r['name']} | {r['tps']:.1f} | {r['p50']:.1f} | {r['p_max']:.1f} "
+            f"| {r['same']}/{r['done']} | {r['errors']} |"
+        )
     one = {r["name"]: r["tps"] for r in rows if r["n"] == 1}
     for r in rows:
         if r["n"] > 1 and r["name"] == "batched" and "batched" in one:

@@ -15,7 +15,6 @@ os.environ.setdefault("GRPC_EXPERIMENTS", "-event_engine_client,-event_engine_li
 
 from common.params import MODES  # noqa: E402
 
-
 DEFAULT_SYSTEM = "You are a helpful assistant."  # the system prompt of every command that chats
 
 
@@ -34,16 +33,24 @@ def _csv(kind):
 
 
 def pin_flag(parser) -> None:
-    parser.add_argument("--no-pin", dest="pin", action="store_false",
-                        help="let the verifier share CPUs with the other services (default: CPUs of its own)")
+    parser.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="let the verifier share CPUs with the other services (default: CPUs of its own)",
+    )
 
 
 def dtype_flag(parser) -> None:
     from verifier.model import DTYPES
 
-    parser.add_argument("--dtype", default="auto", choices=DTYPES,
-                        help="model and KV cache dtype (auto: bfloat16 on CUDA or a CPU with AMX/AVX512-BF16, "
-                             "else float32); float32 output equals HF greedy, reduced precision equals --mode off")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="model and KV cache dtype (auto: bfloat16 on CUDA or a CPU with AMX/AVX512-BF16, "
+        "else float32); float32 output equals HF greedy, reduced precision equals --mode off",
+    )
 
 
 def _budget(s: str) -> int:
@@ -53,12 +60,13 @@ def _budget(s: str) -> int:
 def cmd_generate(args) -> int:
     from common.loop import Stats
     from common.params import SamplingParams
-
-    from .inprocess import Engine
     from common.text import Detokenizer, chat_ids
 
-    engine = Engine.load(args.model, backend=args.backend, prior=args.prior, dtype=args.dtype,
-                         logits_tree=args.logits_tree)
+    from .inprocess import Engine
+
+    engine = Engine.load(
+        args.model, backend=args.backend, prior=args.prior, dtype=args.dtype, logits_tree=args.logits_tree
+    )
     if args.budget == 0:
         engine.measure_costs()
     ids = chat_ids(engine.tokenizer, args.prompt, args.system or None)
@@ -98,15 +106,25 @@ def cmd_bench(args) -> int:
             return 2
     import torch
 
-    engine = Engine.load(args.model, backend=args.backend, prior=args.prior, threads=args.threads or None,
-                         dtype=args.dtype, logits_tree=args.logits_tree)
+    engine = Engine.load(
+        args.model,
+        backend=args.backend,
+        prior=args.prior,
+        threads=args.threads or None,
+        dtype=args.dtype,
+        logits_tree=args.logits_tree,
+    )
     kernels = engine.tune_kernels()
-    print(f"dtype: {engine.dtype} (every mode, HF's included); {kernels or 'kernels: transformers (generic backend)'}",
-          file=sys.stderr)
+    print(
+        f"dtype: {engine.dtype} (every mode, HF's included); {kernels or 'kernels: transformers (generic backend)'}",
+        file=sys.stderr,
+    )
     records = bench.run(engine, prompts, args.modes, args.budget, args.max_new_tokens, args.system or None)
     rows = bench.summarize(records)
-    print(f"torch threads: {torch.get_num_threads()} (every mode, HF's included); dtype: {engine.dtype}; "
-          f"lossless = identical to {bench.reference_mode(engine)} output")
+    print(
+        f"torch threads: {torch.get_num_threads()} (every mode, HF's included); dtype: {engine.dtype}; "
+        f"lossless = identical to {bench.reference_mode(engine)} output"
+    )
     if kernels:
         print(kernels)
     print(bench.format_table(rows))
@@ -136,9 +154,10 @@ def cmd_prior(args) -> int:
 def cmd_serve(args) -> int:
     import asyncio
 
-    from . import launch as services
     from common.cpus import confine
     from common.server import serve_forever, setup_logging, start_metrics
+
+    from . import launch as services
 
     setup_logging(args.log_level)
     try:
@@ -173,16 +192,18 @@ def cmd_stack(args) -> int:
 def cmd_client(args) -> int:
     import grpc
 
-    from .client import Client, format_stats
-
     from common.tls import channel_credentials
+
+    from .client import Client, format_stats
 
     creds = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key, system_roots=bool(args.tls_cert))
     with Client(args.target, args.api_key or os.environ.get("RACER_API_KEY"), credentials=creds) as c:
         try:
             if args.action == "sessions":
                 for s in c.list_sessions():
-                    print(f"{s.session_id}\tturns={s.turns}\ttokens={s.tokens}\tdrafter={s.drafter}\tverifier={s.verifier}")
+                    print(
+                        f"{s.session_id}\tturns={s.turns}\ttokens={s.tokens}\tdrafter={s.drafter}\tverifier={s.verifier}"
+                    )
                 return 0
             if args.action == "close":
                 s = c.close_session(args.session)
@@ -195,9 +216,16 @@ def cmd_client(args) -> int:
                 if text is None:
                     return 0
                 last = None
-                for r in c.generate(text, session_id=session, max_new_tokens=args.max_new_tokens, mode=args.mode,
-                                    budget=args.budget, temperature=args.temperature, seed=args.seed,
-                                    system=args.system if not session else ""):
+                for r in c.generate(
+                    text,
+                    session_id=session,
+                    max_new_tokens=args.max_new_tokens,
+                    mode=args.mode,
+                    budget=args.budget,
+                    temperature=args.temperature,
+                    seed=args.seed,
+                    system=args.system if not session else "",
+                ):
                     sys.stdout.write(r.text)
                     sys.stdout.flush()
                     last = r
@@ -226,26 +254,39 @@ def _read_turn():
 
 
 def main(argv=None) -> int:
-    logging.basicConfig(level=os.environ.get("RACER_LOG", "WARNING"), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("RACER_LOG", "WARNING"), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
     p = argparse.ArgumentParser(prog="racer", description="RACER speculative decoding")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(sp):
-        sp.add_argument("--model", default="default", help="Hugging Face model directory (default: bundled SmolLM2-135M-Instruct)")
-        sp.add_argument("--backend", default="auto", choices=("auto", "fast", "hf"), help="verifier forward implementation")
+        sp.add_argument(
+            "--model", default="default", help="Hugging Face model directory (default: bundled SmolLM2-135M-Instruct)"
+        )
+        sp.add_argument(
+            "--backend", default="auto", choices=("auto", "fast", "hf"), help="verifier forward implementation"
+        )
         dtype_flag(sp)
         system_flag(sp)
         sp.add_argument("--max-new-tokens", type=int, default=256)
-        sp.add_argument("--no-prior", dest="prior", action="store_false",
-                        help="no model-derived copy-logit prior for tokens a session has not seen yet")
-        sp.add_argument("--logits-tree", default="halving", choices=("halving", "best-first"),
-                        help="shape of the copy-logit tree")
+        sp.add_argument(
+            "--no-prior",
+            dest="prior",
+            action="store_false",
+            help="no model-derived copy-logit prior for tokens a session has not seen yet",
+        )
+        sp.add_argument(
+            "--logits-tree", default="halving", choices=("halving", "best-first"), help="shape of the copy-logit tree"
+        )
 
     g = sub.add_parser("generate", help="stream an answer to a prompt (the engine in this process, no services)")
     common(g)
     g.add_argument("prompt", nargs="?", default="Explain speculative decoding in three sentences.")
     g.add_argument("--mode", default="racer", choices=MODES)
-    g.add_argument("--budget", type=_budget, default=16, help="draft tree nodes per round (C); 'auto': cost-aware adaptive")
+    g.add_argument(
+        "--budget", type=_budget, default=16, help="draft tree nodes per round (C); 'auto': cost-aware adaptive"
+    )
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -254,11 +295,19 @@ def main(argv=None) -> int:
 
     b = sub.add_parser("bench", help="benchmark against HF greedy and prompt lookup")
     common(b)
-    b.add_argument("--prompts", default=None, help="Spec-Bench-format JSONL (default: ../shared/data/spec_bench/question.jsonl)")
+    b.add_argument(
+        "--prompts", default=None, help="Spec-Bench-format JSONL (default: ../shared/data/spec_bench/question.jsonl)"
+    )
     b.add_argument("--per-category", type=int, default=0, help="first N prompts of each category")
     b.add_argument("--humaneval", type=int, default=0, help="first N HumanEval prompts")
-    b.add_argument("--modes", type=_csv(str), default=["greedy", "hf-pld", "off", "racer", "retrieval", "logits", "last-logit", "pld"])
-    b.add_argument("--budget", type=_csv(_budget), default=[16], help="comma-separated tree sizes; 'auto': cost-aware adaptive")
+    b.add_argument(
+        "--modes",
+        type=_csv(str),
+        default=["greedy", "hf-pld", "off", "racer", "retrieval", "logits", "last-logit", "pld"],
+    )
+    b.add_argument(
+        "--budget", type=_csv(_budget), default=[16], help="comma-separated tree sizes; 'auto': cost-aware adaptive"
+    )
     b.add_argument("--threads", type=int, default=0, help="torch threads for every mode (default: torch's, all cores)")
     b.add_argument("--json", default=None, help="write one record per prompt x mode x budget")
     b.add_argument("--plot", default=None, help="write a PNG chart")
@@ -336,8 +385,13 @@ def main(argv=None) -> int:
     ld.add_argument("--turns", type=int, default=3, help="turns per session (at most 32)")
     ld.add_argument("--max-new-tokens", type=int, default=64, help="per turn (at most 1024)")
     ld.add_argument("--seed", type=int, default=0, help="prompt seed: the same seed sends the same requests")
-    ld.add_argument("--ids", type=int, default=0, metavar="VOCAB",
-                    help="send random token ids below VOCAB instead of text prompts (a gateway with --model none)")
+    ld.add_argument(
+        "--ids",
+        type=int,
+        default=0,
+        metavar="VOCAB",
+        help="send random token ids below VOCAB instead of text prompts (a gateway with --model none)",
+    )
     ld.add_argument("--prompt-tokens", type=int, default=16, help="with --ids: tokens per turn")
     ld.add_argument("--time-limit", type=float, default=120.0, help="seconds for the whole run (at most 600)")
     ld.add_argument("--api-key", default=None, help="tenant API key (or env RACER_API_KEY)")
@@ -346,8 +400,11 @@ def main(argv=None) -> int:
     ld.add_argument("--keep-sessions", action="store_true", help="do not close the sessions at the end")
     ld.add_argument("--json", default=None, help="also write the report as JSON")
     tls_flags(ld)
-    ld.set_defaults(func=lambda a: __import__("racer.load", fromlist=["x"]).main(
-        a if a.api_key else argparse.Namespace(**{**vars(a), "api_key": os.environ.get("RACER_API_KEY")})))
+    ld.set_defaults(
+        func=lambda a: __import__("racer.load", fromlist=["x"]).main(
+            a if a.api_key else argparse.Namespace(**{**vars(a), "api_key": os.environ.get("RACER_API_KEY")})
+        )
+    )
 
     bn = sub.add_parser("bench-snapshot", help="size and save/restore time of a full drafter session snapshot")
     bn.add_argument("--store", default="memory://", help="memory:// or redis://host:port/db")
@@ -365,8 +422,11 @@ def main(argv=None) -> int:
     hc.add_argument("target", help="[HOST:]PORT")
     hc.add_argument("service", nargs="?", default="", help="e.g. racer.v1.Drafter ('': the server as a whole)")
     hc.add_argument("--tls-ca", default=os.environ.get("RACER_TLS_CA", ""), help="CA of the service's certificate")
-    hc.add_argument("--tls-cert", default=os.environ.get("RACER_TLS_CLIENT_CERT", ""),
-                    help="client certificate, when the service requires one")
+    hc.add_argument(
+        "--tls-cert",
+        default=os.environ.get("RACER_TLS_CLIENT_CERT", ""),
+        help="client certificate, when the service requires one",
+    )
     hc.add_argument("--tls-key", default=os.environ.get("RACER_TLS_CLIENT_KEY", ""))
     hc.set_defaults(func=cmd_health)
 

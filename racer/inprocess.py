@@ -7,12 +7,11 @@ from typing import Iterator
 
 import torch
 
-from drafter.session import DrafterConfig, DraftSession
 from common.loop import Stats, generate
-from common.params import GenerationParams
+from common.params import GenerationParams, SamplingParams
+from drafter.session import DrafterConfig, DraftSession
 from verifier.engine import VerifierSession
 from verifier.model import DEFAULT_MODEL, LoadedModel, load
-from common.params import SamplingParams
 
 
 @dataclass
@@ -25,8 +24,15 @@ class Engine:
     overhead_ms: float = 1.0  # per round outside the forward, as the adaptive budget counts it
 
     @classmethod
-    def load(cls, model: str = DEFAULT_MODEL, backend: str = "auto", prior: bool = True, threads: int | None = None,
-             dtype: str = "auto", **drafter) -> "Engine":
+    def load(
+        cls,
+        model: str = DEFAULT_MODEL,
+        backend: str = "auto",
+        prior: bool = True,
+        threads: int | None = None,
+        dtype: str = "auto",
+        **drafter,
+    ) -> "Engine":
         loaded = load(model, dtype=dtype, threads=threads)
         config = DrafterConfig(**drafter)
         table = None

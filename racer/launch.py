@@ -15,8 +15,10 @@ log = logging.getLogger("racer")
 
 def _server_kw(args) -> dict:
     """What every service's gRPC server takes from the common settings."""
-    return dict(credentials=server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca),
-                keepalive_seconds=args.keepalive_seconds)
+    return dict(
+        credentials=server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca),
+        keepalive_seconds=args.keepalive_seconds,
+    )
 
 
 def defaults(service: str, **overrides) -> SimpleNamespace:
@@ -46,8 +48,14 @@ async def start_drafter(args) -> tuple[Server, object]:
 
     config = DrafterConfig(window=args.window, max_nodes=args.max_nodes, topk=args.topk)
     store = open_store(args.snapshot_url)
-    core = Drafter(config, store, load_prior(args.prior, args.topk), args.snapshot_every, args.session_ttl,
-                   max_tokens=args.max_session_tokens)
+    core = Drafter(
+        config,
+        store,
+        load_prior(args.prior, args.topk),
+        args.snapshot_every,
+        args.session_ttl,
+        max_tokens=args.max_session_tokens,
+    )
     svc = DrafterService(core)
     tasks = []
 
@@ -60,8 +68,16 @@ async def start_drafter(args) -> tuple[Server, object]:
         await core.flush()  # what the streams that ran during the drain changed
         await store.close()
 
-    srv = await start_server("drafter", lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(svc, s),
-                             args.host, args.port, args.max_message_bytes, drain, closed=closed, **_server_kw(args))
+    srv = await start_server(
+        "drafter",
+        lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(svc, s),
+        args.host,
+        args.port,
+        args.max_message_bytes,
+        drain,
+        closed=closed,
+        **_server_kw(args),
+    )
     tasks.append(asyncio.ensure_future(janitor(core.expire, min(30.0, args.session_ttl))))
     return srv, core
 
@@ -73,9 +89,7 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
     from verifier.sessions import Verifier
 
     if model is None:
-        from verifier.model import load
-
-        from verifier.model import resolve_dtype
+        from verifier.model import load, resolve_dtype
 
         device = "cuda" if args.device == "auto" and _cuda() else ("cpu" if args.device == "auto" else args.device)
         dtype = resolve_dtype(getattr(args, "dtype", "auto"), device)
@@ -95,8 +109,17 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
 
         cost = await asyncio.to_thread(measure_cost, model, backend=args.backend, topk=args.topk)
         log.info("cost curve", extra={"ms_by_size": {n: round(c, 2) for n, c in cost.items()}})
-    core = Verifier(model, args.topk, args.backend, args.max_sessions, args.max_cache_tokens, args.session_ttl, cost,
-                    args.max_batch, args.max_wait_ms)
+    core = Verifier(
+        model,
+        args.topk,
+        args.backend,
+        args.max_sessions,
+        args.max_cache_tokens,
+        args.session_ttl,
+        cost,
+        args.max_batch,
+        args.max_wait_ms,
+    )
     svc = VerifierService(core)
     tasks = []
 
@@ -104,8 +127,15 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
         for t in tasks:
             t.cancel()
 
-    srv = await start_server("verifier", lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(svc, s),
-                             args.host, args.port, args.max_message_bytes, drain, **_server_kw(args))
+    srv = await start_server(
+        "verifier",
+        lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(svc, s),
+        args.host,
+        args.port,
+        args.max_message_bytes,
+        drain,
+        **_server_kw(args),
+    )
     tasks.append(asyncio.ensure_future(janitor(core.expire, min(30.0, args.session_ttl))))
     return srv, core
 
@@ -117,21 +147,18 @@ def _cuda() -> bool:
 
 
 async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, resolver=None) -> tuple[Server, object]:
-    from gateway.routing import Endpoints
-    from gateway.auth import load_api_keys
-    from gateway.core import Gateway, Timeouts
-    from gateway.requests import Limits
-    from gateway.service import GatewayService
-    from common.v1 import generation_pb2_grpc
-
     from common.server import channel_options
     from common.store import open_store
     from common.tls import channel_credentials
+    from common.v1 import generation_pb2_grpc
+    from gateway.auth import load_api_keys
+    from gateway.core import Gateway, Timeouts
+    from gateway.requests import Limits
+    from gateway.routing import Endpoints
+    from gateway.service import GatewayService
 
     if tokenizer is None and args.model != "none":
-        from transformers import AutoTokenizer
-
-        from transformers import AutoConfig
+        from transformers import AutoConfig, AutoTokenizer
 
         from verifier.model import eos_token_ids, resolve_model_dir
 
@@ -149,8 +176,18 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
     store = open_store(args.session_url)
     limits = Limits(args.max_prompt_tokens, args.max_new_tokens, args.max_budget, args.max_sessions_per_tenant)
     timeouts = Timeouts(args.backend_timeout, args.reconnect_seconds, args.store_retry_seconds)
-    core = Gateway(tokenizer, eos_ids or (), drafters, verifiers, store, load_api_keys(args.api_keys) if args.api_keys else None, limits,
-                         args.session_ttl, vocab_size, timeouts)
+    core = Gateway(
+        tokenizer,
+        eos_ids or (),
+        drafters,
+        verifiers,
+        store,
+        load_api_keys(args.api_keys) if args.api_keys else None,
+        limits,
+        args.session_ttl,
+        vocab_size,
+        timeouts,
+    )
 
     async def closed():
         await drafters.close()
@@ -158,6 +195,14 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
         await store.close()
 
     svc = GatewayService(core)
-    srv = await start_server("gateway", lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(svc, s),
-                             args.host, args.port, args.max_message_bytes, core.drain, closed=closed, **_server_kw(args))
+    srv = await start_server(
+        "gateway",
+        lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(svc, s),
+        args.host,
+        args.port,
+        args.max_message_bytes,
+        core.drain,
+        closed=closed,
+        **_server_kw(args),
+    )
     return srv, core

@@ -7,7 +7,6 @@ Ctrl-C.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import signal
@@ -16,7 +15,6 @@ import sys
 import time
 
 from common.settings import HEALTH_SERVICES, PORTS
-
 
 _outer: list[list[int]] = []  # the CPUs of the running() calls this one is nested in
 
@@ -27,8 +25,10 @@ def _spawn(service: str, env: dict[str, str]) -> subprocess.Popen:
 
 def _ports(port_base: int, metrics_base: int) -> dict[str, tuple[int, int]]:
     """(gRPC port, metrics port) of each service of a local stack."""
-    return {s: (port_base + i, metrics_base + i) if port_base else (PORTS[s][0], metrics_base + i)
-            for i, s in enumerate(("gateway", "drafter", "verifier"))}
+    return {
+        s: (port_base + i, metrics_base + i) if port_base else (PORTS[s][0], metrics_base + i)
+        for i, s in enumerate(("gateway", "drafter", "verifier"))
+    }
 
 
 def target(service: str, port_base: int = 0) -> str:
@@ -37,8 +37,15 @@ def target(service: str, port_base: int = 0) -> str:
 
 
 @contextlib.contextmanager
-def running(model: str = "default", port_base: int = 0, metrics_base: int = 9100, log_level: str = "WARNING",
-            env: dict[str, str] | None = None, pin: bool = True, dtype: str | None = None):
+def running(
+    model: str = "default",
+    port_base: int = 0,
+    metrics_base: int = 9100,
+    log_level: str = "WARNING",
+    env: dict[str, str] | None = None,
+    pin: bool = True,
+    dtype: str | None = None,
+):
     """Starts the three services, waits for their health, yields the gateway target, stops them.
 
     ``pin`` (on two CPUs or more): the verifier runs on CPUs of its own (the upper half), the
@@ -46,10 +53,9 @@ def running(model: str = "default", port_base: int = 0, metrics_base: int = 9100
     as a deployment gives the verifier its own cores or GPU. Explicit ``RACER_CPUS`` in ``env``
     or the environment win.
     """
-    from verifier.model import resolve_model_dir
-
     from common import cpus
     from common.health import wait_serving
+    from verifier.model import resolve_model_dir
 
     resolve_model_dir(model)  # convert the default model once, before two services want it
     base = dict(os.environ, RACER_MODEL=model, RACER_HOST="127.0.0.1", RACER_LOG_LEVEL=log_level, **(env or {}))
@@ -57,7 +63,9 @@ def running(model: str = "default", port_base: int = 0, metrics_base: int = 9100
         base["RACER_DTYPE"] = dtype
     ports = _ports(port_base, metrics_base)
     envs = {s: dict(base, RACER_PORT=str(p), RACER_METRICS_PORT=str(m)) for s, (p, m) in ports.items()}
-    envs["gateway"].update(RACER_DRAFTERS=f"127.0.0.1:{ports['drafter'][0]}", RACER_VERIFIERS=f"127.0.0.1:{ports['verifier'][0]}")
+    envs["gateway"].update(
+        RACER_DRAFTERS=f"127.0.0.1:{ports['drafter'][0]}", RACER_VERIFIERS=f"127.0.0.1:{ports['verifier'][0]}"
+    )
     before = cpus.available()
     mine = _outer[0] if _outer else before  # a stack started inside another splits the same CPUs
     split = cpus.split_for_verifier(mine) if pin and "RACER_CPUS" not in base else None
@@ -74,15 +82,26 @@ def running(model: str = "default", port_base: int = 0, metrics_base: int = 9100
             for s in group:
                 procs[s] = _spawn(s, envs[s])
             for s in group:
-                wait_serving(f"127.0.0.1:{ports[s][0]}", HEALTH_SERVICES[s], timeout=300,
-                             alive=lambda p=procs[s]: p.poll() is None, what=s)
+                wait_serving(
+                    f"127.0.0.1:{ports[s][0]}",
+                    HEALTH_SERVICES[s],
+                    timeout=300,
+                    alive=lambda p=procs[s]: p.poll() is None,
+                    what=s,
+                )
         gateway = f"127.0.0.1:{ports['gateway'][0]}"
         if split:  # the client side, off the verifier's CPUs (threads started from here on inherit it)
             cpus.confine(cpus.format_list(split[1]))
-        print(f"stack up in {time.monotonic() - t0:.1f} s: gateway {gateway}, metrics on "
-              + ", ".join(f"{s} :{m}" for s, (_, m) in ports.items())
-              + (f"; verifier on CPUs {envs['verifier']['RACER_CPUS']}, the others on {envs['gateway']['RACER_CPUS']}"
-                 if split else ""), file=sys.stderr)
+        print(
+            f"stack up in {time.monotonic() - t0:.1f} s: gateway {gateway}, metrics on "
+            + ", ".join(f"{s} :{m}" for s, (_, m) in ports.items())
+            + (
+                f"; verifier on CPUs {envs['verifier']['RACER_CPUS']}, the others on {envs['gateway']['RACER_CPUS']}"
+                if split
+                else ""
+            ),
+            file=sys.stderr,
+        )
         yield gateway
     finally:
         _outer.pop()
@@ -102,13 +121,19 @@ def running(model: str = "default", port_base: int = 0, metrics_base: int = 9100
 def run(args) -> int:
     from .client import Client, format_stats
 
-    with running(args.model, args.port_base, args.metrics_base, args.log_level, pin=args.pin,
-                 dtype=getattr(args, "dtype", None)) as gateway:
+    with running(
+        args.model, args.port_base, args.metrics_base, args.log_level, pin=args.pin, dtype=getattr(args, "dtype", None)
+    ) as gateway:
         if args.prompt:
             with Client(gateway) as c:
                 last = None
-                for r in c.generate(args.prompt, max_new_tokens=args.max_new_tokens, mode=args.mode, budget=args.budget,
-                                    system=args.system):
+                for r in c.generate(
+                    args.prompt,
+                    max_new_tokens=args.max_new_tokens,
+                    mode=args.mode,
+                    budget=args.budget,
+                    system=args.system,
+                ):
                     sys.stdout.write(r.text)
                     sys.stdout.flush()
                     last = r

@@ -58,11 +58,15 @@ class FastLlamaBackend:
         have = 0 if self._rope is None else self._rope[0].shape[0]
         if need > have:
             dummy = torch.zeros((1, 1, self.head_dim), dtype=self.dtype, device=self.device)
-            parts = [self.rotary(dummy, torch.arange(s, s + self._ROPE_CHUNK, device=self.device)[None])
-                     for s in range(have, need, self._ROPE_CHUNK)]
+            parts = [
+                self.rotary(dummy, torch.arange(s, s + self._ROPE_CHUNK, device=self.device)[None])
+                for s in range(have, need, self._ROPE_CHUNK)
+            ]
             cos = torch.cat([p[0][0] for p in parts])
             sin = torch.cat([p[1][0] for p in parts])
-            self._rope = (cos, sin) if self._rope is None else (torch.cat((self._rope[0], cos)), torch.cat((self._rope[1], sin)))
+            self._rope = (
+                (cos, sin) if self._rope is None else (torch.cat((self._rope[0], cos)), torch.cat((self._rope[1], sin)))
+            )
         return self._rope[0][positions][None], self._rope[1][positions][None]
 
     @staticmethod
@@ -117,8 +121,9 @@ class FastLlamaBackend:
         grown[:, :, :, : self.length] = self.cache[:, :, :, : self.length]
         self.cache = grown
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                rows_exact: bool = True) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, rows_exact: bool = True
+    ) -> torch.Tensor:
         """tokens, positions: [n] int64; mask: [n, length + n] bool or None (= attend everything).
 
         Writes the new K/V rows at [length, length + n) without committing them; returns
@@ -208,18 +213,25 @@ def forward_segments(segments, rows_exact: bool = True) -> list[torch.Tensor]:
             if exact:
                 outs.append(_rows_attention(q[:, :, s:e], kv, how, attn.scaling, gqa))
                 continue
-            outs.append(F.scaled_dot_product_attention(
-                q[:, :, s:e],
-                kv[0, :, :total][None],
-                kv[1, :, :total][None],
-                attn_mask=how,
-                scale=attn.scaling,
-                enable_gqa=gqa,
-            ))
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, s:e],
+                    kv[0, :, :total][None],
+                    kv[1, :, :total][None],
+                    attn_mask=how,
+                    scale=attn.scaling,
+                    enable_gqa=gqa,
+                )
+            )
         o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         x = x + _linear(plan, o.transpose(1, 2).reshape(n, -1), attn.o_proj)[None]
         h = layer.post_attention_layernorm(x)[0]
-        x = x + _linear(plan, mlp.act_fn(_linear(plan, h, mlp.gate_proj)) * _linear(plan, h, mlp.up_proj), mlp.down_proj)[None]
+        x = (
+            x
+            + _linear(plan, mlp.act_fn(_linear(plan, h, mlp.gate_proj)) * _linear(plan, h, mlp.up_proj), mlp.down_proj)[
+                None
+            ]
+        )
     hidden = b0.norm(x)[0]
     return list(hidden.split(sizes)) if len(sizes) > 1 else [hidden]
 

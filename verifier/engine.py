@@ -6,10 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
+from common.params import SamplingParams
+
 from .acceptance import accept
 from .generic import chain_of, make_backend
 from .sampling import Sampler
-from common.params import SamplingParams
 from .tree import tree_inputs, validate
 
 _PREFILL_CHUNK = 256  # rows of the output projection computed at once (bounds [chunk, V] logits)
@@ -98,8 +99,11 @@ class VerifierSession:
         else of their nearest evaluated ancestor."""
         validate(tokens, parents, self.vocab_size)
         chain = chain_of(parents)
-        sub = self._settle([tokens[i] for i in chain], [-1, *range(len(chain) - 1)],
-                           self.backend.logits(self.backend.forward(*self._inputs_chain(tokens, chain))))
+        sub = self._settle(
+            [tokens[i] for i in chain],
+            [-1, *range(len(chain) - 1)],
+            self.backend.logits(self.backend.forward(*self._inputs_chain(tokens, chain))),
+        )
         on = {node: row for node, row in zip(chain, sub.topk)}
         by_token = {tokens[node]: row for node, row in on.items()}
         topk = []
@@ -170,8 +174,9 @@ def verify_batch(items: list[tuple["VerifierSession", list[int], list[int]]]) ->
 COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
-def measure_cost(model, sizes=COST_SIZES, context: int = 256, reps: int = 5, backend: str = "auto",
-                 topk: int = 8) -> dict[int, float]:
+def measure_cost(
+    model, sizes=COST_SIZES, context: int = 256, reps: int = 5, backend: str = "auto", topk: int = 8
+) -> dict[int, float]:
     """Median milliseconds of one verification (forward, logits, top-k, acceptance) by tree size,
     over a ``context``-token cache: the curve the adaptive budget weighs acceptance against."""
     import random

@@ -49,6 +49,7 @@ _VERSION = 1
 
 # -- candidates ------------------------------------------------------------------------------------
 
+
 def _linear(x, w, b):
     return F.linear(x, w, b)
 
@@ -85,9 +86,11 @@ def _usable(name: str, device: torch.device) -> bool:
 
 # -- plans -----------------------------------------------------------------------------------------
 
+
 @dataclass
 class ShapePlan:
     """How one weight shape's projections run."""
+
     by_bucket: dict[int, str] = field(default_factory=dict)  # fastest: bucket -> kernel
     kernel: str = "linear"  # invariant: the kernel of every chunk
     rows: int = 0  # invariant: rows per chunk (0: fastest plan)
@@ -156,6 +159,7 @@ def chunked(fn, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rows: 
 
 # -- identity of what a choice holds for ---------------------------------------------------------
 
+
 def machine_fingerprint() -> dict:
     model, flags = platform.processor() or platform.machine(), []
     try:
@@ -169,16 +173,28 @@ def machine_fingerprint() -> dict:
                     break
     except OSError:
         pass
-    return {"cpu": model, "flags": flags, "torch": torch.__version__,
-            "capability": torch.backends.cpu.get_cpu_capability()}
+    return {
+        "cpu": model,
+        "flags": flags,
+        "torch": torch.__version__,
+        "capability": torch.backends.cpu.get_cpu_capability(),
+    }
 
 
 def projection_weights(model) -> dict[tuple[int, int], torch.Tensor]:
     """One weight per distinct projection shape of a Llama-family model (its first use)."""
     found: dict[tuple[int, int], torch.Tensor] = {}
     layer = model.model.layers[0]
-    for mod in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-                layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj, model.lm_head):
+    for mod in (
+        layer.self_attn.q_proj,
+        layer.self_attn.k_proj,
+        layer.self_attn.v_proj,
+        layer.self_attn.o_proj,
+        layer.mlp.gate_proj,
+        layer.mlp.up_proj,
+        layer.mlp.down_proj,
+        model.lm_head,
+    ):
         found.setdefault(tuple(mod.weight.shape), mod.weight)
     return found
 
@@ -188,8 +204,11 @@ def _key(model, weights, dtype, threads, device, invariant) -> tuple[dict, str]:
     ident = {
         "version": _VERSION,
         "machine": machine_fingerprint() if device.type == "cpu" else {"cuda": torch.cuda.get_device_name(device)},
-        "model": {"type": getattr(cfg, "model_type", ""), "layers": getattr(cfg, "num_hidden_layers", 0),
-                  "shapes": sorted(list(s) for s in weights)},
+        "model": {
+            "type": getattr(cfg, "model_type", ""),
+            "layers": getattr(cfg, "num_hidden_layers", 0),
+            "shapes": sorted(list(s) for s in weights),
+        },
         "dtype": str(dtype).replace("torch.", ""),
         "threads": threads,
         "invariant": invariant,
@@ -200,6 +219,7 @@ def _key(model, weights, dtype, threads, device, invariant) -> tuple[dict, str]:
 
 
 # -- tuning ----------------------------------------------------------------------------------------
+
 
 def _agrees(y: torch.Tensor, ref: torch.Tensor) -> bool:
     if y.shape != ref.shape or not torch.isfinite(y).all():
@@ -221,8 +241,9 @@ def _time(fns: dict, inputs: dict, reps: int) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def tune_shape(w: torch.Tensor, buckets=BUCKETS, invariant: bool = False, reps: int = 5,
-               candidates: dict | None = None) -> ShapePlan:
+def tune_shape(
+    w: torch.Tensor, buckets=BUCKETS, invariant: bool = False, reps: int = 5, candidates: dict | None = None
+) -> ShapePlan:
     cands = {n: f for n, f in (candidates or CANDIDATES).items() if _usable(n, w.device)}
     gen = torch.Generator(device="cpu").manual_seed(0)
     inputs = {m: torch.randn((m, w.shape[1]), generator=gen).to(w.dtype).to(w.device) for m in buckets}
@@ -241,7 +262,7 @@ def tune_shape(w: torch.Tensor, buckets=BUCKETS, invariant: bool = False, reps: 
             except RuntimeError:  # e.g. oneDNN without a kernel for this dtype on this CPU
                 ok = False
             if ok:
-                fns[(name, m)] = (lambda x, fn=fn: fn(x, w, None))
+                fns[(name, m)] = lambda x, fn=fn: fn(x, w, None)
     _time(fns, inputs, 1)  # warm-up: primitive creation, first-touch allocations
     first = max(_time({k: fns[k] for k in fns if k[1] == max(b for _, b in fns)}, inputs, 1).values(), default=0.0)
     if first * len(fns) * reps > _TUNE_SECONDS / 4:
@@ -259,10 +280,12 @@ def tune_shape(w: torch.Tensor, buckets=BUCKETS, invariant: bool = False, reps: 
     if not invariant:
         plan.by_bucket = {m: best[m][1] for m in buckets}
         return plan
+
     # Fixed chunks: the chunk size whose worst slowdown over the tree sizes is smallest, checked to be
     # position invariant (else the next; one row always is).
     def cost(n, r):
         return math.ceil(n / r) * best[r][0]
+
     regret = {r: max(cost(n, r) / min(cost(n, q) for q in buckets) for n in buckets) for r in buckets}
     for r in sorted(buckets, key=lambda r: (regret[r], r)):
         if r == 1 or position_invariant(cands[best[r][1]], w, r):
@@ -293,7 +316,9 @@ def _forced(spec: str, weights, invariant: bool) -> Plan:
     if name not in CANDIDATES:
         raise ValueError(f"RACER_KERNELS={spec!r}: unknown kernel (one of {', '.join(CANDIDATES)}, auto, tune)")
     r = int(rows) if rows else 1
-    shapes = {s: ShapePlan(by_bucket={b: name for b in BUCKETS}, kernel=name, rows=r if invariant else 0) for s in weights}
+    shapes = {
+        s: ShapePlan(by_bucket={b: name for b in BUCKETS}, kernel=name, rows=r if invariant else 0) for s in weights
+    }
     return Plan(shapes, invariant, "forced")
 
 
@@ -327,11 +352,18 @@ def _tuned(model, weights, dtype, device, invariant, use_cache: bool) -> Plan:
     if use_cache and path.exists():
         try:
             data = json.loads(path.read_text())
-            shapes = {tuple(int(v) for v in s.split("x")): ShapePlan(
-                by_bucket={int(b): k for b, k in p["by_bucket"].items()}, kernel=p["kernel"], rows=p["rows"], ms=p["ms"])
-                for s, p in data["shapes"].items()}
+            shapes = {
+                tuple(int(v) for v in s.split("x")): ShapePlan(
+                    by_bucket={int(b): k for b, k in p["by_bucket"].items()},
+                    kernel=p["kernel"],
+                    rows=p["rows"],
+                    ms=p["ms"],
+                )
+                for s, p in data["shapes"].items()
+            }
             if set(shapes) == set(weights) and all(
-                    k in CANDIDATES for p in shapes.values() for k in [p.kernel, *p.by_bucket.values()]):
+                k in CANDIDATES for p in shapes.values() for k in [p.kernel, *p.by_bucket.values()]
+            ):
                 return Plan(shapes, invariant, "cache")
         except (OSError, ValueError, KeyError, TypeError):
             pass
@@ -343,9 +375,19 @@ def _tuned(model, weights, dtype, device, invariant, use_cache: bool) -> Plan:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"key": ident, "seconds": round(time.perf_counter() - t0, 2), "shapes": {
-            f"{o}x{i}": {"by_bucket": p.by_bucket, "kernel": p.kernel, "rows": p.rows, "ms": p.ms}
-            for (o, i), p in shapes.items()}}, indent=1))
+        tmp.write_text(
+            json.dumps(
+                {
+                    "key": ident,
+                    "seconds": round(time.perf_counter() - t0, 2),
+                    "shapes": {
+                        f"{o}x{i}": {"by_bucket": p.by_bucket, "kernel": p.kernel, "rows": p.rows, "ms": p.ms}
+                        for (o, i), p in shapes.items()
+                    },
+                },
+                indent=1,
+            )
+        )
         tmp.replace(path)
     except OSError as e:
         log.warning("kernel choice not cached: %s", e)

@@ -90,8 +90,9 @@ class LoadedModel:
         return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-def load(model: str = DEFAULT_MODEL, dtype: str = "float32", threads: int | None = None,
-         tokenizer: bool = True) -> LoadedModel:
+def load(
+    model: str = DEFAULT_MODEL, dtype: str = "float32", threads: int | None = None, tokenizer: bool = True
+) -> LoadedModel:
     """The model (and its tokenizer unless ``tokenizer=False``: the verifier works on token ids only,
     so a model directory without tokenizer files serves too)."""
     import torch

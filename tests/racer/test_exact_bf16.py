@@ -14,10 +14,9 @@ import torch
 from common.loop import generate
 from common.params import MODES, GenerationParams
 from drafter.session import DraftSession
-from verifier.engine import VerifierSession
-
 from tests.support.models import make_tiny_llama
 from tests.verifier.test_batch_invariance import make_wide_llama
+from verifier.engine import VerifierSession
 
 N = 40
 
@@ -38,8 +37,11 @@ def _prompt(seed: int, n: int = 24) -> list[int]:
 
 def _run(model, prompt, mode, budget):
     v = VerifierSession(model, backend="fast")
-    return [t for c in generate(DraftSession(), v, prompt, GenerationParams(max_new_tokens=N, mode=mode, budget=budget))
-            for t in c]
+    return [
+        t
+        for c in generate(DraftSession(), v, prompt, GenerationParams(max_new_tokens=N, mode=mode, budget=budget))
+        for t in c
+    ]
 
 
 @pytest.mark.parametrize("seed", [0, 1])

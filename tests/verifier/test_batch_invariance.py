@@ -12,11 +12,9 @@ import random
 import pytest
 import torch
 
+from tests.support.models import make_tiny_llama
 from verifier.backends import forward_segments
 from verifier.engine import VerifierSession
-from verifier.tree import tree_inputs
-
-from tests.support.models import make_tiny_llama
 
 VOCAB = 96
 
@@ -28,9 +26,19 @@ def make_wide_llama(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # as make_tiny_llama: sharper distributions, greedy paths that wander
         model.model.embed_tokens.weight.mul_(8.0)
@@ -90,7 +98,10 @@ def test_a_row_is_bit_identical_alone_in_a_64_node_tree_and_in_a_batch(bf16_mode
     tree_logits = _session(bf16_model, prompt).backend.logits(tree)
 
     # The same tree among other sessions' trees in one forward (sizes chosen to shift its rows).
-    others = [(_session(bf16_model, [rng.randrange(3, VOCAB) for _ in range(k)]), *_tree(rng, m)) for k, m in ((9, 5), (40, 23))]
+    others = [
+        (_session(bf16_model, [rng.randrange(3, VOCAB) for _ in range(k)]), *_tree(rng, m))
+        for k, m in ((9, 5), (40, 23))
+    ]
     mine = _session(bf16_model, prompt)
     segs = []
     for s, tk, pa in [others[0], (mine, tokens, parents), others[1]]:

@@ -9,10 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.support.models import make_tiny_llama
 from verifier import kernels
 from verifier.kernels import BUCKETS, CANDIDATES, auto_dtype, chunked, plan_for, position_invariant, tune_shape
-
-from tests.support.models import make_tiny_llama
 
 ROWS = sorted({*BUCKETS, 3, 5, 13, 33, 70, 130})  # buckets, rows between them, rows beyond the largest
 
