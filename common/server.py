@@ -9,6 +9,8 @@ server cancels what is left.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 import json
 import logging
 import signal
@@ -28,32 +30,38 @@ log = logging.getLogger("racer")
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Ends a call that raised ``Abort`` with its status and message, for unary and streaming
-    handlers alike: the servicers raise, and none of them catches to call ``context.abort``."""
+    handlers alike: the servicers raise, and none of them catches to call ``context.abort``.
+
+    Streaming handlers come in two styles: async generators (the services' own) and coroutines that
+    send with ``context.write`` (grpc's health ``Watch``); each is wrapped in its own style, and
+    anything else (a synchronous handler) passes through untouched."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        if handler.unary_unary or handler.stream_unary:
-            kind = "unary_unary" if handler.unary_unary else "stream_unary"
-            behavior = handler.unary_unary or handler.stream_unary
+        kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
+        behavior = getattr(handler, kind)
+        if inspect.isasyncgenfunction(behavior):
+
+            async def call(request, context):
+                try:
+                    async with contextlib.aclosing(behavior(request, context)) as responses:
+                        async for response in responses:
+                            yield response
+                except Abort as e:
+                    await context.abort(grpc.StatusCode[e.code.name], e.message)
+
+        elif inspect.iscoroutinefunction(behavior):
 
             async def call(request, context):
                 try:
                     return await behavior(request, context)
                 except Abort as e:
                     await context.abort(grpc.StatusCode[e.code.name], e.message)
+
         else:
-            kind = "unary_stream" if handler.unary_stream else "stream_stream"
-            behavior = handler.unary_stream or handler.stream_stream
-
-            async def call(request, context):
-                try:
-                    async for response in behavior(request, context):
-                        yield response
-                except Abort as e:
-                    await context.abort(grpc.StatusCode[e.code.name], e.message)
-
+            return handler
         make = getattr(grpc, f"{kind}_rpc_method_handler")
         return make(
             call, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer

@@ -111,9 +111,10 @@ SERVICE = {
         Setting(
             "--dtype",
             "RACER_DTYPE",
-            "auto",
-            "model and KV cache dtype: auto (bfloat16 on CUDA or a CPU with AMX/AVX512-BF16, else float32), "
-            "float32, bfloat16 or float16",
+            "float32",
+            "model and KV cache dtype: float32 (output equals Hugging Face greedy), bfloat16 or float16 (output "
+            "equals the engine's own decoding without drafts; Llama-family models only), or auto (bfloat16 on "
+            "CUDA or a CPU with AMX/AVX512-BF16, else float32)",
         ),
         Setting("--threads", "RACER_THREADS", 0, "torch CPU threads (0: torch's default, one per core)", int),
         Setting(

@@ -46,9 +46,9 @@ def dtype_flag(parser) -> None:
 
     parser.add_argument(
         "--dtype",
-        default="auto",
+        default="float32",
         choices=DTYPES,
-        help="model and KV cache dtype (auto: bfloat16 on CUDA or a CPU with AMX/AVX512-BF16, "
+        help="model and KV cache dtype (default float32; auto: bfloat16 on CUDA or a CPU with AMX/AVX512-BF16, "
         "else float32); float32 output equals HF greedy, reduced precision equals --mode off",
     )
 

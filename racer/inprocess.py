@@ -30,7 +30,7 @@ class Engine:
         backend: str = "auto",
         prior: bool = True,
         threads: int | None = None,
-        dtype: str = "auto",
+        dtype: str = "float32",
         **drafter,
     ) -> "Engine":
         loaded = load(model, dtype=dtype, threads=threads)

@@ -92,7 +92,7 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
         from verifier.model import load, resolve_dtype
 
         device = "cuda" if args.device == "auto" and _cuda() else ("cpu" if args.device == "auto" else args.device)
-        dtype = resolve_dtype(getattr(args, "dtype", "auto"), device)
+        dtype = resolve_dtype(getattr(args, "dtype", "float32"), device)
         model = (await asyncio.to_thread(load, args.model, dtype, args.threads or None, False)).model
         if device != "cpu":
             model = model.to(device)

@@ -324,6 +324,14 @@ def make_backend(model, kind: str = "auto"):
     from .backends import FastLlamaBackend
 
     if kind in ("hf", "generic") or (kind == "auto" and not FastLlamaBackend.supports(model)):
+        dtype = next(model.parameters()).dtype
+        if dtype != torch.float32:
+            # Its rows' bits depend on what shares a forward (tree nodes, other sessions), so drafts
+            # could change a reduced-precision output: only the lean forward is batch invariant.
+            raise ValueError(
+                f"model_type={model.config.model_type!r} runs on the generic backend, which verifies in float32 "
+                f"only (got {str(dtype).replace('torch.', '')}): use --dtype float32"
+            )
         return GenericBackend(model)
     if kind in ("fast", "auto"):
         if not FastLlamaBackend.supports(model):

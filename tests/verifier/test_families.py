@@ -177,3 +177,10 @@ def test_lean_supports_agrees_with_what_it_computes(variant):
         with pytest.raises(ValueError, match="fast backend does not support"):
             VerifierSession(m, backend="fast")
     assert isinstance(plan_for(m), object) and isinstance(VerifierSession(m, backend="hf").backend, GenericBackend)
+
+
+def test_the_generic_backend_refuses_reduced_precision():
+    """Its forward is not batch invariant, so a draft could change a bfloat16 output: refused."""
+    m = make("gpt2").to(torch.bfloat16)
+    with pytest.raises(ValueError, match="float32"):
+        VerifierSession(m)

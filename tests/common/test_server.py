@@ -1,0 +1,76 @@
+"""The server skeleton's error interceptor: Abort becomes the status it names, for every handler
+style, and handlers it does not know (grpc's own health Watch) keep working."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.errors import Abort, Status
+from common.server import start_server
+
+
+def _ident(b: bytes) -> bytes:
+    return b
+
+
+async def _unary(request, context):
+    raise Abort(Status.NOT_FOUND, "session_id 'x': no such session")
+
+
+async def _stream(request, context):
+    yield b"first"
+    raise Abort(Status.FAILED_PRECONDITION, "tree: open the session first")
+
+
+async def _bidi(requests, context):
+    async for r in requests:
+        if r == b"bad":
+            raise Abort(Status.INVALID_ARGUMENT, "request: set one of open, tree")
+        yield r
+
+
+def _register(server) -> None:
+    handlers = {
+        "Unary": grpc.unary_unary_rpc_method_handler(_unary, _ident, _ident),
+        "Stream": grpc.unary_stream_rpc_method_handler(_stream, _ident, _ident),
+        "Bidi": grpc.stream_stream_rpc_method_handler(_bidi, _ident, _ident),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.T", handlers),))
+
+
+def test_abort_becomes_its_status_in_every_handler_style_and_health_watch_still_streams():
+    async def go():
+        srv = await start_server("drafter", _register, port=0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await ch.unary_unary("/test.T/Unary", _ident, _ident)(b"x", timeout=10)
+                assert e.value.code() == grpc.StatusCode.NOT_FOUND and "no such session" in e.value.details()
+
+                call = ch.unary_stream("/test.T/Stream", _ident, _ident)(b"x", timeout=10)
+                assert await call.read() == b"first"
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call.read()
+                assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+                bidi = ch.stream_stream("/test.T/Bidi", _ident, _ident)(timeout=10)
+                await bidi.write(b"ok")
+                assert await bidi.read() == b"ok"
+                await bidi.write(b"bad")
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await bidi.read()
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+                # grpc's health Watch sends with context.write and yields nothing
+                watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+                first = await watch.read()
+                assert first.status == health_pb2.HealthCheckResponse.SERVING
+                watch.cancel()
+        finally:
+            await srv.stop(0)
+
+    asyncio.run(go())
