@@ -191,21 +191,82 @@ class Automaton:
 
     @classmethod
     def from_state(cls, st: dict) -> "Automaton":
+        """The automaton ``to_state`` described, after checking every invariant the updates rely on.
+
+        ``st`` may come from an untrusted store: a bad state raises ``ValueError`` rather than build an
+        automaton that loops, crashes or grows later. Each node is visited once (O(nodes + buckets)).
+        """
         a = cls(st["window"], st["max_nodes"])
-        a.parent = list(st["parent"])
-        a.token = list(st["token"])
-        a.freq = list(st["freq"])
-        a.fail = list(st["fail"])
-        a.start = list(st["start"])
-        a._free = list(st["free"])
-        a.children = [{a.token[v]: v for v in kids} for kids in st["children"]]
-        a.depth = [0] * len(a.parent)
-        queue = [ROOT]  # breadth-first: ids are recycled, so a parent may have a larger id
+        parent, token, freq, fail, start = (list(map(int, st[k])) for k in ("parent", "token", "freq", "fail", "start"))
+        n = len(parent)
+        _need(1 <= n <= a.max_nodes, f"{n} nodes, capacity {a.max_nodes}")
+        _need(
+            len(token) == len(freq) == len(fail) == len(start) == len(st["children"]) == n, "node arrays differ in size"
+        )
+        _need(parent[ROOT] == -1 and fail[ROOT] == ROOT and start[ROOT] == -1, "root node")
+        free = [int(v) for v in st["free"]]
+        freed = set(free)
+        _need(len(freed) == len(free) and all(0 < v < n for v in free), "free list: ids out of range or repeated")
+        for v in free:
+            _need(parent[v] == -1 and start[v] == -1 and not st["children"][v], f"free node {v} is still linked")
+        length = int(st["length"])
+        _need(length >= 0, "length")
+        # Breadth-first from the root: every node is reached at most once, through its own parent.
+        depth = [-1] * n
+        depth[ROOT] = 0
+        children: list[dict[int, int]] = [{} for _ in range(n)]
+        queue = [ROOT]  # ids are recycled, so a parent may have a larger id
         for u in queue:
-            for v in a.children[u].values():
-                a.depth[v] = a.depth[u] + 1
+            kids = children[u]
+            du = depth[u] + 1
+            for v in st["children"][u]:
+                v = int(v)
+                _need(0 < v < n and v not in freed, f"node {u}: child id {v} out of range")
+                _need(depth[v] < 0, f"node {v} is reached twice (a cycle or a shared child)")
+                _need(parent[v] == u, f"node {v}: parent {parent[v]}, listed as a child of {u}")
+                t = token[v]
+                _need(t >= 0 and t not in kids, f"node {v}: token {t} negative or repeated among siblings")
+                _need(du <= a.window and freq[v] >= 0 and 0 <= start[v] < length, f"node {v}: depth, freq or start")
+                # fail(s) = s[1:]: for s = p + t it is fail(p) + t, one level up (exact, no string walk)
+                f = ROOT if du == 1 else children[fail[u]].get(t, -1) if 0 <= fail[u] < n else -1
+                _need(fail[v] == f, f"node {v}: failure link {fail[v]}, expected {f}")
+                # recency (module doc): a node is more recent than its children and its failure link's source
+                _need(u == ROOT or start[u] >= start[v], f"node {v}: more recent than its parent")
+                _need(f == ROOT or start[f] > start[v], f"node {v}: more recent than its failure link")
+                depth[v] = du
+                kids[t] = v
                 queue.append(v)
-        a._buckets = OrderedDict((s, {v: a.depth[v] for v in members}) for s, members in st["buckets"])
-        a.frontier = list(st["frontier"])
-        a.length = st["length"]
+            children[u] = kids
+        _need(len(queue) == n - len(free), f"{n - len(free) - len(queue)} live nodes unreachable from the root")
+        buckets: OrderedDict[int, dict[int, int]] = OrderedDict()
+        seen = 0
+        last = -1
+        for s, members in st["buckets"]:
+            s = int(s)
+            _need(last < s < length, f"bucket {s}: out of order or range")
+            last = s
+            b = buckets[s] = {}
+            for v in members:
+                v = int(v)
+                _need(0 < v < n and depth[v] > 0 and start[v] == s and v not in b, f"bucket {s}: member {v}")
+                b[v] = depth[v]
+            seen += len(b)
+        _need(seen == len(queue) - 1, "buckets do not hold every live node once")
+        frontier = [int(v) for v in st["frontier"]]
+        _need(len(frontier) == min(length, a.window) + 1 and frontier[0] == ROOT, "frontier size")
+        for L in range(1, len(frontier)):
+            v = frontier[L]
+            _need(0 < v < n and depth[v] == L and fail[v] == frontier[L - 1], f"frontier[{L}] = {v}")
+        a.parent, a.token, a.freq, a.fail, a.start = parent, token, freq, fail, start
+        a._free = free
+        a.children = children
+        a.depth = [max(d, 0) for d in depth]
+        a._buckets = buckets
+        a.frontier = frontier
+        a.length = length
         return a
+
+
+def _need(cond: bool, what: str) -> None:
+    if not cond:
+        raise ValueError(f"invalid automaton state: {what}")

@@ -256,20 +256,21 @@ class Drafter:
             await self.store.set(key, data, self.ttl)
         except Exception as e:  # noqa: BLE001 - a lost snapshot costs draft quality, never output
             M.SNAPSHOT_FAILURES.labels("save").inc()
-            now = time.monotonic()
-            if now - self._warned_at >= 10.0:
-                log.warning(
-                    "snapshot save failed",
-                    extra={"key": key, "tokens": length, "error": repr(e), "failures_not_logged": self._unlogged},
-                )
-                self._warned_at, self._unlogged = now, 0
-            else:
-                self._unlogged += 1
+            self._warn("snapshot save failed", key=key, tokens=length, error=repr(e))
             if entry.saved_length == length:
                 entry.saved_length = -1  # not saved: the next trigger (or the shutdown flush) tries again
             return
         M.SNAPSHOT_BYTES.observe(len(data))
         M.SNAPSHOT_MS.labels("save").observe(encode_ms + (time.perf_counter() - t0) * 1e3)
+
+    def _warn(self, msg: str, **extra) -> None:
+        """Snapshot failures are all counted, and logged at most every 10 s (with how many were not)."""
+        now = time.monotonic()
+        if now - self._warned_at >= 10.0:
+            log.warning(msg, extra={**extra, "failures_not_logged": self._unlogged})
+            self._warned_at, self._unlogged = now, 0
+        else:
+            self._unlogged += 1
 
     async def _restore(self, tenant: str, session_id: str, history: list[int]) -> DraftSession | None:
         t0 = time.perf_counter()
@@ -282,10 +283,10 @@ class Drafter:
         if data is None:
             return None
         try:
-            session = loads(data, self.config, self.prior)
-        except SnapshotError as e:
+            session = loads(data, self.config, self.prior, max_tokens=self.max_tokens)
+        except SnapshotError as e:  # checked with bounded work: discarded, the session is rebuilt from history
             M.SNAPSHOT_FAILURES.labels("restore").inc()
-            log.warning("snapshot unusable", extra={"session_id": session_id, "error": str(e)})
+            self._warn("snapshot unusable; rebuilding from the history", session_id=session_id, error=str(e)[:200])
             return None
         if not _is_prefix(session.history, history):
             log.info("snapshot does not match the history; rebuilding", extra={"session_id": session_id})

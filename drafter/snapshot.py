@@ -3,11 +3,18 @@
 The format is an ``.npz`` archive of flat integer arrays, read with ``allow_pickle=False``: a
 snapshot from a store can never run code. ``meta`` holds the format version, the configuration the
 state was built with and the token count the snapshot stands for (its version).
+
+Nothing read from the store is trusted: before anything is decoded, every member's size is bounded
+by the header and the drafter's configuration (a small member that inflates to gigabytes is refused
+unread), and every array is checked (dtype, shape, ranges, the trie's links: see
+``Automaton.from_state``) in time linear in its size. Anything else is a ``SnapshotError``, and the
+drafter rebuilds the session from its history instead.
 """
 
 from __future__ import annotations
 
 import io
+import zipfile
 from itertools import chain
 
 import numpy as np
@@ -17,6 +24,29 @@ from .session import DrafterConfig, DraftSession
 
 FORMAT = 1
 _META = ("format", "window", "max_nodes", "topk", "length", "nodes")
+_ARRAYS = (
+    "meta",
+    "parent",
+    "token",
+    "freq",
+    "fail",
+    "start",
+    "free",
+    "child_ptr",
+    "child_ids",
+    "bucket_starts",
+    "bucket_ptr",
+    "bucket_nodes",
+    "frontier",
+    "a_length",
+    "table_tokens",
+    "table_rows",
+    "last_topk",
+    "history",
+)
+MAX_TOKENS = 1 << 20  # history bound when the caller gives none (the drafter passes its max_tokens)
+MAX_TABLE_ROWS = 1 << 19  # copy-logit rows: one per distinct token, so at most the vocabulary
+_NPY_HEADER = 1024  # bytes an .npy member may hold beyond its data (numpy writes 128)
 
 
 class SnapshotError(ValueError):
@@ -71,62 +101,120 @@ def dumps(session: DraftSession) -> bytes:
 
 def snapshot_length(data: bytes) -> int:
     """The token count a snapshot stands for, without restoring it."""
-    return int(_load(data)["meta"][4])
+    with _Archive(data) as z:
+        return int(z.meta()[4])
 
 
-def _load(data: bytes) -> dict[str, np.ndarray]:
+class _Archive:
+    """The snapshot's zip, read member by member with a byte bound each (checked on the declared size
+    before reading, and on what is actually inflated)."""
+
+    def __init__(self, data: bytes):
+        try:
+            self.zf = zipfile.ZipFile(io.BytesIO(data))
+            infos = self.zf.infolist()
+        except Exception as e:  # noqa: BLE001 - any decoding failure means "not a snapshot"
+            raise SnapshotError(f"not a drafter snapshot: {e}") from None
+        self.infos = {i.filename: i for i in infos}
+        if len(self.infos) != len(infos) or set(self.infos) != {f"{k}.npy" for k in _ARRAYS}:
+            self.zf.close()
+            raise SnapshotError("not a drafter snapshot: unexpected archive members")
+
+    def __enter__(self) -> "_Archive":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.zf.close()
+
+    def array(self, name: str, max_items: int, ndim: int = 1) -> np.ndarray:
+        info = self.infos[f"{name}.npy"]
+        bound = 8 * max_items + _NPY_HEADER
+        if info.file_size > bound:
+            raise SnapshotError(f"snapshot member {name}: {info.file_size} bytes, at most {bound} expected")
+        try:
+            with self.zf.open(info) as f:
+                raw = f.read(bound + 1)
+            if len(raw) > bound:
+                raise SnapshotError(f"snapshot member {name}: inflates past {bound} bytes")
+            a = np.lib.format.read_array(io.BytesIO(raw), allow_pickle=False)
+        except SnapshotError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise SnapshotError(f"snapshot member {name}: {e}") from None
+        if a.dtype != np.int64 or a.ndim != ndim or a.size > max_items:
+            raise SnapshotError(f"snapshot member {name}: {a.dtype} {a.shape}, expected at most {max_items} int64")
+        return a
+
+    def meta(self) -> np.ndarray:
+        meta = self.array("meta", len(_META))
+        if meta.shape != (len(_META),) or int(meta[0]) != FORMAT:
+            raise SnapshotError(f"unsupported snapshot format (expected {FORMAT})")
+        return meta
+
+
+def _need(cond, what: str) -> None:
+    if not cond:
+        raise SnapshotError(f"corrupt drafter snapshot: {what}")
+
+
+def _groups(ptr: np.ndarray, ids: np.ndarray, groups: int, what: str) -> list[list[int]]:
+    """Groups of a (pointer, ids) pair, after checking the pointers delimit ``ids`` exactly."""
+    _need(ptr.shape == (groups + 1,) and ptr[0] == 0 and ptr[-1] == len(ids), f"{what}: pointer array")
+    _need(bool(np.all(np.diff(ptr) >= 0)), f"{what}: pointers decrease")
+    p, flat = ptr.tolist(), ids.tolist()
+    return [flat[p[i] : p[i + 1]] for i in range(groups)]
+
+
+def loads(data: bytes, config: DrafterConfig, prior=None, max_tokens: int = MAX_TOKENS) -> DraftSession:
+    """Restores a session; its configuration must match ``config`` where it shapes the state, and its
+    history must hold at most ``max_tokens`` tokens. Raises ``SnapshotError`` on anything else."""
+    with _Archive(data) as z:
+        _, window, max_nodes, topk, length, nodes = (int(x) for x in z.meta())
+        if (window, max_nodes, topk) != (config.window, config.max_nodes, config.topk):
+            raise SnapshotError(
+                f"snapshot built with window={window} max_nodes={max_nodes} topk={topk}, "
+                f"drafter runs window={config.window} max_nodes={config.max_nodes} topk={config.topk}"
+            )
+        _need(1 <= nodes <= max_nodes, f"{nodes} nodes, capacity {max_nodes}")
+        _need(0 <= length <= max_tokens, f"{length} tokens, at most {max_tokens}")
+        arr = {k: z.array(k, nodes) for k in ("parent", "token", "freq", "fail", "start", "free")}
+        _need(all(arr[k].size == nodes for k in ("parent", "token", "freq", "fail", "start")), "node arrays' sizes")
+        children = _groups(z.array("child_ptr", nodes + 1), z.array("child_ids", nodes), nodes, "children")
+        starts = z.array("bucket_starts", length)
+        buckets = _groups(z.array("bucket_ptr", length + 1), z.array("bucket_nodes", nodes), len(starts), "buckets")
+        frontier = z.array("frontier", window + 1)
+        a_length = z.array("a_length", 1)
+        table_tokens = z.array("table_tokens", MAX_TABLE_ROWS)
+        table_rows = z.array("table_rows", MAX_TABLE_ROWS * topk, ndim=2)
+        last_topk = z.array("last_topk", topk)
+        history = z.array("history", length)
+    _need(a_length.shape == (1,) and int(a_length[0]) == length, "automaton length")
+    _need(history.size == length and bool(np.all(history >= 0)), "history")
+    _need(table_rows.shape == (table_tokens.size, topk), "copy-logit table shape")
+    _need(bool(np.all(table_tokens >= 0)) and bool(np.all(table_rows >= -1)), "copy-logit table: negative token")
+    _need(np.unique(table_tokens).size == table_tokens.size, "copy-logit table: repeated token")
+    _need(last_topk.size in (0, topk) and bool(np.all(last_topk >= 0)), "last top-k")
+    hist = history.tolist()
     try:
-        with np.load(io.BytesIO(data), allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-    except Exception as e:  # noqa: BLE001 - any decoding failure means "not a snapshot"
-        raise SnapshotError(f"not a drafter snapshot: {e}") from None
-    meta = arrays.get("meta")
-    if meta is None or meta.shape != (len(_META),) or int(meta[0]) != FORMAT:
-        raise SnapshotError(f"unsupported snapshot format (expected {FORMAT})")
-    return arrays
-
-
-def loads(data: bytes, config: DrafterConfig, prior=None) -> DraftSession:
-    """Restores a session; its configuration must match ``config`` where it shapes the state."""
-    z = _load(data)
-    _, window, max_nodes, topk, length, nodes = (int(x) for x in z["meta"])
-    if (window, max_nodes, topk) != (config.window, config.max_nodes, config.topk):
-        raise SnapshotError(
-            f"snapshot built with window={window} max_nodes={max_nodes} topk={topk}, "
-            f"drafter runs window={config.window} max_nodes={config.max_nodes} topk={config.topk}"
-        )
-    try:
-        ptr, ids = z["child_ptr"].tolist(), z["child_ids"].tolist()
-        bptr, bnodes = z["bucket_ptr"].tolist(), z["bucket_nodes"].tolist()
         a = Automaton.from_state(
             {
                 "window": window,
                 "max_nodes": max_nodes,
-                "parent": z["parent"].tolist(),
-                "token": z["token"].tolist(),
-                "freq": z["freq"].tolist(),
-                "fail": z["fail"].tolist(),
-                "start": z["start"].tolist(),
-                "free": z["free"].tolist(),
-                "children": [ids[ptr[i] : ptr[i + 1]] for i in range(nodes)],
-                "buckets": [(s_, bnodes[bptr[i] : bptr[i + 1]]) for i, s_ in enumerate(z["bucket_starts"].tolist())],
-                "frontier": z["frontier"].tolist(),
-                "length": int(z["a_length"][0]),
+                **{k: v.tolist() for k, v in arr.items()},
+                "children": children,
+                "buckets": list(zip(starts.tolist(), buckets)),
+                "frontier": frontier.tolist(),
+                "length": length,
             }
         )
-        if not (len(a.parent) == len(a.token) == len(a.freq) == len(a.fail) == len(a.start) == nodes):
-            raise SnapshotError("snapshot arrays disagree on the node count")
-        s = DraftSession(config, prior)
-        s.automaton = a
-        rows = s.table.rows
-        for t, row in zip(z["table_tokens"].tolist(), z["table_rows"].tolist()):
-            rows[t] = tuple(x for x in row if x >= 0)
-        s.last_topk = tuple(z["last_topk"].tolist())
-        s._index(z["history"].tolist())
-    except SnapshotError:
-        raise
-    except (IndexError, KeyError, ValueError, TypeError) as e:
+    except ValueError as e:
         raise SnapshotError(f"corrupt drafter snapshot: {e}") from None
-    if len(s.history) != length:
-        raise SnapshotError("snapshot history disagrees with its version")
+    _need(length == 0 or a.token[a.frontier[1]] == hist[-1], "the match state does not end with the last token")
+    s = DraftSession(config, prior)
+    s.automaton = a
+    rows = s.table.rows
+    for t, row in zip(table_tokens.tolist(), table_rows.tolist()):
+        rows[t] = tuple(x for x in row if x >= 0)
+    s.last_topk = tuple(last_topk.tolist())
+    s._index(hist)
     return s
