@@ -13,6 +13,7 @@ import contextlib
 import inspect
 import json
 import logging
+import secrets
 import signal
 import sys
 import time
@@ -32,6 +33,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Ends a call that raised ``Abort`` with its status and message, for unary and streaming
     handlers alike: the servicers raise, and none of them catches to call ``context.abort``.
 
+    Any other exception is a bug: it is logged with its traceback and an id, and the caller gets
+    ``INTERNAL`` with that id and nothing of the exception (no internal details leave the process).
+
     Streaming handlers come in two styles: async generators (the services' own) and coroutines that
     send with ``context.write`` (grpc's health ``Watch``); each is wrapped in its own style, and
     anything else (a synchronous handler) passes through untouched."""
@@ -42,6 +46,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return None
         kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
         behavior = getattr(handler, kind)
+        method = handler_call_details.method
         if inspect.isasyncgenfunction(behavior):
 
             async def call(request, context):
@@ -51,6 +56,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                             yield response
                 except Abort as e:
                     await context.abort(grpc.StatusCode[e.code.name], e.message)
+                except grpc.aio.AbortError:  # the handler aborted the call itself
+                    raise
+                except Exception:  # noqa: BLE001 - a bug: logged here, generic to the caller
+                    await context.abort(grpc.StatusCode.INTERNAL, _internal(method))
 
         elif inspect.iscoroutinefunction(behavior):
 
@@ -59,6 +68,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     return await behavior(request, context)
                 except Abort as e:
                     await context.abort(grpc.StatusCode[e.code.name], e.message)
+                except grpc.aio.AbortError:
+                    raise
+                except Exception:  # noqa: BLE001
+                    await context.abort(grpc.StatusCode.INTERNAL, _internal(method))
 
         else:
             return handler
@@ -66,6 +79,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return make(
             call, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
         )
+
+
+def _internal(method: str) -> str:
+    """Logs the exception being handled (with its traceback) under a short id; the caller's message."""
+    eid = secrets.token_hex(4)
+    log.error("unhandled exception in an RPC handler", exc_info=True, extra={"method": method, "error_id": eid})
+    return f"internal error (id {eid}); see the server log"
 
 
 class JsonFormatter(logging.Formatter):

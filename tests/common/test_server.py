@@ -74,3 +74,74 @@ def test_abort_becomes_its_status_in_every_handler_style_and_health_watch_still_
             await srv.stop(0)
 
     asyncio.run(go())
+
+
+SECRET = "password=hunter2 at /srv/app/internal.py"
+
+
+async def _unary_bug(request, context):
+    raise KeyError(SECRET)
+
+
+async def _stream_bug(request, context):
+    yield b"first"
+    raise RuntimeError(SECRET)
+
+
+async def _bidi_bug(requests, context):
+    async for r in requests:
+        if r == b"bad":
+            raise TypeError(SECRET)
+        yield r
+
+
+async def _coroutine_stream_bug(request, context):  # the health Watch style: writes, returns nothing
+    await context.write(b"first")
+    raise ValueError(SECRET)
+
+
+def _register_bugs(server) -> None:
+    handlers = {
+        "Unary": grpc.unary_unary_rpc_method_handler(_unary_bug, _ident, _ident),
+        "Stream": grpc.unary_stream_rpc_method_handler(_stream_bug, _ident, _ident),
+        "Bidi": grpc.stream_stream_rpc_method_handler(_bidi_bug, _ident, _ident),
+        "Writes": grpc.unary_stream_rpc_method_handler(_coroutine_stream_bug, _ident, _ident),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.T", handlers),))
+
+
+def test_an_unexpected_exception_is_internal_without_details_and_logged(caplog):
+    def check(e):
+        assert e.code() == grpc.StatusCode.INTERNAL, e.details()
+        assert "internal error" in e.details() and "hunter2" not in e.details() and "Error" not in e.details()
+
+    async def go():
+        srv = await start_server("drafter", _register_bugs, port=0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await ch.unary_unary("/test.T/Unary", _ident, _ident)(b"x", timeout=10)
+                check(e.value)
+                for name in ("Stream", "Writes"):
+                    call = ch.unary_stream(f"/test.T/{name}", _ident, _ident)(b"x", timeout=10)
+                    assert await call.read() == b"first"
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        await call.read()
+                    check(e.value)
+                bidi = ch.stream_stream("/test.T/Bidi", _ident, _ident)(timeout=10)
+                await bidi.write(b"ok")
+                assert await bidi.read() == b"ok"
+                await bidi.write(b"bad")
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await bidi.read()
+                check(e.value)
+                return e.value.details()
+        finally:
+            await srv.stop(0)
+
+    with caplog.at_level("ERROR", logger="racer"):
+        details = asyncio.run(go())
+    logged = [r for r in caplog.records if r.getMessage() == "unhandled exception in an RPC handler"]
+    assert len(logged) == 4 and all(r.exc_info for r in logged)
+    assert logged[-1].error_id in details and logged[-1].method == "/test.T/Bidi"
+    assert SECRET in str(logged[-1].exc_info[1])
