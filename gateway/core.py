@@ -67,11 +67,11 @@ class Gateway:
         self.tokenizer = tokenizer
         self.eos_ids = tuple(eos_ids)
         self.backends = Backends(drafters, verifiers, timeouts.backend)
-        self.records = Records(store, ttl, timeouts.store_retry)
         self.api_keys = api_keys  # None: no auth; a dict (possibly empty: nobody gets in) otherwise
         self.limits = limits
         self.timeouts = timeouts
         self.vocab_size = vocab_size or (len(tokenizer) if tokenizer is not None else None)
+        self.records = Records(store, ttl, timeouts.store_retry, self.vocab_size)
         self._turns: dict[tuple[str, str], Turn] = {}  # (tenant, session id) -> its turn running on this gateway
         self._verifier_load: dict[str, int] = {}  # endpoint -> turns streaming to it from this gateway
         self.stopping: str | None = None  # set when the gateway drains: why new turns are refused
@@ -154,8 +154,14 @@ class Gateway:
         return await self.records.load(tenant, session_id)
 
     async def close(self, tenant: str, session_id: str) -> Record:
-        """Deletes the record, then drops the session's state in the backends (best effort)."""
-        rec = await self.records.load(tenant, session_id)
+        """Deletes the record, then drops the session's state in the backends (best effort). A
+        corrupt record is deleted too (its verifier unknown: the verifier's copy expires on its own)."""
+        try:
+            rec = await self.records.load(tenant, session_id)
+        except Abort as e:
+            if e.code is not Status.DATA_LOSS:
+                raise
+            rec = Record(session_id, tenant, created=0.0, last_used=0.0)
         if (tenant, rec.session_id) in self._turns:
             raise Abort(Status.FAILED_PRECONDITION, f"session_id {rec.session_id!r}: a turn is running")
         await self.records.delete(rec)

@@ -18,4 +18,7 @@ ROUND_MS = Histogram("racer_round_latency_ms", "Draft + verify round seen by the
 TTFT_MS = Histogram("racer_time_to_first_token_ms", "Request start to first streamed token", buckets=LATENCY_MS_BUCKETS)
 ACTIVE_STREAMS = Gauge("racer_active_streams", "Generate streams in flight")
 FAILOVERS = Counter("racer_failovers", "Drafter or verifier streams lost mid-turn and reopened elsewhere", ["kind"])
+CORRUPT_RECORDS = Counter(
+    "racer_session_records_corrupt", "Session records read from the store that failed validation (each read counts)"
+)
 STORE_FAILURES = Counter("racer_store_failures", "Session-store calls that failed (each retry counts)", ["op"])

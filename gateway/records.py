@@ -1,12 +1,21 @@
-"""Session records in the session store (Redis in a deployment): what lets any gateway serve any turn."""
+"""Session records in the session store (Redis in a deployment): what lets any gateway serve any turn.
+
+A record read from the store is not trusted: ``Record.loads`` checks its JSON has exactly the
+record's fields with their types, history tokens in the vocabulary, and the tenant and session id
+of the key it was read from. A record that fails is corrupt: the session cannot be continued
+(``DATA_LOSS``, naming the session and nothing of the record), it is left out of listings,
+``CloseSession`` deletes it, and every such read is counted (``racer_session_records_corrupt_total``)
+and logged at most every 10 s.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from common.errors import Abort, Status
 
@@ -30,8 +39,39 @@ class Record:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
 
     @classmethod
-    def loads(cls, data: bytes) -> "Record":
-        return cls(**json.loads(data))
+    def loads(
+        cls, data: bytes, tenant: str | None = None, session_id: str | None = None, vocab_size: int | None = None
+    ) -> "Record":
+        """The record in ``data``, checked (see the module doc); ``RecordError`` says what is wrong."""
+        try:
+            d = json.loads(data)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise RecordError(f"not JSON ({type(e).__name__})") from None
+        if not isinstance(d, dict) or set(d) != _FIELDS:
+            raise RecordError("not an object with exactly the record's fields")
+        for k in ("session_id", "tenant", "verifier"):
+            _need(type(d[k]) is str, k)
+        _need(type(d["turns"]) is int and d["turns"] >= 0, "turns")
+        for k in ("created", "last_used"):
+            _need(type(d[k]) in (int, float) and math.isfinite(d[k]), k)
+        h = d["history"]
+        _need(type(h) is list and all(type(t) is int and t >= 0 for t in h), "history")
+        _need(vocab_size is None or all(t < vocab_size for t in h), "history: token outside the vocabulary")
+        _need(tenant is None or d["tenant"] == tenant, "tenant: not the key's")
+        _need(session_id is None or d["session_id"] == session_id, "session_id: not the key's")
+        return cls(**d)
+
+
+_FIELDS = frozenset(f.name for f in fields(Record))
+
+
+class RecordError(ValueError):
+    """Bytes in the store that are not a valid session record."""
+
+
+def _need(cond: bool, what: str) -> None:
+    if not cond:
+        raise RecordError(f"bad field {what}")
 
 
 def record_key(tenant: str, session_id: str) -> str:
@@ -41,10 +81,38 @@ def record_key(tenant: str, session_id: str) -> str:
 class Records:
     """The records of every tenant in one store; store calls are retried for ``retry_s`` seconds."""
 
-    def __init__(self, store, ttl_s: float, retry_s: float):
+    def __init__(self, store, ttl_s: float, retry_s: float, vocab_size: int | None = None):
         self.store = store
         self.ttl_s = ttl_s
         self.retry_s = retry_s
+        self.vocab_size = vocab_size
+        self._warned_at = -1e9  # corrupt records are logged at most every 10 s (all are counted)
+        self._unlogged = 0
+
+    def _decode(self, data: bytes, tenant: str, session_id: str) -> Record:
+        try:
+            return Record.loads(data, tenant, session_id, self.vocab_size)
+        except RecordError as e:
+            M.CORRUPT_RECORDS.inc()
+            now = time.monotonic()
+            if now - self._warned_at >= 10.0:
+                log.warning(
+                    "corrupt session record",
+                    extra={
+                        "key": record_key(tenant, session_id),
+                        "error": str(e),
+                        "bytes": len(data),
+                        "not_logged": self._unlogged,
+                    },
+                )
+                self._warned_at, self._unlogged = now, 0
+            else:
+                self._unlogged += 1
+            raise Abort(
+                Status.DATA_LOSS,
+                f"session_id {session_id!r}: the stored session is corrupt and cannot be continued; "
+                "start a new session (CloseSession deletes this one)",
+            ) from None
 
     async def call(self, op: str, fn, *args, retry: bool = True):
         """A session-store call, retried with backoff for ``retry_s`` seconds (a Redis restart)."""
@@ -63,6 +131,7 @@ class Records:
                 delay = min(delay * 2, 1.0)
 
     async def load(self, tenant: str, session_id: str) -> Record:
+        """The session's record; NOT_FOUND if there is none, DATA_LOSS if the stored one is corrupt."""
         if not SESSION_ID.fullmatch(session_id):
             raise Abort(
                 Status.INVALID_ARGUMENT,
@@ -72,10 +141,7 @@ class Records:
         data = await self.call("get", self.store.get, record_key(tenant, session_id))
         if data is None:
             raise Abort(Status.NOT_FOUND, f"session_id {session_id!r}: no such session")
-        rec = Record.loads(data)
-        if rec.tenant != tenant:  # store keys are per tenant; this is a second lock on the door
-            raise Abort(Status.NOT_FOUND, f"session_id {session_id!r}: no such session")
-        return rec
+        return self._decode(data, tenant, session_id)  # checks the tenant too: a second lock on the door
 
     async def save(self, rec: Record) -> None:
         await self.call("set", self.store.set, record_key(rec.tenant, rec.session_id), rec.dumps(), self.ttl_s)
@@ -84,12 +150,15 @@ class Records:
         await self.call("delete", self.store.delete, record_key(rec.tenant, rec.session_id))
 
     async def all(self, tenant: str) -> list[Record]:
-        """The tenant's records, in store order; not retried (a listing can be asked again)."""
+        """The tenant's valid records, in store order (corrupt ones are counted and left out); not
+        retried (a listing can be asked again)."""
         out = []
-        for k in await self.call("keys", self.store.keys, record_key(tenant, ""), retry=False):
+        prefix = record_key(tenant, "")
+        for k in await self.call("keys", self.store.keys, prefix, retry=False):
             data = await self.call("get", self.store.get, k, retry=False)
             if data is not None:
-                rec = Record.loads(data)
-                if rec.tenant == tenant:
-                    out.append(rec)
+                try:
+                    out.append(self._decode(data, tenant, k[len(prefix) :]))
+                except Abort:
+                    continue
         return out
