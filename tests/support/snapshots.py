@@ -40,7 +40,7 @@ def with_cycle(data: bytes) -> bytes:
     return pack(z)
 
 
-def zip_bomb(data: bytes, inflated: int = 256 << 20) -> bytes:
+def zip_bomb(data: bytes, inflated: int = 64 << 20) -> bytes:
     """The snapshot with its history member replaced by ``inflated`` bytes of zeros, deflated to a
     few hundred KiB (numpy would read all of it into memory)."""
     src = zipfile.ZipFile(io.BytesIO(data))
