@@ -85,6 +85,21 @@ class SessionTable(Generic[E]):
         return gone
 
 
+class Holder:
+    """A service core that keeps its sessions in ``self.sessions``."""
+
+    sessions: SessionTable
+
+    @property
+    def ttl(self) -> float:
+        """Seconds an idle session is kept."""
+        return self.sessions.ttl
+
+    @ttl.setter
+    def ttl(self, seconds: float) -> None:
+        self.sessions.ttl = seconds
+
+
 async def janitor(expire: Callable[[], Awaitable[object]], every: float = 30.0) -> None:
     """Calls ``expire`` every ``every`` seconds until cancelled."""
     while True:

@@ -18,7 +18,7 @@ from common.errors import Abort, Status
 from common.errors import check as _check
 from common.params import MODES
 from common.sessions import Entry as _Entry
-from common.sessions import SessionTable
+from common.sessions import Holder, SessionTable
 
 from . import metrics as M
 from .session import DrafterConfig, DraftSession
@@ -84,7 +84,7 @@ class SessionStats:
     streaming: bool
 
 
-class Drafter:
+class Drafter(Holder):
     def __init__(
         self,
         config: DrafterConfig,
@@ -103,15 +103,6 @@ class Drafter:
         self._tasks: set[asyncio.Task] = set()
         self._warned_at = -1e9  # snapshot failures are logged at most every 10 s (all are counted)
         self._unlogged = 0
-
-    @property
-    def ttl(self) -> float:
-        """Seconds an idle session is kept."""
-        return self.sessions.ttl
-
-    @ttl.setter
-    def ttl(self, seconds: float) -> None:
-        self.sessions.ttl = seconds
 
     # -- a stream -----------------------------------------------------------------------------
     async def open(self, req: Open) -> tuple[Entry, str]:

@@ -21,7 +21,7 @@ import torch
 from common.errors import Abort, Status
 from common.params import SamplingParams
 from common.sessions import Entry as _Entry
-from common.sessions import SessionTable
+from common.sessions import Holder, SessionTable
 
 from . import metrics as M
 from .batcher import Batcher
@@ -72,7 +72,7 @@ class SessionStats:
     idle_seconds: float
 
 
-class Verifier:
+class Verifier(Holder):
     def __init__(
         self,
         model,
@@ -101,15 +101,6 @@ class Verifier:
         self._pool = ThreadPoolExecutor(
             1, thread_name_prefix="verifier-model", initializer=torch.set_num_threads, initargs=(threads,)
         )
-
-    @property
-    def ttl(self) -> float:
-        """Seconds an idle session is kept."""
-        return self.sessions.ttl
-
-    @ttl.setter
-    def ttl(self, seconds: float) -> None:
-        self.sessions.ttl = seconds
 
     async def _run(self, fn, *args):
         """``fn(*args)`` on the model thread; ``busy`` counts it until it is over, even when the

@@ -23,14 +23,15 @@ def single_thread():
         torch.set_num_threads(before)
 
 
-def make_tiny_llama(seed: int = 0, vocab_size: int = 96, layers: int = 2):
+def make_tiny_llama(seed: int = 0, vocab_size: int = 96, layers: int = 2, hidden: int = 64):
+    """``hidden``: 64 gives 16-wide heads (4 heads); 256 gives SmolLM2's 64-wide ones."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,

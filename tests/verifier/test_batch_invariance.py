@@ -23,27 +23,7 @@ def make_wide_llama(seed: int = 0):
     """A small random Llama with SmolLM2's head size (64) in bfloat16. With the tiny model's 16-wide
     heads the fused forward happens to be invariant on a CPU too; with these it is not (CPU SDPA's
     row results depend on the query count and key length), so these tests can tell the difference."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # as make_tiny_llama: sharper distributions, greedy paths that wander
-        model.model.embed_tokens.weight.mul_(8.0)
-        model.lm_head.weight.mul_(16.0)
-    return model.eval().to(torch.bfloat16)
+    return make_tiny_llama(seed, VOCAB, hidden=256).to(torch.bfloat16)
 
 
 @pytest.fixture(scope="module", params=["linear:4", "auto"])
