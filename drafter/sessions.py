@@ -16,6 +16,7 @@ import numpy as np
 
 from common.errors import Abort, Status
 from common.errors import check as _check
+from common.logs import Throttled
 from common.params import MODES
 from common.sessions import Entry as _Entry
 from common.sessions import Holder, SessionTable
@@ -101,8 +102,7 @@ class Drafter(Holder):
         self.snapshot_every = snapshot_every
         self.sessions: SessionTable[Entry] = SessionTable(ttl)
         self._tasks: set[asyncio.Task] = set()
-        self._warned_at = -1e9  # snapshot failures are logged at most every 10 s (all are counted)
-        self._unlogged = 0
+        self._warnings = Throttled(log)  # snapshot failures: all counted, logged at most every 10 s
 
     # -- a stream -----------------------------------------------------------------------------
     async def open(self, req: Open) -> tuple[Entry, str]:
@@ -247,21 +247,12 @@ class Drafter(Holder):
             await self.store.set(key, data, self.ttl)
         except Exception as e:  # noqa: BLE001 - a lost snapshot costs draft quality, never output
             M.SNAPSHOT_FAILURES.labels("save").inc()
-            self._warn("snapshot save failed", key=key, tokens=length, error=repr(e))
+            self._warnings.warning("snapshot save failed", key=key, tokens=length, error=repr(e))
             if entry.saved_length == length:
                 entry.saved_length = -1  # not saved: the next trigger (or the shutdown flush) tries again
             return
         M.SNAPSHOT_BYTES.observe(len(data))
         M.SNAPSHOT_MS.labels("save").observe(encode_ms + (time.perf_counter() - t0) * 1e3)
-
-    def _warn(self, msg: str, **extra) -> None:
-        """Snapshot failures are all counted, and logged at most every 10 s (with how many were not)."""
-        now = time.monotonic()
-        if now - self._warned_at >= 10.0:
-            log.warning(msg, extra={**extra, "failures_not_logged": self._unlogged})
-            self._warned_at, self._unlogged = now, 0
-        else:
-            self._unlogged += 1
 
     async def _restore(self, tenant: str, session_id: str, history: list[int]) -> DraftSession | None:
         t0 = time.perf_counter()
@@ -277,7 +268,9 @@ class Drafter(Holder):
             session = loads(data, self.config, self.prior, max_tokens=self.max_tokens)
         except SnapshotError as e:  # checked with bounded work: discarded, the session is rebuilt from history
             M.SNAPSHOT_FAILURES.labels("restore").inc()
-            self._warn("snapshot unusable; rebuilding from the history", session_id=session_id, error=str(e)[:200])
+            self._warnings.warning(
+                "snapshot unusable; rebuilding from the history", session_id=session_id, error=str(e)[:200]
+            )
             return None
         if not _is_prefix(session.history, history):
             log.info("snapshot does not match the history; rebuilding", extra={"session_id": session_id})

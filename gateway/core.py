@@ -73,7 +73,6 @@ class Gateway:
         self.vocab_size = vocab_size or (len(tokenizer) if tokenizer is not None else None)
         self.records = Records(store, ttl, timeouts.store_retry, self.vocab_size)
         self._turns: dict[tuple[str, str], Turn] = {}  # (tenant, session id) -> its turn running on this gateway
-        self._verifier_load: dict[str, int] = {}  # endpoint -> turns streaming to it from this gateway
         self.stopping: str | None = None  # set when the gateway drains: why new turns are refused
 
     def tenant(self, metadata: Iterable[tuple[str, str]] | None) -> str:

@@ -63,7 +63,7 @@ class TurnLinks:
             else:
                 live = [e for e in eps.live() if e not in self.failed[kind] and e not in self.full]
                 sticky = self.record.verifier
-                ranked = sorted(live, key=lambda e: (e != sticky, gw._verifier_load.get(e, 0)))
+                ranked = sorted(live, key=lambda e: (e != sticky, gw.backends.verifier_load.get(e, 0)))
             if ranked:
                 return ranked
             if kind == "verifier" and self.full and not self.failed[kind]:
@@ -115,7 +115,7 @@ class TurnLinks:
             rec.verifier = ep
             if opened.cost is not None:
                 self.cost = opened.cost
-            gw._verifier_load[ep] = gw._verifier_load.get(ep, 0) + 1
+            gw.backends.opened(ep)
             self.prefill_ms += opened.elapsed_ms
             return opened
 
@@ -188,7 +188,7 @@ class TurnLinks:
             if link is not None:
                 await link.close(cancel=cancel)
         if self.verifier is not None:
-            self.gw._verifier_load[self.verifier.endpoint] -= 1
+            self.gw.backends.closed(self.verifier.endpoint)
         self.drafter = self.verifier = None
 
     async def send_step(self, feedback: Feedback) -> bool:
@@ -238,7 +238,7 @@ class TurnLinks:
                 ) from None
             except Lost as e:
                 await self.verifier.close(cancel=True)
-                self.gw._verifier_load[self.verifier.endpoint] -= 1
+                self.gw.backends.closed(self.verifier.endpoint)
                 self.verifier = None
                 self._lost("verifier", e)
                 continue

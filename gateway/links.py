@@ -217,6 +217,14 @@ class Backends:
         self.drafters = drafters
         self.verifiers = verifiers
         self.timeout_s = timeout_s  # a message without an answer this long: the stream is lost
+        self.verifier_load: dict[str, int] = {}  # endpoint -> turns streaming to it from this gateway
+
+    def opened(self, verifier: str) -> None:
+        """A turn's stream to ``verifier`` is open: new sessions prefer the verifiers with fewer."""
+        self.verifier_load[verifier] = self.verifier_load.get(verifier, 0) + 1
+
+    def closed(self, verifier: str) -> None:
+        self.verifier_load[verifier] -= 1
 
     def drafter(self, endpoint: str) -> DrafterLink:
         return DrafterLink(endpoint, dgrpc.DrafterStub(self.drafters.channel(endpoint)).Session(), self.timeout_s)

@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 
 from common.errors import Abort, Status
+from common.logs import Throttled
 
 from . import metrics as M
 from .auth import SESSION_ID
@@ -86,28 +87,16 @@ class Records:
         self.ttl_s = ttl_s
         self.retry_s = retry_s
         self.vocab_size = vocab_size
-        self._warned_at = -1e9  # corrupt records are logged at most every 10 s (all are counted)
-        self._unlogged = 0
+        self._warnings = Throttled(log)  # corrupt records: all counted, logged at most every 10 s
 
     def _decode(self, data: bytes, tenant: str, session_id: str) -> Record:
         try:
             return Record.loads(data, tenant, session_id, self.vocab_size)
         except RecordError as e:
             M.CORRUPT_RECORDS.inc()
-            now = time.monotonic()
-            if now - self._warned_at >= 10.0:
-                log.warning(
-                    "corrupt session record",
-                    extra={
-                        "key": record_key(tenant, session_id),
-                        "error": str(e),
-                        "bytes": len(data),
-                        "not_logged": self._unlogged,
-                    },
-                )
-                self._warned_at, self._unlogged = now, 0
-            else:
-                self._unlogged += 1
+            self._warnings.warning(
+                "corrupt session record", key=record_key(tenant, session_id), error=str(e), bytes=len(data)
+            )
             raise Abort(
                 Status.DATA_LOSS,
                 f"session_id {session_id!r}: the stored session is corrupt and cannot be continued; "

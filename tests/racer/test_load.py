@@ -51,7 +51,7 @@ def test_sixteen_sessions_three_turns_all_lossless_and_nothing_leaks(stack, tiny
         assert not sids & {s.session_id for s in c.list_sessions()}
     gw = stack.gateway_pair[1]
     assert not gw._turns
-    assert all(v == 0 for v in gw._verifier_load.values())
+    assert all(v == 0 for v in gw.backends.verifier_load.values())
     assert REGISTRY.get_sample_value("racer_active_streams") == 0
     held = {s.session_id for i in range(2) for s in stack.drafter_sessions(i)}
     held |= {s.session_id for i in range(2) for s in stack.verifier_sessions(i)}
