@@ -166,14 +166,19 @@ class Server:
         health_servicer,
         drain: Callable[[float], Awaitable[None]] | None,
         closed: Callable[[], Awaitable[None]] | None = None,
+        health_server: grpc.aio.Server | None = None,
+        health_port: int = 0,
     ):
         self.kind = kind
         self.server = server
         self.port = port
+        self.health_server = health_server  # plaintext, health only (probes when the main port needs TLS)
+        self.health_port = health_port
         self.health = health_servicer
         self._drain = drain
         self._closed = closed
         self._stopped = asyncio.Event()
+        self.reload: Callable[[], object] | None = None  # what SIGHUP does (the gateway: read its API keys again)
 
     async def stop(self, grace: float = 5.0) -> None:
         """Graceful: NOT_SERVING, drain hook, then in-flight RPCs get what is left of ``grace``
@@ -189,6 +194,8 @@ class Server:
             except Exception:  # noqa: BLE001 - shutdown goes on; the failure is logged
                 log.exception("drain hook failed", extra={"service": self.kind})
         await self.server.stop(max(0.0, deadline - time.monotonic()))
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         if self._closed is not None:  # after the last RPC: release what the streams used
             await self._closed()
 
@@ -207,7 +214,11 @@ async def start_server(
     credentials: grpc.ServerCredentials | None = None,
     keepalive_seconds: float = 10.0,
     closed: Callable[[], Awaitable[None]] | None = None,
+    health_port: int = 0,
 ) -> Server:
+    """``health_port`` (not 0): ``grpc.health.v1`` alone, in plaintext, on that port too, for
+    probes that cannot present a client certificate (the kubelet's native gRPC probe) when the main
+    port serves mutual TLS; it answers nothing but SERVING or NOT_SERVING."""
     server = grpc.aio.server(
         options=server_options(max_message_bytes, keepalive_seconds),
         interceptors=[ErrorInterceptor(), *(interceptors or ())],
@@ -223,11 +234,23 @@ async def start_server(
     )
     if bound == 0:
         raise RuntimeError(f"{kind}: cannot bind {host}:{port}")
+    health_server, health_bound = None, 0
+    if health_port:
+        health_server = grpc.aio.server(options=server_options(64 * 1024, keepalive_seconds))
+        health_pb2_grpc.add_HealthServicer_to_server(hs, health_server)
+        health_bound = health_server.add_insecure_port(f"{host}:{health_port}")
+        if health_bound == 0:
+            raise RuntimeError(f"{kind}: cannot bind the health port {host}:{health_port}")
     await server.start()
+    if health_server is not None:
+        await health_server.start()
     for svc in ("", name):
         await hs.set(svc, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving", extra={"service": kind, "port": bound, "tls": credentials is not None})
-    return Server(kind, server, bound, hs, drain, closed)
+    log.info(
+        "serving",
+        extra={"service": kind, "port": bound, "tls": credentials is not None, "health_port": health_bound or None},
+    )
+    return Server(kind, server, bound, hs, drain, closed, health_server, health_bound)
 
 
 def start_metrics(port: int) -> None:
@@ -238,11 +261,13 @@ def start_metrics(port: int) -> None:
 
 
 async def serve_forever(srv: Server, drain_seconds: float) -> None:
-    """Runs until SIGTERM/SIGINT, then shuts down gracefully."""
+    """Runs until SIGTERM/SIGINT, then shuts down gracefully; SIGHUP calls ``srv.reload``."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if srv.reload is not None:
+        loop.add_signal_handler(signal.SIGHUP, srv.reload)
     waiter = asyncio.ensure_future(srv.wait())
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)

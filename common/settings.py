@@ -73,7 +73,39 @@ COMMON = [
         "",
         "PEM CA bundle: clients must present a certificate it signed (mutual TLS); needs --tls-cert",
     ),
+    Setting(
+        "--health-port",
+        "RACER_HEALTH_PORT",
+        0,
+        "also serve grpc.health.v1 alone, in plaintext, on this port (probes while the gRPC port needs mutual "
+        "TLS; 0: off)",
+        int,
+    ),
+    Setting(
+        "--internal-token",
+        "RACER_INTERNAL_TOKEN",
+        "",
+        "shared secret of the gateways and their drafters and verifiers (prefer the env or the file: a flag shows "
+        "in ps); comma-separated: all accepted, the gateway sends the first (rotation)",
+    ),
+    Setting(
+        "--internal-token-file",
+        "RACER_INTERNAL_TOKEN_FILE",
+        "",
+        "file holding the internal token(s), e.g. a mounted Secret; adds to --internal-token",
+    ),
 ]
+
+# Drafters and verifiers refuse to start without a way to authenticate their callers (an internal
+# token or mutual TLS) unless this is set: common/identity.py.
+ALLOW_UNAUTHENTICATED = Setting(
+    "--allow-unauthenticated",
+    "RACER_ALLOW_UNAUTHENTICATED",
+    0,
+    "1: serve without an internal token or mutual TLS, so anyone who reaches the port can read and drop "
+    "every tenant's sessions (a trusted single-host setup only)",
+    int,
+)
 
 SERVICE = {
     "drafter": [
@@ -98,6 +130,7 @@ SERVICE = {
         Setting(
             "--max-session-tokens", "RACER_MAX_SESSION_TOKENS", 65_536, "longest session history a drafter takes", int
         ),
+        ALLOW_UNAUTHENTICATED,
     ],
     "verifier": [
         Setting(
@@ -138,6 +171,7 @@ SERVICE = {
         Setting("--session-ttl", "RACER_SESSION_TTL", 1800.0, "seconds an idle KV cache is kept", float),
         Setting("--max-sessions", "RACER_MAX_SESSIONS", 64, "KV caches kept; the least recently used goes first", int),
         Setting("--max-cache-tokens", "RACER_MAX_CACHE_TOKENS", 262_144, "tokens held in all KV caches together", int),
+        ALLOW_UNAUTHENTICATED,
     ],
     "gateway": [
         Setting(
@@ -160,6 +194,14 @@ SERVICE = {
             "RACER_API_KEYS",
             "",
             "file of 'key tenant' lines (a file without keys refuses every call); unset: no auth, local use only",
+        ),
+        Setting(
+            "--api-keys-reload-seconds",
+            "RACER_API_KEYS_RELOAD_SECONDS",
+            10.0,
+            "seconds between checks of the API key file for changes (read again when changed, and on SIGHUP; 0: "
+            "SIGHUP only)",
+            float,
         ),
         Setting(
             "--resolve-every", "RACER_RESOLVE_EVERY", 10.0, "seconds between DNS re-resolutions of endpoints", float

@@ -1,11 +1,23 @@
-"""Who is calling: API keys to tenants, and the shapes of the names that end up in store keys."""
+"""Who is calling: API keys to tenants, and the shapes of the names that end up in store keys.
+
+Keys are held as SHA-256 digests only: a memory dump or a traceback of the gateway shows no key.
+The key file is read again on SIGHUP and when it changes (``ApiKeys.maybe_reload``, polled), so a
+key is added, rotated or revoked without a restart; a file that no longer parses keeps the keys
+already loaded (and says so in the log) rather than lock everyone out.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import logging
+import os
 import re
 from typing import Iterable
 
 from common.errors import Abort, Status
+
+log = logging.getLogger("racer.gateway")
 
 LOCAL_TENANT = "local"  # every caller's tenant when auth is off
 # Server-generated ids are 24 url-safe characters (144 random bits); anything else is refused
@@ -31,7 +43,72 @@ def load_api_keys(path: str) -> dict[str, str]:
     return keys
 
 
-def tenant_of(api_keys: dict[str, str] | None, metadata: Iterable[tuple[str, str]] | None) -> str:
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+class ApiKeys:
+    """The keys of one ``key tenant`` file, as digests; ``tenant(key)`` is the key's tenant or None."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._digests: tuple[tuple[bytes, str], ...] = ()
+        self._stamp: tuple | None = None
+        self.reload(strict=True)
+
+    @classmethod
+    def of(cls, keys: dict[str, str]) -> "ApiKeys":
+        """From a ``key -> tenant`` mapping (in-process use); nothing to reload."""
+        self = cls.__new__(cls)
+        self.path, self._stamp = "", None
+        self._digests = tuple((_digest(k), t) for k, t in keys.items())
+        return self
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    def tenant(self, key: str) -> str | None:
+        d = _digest(key)
+        found = None
+        for digest, tenant in self._digests:  # every digest compared: the time tells nothing of which matched
+            if hmac.compare_digest(d, digest):
+                found = tenant
+        return found
+
+    def _stat(self) -> tuple | None:
+        try:
+            st = os.stat(self.path)  # follows the symlink a mounted Secret swaps on update
+        except OSError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def reload(self, strict: bool = False) -> bool:
+        """Reads the file again; True when the keys changed. A file that cannot be read or parsed
+        keeps the keys already loaded (``strict``, at start: raises)."""
+        if not self.path:
+            return False
+        stamp = self._stat()
+        try:
+            keys = load_api_keys(self.path)
+        except (OSError, ValueError) as e:
+            if strict:
+                raise
+            self._stamp = stamp  # logged once per change of the file, not at every poll
+            log.error("API key file not reloaded; the keys loaded before stay in use", extra={"error": str(e)})
+            return False
+        digests = tuple((_digest(k), t) for k, t in keys.items())
+        changed = digests != self._digests
+        self._digests, self._stamp = digests, stamp
+        if changed and not strict:
+            log.info("API keys reloaded", extra={"keys": len(digests), "tenants": len(set(keys.values()))})
+        return changed
+
+    def maybe_reload(self) -> bool:
+        """Reloads when the file changed since the last read."""
+        return self.path != "" and self._stat() != self._stamp and self.reload()
+
+
+def tenant_of(api_keys: ApiKeys | None, metadata: Iterable[tuple[str, str]] | None) -> str:
     """The tenant of a call's ``metadata`` (``(key, value)`` pairs). ``api_keys`` None: auth is off."""
     if api_keys is None:  # auth explicitly off (local use)
         return LOCAL_TENANT
@@ -40,7 +117,7 @@ def tenant_of(api_keys: dict[str, str] | None, metadata: Iterable[tuple[str, str
     auth = md.get("authorization", "")
     if auth.lower().startswith("bearer "):
         key = auth[7:].strip()
-    tenant = api_keys.get(key) if key else None
+    tenant = api_keys.tenant(key) if key else None
     if tenant is None:
         raise Abort(Status.UNAUTHENTICATED, "missing or unknown API key (metadata 'authorization: Bearer <key>')")
     return tenant

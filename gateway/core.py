@@ -18,7 +18,7 @@ from typing import AsyncIterator, Iterable
 
 from common.errors import Abort, Status
 
-from .auth import tenant_of
+from .auth import ApiKeys, tenant_of
 from .links import Backends
 from .records import Record, Records
 from .requests import Limits, Request, check, input_ids
@@ -58,7 +58,7 @@ class Gateway:
         drafters: Endpoints,
         verifiers: Endpoints,
         store,
-        api_keys: dict[str, str] | None = None,
+        api_keys: ApiKeys | None = None,
         limits: Limits = Limits(),
         ttl: float = 1800.0,
         vocab_size: int | None = None,
@@ -67,7 +67,7 @@ class Gateway:
         self.tokenizer = tokenizer
         self.eos_ids = tuple(eos_ids)
         self.backends = Backends(drafters, verifiers, timeouts.backend)
-        self.api_keys = api_keys  # None: no auth; a dict (possibly empty: nobody gets in) otherwise
+        self.api_keys = api_keys  # None: no auth; keys (possibly none: nobody gets in) otherwise
         self.limits = limits
         self.timeouts = timeouts
         self.vocab_size = vocab_size or (len(tokenizer) if tokenizer is not None else None)
@@ -144,11 +144,6 @@ class Gateway:
             del self._turns[key]
 
     # -- sessions -----------------------------------------------------------------------------
-    def drafter_of(self, rec: Record) -> str:
-        """The drafter the session's next turn goes to ("" if none is known)."""
-        ranked = self.backends.drafters.ranked(rec.session_id)
-        return ranked[0] if ranked else ""
-
     async def session(self, tenant: str, session_id: str) -> Record:
         return await self.records.load(tenant, session_id)
 

@@ -227,23 +227,27 @@ class Backends:
         self.verifier_load[verifier] -= 1
 
     def drafter(self, endpoint: str) -> DrafterLink:
-        return DrafterLink(endpoint, dgrpc.DrafterStub(self.drafters.channel(endpoint)).Session(), self.timeout_s)
+        call = dgrpc.DrafterStub(self.drafters.channel(endpoint)).Session(metadata=self.drafters.metadata)
+        return DrafterLink(endpoint, call, self.timeout_s)
 
     def verifier(self, endpoint: str) -> VerifierLink:
-        return VerifierLink(endpoint, vgrpc.VerifierStub(self.verifiers.channel(endpoint)).Session(), self.timeout_s)
+        call = vgrpc.VerifierStub(self.verifiers.channel(endpoint)).Session(metadata=self.verifiers.metadata)
+        return VerifierLink(endpoint, call, self.timeout_s)
 
     async def drop(self, session_id: str, tenant: str, verifier: str) -> None:
         """Best effort: every drafter (any may hold a copy after a failover) and the session's verifier."""
         calls = [
             dgrpc.DrafterStub(self.drafters.channel(ep)).Drop(
-                dpb.DropRequest(session_id=session_id, tenant=tenant), timeout=5
+                dpb.DropRequest(session_id=session_id, tenant=tenant), timeout=5, metadata=self.drafters.metadata
             )
             for ep in self.drafters.endpoints
         ]
         if verifier:
             calls.append(
                 vgrpc.VerifierStub(self.verifiers.channel(verifier)).Drop(
-                    vpb.VerifierDropRequest(session_id=session_id, tenant=tenant), timeout=5
+                    vpb.VerifierDropRequest(session_id=session_id, tenant=tenant),
+                    timeout=5,
+                    metadata=self.verifiers.metadata,
                 )
             )
         for res in await asyncio.gather(*calls, return_exceptions=True):

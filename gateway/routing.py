@@ -64,8 +64,10 @@ class Endpoints:
         channel_options=None,
         down_for: float = 5.0,
         credentials: grpc.ChannelCredentials | None = None,
+        metadata: tuple[tuple[str, str], ...] = (),
     ):
         self.host, self.port, static = parse_spec(spec)
+        self.metadata = metadata  # sent with every call: the internal token (common/identity.py)
         self.resolve_every = resolve_every
         self.resolver = resolver
         self.channel_options = channel_options or []

@@ -63,9 +63,7 @@ class GatewayService(pb_grpc.GenerationServicer):
         return pb.SessionInfo(
             session_id=rec.session_id,
             turns=rec.turns,
-            tokens=len(rec.history),
-            drafter=self.gateway.drafter_of(rec),
-            verifier=rec.verifier,
+            tokens=len(rec.history),  # no drafter or verifier: backend addresses are not the client's to know
             created_unix=rec.created,
             last_used_unix=rec.last_used,
             closed=closed,

@@ -46,7 +46,7 @@ def bench_stack(args) -> int:
         # Both sides choose their budgets from the verifier's current cost curve, so they draft the
         # same trees and the ratio measures the pipeline, not two noisy measurements of one curve.
         if args.budget == 0:
-            curve = stub.Stats(vpb.VerifierStatsRequest(), timeout=30).cost
+            curve = stub.Stats(vpb.VerifierStatsRequest(), timeout=30, metadata=stack.internal_metadata()).cost
             engine.costs = dict(zip(curve.sizes, curve.ms))
 
     with (

@@ -201,9 +201,7 @@ def cmd_client(args) -> int:
         try:
             if args.action == "sessions":
                 for s in c.list_sessions():
-                    print(
-                        f"{s.session_id}\tturns={s.turns}\ttokens={s.tokens}\tdrafter={s.drafter}\tverifier={s.verifier}"
-                    )
+                    print(f"{s.session_id}\tturns={s.turns}\ttokens={s.tokens}")
                 return 0
             if args.action == "close":
                 s = c.close_session(args.session)

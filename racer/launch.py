@@ -7,18 +7,31 @@ import asyncio
 import logging
 from types import SimpleNamespace
 
+from common.identity import PeerAuthInterceptor, load_tokens, require_peer_auth
+from common.identity import metadata as identity_metadata
 from common.server import Server, start_server
 from common.tls import server_credentials
 
 log = logging.getLogger("racer")
 
 
-def _server_kw(args) -> dict:
-    """What every service's gRPC server takes from the common settings."""
-    return dict(
+def _server_kw(args, kind: str = "gateway") -> dict:
+    """What every service's gRPC server takes from the common settings. Drafters and verifiers also
+    authenticate their callers (the gateways): an internal token, mutual TLS, or both."""
+    kw = dict(
         credentials=server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca),
         keepalive_seconds=args.keepalive_seconds,
+        health_port=getattr(args, "health_port", 0),
     )
+    if kind != "gateway":
+        tokens = internal_tokens(args)
+        require_peer_auth(kind, tokens, args.tls_client_ca, bool(getattr(args, "allow_unauthenticated", 0)))
+        kw["interceptors"] = [PeerAuthInterceptor(tokens)] if tokens else []
+    return kw
+
+
+def internal_tokens(args) -> tuple[str, ...]:
+    return load_tokens(getattr(args, "internal_token", ""), getattr(args, "internal_token_file", ""))
 
 
 def defaults(service: str, **overrides) -> SimpleNamespace:
@@ -46,6 +59,7 @@ async def start_drafter(args) -> tuple[Server, object]:
     from drafter.session import DrafterConfig
     from drafter.sessions import Drafter
 
+    server_kw = _server_kw(args, "drafter")  # first: a drafter that cannot authenticate its callers never starts
     config = DrafterConfig(window=args.window, max_nodes=args.max_nodes, topk=args.topk)
     store = open_store(args.snapshot_url)
     core = Drafter(
@@ -76,7 +90,7 @@ async def start_drafter(args) -> tuple[Server, object]:
         args.max_message_bytes,
         drain,
         closed=closed,
-        **_server_kw(args),
+        **server_kw,
     )
     tasks.append(asyncio.ensure_future(janitor(core.expire, min(30.0, args.session_ttl))))
     return srv, core
@@ -88,6 +102,7 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
     from verifier.service import VerifierService
     from verifier.sessions import Verifier
 
+    server_kw = _server_kw(args, "verifier")  # before the model loads: refused at once
     if model is None:
         from verifier.model import load, resolve_dtype
 
@@ -134,7 +149,7 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
         args.port,
         args.max_message_bytes,
         drain,
-        **_server_kw(args),
+        **server_kw,
     )
     tasks.append(asyncio.ensure_future(janitor(core.expire, min(30.0, args.session_ttl))))
     return srv, core
@@ -148,10 +163,11 @@ def _cuda() -> bool:
 
 async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, resolver=None) -> tuple[Server, object]:
     from common.server import channel_options
+    from common.sessions import janitor
     from common.store import open_store
     from common.tls import channel_credentials
     from common.v1 import generation_pb2_grpc
-    from gateway.auth import load_api_keys
+    from gateway.auth import ApiKeys
     from gateway.core import Gateway, Timeouts
     from gateway.requests import Limits
     from gateway.routing import Endpoints
@@ -169,10 +185,12 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
     opts = channel_options(args.max_message_bytes, args.keepalive_seconds, args.tls_server_name)
     creds = channel_credentials(args.tls_ca, args.tls_client_cert, args.tls_client_key)
     kw = {"resolver": resolver} if resolver else {}
+    kw["metadata"] = identity_metadata(internal_tokens(args))  # sent with every call to a drafter or verifier
     drafters = Endpoints(args.drafters, args.resolve_every, channel_options=opts, credentials=creds, **kw)
     verifiers = Endpoints(args.verifiers, args.resolve_every, channel_options=opts, credentials=creds, **kw)
     await drafters.refresh(force=True)
     await verifiers.refresh(force=True)
+    keys = ApiKeys(args.api_keys) if args.api_keys else None  # a bad file stops the start here
     store = open_store(args.session_url)
     limits = Limits(args.max_prompt_tokens, args.max_new_tokens, args.max_budget, args.max_sessions_per_tenant)
     timeouts = Timeouts(args.backend_timeout, args.reconnect_seconds, args.store_retry_seconds)
@@ -182,14 +200,25 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
         drafters,
         verifiers,
         store,
-        load_api_keys(args.api_keys) if args.api_keys else None,
+        keys,
         limits,
         args.session_ttl,
         vocab_size,
         timeouts,
     )
 
+    tasks = []
+    every = getattr(args, "api_keys_reload_seconds", 0.0)
+    if keys is not None and every > 0:  # a changed key file (a rotated Secret) is read again without a restart
+
+        async def reload_keys():
+            keys.maybe_reload()
+
+        tasks.append(asyncio.ensure_future(janitor(reload_keys, every)))
+
     async def closed():
+        for t in tasks:
+            t.cancel()
         await drafters.close()
         await verifiers.close()
         await store.close()
@@ -205,4 +234,6 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
         closed=closed,
         **_server_kw(args),
     )
+    if keys is not None:
+        srv.reload = keys.reload  # SIGHUP (common.server.serve_forever)
     return srv, core

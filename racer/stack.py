@@ -3,12 +3,17 @@
 Starts them, waits for their health, streams one answer through the gateway, prints the stats
 and stops them cleanly (SIGTERM, drain). ``--keep`` leaves the stack up for other clients until
 Ctrl-C.
+
+The drafter and verifier accept only the gateway: the three share an internal token, random per
+``racer`` process unless ``RACER_INTERNAL_TOKEN`` (or ``RACER_INTERNAL_TOKEN_FILE``) is set, so the
+local demo does not hand every session to whoever can reach its ports.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -17,6 +22,17 @@ import time
 from common.settings import HEALTH_SERVICES, PORTS
 
 _outer: list[list[int]] = []  # the CPUs of the running() calls this one is nested in
+_TOKEN = secrets.token_urlsafe(32)  # the stacks' internal token when the environment names none
+
+
+def internal_metadata() -> tuple[tuple[str, str], ...]:
+    """What a call from this process to a stack's drafter or verifier carries (``bench-stack``
+    reads the verifier's cost curve): the token ``running`` gives them."""
+    from common.identity import load_tokens, metadata
+
+    env = os.environ
+    tokens = load_tokens(env.get("RACER_INTERNAL_TOKEN", ""), env.get("RACER_INTERNAL_TOKEN_FILE", ""))
+    return metadata(tokens or (_TOKEN,))
 
 
 def _spawn(service: str, env: dict[str, str]) -> subprocess.Popen:
@@ -61,6 +77,8 @@ def running(
     base = dict(os.environ, RACER_MODEL=model, RACER_HOST="127.0.0.1", RACER_LOG_LEVEL=log_level, **(env or {}))
     if dtype:
         base["RACER_DTYPE"] = dtype
+    if not base.get("RACER_INTERNAL_TOKEN") and not base.get("RACER_INTERNAL_TOKEN_FILE"):
+        base["RACER_INTERNAL_TOKEN"] = _TOKEN
     ports = _ports(port_base, metrics_base)
     envs = {s: dict(base, RACER_PORT=str(p), RACER_METRICS_PORT=str(m)) for s, (p, m) in ports.items()}
     envs["gateway"].update(

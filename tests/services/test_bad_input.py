@@ -27,7 +27,7 @@ from common.v1 import verifier_pb2_grpc as vgrpc
 from racer import launch as services
 from racer.client import Client
 from tests.support.engine import hf_greedy
-from tests.support.stack import start_stack, wait_until
+from tests.support.stack import INTERNAL_TOKEN, backend_channel, start_stack, wait_until
 from tests.support.tinytok import make_char_tokenizer
 
 IA, NF, RE, FP, UA, AB = (
@@ -409,7 +409,7 @@ def _spoil_open(op, kind: str):
 
 def test_verifier_stream_fuzz(env, tiny_llama):
     stack, *_ = env
-    ch = grpc.insecure_channel(stack.verifier_target(0))
+    ch = backend_channel(stack.verifier_target(0))
     stub = vgrpc.VerifierStub(ch)
     counts: dict[str, int] = {}
     n_case = [0]
@@ -478,7 +478,7 @@ def _expect(call, code, field, counts):
 
 def test_drafter_stream_fuzz(env):
     stack, *_ = env
-    ch = grpc.insecure_channel(stack.drafter_target(0))
+    ch = backend_channel(stack.drafter_target(0))
     stub = dgrpc.DrafterStub(ch)
     k = 8
     counts: dict[str, int] = {}
@@ -629,12 +629,19 @@ def test_drafter_stream_fuzz(env):
 def test_internal_oversized_message_is_refused(loop_thread):
     async def go():
         return await services.start_drafter(
-            services.defaults("drafter", host="127.0.0.1", port=0, prior="none", max_message_bytes=4096)
+            services.defaults(
+                "drafter",
+                host="127.0.0.1",
+                port=0,
+                prior="none",
+                max_message_bytes=4096,
+                internal_token=INTERNAL_TOKEN,
+            )
         )
 
     srv, svc = loop_thread.run(go())
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+        with backend_channel(f"127.0.0.1:{srv.port}") as ch:
             s = _Stream(dgrpc.DrafterStub(ch).Session)
             with pytest.raises(grpc.RpcError) as e:
                 s.send(dpb.DraftRequest(open=dpb.DrafterOpen(session_id="s", tenant="t", history=[7] * 5000)))

@@ -15,7 +15,7 @@ from common.v1 import generation_pb2 as pb
 from common.v1 import generation_pb2_grpc as pb_grpc
 from gateway.auth import load_api_keys
 from racer.client import Client
-from tests.support.stack import prompt, start_stack
+from tests.support.stack import backend_channel, prompt, start_stack
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def stack(loop_thread, tiny_llama, tmp_path_factory):
 def _drafts(target: str, tenant: str, session_id: str, history: list[int], root: int) -> tuple:
     """The tree a drafter sends for ``root`` right after opening (tenant, session_id) with ``history``."""
     q: queue.Queue = queue.Queue()
-    with grpc.insecure_channel(target) as ch:
+    with backend_channel(target) as ch:
         responses = dgrpc.DrafterStub(ch).Session(iter(q.get, None), timeout=30)
         q.put(dpb.DraftRequest(open=dpb.DrafterOpen(session_id=session_id, tenant=tenant, history=history)))
         next(responses)

@@ -19,7 +19,7 @@ from common.v1 import verifier_pb2_grpc as vgrpc
 from drafter.session import DraftSession
 from racer.client import Client
 from tests.support.engine import hf_greedy
-from tests.support.stack import prompt, start_stack, wait_until
+from tests.support.stack import backend_channel, prompt, start_stack, wait_until
 from verifier.engine import VerifierSession
 
 N = 40
@@ -276,7 +276,7 @@ def test_a_lone_streams_small_trees_are_verified_inline_and_all_trees_match_the_
     ref = VerifierSession(tiny_llama, backend="fast")
     ref.prefill(history)
     want = [ref.verify(t, p) for t, p in trees]
-    with handed_to_model_thread(svc) as handed, grpc.insecure_channel(stack.verifier_target(0)) as ch:
+    with handed_to_model_thread(svc) as handed, backend_channel(stack.verifier_target(0)) as ch:
         reqs = [vpb.VerifyRequest(open=vpb.VerifierOpen(session_id="inline", tenant="t", history=history))]
         reqs += [vpb.VerifyRequest(tree=vpb.VerifyTree(tokens=t, parents=p)) for t, p in trees]
         got = list(vgrpc.VerifierStub(ch).Session(iter(reqs), timeout=60))[1:]
@@ -307,7 +307,7 @@ def test_a_small_tree_waits_for_a_busy_model_thread_and_after_a_slow_forward_use
             yield vpb.VerifyRequest(tree=vpb.VerifyTree(tokens=t, parents=p))
 
     release = threading.Event()
-    with handed_to_model_thread(svc) as handed, grpc.insecure_channel(stack.verifier_target(0)) as ch:
+    with handed_to_model_thread(svc) as handed, backend_channel(stack.verifier_target(0)) as ch:
         responses = vgrpc.VerifierStub(ch).Session(reqs(), timeout=60)
         next(responses)  # opened
         holder = asyncio.run_coroutine_threadsafe(svc._run(release.wait, 30), stack.lt.loop)

@@ -77,7 +77,8 @@ def tls_stack(loop_thread, tiny_llama, pki):
         loop_thread,
         tiny_llama,
         drafters=2,
-        backend=dict(tls_cert=cert, tls_key=key, tls_client_ca=pki["ca"]),  # drafters, verifier: mutual TLS
+        # drafters, verifier: mutual TLS and nothing else (a client certificate of the CA is enough)
+        backend=dict(tls_cert=cert, tls_key=key, tls_client_ca=pki["ca"], internal_token=""),
         tls_cert=cert,
         tls_key=key,
         tls_client_ca=pki["ca"],  # the gateway's own port: clients need a certificate

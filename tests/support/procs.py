@@ -19,6 +19,7 @@ from common.health import wait_serving
 from common.settings import HEALTH_SERVICES
 from common.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
+from .stack import BACKEND_METADATA, INTERNAL_TOKEN
 from .stack import free_port as _free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,8 +52,9 @@ class Proc:
             RACER_PORT=str(self.port),
             RACER_METRICS_PORT=str(self.metrics_port),
             RACER_LOG_LEVEL="INFO",
-            **env,
+            RACER_INTERNAL_TOKEN=INTERNAL_TOKEN,  # the gateway sends it, drafters and verifiers require it
         )
+        self.env.update(env)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -110,10 +112,14 @@ class Proc:
         with grpc.insecure_channel(self.target) as ch:
             if self.kind == "drafter":
                 return list(
-                    drafter_pb2_grpc.DrafterStub(ch).Stats(drafter_pb2.DrafterStatsRequest(), timeout=5).sessions
+                    drafter_pb2_grpc.DrafterStub(ch)
+                    .Stats(drafter_pb2.DrafterStatsRequest(), timeout=5, metadata=BACKEND_METADATA)
+                    .sessions
                 )
             return list(
-                verifier_pb2_grpc.VerifierStub(ch).Stats(verifier_pb2.VerifierStatsRequest(), timeout=5).sessions
+                verifier_pb2_grpc.VerifierStub(ch)
+                .Stats(verifier_pb2.VerifierStatsRequest(), timeout=5, metadata=BACKEND_METADATA)
+                .sessions
             )
 
 

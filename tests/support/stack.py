@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import secrets
 import shutil
 import socket
 import subprocess
@@ -19,14 +20,43 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
+from common import identity
 from common.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from racer import launch as services
+
+# The internal token of the stacks and processes this test process starts (drafters and verifiers
+# refuse calls without it); tests that call a backend directly send ``BACKEND_METADATA``, as an
+# operator with the Secret would.
+INTERNAL_TOKEN = secrets.token_urlsafe(32)
+BACKEND_METADATA = identity.metadata((INTERNAL_TOKEN,))
 
 
 def prompt(seed: int, n: int = 12, vocab: int = 96) -> list[int]:
     """``n`` reproducible token ids in [3, vocab): the tiny test model's vocabulary, past its specials."""
     rng = random.Random(seed)
     return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+class _WithToken(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds the internal token to every call on a channel (what the gateway does on its own)."""
+
+    def _with(self, details):
+        return details._replace(metadata=tuple(details.metadata or ()) + BACKEND_METADATA)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with(details), request)
+
+    intercept_unary_stream = intercept_stream_unary = intercept_stream_stream = intercept_unary_unary
+
+
+def backend_channel(target: str) -> grpc.Channel:
+    """A plaintext channel to a drafter or verifier of these tests that sends ``INTERNAL_TOKEN``."""
+    return grpc.intercept_channel(grpc.insecure_channel(target), _WithToken())
 
 
 def free_port() -> int:
@@ -110,12 +140,15 @@ class Stack:
 
     def drafter_sessions(self, i: int):
         with grpc.insecure_channel(self.drafter_target(i)) as ch:
-            return list(drafter_pb2_grpc.DrafterStub(ch).Stats(drafter_pb2.DrafterStatsRequest(), timeout=10).sessions)
+            stub = drafter_pb2_grpc.DrafterStub(ch)
+            return list(stub.Stats(drafter_pb2.DrafterStatsRequest(), timeout=10, metadata=BACKEND_METADATA).sessions)
 
     def verifier_sessions(self, i: int = 0):
         with grpc.insecure_channel(self.verifier_target(i)) as ch:
             return list(
-                verifier_pb2_grpc.VerifierStub(ch).Stats(verifier_pb2.VerifierStatsRequest(), timeout=10).sessions
+                verifier_pb2_grpc.VerifierStub(ch)
+                .Stats(verifier_pb2.VerifierStatsRequest(), timeout=10, metadata=BACKEND_METADATA)
+                .sessions
             )
 
     def stop_drafter(self, i: int, grace: float = 0.0):
@@ -144,9 +177,12 @@ def start_stack(
     backend: dict | None = None,
     **gateway,
 ) -> Stack:
-    """``backend``: settings for the drafters and verifiers; the other keywords are the gateway's."""
+    """``backend``: settings for the drafters and verifiers; the other keywords are the gateway's.
+    All of them share ``INTERNAL_TOKEN`` unless ``internal_token`` is given (to both)."""
     st = Stack(lt)
-    backend = backend or {}
+    backend = dict(backend or {})
+    backend.setdefault("internal_token", gateway.get("internal_token", INTERNAL_TOKEN))
+    gateway.setdefault("internal_token", backend["internal_token"])
 
     async def go():
         for _ in range(verifiers):
