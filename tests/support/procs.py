@@ -124,9 +124,11 @@ class Proc:
 
 
 class RedisProc:
-    """redis-server with an append-only file, so a stop and restart keeps the data (as deployed)."""
+    """redis-server with an append-only file, so a stop and restart keeps the data (as deployed);
+    with ``password``, ``requirepass`` as deployed (``url`` carries it)."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, password: str = ""):
+        self.password = password
         self.exe = shutil.which("redis-server")
         if not self.exe:
             raise RuntimeError("no redis-server on PATH; run scripts/setup.sh")
@@ -137,7 +139,8 @@ class RedisProc:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> "RedisProc":
         import redis
@@ -157,11 +160,12 @@ class RedisProc:
                 "yes",
                 "--appendfsync",
                 "always",
+                *(["--requirepass", self.password] if self.password else []),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        r = redis.Redis(port=self.port)
+        r = self.client()
         for _ in range(200):
             try:
                 r.ping()
@@ -180,7 +184,7 @@ class RedisProc:
     def client(self):
         import redis
 
-        return redis.Redis(port=self.port)
+        return redis.Redis(port=self.port, password=self.password or None)
 
 
 def reap(procs) -> None:
