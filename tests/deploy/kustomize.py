@@ -209,14 +209,14 @@ def strategic_merge(base, patch, field_name: str = ""):
         return out
     if isinstance(patch, list) and isinstance(base, list) and field_name in MERGE_KEYS:
         merge_key = MERGE_KEYS[field_name]
-        out = copy.deepcopy(base)
+        out, new = copy.deepcopy(base), []
         for item in patch:
             index = next((i for i, b in enumerate(out) if b.get(merge_key) == item.get(merge_key)), None)
             if index is None:
-                out.append(copy.deepcopy(item))
+                new.append(copy.deepcopy(item))
             else:
                 out[index] = strategic_merge(out[index], item, field_name)
-        return out
+        return new + out  # kustomize puts the patch's new items first, in the patch's order
     return copy.deepcopy(patch)
 
 

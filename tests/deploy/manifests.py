@@ -2,7 +2,8 @@
 
 - k8s/: rendered with the Python kustomize equivalent in ``kustomize.py`` (base and overlays).
 - docker-compose.yml: YAML with anchors and merge keys, then compose's `${VAR}` / `${VAR:-default}`
-  / `${VAR-default}` interpolation with every variable unset (the defaults a fresh checkout gets).
+  / `${VAR-default}` / `${VAR:?error}` interpolation with every variable unset but the secrets the
+  README has the user put in `.env` (``COMPOSE_SECRETS``): the defaults a fresh checkout gets.
 - Dockerfile: the official BuildKit parser (the `dockerfile` package), heredoc bodies read back
   from the file.
 """
@@ -24,8 +25,13 @@ from . import kustomize
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
-RENDERS = {"base": K8S / "base", "cpu": K8S / "overlays" / "cpu", "gpu": K8S / "overlays" / "gpu"}
-OVERLAYS = ("cpu", "gpu")
+RENDERS = {
+    "base": K8S / "base",
+    "cpu": K8S / "overlays" / "cpu",
+    "gpu": K8S / "overlays" / "gpu",
+    "mtls": K8S / "overlays" / "mtls",
+}
+OVERLAYS = ("cpu", "gpu", "mtls")
 SERVICES = tuple(settings.PORTS)  # gateway, drafter, verifier
 COMPONENT_LABEL = "app.kubernetes.io/component"
 # Variables a service reads besides the settings table: its two ports (common/settings.py
@@ -102,15 +108,25 @@ def container(objs: list[dict], service: str) -> dict:
 
 
 def container_env(objs: list[dict], c: dict) -> dict[str, str]:
-    """A container's environment as the kubelet builds it: envFrom sources in order, then env."""
+    """A container's environment as the kubelet builds it: envFrom sources in order, then env. A
+    value from a Secret (which the repository does not hold) reads ``secret_value(name, key)``."""
     env: dict[str, str] = {}
     for source in c.get("envFrom", []):
         assert set(source) == {"configMapRef"}, f"unexpected envFrom source {source}"
         env.update(find(objs, "ConfigMap", source["configMapRef"]["name"]).get("data", {}))
     for entry in c.get("env", []):
-        assert "value" in entry, f"{entry['name']}: only literal env values are expected"
+        if "valueFrom" in entry:
+            ref = entry["valueFrom"]["secretKeyRef"]  # the only kind of reference used
+            env[entry["name"]] = secret_value(ref["name"], ref["key"])
+            continue
+        assert "value" in entry, f"{entry['name']}: a literal value or a Secret key"
         env[entry["name"]] = entry["value"]
     return env
+
+
+def secret_value(name: str, key: str) -> str:
+    """What stands for key ``key`` of Secret ``name`` in ``container_env``."""
+    return f"<secret {name}/{key}>"
 
 
 def service_env(objs: list[dict], service: str) -> dict[str, str]:
@@ -140,11 +156,22 @@ def cpu_quantity(q) -> float:
 
 # --- docker-compose.yml -----------------------------------------------------------------------------
 
-_INTERPOLATION = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?-)(?P<default>[^}]*))?\}|\$\$")
+_INTERPOLATION = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<default>[^}]*))?\}|\$\$")
+# What the README has the user write into .env before `docker compose up` (compose refuses to start
+# without them: `${VAR:?...}`).
+COMPOSE_SECRETS = {
+    "RACER_REDIS_PASSWORD": "a-redis-password-for-tests",
+    "RACER_INTERNAL_TOKEN": "an-internal-token-for-tests",
+}
+
+
+class MissingVariable(ValueError):
+    """A `${VAR:?message}` whose variable is unset (compose stops with the message)."""
 
 
 def interpolate(value, env: dict[str, str] | None = None):
-    """Compose variable interpolation (the subset used: ${VAR}, ${VAR:-default}, ${VAR-default}, $$)."""
+    """Compose variable interpolation (the subset used: ${VAR}, ${VAR:-default}, ${VAR-default},
+    ${VAR:?error}, ${VAR?error}, $$)."""
     env = env or {}
     if isinstance(value, dict):
         return {k: interpolate(v, env) for k, v in value.items()}
@@ -157,8 +184,10 @@ def interpolate(value, env: dict[str, str] | None = None):
         if m.group(0) == "$$":
             return "$"
         name, op, default = m.group("name"), m.group("op"), m.group("default")
-        if name in env and (env[name] or op != ":-"):
+        if name in env and (env[name] or op not in (":-", ":?")):
             return env[name]
+        if op in (":?", "?"):
+            raise MissingVariable(f"{name}: {default}")
         return default if op else ""
 
     return _INTERPOLATION.sub(sub, value)
@@ -169,7 +198,7 @@ def compose_raw() -> dict:
 
 
 def compose() -> dict:
-    return interpolate(compose_raw())
+    return interpolate(compose_raw(), COMPOSE_SECRETS)
 
 
 def compose_env(service: dict) -> dict[str, str]:

@@ -12,6 +12,8 @@ from check_jsonschema.builtin_schemas import get_builtin_schema
 from common import settings
 
 from .manifests import (
+    COMPOSE_SECRETS,
+    MissingVariable,
     allowed_env,
     compose,
     compose_env,
@@ -66,6 +68,32 @@ def test_interpolation_defaults_and_overrides():
     assert interpolate("${A:-x}") == "x" and interpolate("${A:-x}", {"A": ""}) == "x"
     assert interpolate("${A-x}", {"A": ""}) == "" and interpolate("${A:-x}", {"A": "y"}) == "y"
     assert interpolate("$${A}") == "${A}"
+    assert interpolate("${A:?set A}", {"A": "y"}) == "y"
+    for text, env in (("${A:?set A}", {}), ("${A:?set A}", {"A": ""}), ("${A?set A}", {})):
+        with pytest.raises(MissingVariable, match="set A"):
+            interpolate(text, env)
+
+
+def test_compose_refuses_to_start_without_the_redis_password_and_the_internal_token():
+    for missing in COMPOSE_SECRETS:
+        env = {k: v for k, v in COMPOSE_SECRETS.items() if k != missing}
+        with pytest.raises(MissingVariable, match=missing):
+            interpolate(compose_raw(), env)
+
+
+def test_redis_needs_its_password_and_every_service_the_internal_token():
+    doc = compose()
+    redis = doc["services"]["redis"]
+    command = redis["command"]
+    password = COMPOSE_SECRETS["RACER_REDIS_PASSWORD"]
+    assert command[command.index("--requirepass") + 1] == password
+    assert compose_env(redis)["REDISCLI_AUTH"] == password  # redis-cli ping, the health check, authenticates
+    for name, kind in racer_services(doc).items():
+        env = compose_env(doc["services"][name])
+        assert env["RACER_INTERNAL_TOKEN"] == COMPOSE_SECRETS["RACER_INTERNAL_TOKEN"], name
+        variable = {"drafter": "RACER_SNAPSHOT_URL", "gateway": "RACER_SESSION_URL"}.get(kind)
+        if variable:
+            assert urlsplit(env[variable]).password == password, name
 
 
 def test_stack_has_redis_a_verifier_two_drafters_and_a_gateway():

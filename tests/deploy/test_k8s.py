@@ -33,6 +33,7 @@ from .manifests import (
     find,
     of_kind,
     render,
+    secret_value,
     selects,
     service_env,
     setting,
@@ -40,7 +41,7 @@ from .manifests import (
     workload,
 )
 
-ALL_RENDERS = tuple(RENDERS)  # base, cpu, gpu
+ALL_RENDERS = tuple(RENDERS)  # base, cpu, gpu, mtls
 # The oldest Kubernetes these manifests target (native gRPC probes are GA since 1.27, HPA v2 and
 # PDB policy/v1 long before) and the newest the schema package knows.
 K8S_VERSIONS = ("1.29", kubernetes_validate.utils.latest_version())
@@ -109,7 +110,7 @@ def test_generated_names_follow_their_content():
         return find(objs, "ConfigMap", config_map)["metadata"]["name"]
 
     base = render("base")
-    for overlay in OVERLAYS:
+    for overlay in ("cpu", "gpu"):
         objs = render(overlay)
         assert name(objs, "racer-verifier") != name(base, "racer-verifier")  # the overlay changes it
         assert name(objs, "racer-drafter") == name(base, "racer-drafter")
@@ -134,7 +135,7 @@ def test_strategic_merge_follows_kubernetes_merge_keys():
     }
     merged = kustomize.strategic_merge(base, patch)
     assert merged["spec"]["containers"] == [
-        {"name": "a", "image": "x", "env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]},
+        {"name": "a", "image": "x", "env": [{"name": "B", "value": "2"}, {"name": "A", "value": "1"}]},
         {"name": "b"},
     ]
     assert merged["spec"]["tolerations"] == [{"key": "k2"}]  # no merge key: replaced
@@ -163,13 +164,18 @@ def test_command_ports_probes_and_scrape_annotations_match_settings(overlay, ser
     grpc_port, metrics_port = settings.PORTS[service]
 
     assert c.get("command", []) + c.get("args", []) == ["racer", "serve", service]
-    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": grpc_port, "metrics": metrics_port}
+    env = service_env(objs, service)
+    health_port = effective(service, env, "RACER_HEALTH_PORT")
+    ports = {"grpc": grpc_port, "metrics": metrics_port} | ({"health": health_port} if health_port else {})
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == ports
 
+    # Probes carry no client certificate: behind mutual TLS they ask the plaintext health port.
+    probe_port = health_port if env.get("RACER_TLS_CLIENT_CA") else grpc_port
     health = settings.HEALTH_SERVICES[service]
     for probe in ("startupProbe", "readinessProbe"):
-        assert c[probe]["grpc"] == {"port": grpc_port, "service": health}, probe
+        assert c[probe]["grpc"] == {"port": probe_port, "service": health}, probe
     # Liveness asks whether the server answers at all ("" is the server-wide health entry).
-    assert c["livenessProbe"]["grpc"]["port"] == grpc_port
+    assert c["livenessProbe"]["grpc"]["port"] == probe_port
     assert c["livenessProbe"]["grpc"].get("service", "") in ("", health)
 
     annotations = pod["metadata"]["annotations"]
@@ -273,10 +279,16 @@ def test_gateway_endpoints_resolve_to_the_headless_services(overlay):
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_redis_urls_point_at_the_redis_service(overlay):
+    """The URLs carry the password, so they come from the racer-redis Secret (never a ConfigMap);
+    the URL the README's command puts there names the Redis Service, and Redis requires the
+    password of the same Secret."""
     objs = render(overlay)
+    readme = (RENDERS["base"].parents[1] / "README.md").read_text()
+    (documented,) = set(re.findall(r"url=(redis://:\$\w+@[\w.-]+:\d+/\d+)", readme))
     for service, variable in (("drafter", "RACER_SNAPSHOT_URL"), ("gateway", "RACER_SESSION_URL")):
-        url = urlsplit(service_env(objs, service)[variable])
-        assert url.scheme == "redis"
+        assert service_env(objs, service)[variable] == secret_value("racer-redis", "url"), variable
+        url = urlsplit(documented)
+        assert url.scheme == "redis" and url.password
         host = url.hostname.split(".")
         svc = find(objs, "Service", host[0])
         assert host[1:] in (
@@ -290,23 +302,34 @@ def test_redis_urls_point_at_the_redis_service(overlay):
             s for s in of_kind(objs, "StatefulSet") if selects(selector, s["spec"]["template"]["metadata"]["labels"])
         ]
         assert redis["spec"]["serviceName"] == svc["metadata"]["name"]
-        args = redis["spec"]["template"]["spec"]["containers"][0]["args"]
+        (c,) = redis["spec"]["template"]["spec"]["containers"]
+        args = c["args"]
         assert args[args.index("--appendonly") + 1] == "yes"  # sessions survive a Redis restart
+        assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+        env = container_env(objs, c)
+        assert env["REDIS_PASSWORD"] == env["REDISCLI_AUTH"] == secret_value("racer-redis", "password")
         assert redis["spec"]["volumeClaimTemplates"], "Redis data on a persistent volume"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_api_keys_file_is_mounted_from_the_secret(overlay):
+    """From the racer-api-keys Secret, which the repository does not hold: the README's command
+    makes it, with the key name the gateway reads. The mount is the whole volume (no subPath), so
+    an updated Secret reaches the file and the gateway reads it again."""
     objs = render(overlay)
+    assert not of_kind(objs, "Secret"), "a key, token or password in the repository"
     c = container(objs, "gateway")
     path = service_env(objs, "gateway")["RACER_API_KEYS"]
     assert path, "the cluster gateway must not run without tenant keys"
     (mount,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")]
-    assert mount.get("readOnly") is True
+    assert mount.get("readOnly") is True and "subPath" not in mount
     pod = workload(objs, "gateway")["spec"]["template"]["spec"]
     (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
-    secret = find(objs, "Secret", volume["secret"]["secretName"])
-    assert path[len(mount["mountPath"].rstrip("/")) + 1 :] in secret["data"]
+    assert volume["secret"]["secretName"] == "racer-api-keys"
+    key = path[len(mount["mountPath"].rstrip("/")) + 1 :]
+    readme = (RENDERS["base"].parents[1] / "README.md").read_text()
+    assert f"create secret generic racer-api-keys --from-file={key}=" in readme
+    assert effective("gateway", service_env(objs, "gateway"), "RACER_API_KEYS_RELOAD_SECONDS") > 0
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -325,7 +348,7 @@ def test_gateway_does_not_start_without_a_tenant_key(overlay, tmp_path):
     mount = next(m for m in container(objs, "gateway")["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
     assert mount in init["volumeMounts"]
 
-    shipped = (RENDERS["base"] / "api-keys.txt").read_text()
+    shipped = (RENDERS["base"].parent / "api-keys.example").read_text()
     samples = {
         "shipped": shipped,
         "empty": "",
