@@ -164,3 +164,36 @@ def test_tls_settings_that_cannot_work_are_refused_at_start(pki):
     ):
         with pytest.raises(ValueError):
             bad()
+
+
+def test_probes_without_a_certificate_pass_on_the_health_port_of_a_mutual_tls_backend(loop_thread, pki):
+    """What the kubelet does in k8s/overlays/mtls: a plaintext gRPC health check without a
+    certificate. It fails on the gRPC port (mutual TLS) and passes on the health-only port."""
+    from common.health import status
+    from racer import launch as services
+    from tests.support.stack import free_port
+
+    cert, key = pki["server"]
+    health_port = free_port()
+
+    async def go():
+        return await services.start_drafter(
+            services.defaults(
+                "drafter",
+                host="127.0.0.1",
+                port=0,
+                prior="none",
+                tls_cert=cert,
+                tls_key=key,
+                tls_client_ca=pki["ca"],
+                health_port=health_port,
+            )
+        )
+
+    srv, _ = loop_thread.run(go())
+    try:
+        assert status(f"127.0.0.1:{srv.port}", "racer.v1.Drafter") == "UNAVAILABLE"
+        assert status(f"127.0.0.1:{health_port}", "racer.v1.Drafter") == "SERVING"
+        assert status(f"127.0.0.1:{health_port}", "") == "SERVING"
+    finally:
+        loop_thread.run(srv.stop(0))
