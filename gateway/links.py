@@ -31,10 +31,11 @@ _CALLER_ERRORS = {
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.NOT_FOUND,
-    grpc.StatusCode.PERMISSION_DENIED,
-    grpc.StatusCode.UNAUTHENTICATED,
     grpc.StatusCode.ABORTED,
 }
+# A backend that refuses the gateway's credential (internal token, client certificate): the
+# deployment is misconfigured, not the caller's request, and every replica would refuse the same.
+_REFUSED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 
 Cost = tuple[tuple[int, ...], tuple[float, ...]]  # a verifier's cost curve: tree sizes, forward ms at each
 
@@ -129,6 +130,12 @@ class _Link:
         details = e.details() if e is not None else details
         if code in _CALLER_ERRORS:
             return Abort(Status[code.name], details or str(code))
+        if code in _REFUSED:
+            log.error(
+                "a backend refused the gateway's credential: check RACER_INTERNAL_TOKEN / the TLS client certificate",
+                extra={"endpoint": self.endpoint, "code": code.name, "details": details},
+            )
+            return Abort(Status.INTERNAL, "the gateway could not authenticate to its backends; see the gateway log")
         return Lost(self.endpoint, f"{code}: {details}")
 
     async def close(self, cancel: bool = False) -> None:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import queue
 import signal
+import socket
 
 import grpc
 import pytest
-import redis
 
 from common import identity
 from common.health import status
@@ -134,10 +134,16 @@ def test_without_the_internal_token_backends_refuse_every_call_and_the_victims_t
 
 def test_redis_refuses_clients_without_the_password_and_the_stack_uses_it(cluster):
     rd = cluster["redis"]
-    with pytest.raises(redis.exceptions.AuthenticationError):
-        redis.Redis(port=rd.port).get("anything")
-    with pytest.raises(redis.exceptions.AuthenticationError):
-        redis.Redis(port=rd.port, password="wrong-password").ping()
+
+    def ask(*commands: bytes) -> bytes:  # raw RESP: what any client that reaches the port can send
+        with socket.create_connection(("127.0.0.1", rd.port), timeout=10) as s:
+            for c in commands:
+                s.sendall(c)
+            return s.recv(4096)
+
+    assert ask(b"*2\r\n$3\r\nGET\r\n$1\r\nx\r\n").startswith(b"-NOAUTH")
+    assert ask(b"*2\r\n$4\r\nAUTH\r\n$5\r\nwrong\r\n").startswith(b"-WRONGPASS")
+    assert rd.client().ping()  # with the password
     with Client(cluster["gateway"].target, "key-victim", timeout=60) as c:
         _, _, last = c.complete(prompt(3), max_new_tokens=8, budget=4)
     keys = {k.decode() for k in rd.client().keys("*")}
@@ -187,3 +193,35 @@ def test_api_keys_are_held_as_digests_and_reloaded_on_change_and_on_sighup(clust
         assert works(hup.target, "key-newco")
     finally:
         path.write_text(original)
+
+
+def test_a_gateway_with_the_wrong_token_fails_the_turn_clearly_and_says_why_in_its_log(
+    cluster, loop_thread, tiny_llama, caplog
+):
+    from racer import launch as services
+
+    async def go():
+        args = services.defaults(
+            "gateway",
+            host="127.0.0.1",
+            port=0,
+            model="none",
+            drafters=cluster["drafter"].target,
+            verifiers=cluster["verifier"].target,
+            internal_token="not-the-cluster-token-0123456789",
+            reconnect_seconds=0.3,
+        )
+        return await services.start_gateway(args, vocab_size=tiny_llama.config.vocab_size)
+
+    srv, _ = loop_thread.run(go())
+    verifier = cluster["verifier"]
+    before = verifier.metric("racer_internal_auth_failures_total", method="/racer.v1.Verifier/Session")
+    try:
+        with Client(f"127.0.0.1:{srv.port}", timeout=30) as c, pytest.raises(grpc.RpcError) as e:
+            c.complete(prompt(4), max_new_tokens=4)
+        assert e.value.code() == grpc.StatusCode.INTERNAL  # the deployment's fault, not the caller's key
+        assert "could not authenticate to its backends" in e.value.details()
+        assert "refused the gateway's credential" in caplog.text
+        assert verifier.metric("racer_internal_auth_failures_total", method="/racer.v1.Verifier/Session") > before
+    finally:
+        loop_thread.run(srv.stop(0))
