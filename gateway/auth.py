@@ -56,17 +56,6 @@ class ApiKeys:
         self._stamp: tuple | None = None
         self.reload(strict=True)
 
-    @classmethod
-    def of(cls, keys: dict[str, str]) -> "ApiKeys":
-        """From a ``key -> tenant`` mapping (in-process use); nothing to reload."""
-        self = cls.__new__(cls)
-        self.path, self._stamp = "", None
-        self._digests = tuple((_digest(k), t) for k, t in keys.items())
-        return self
-
-    def __len__(self) -> int:
-        return len(self._digests)
-
     def tenant(self, key: str) -> str | None:
         d = _digest(key)
         found = None
@@ -85,8 +74,6 @@ class ApiKeys:
     def reload(self, strict: bool = False) -> bool:
         """Reads the file again; True when the keys changed. A file that cannot be read or parsed
         keeps the keys already loaded (``strict``, at start: raises)."""
-        if not self.path:
-            return False
         stamp = self._stat()
         try:
             keys = load_api_keys(self.path)
@@ -105,7 +92,7 @@ class ApiKeys:
 
     def maybe_reload(self) -> bool:
         """Reloads when the file changed since the last read."""
-        return self.path != "" and self._stat() != self._stamp and self.reload()
+        return self._stat() != self._stamp and self.reload()
 
 
 def tenant_of(api_keys: ApiKeys | None, metadata: Iterable[tuple[str, str]] | None) -> str:
