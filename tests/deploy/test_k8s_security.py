@@ -199,3 +199,37 @@ def test_tls_on_overlays_have_probes_that_can_pass(overlay):
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["grpc"]["port"] == health_port, f"{service} {probe}"
         assert container_env(objs, c)["RACER_HEALTH_PORT"] == str(health_port)
+
+
+def _redis(objs):
+    (sts,) = of_kind(objs, "StatefulSet")
+    return sts["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_redis_probe_needs_a_pong_and_tls_where_redis_serves_it(overlay):
+    """redis-cli exits 0 even when Redis refuses it, so the probe looks for PONG. Where an overlay
+    turns TLS on, Redis has no plaintext port, the probe and the clients trust the CA file of a
+    mounted Secret, and the README gives the rediss:// URL that names that file."""
+    objs = render(overlay)
+    pod = _redis(objs)
+    (c,) = pod["containers"]
+    probe = c["readinessProbe"]["exec"]["command"]
+    assert probe[:2] == ["sh", "-c"] and probe[2].endswith("ping | grep -q PONG")
+    args = c["args"]
+    if "--tls-port" not in args:
+        assert "--tls" not in probe[2]
+        return
+    assert args[args.index("--port") + 1] == "0", "a plaintext port next to the TLS one"
+    files = {args[args.index(f) + 1] for f in ("--tls-cert-file", "--tls-key-file", "--tls-ca-cert-file")}
+    ca = args[args.index("--tls-ca-cert-file") + 1]
+    assert f"--tls --cacert {ca} ping" in probe[2]
+    for path in files:
+        (mount,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert "secret" in volume
+    readme = (RENDERS["base"].parents[1] / "README.md").read_text()
+    assert f"rediss://:$PW@redis:{args[args.index('--tls-port') + 1]}/0?ssl_ca_certs={ca}" in readme
+    for service in ("drafter", "gateway"):  # the clients of Redis can read that CA file
+        w = workload(objs, service)["spec"]["template"]["spec"]
+        assert any(ca.startswith(m["mountPath"].rstrip("/") + "/") for m in w["containers"][0]["volumeMounts"])

@@ -197,3 +197,59 @@ def test_probes_without_a_certificate_pass_on_the_health_port_of_a_mutual_tls_ba
         assert status(f"127.0.0.1:{health_port}", "") == "SERVING"
     finally:
         loop_thread.run(srv.stop(0))
+
+
+def test_the_stores_speak_tls_to_a_redis_that_requires_it_from_the_url_alone(pki, tmp_path):
+    """k8s/overlays/mtls: Redis serves TLS only; drafters and gateways reach it through the
+    rediss:// URL of the racer-redis Secret, naming the CA file. A client that does not trust the
+    CA, or speaks plaintext, gets nothing."""
+    import asyncio
+    import shutil
+    import socket
+    import subprocess
+
+    import redis
+
+    from common.store import open_store
+    from tests.support.stack import free_port
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("no redis-server on PATH; run scripts/setup.sh")
+    cert, key = pki["server"]
+    port = free_port()
+    proc = subprocess.Popen(
+        [exe, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        + ["--tls-cert-file", cert, "--tls-key-file", key, "--tls-ca-cert-file", pki["ca"], "--tls-auth-clients", "no"]
+        + ["--requirepass", "pw-0123456789"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+    async def round_trip(url: str) -> bytes | None:
+        store = open_store(url)
+        try:
+            await store.set("k", b"v", 60)
+            return await store.get("k")
+        finally:
+            await store.close()
+
+    try:
+        good = f"rediss://:pw-0123456789@localhost:{port}/0?ssl_ca_certs={pki['ca']}"
+        for _ in range(100):  # until it listens
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        assert asyncio.run(round_trip(good)) == b"v"
+        for bad in (
+            f"rediss://:pw-0123456789@localhost:{port}/0?ssl_ca_certs={pki['rogue_ca']}",  # not our CA
+            f"redis://:pw-0123456789@localhost:{port}/0",  # plaintext
+            f"rediss://:wrong@localhost:{port}/0?ssl_ca_certs={pki['ca']}",  # the password still counts
+        ):
+            with pytest.raises(redis.exceptions.RedisError):  # connection, TLS or authentication error
+                asyncio.run(round_trip(bad))
+    finally:
+        proc.terminate()
+        proc.wait(10)
