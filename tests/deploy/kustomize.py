@@ -210,13 +210,14 @@ def strategic_merge(base, patch, field_name: str = ""):
     if isinstance(patch, list) and isinstance(base, list) and field_name in MERGE_KEYS:
         merge_key = MERGE_KEYS[field_name]
         out = copy.deepcopy(base)
+        new = []  # items the base does not have: kustomize puts them first, in the patch's order
         for item in patch:
             index = next((i for i, b in enumerate(out) if b.get(merge_key) == item.get(merge_key)), None)
             if index is None:
-                out.append(copy.deepcopy(item))
+                new.append(copy.deepcopy(item))
             else:
                 out[index] = strategic_merge(out[index], item, field_name)
-        return out
+        return new + out
     return copy.deepcopy(patch)
 
 

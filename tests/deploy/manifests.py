@@ -25,6 +25,7 @@ from . import kustomize
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 RENDERS = {"base": K8S / "base", "cpu": K8S / "overlays" / "cpu", "gpu": K8S / "overlays" / "gpu"}
+RENDERS["cpu-openai"] = K8S / "overlays" / "cpu-openai"  # cpu with the gateway's HTTP API on
 OVERLAYS = ("cpu", "gpu")
 SERVICES = tuple(settings.PORTS)  # gateway, drafter, verifier
 COMPONENT_LABEL = "app.kubernetes.io/component"

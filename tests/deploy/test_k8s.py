@@ -133,8 +133,8 @@ def test_strategic_merge_follows_kubernetes_merge_keys():
         }
     }
     merged = kustomize.strategic_merge(base, patch)
-    assert merged["spec"]["containers"] == [
-        {"name": "a", "image": "x", "env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]},
+    assert merged["spec"]["containers"] == [  # new items first, as `kubectl kustomize` puts them
+        {"name": "a", "image": "x", "env": [{"name": "B", "value": "2"}, {"name": "A", "value": "1"}]},
         {"name": "b"},
     ]
     assert merged["spec"]["tolerations"] == [{"key": "k2"}]  # no merge key: replaced
