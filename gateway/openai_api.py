@@ -113,7 +113,7 @@ class Call:
     keep_session: bool  # False: the session is closed after the call
     return_token_ids: bool
     stop: tuple[str, ...] = ()
-    id: str = field(default_factory=lambda: secrets.token_hex(12))
+    id: str = field(default_factory=lambda: secrets.token_hex(12))  # after "chatcmpl-" or "cmpl-"
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -340,12 +340,12 @@ def _stats(f: Finished) -> dict:
         "rounds": s.rounds,
         "drafted": s.drafted,
         "accepted": s.accepted,
-        "mat": s.mat,
-        "prefill_ms": f.prefill_ms,
-        "draft_ms": f.draft_ms,
-        "verify_ms": f.verify_ms,
-        "total_ms": f.total_ms,
-        "tokens_per_second": f.tokens_per_second,
+        "mat": round(s.mat, 4),
+        "prefill_ms": round(f.prefill_ms, 3),
+        "draft_ms": round(f.draft_ms, 3),
+        "verify_ms": round(f.verify_ms, 3),
+        "total_ms": round(f.total_ms, 3),
+        "tokens_per_second": round(f.tokens_per_second, 3),
         "session_tokens": f.session_tokens,
     }
 
@@ -363,7 +363,11 @@ def finish_reason(f: Finished, text: StopText) -> str:
 
 
 def _head(call: Call, obj: str, session_id: str) -> dict:
-    return {"id": call.id, "object": obj, "created": call.created, "model": call.model, "session_id": session_id}
+    out = {"id": f"{'chatcmpl' if call.chat else 'cmpl'}-{call.id}", "object": obj, "created": call.created}
+    out["model"] = call.model
+    if call.keep_session:  # a one-call session is gone when the answer arrives: no id to continue
+        out["session_id"] = session_id
+    return out
 
 
 def response(call: Call, f: Finished, text: str, reason: str, token_ids: list[int]) -> dict:
