@@ -216,8 +216,10 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
             http.append(
                 await start_http(core, args.host, args.http_port, served_model_name(args), args.max_message_bytes)
             )
-        except BaseException:
+        except BaseException as e:
             await srv.stop(0)
+            if isinstance(e, OSError):
+                raise RuntimeError(f"gateway: cannot serve HTTP on {args.host}:{args.http_port} ({e})") from e
             raise
     srv.http_port = http[0].port if http else 0  # the bound port (tests ask for a free one)
     return srv, core
