@@ -254,43 +254,76 @@ def test_malformed_http(base_url):
     assert status == 405 and r["error"]["message"]
 
 
+class Held:
+    """A stack whose drafter holds every session open until ``gate`` is set (in the services' loop)."""
+
+    def __init__(self, loop_thread, tiny_llama, tok):
+        self.lt = loop_thread
+        self.st = start_stack(loop_thread, tiny_llama, tokenizer=tok, http_port=free_port(), served_model_name=MODEL)
+        self.srv, self.gw = self.st.gateway_pair
+        self.base_url = f"http://127.0.0.1:{self.srv.http_port}/v1"
+        self.gate, self.opened = asyncio.Event(), asyncio.Event()
+        drafter = self.st.drafters[0][1]
+        real_open = drafter.open
+
+        async def held_open(req):
+            self.opened.set()
+            await self.gate.wait()
+            return await real_open(req)
+
+        drafter.open = held_open
+
+    def wait_held(self):
+        self.lt.run(self.opened.wait())
+
+    def release(self):
+        self.lt.loop.call_soon_threadsafe(self.gate.set)
+
+
 def test_shutdown_drains_http_turns(loop_thread, tiny_llama, tok):
     """SIGTERM's path (``Server.stop``): a turn in flight over HTTP finishes, a new one is refused
-    with 503, then the HTTP port closes. The turn is held at its drafter open by an event."""
-    st = start_stack(loop_thread, tiny_llama, tokenizer=tok, http_port=free_port(), served_model_name=MODEL)
-    srv, gw = st.gateway_pair
-    base_url = f"http://127.0.0.1:{srv.http_port}/v1"
-    drafter = st.drafters[0][1]
-    gate, opened = asyncio.Event(), asyncio.Event()  # set in the services' loop only
-    real_open = drafter.open
-
-    async def held_open(req):
-        opened.set()
-        await gate.wait()
-        return await real_open(req)
-
-    drafter.open = held_open
+    with 503, then the HTTP port closes."""
+    h = Held(loop_thread, tiny_llama, tok)
     messages = [{"role": "user", "content": "Drain me."}]
     result: dict = {}
 
     def call():
-        with openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=60) as c:
+        with openai.OpenAI(base_url=h.base_url, api_key="none", max_retries=0, timeout=60) as c:
             result["r"] = c.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
 
     t = threading.Thread(target=call, daemon=True)
     t.start()
-    loop_thread.run(opened.wait())
-    stop = asyncio.run_coroutine_threadsafe(srv.stop(30), loop_thread.loop)
-    wait_until(lambda: gw.stopping is not None, what="the gateway draining")
+    h.wait_held()
+    stop = asyncio.run_coroutine_threadsafe(h.srv.stop(30), loop_thread.loop)
+    wait_until(lambda: h.gw.stopping is not None, what="the gateway draining")
     body = json.dumps({"model": MODEL, "messages": messages}).encode()
-    status, r = _http(base_url, "POST", "/chat/completions", body, key=None)
+    status, r = _http(h.base_url, "POST", "/chat/completions", body, key=None)
     assert status == 503 and "shutting down" in r["error"]["message"], r
     assert not stop.done() and t.is_alive()
-    loop_thread.loop.call_soon_threadsafe(gate.set)
+    h.release()
     stop.result(60)
     t.join(60)
     ref = hf_greedy(tiny_llama, messages_ids(tok, messages), N)
     assert result["r"].choices[0].message.content == _text(tok, ref)
     with pytest.raises(ConnectionError):  # the HTTP port is closed
-        _http(base_url, "GET", "/models", key=None)
-    st.stop()
+        _http(h.base_url, "GET", "/models", key=None)
+    h.st.stop()
+
+
+def test_a_client_that_goes_away_cancels_its_turn(loop_thread, tiny_llama, tok):
+    h = Held(loop_thread, tiny_llama, tok)
+    try:
+        u = urlsplit(h.base_url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Bye."}], "stream": True}
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body).encode())
+        h.wait_held()
+        assert len(h.gw._turns) == 1
+        conn.close()  # before any answer: the handler is cancelled, and the turn with it
+        wait_until(lambda: not h.gw._turns, timeout=10, what="the turn cancelled")
+        h.release()
+        with Client(h.st.gateway, timeout=30) as c:
+            assert c.list_sessions() == []  # nothing saved
+    finally:
+        h.release()
+        h.st.stop()
