@@ -46,6 +46,7 @@ def stack(loop_thread, tiny_llama, tok, redis_url, tmp_path_factory):
         http_port=free_port(),
         served_model_name=MODEL,
         max_new_tokens=64,
+        max_message_bytes=1 << 16,  # HTTP bodies too
     )
     yield st
     st.stop()
@@ -252,6 +253,26 @@ def test_malformed_http(base_url):
     assert status == 404 and r["error"]["message"]
     status, r = _http(base_url, "GET", "/chat/completions")
     assert status == 405 and r["error"]["message"]
+    status, r = _http(base_url, "POST", "/chat/completions", b" " * (1 << 17))
+    assert status == 413 and r["error"]["code"] == "request_too_large"
+
+
+def test_sampling_with_a_seed_is_the_grpc_path(stack, client, tok, tiny_llama):
+    """temperature, top_p, top_k and seed mean what they mean over gRPC: the same seed, the same tokens."""
+    messages = [{"role": "user", "content": "Surprise me."}]
+    kw = dict(temperature=0.9, top_p=0.95, top_k=40, seed=11)
+    grpc_ids, _, _ = _grpc(stack, messages, **kw)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=N,
+        temperature=0.9,
+        top_p=0.95,
+        seed=11,
+        extra_body={"top_k": 40, "return_token_ids": True},
+    )
+    assert r.choices[0].model_extra["token_ids"] == grpc_ids
+    assert grpc_ids != hf_greedy(tiny_llama, messages_ids(tok, messages), N)  # it did sample
 
 
 class Held:
