@@ -20,7 +20,7 @@ import time
 
 from aiohttp import web
 
-from common.errors import Abort
+from common.errors import Abort, Status
 
 from . import metrics as M
 from . import openai_api as api
@@ -55,11 +55,14 @@ async def _errors(request: web.Request, handler):
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
         return _error(api.ApiError(e.status, e.reason, "invalid_request_error", None, code))
     except Exception:  # noqa: BLE001 - a bug: logged with an id, nothing of it to the caller
-        eid = secrets.token_hex(4)
-        log.error(
-            "unhandled exception in an HTTP handler", exc_info=True, extra={"path": request.path, "error_id": eid}
-        )
-        return _error(api.ApiError(500, f"internal error (id {eid}); see the server log", "server_error"))
+        return _error(_internal(request))
+
+
+def _internal(request: web.Request) -> api.ApiError:
+    """Logs the exception being handled (with its traceback) under a short id; the caller's error."""
+    eid = secrets.token_hex(4)
+    log.error("unhandled exception in an HTTP handler", exc_info=True, extra={"path": request.path, "error_id": eid})
+    return api.ApiError(500, f"internal error (id {eid}); see the server log", "server_error")
 
 
 def _tenant(request: web.Request) -> str:
@@ -139,7 +142,7 @@ async def _close(gw: Gateway, tenant: str, session_id: str) -> None:
     try:
         await gw.close(tenant, session_id)
     except Abort as e:
-        if e.code.name != "NOT_FOUND":
+        if e.code is not Status.NOT_FOUND:
             log.warning("closing a one-call session failed", extra={"session_id": session_id, "error": e.message})
 
 
@@ -206,6 +209,11 @@ async def _stream(request: web.Request, call: api.Call, first, items, done) -> t
     except Abort as e:
         code = e.code.name
         await resp.write(_event(api.from_abort(e).body))
+    except ConnectionResetError:  # the client is gone: nothing to tell it
+        raise
+    except Exception:  # noqa: BLE001 - a bug, after the status line: logged, then an error event
+        code = "INTERNAL"
+        await resp.write(_event(_internal(request).body))
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp, code

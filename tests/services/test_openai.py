@@ -348,3 +348,24 @@ def test_a_client_that_goes_away_cancels_its_turn(loop_thread, tiny_llama, tok):
     finally:
         h.release()
         h.st.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_bug_is_a_500_with_a_log_id(stack, client, monkeypatch, stream):
+    """An unexpected exception (here: saving the record) is logged; the caller gets a server_error
+    with its id and nothing of the exception, as a 500 or, once a stream has begun, as an event."""
+
+    async def boom(rec):
+        raise RuntimeError("secret internals")
+
+    monkeypatch.setattr(stack.gateway_pair[1].records, "save", boom)
+    with pytest.raises(openai.APIError) as e:
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=stream, **GREEDY
+        )
+        if stream:
+            list(r)  # the error arrives as an event
+    msg = str(e.value)
+    assert "internal error (id " in msg and "secret" not in msg
+    if not stream:
+        assert isinstance(e.value, openai.InternalServerError) and e.value.status_code == 500
