@@ -160,10 +160,12 @@ def test_stop_string_ends_the_text_without_it(client, tok, tiny_llama):
 
 def test_second_turn_through_session_id(stack, base_url, client, tok, tiny_llama):
     first = [{"role": "user", "content": "Remember the word apple."}]
-    r1 = client.chat.completions.create(
+    raw = client.chat.completions.with_raw_response.create(
         model=MODEL, messages=first, **GREEDY, extra_body={"session_id": "new", "return_token_ids": True}
     )
+    r1 = raw.parse()
     sid = r1.model_extra["session_id"]
+    assert raw.headers["x-session-id"] == sid
     history = messages_ids(tok, first)
     assert r1.choices[0].model_extra["token_ids"] == hf_greedy(tiny_llama, history, N)
     history += r1.choices[0].model_extra["token_ids"]
