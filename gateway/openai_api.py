@@ -194,9 +194,9 @@ def _prompt(body: dict) -> tuple[str, str, tuple[int, ...]]:
         p = p[0]
     if isinstance(p, str):
         return "text", p, ()
-    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in p):
         return "prompt_ids", "", tuple(p)
-    raise bad_request("prompt: expected a string or an array of token ids (one prompt per call)", "prompt")
+    raise bad_request("prompt: expected a string or an array of token ids >= 0 (one prompt per call)", "prompt")
 
 
 def parse(body, chat: bool, session_header: str = "") -> Call:
@@ -241,9 +241,13 @@ def parse(body, chat: bool, session_header: str = "") -> Call:
     if top_p == 0:
         raise bad_request("top_p: 0, expected a number in (0, 1]", "top_p")
     seed = _get(body, "seed", int)
+    if seed is not None and not -(2**63) <= seed < 2**63:
+        raise bad_request(f"seed: {seed}, expected a 64-bit signed integer", "seed")
     top_k = _get(body, "top_k", int, 0)
     if top_k == -1:  # "off", as vLLM spells it
         top_k = 0
+    if not 0 <= top_k < 2**31:
+        raise bad_request(f"top_k: {top_k}, expected 0 (off), -1 (off) or a positive 32-bit integer", "top_k")
     stop = body.get("stop")
     stop = (stop,) if isinstance(stop, str) else stop
     if stop is None:

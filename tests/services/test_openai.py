@@ -227,6 +227,8 @@ def test_errors(client, base_url, stream):
         ({"top_p": 1.5}, "top_p"),
         ({"stop": ["x"] * 17}, "stop"),
         ({"logprobs": True}, "logprobs"),
+        ({"seed": 2**70}, "seed"),
+        ({"extra_body": {"top_k": 2**40}}, "top_k"),
         ({"extra_body": {"speculation": {"mode": "warp"}}}, "speculation"),
         ({"extra_body": {"session_id": "no-such-session"}}, "session_id"),
     ]
@@ -239,8 +241,13 @@ def test_errors(client, base_url, stream):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "x"}], stream=stream)
     assert _error(e)["param"] == "messages"
-    with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=MODEL, prompt=[[1, 2], [3, 4]], stream=stream)
+    for prompt in ([[1, 2], [3, 4]], [1, 2**40], [5, -1]):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=prompt, stream=stream)
+        assert _error(e)["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:  # the gateway's own vocabulary check
+        client.completions.create(model=MODEL, prompt=[5, VOCAB], stream=stream)
+    assert _error(e)["param"] == "prompt" and "vocabulary" in _error(e)["message"]
 
 
 def test_malformed_http(base_url):
