@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 
 import openai
 import pytest
+import redis
 
 from common.text import continue_ids, messages_ids, text_ids
 from racer.client import Client
@@ -23,6 +24,7 @@ from tests.support.tinytok import make_char_tokenizer
 VOCAB = 96
 N = 24
 MODEL = "tiny-llama"
+TENANT = "openai-acme"  # key-a's: this module's own in the shared Redis
 GREEDY = {"temperature": 0, "max_tokens": N}
 
 
@@ -34,7 +36,7 @@ def tok():
 @pytest.fixture(scope="module")
 def stack(loop_thread, tiny_llama, tok, redis_url, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys"
-    keys.write_text("key-a acme\nkey-b globex\n")
+    keys.write_text(f"key-a {TENANT}\nkey-b globex\n")
     st = start_stack(
         loop_thread,
         tiny_llama,
@@ -158,7 +160,7 @@ def test_stop_string_ends_the_text_without_it(client, tok, tiny_llama):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
-def test_second_turn_through_session_id(stack, base_url, client, tok, tiny_llama):
+def test_second_turn_through_session_id(stack, base_url, client, tok, tiny_llama, redis_url):
     first = [{"role": "user", "content": "Remember the word apple."}]
     raw = client.chat.completions.with_raw_response.create(
         model=MODEL, messages=first, **GREEDY, extra_body={"session_id": "new", "return_token_ids": True}
@@ -186,8 +188,12 @@ def test_second_turn_through_session_id(stack, base_url, client, tok, tiny_llama
     with Client(stack.gateway, api_key="key-a", timeout=30) as c:
         info = c.get_session(sid)
         assert info.turns == 2 and info.tokens == len(history) + N
-        # calls without session_id leave no session behind
+        # calls without session_id leave no session behind: no record, no drafter snapshot
         assert [s.session_id for s in c.list_sessions()] == [sid]
+    for _, drafter in stack.drafters:
+        stack.lt.run(drafter.flush())  # snapshot writes in flight land first
+    store = redis.Redis.from_url(redis_url)
+    assert {k.decode() for k in store.scan_iter(f"racer:drafter:{TENANT}:*")} == {f"racer:drafter:{TENANT}:{sid}"}
     # another tenant does not see it
     with openai.OpenAI(base_url=base_url, api_key="key-b", max_retries=0) as b:
         with pytest.raises(openai.NotFoundError):
