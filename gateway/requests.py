@@ -145,7 +145,10 @@ def _input_ids(r: Request, history, tokenizer, eos_ids, limits: Limits, vocab_si
             "can hold (refused before tokenizing)",
         )
     if kind == "text":  # plain continuation (a completions call): special tokens only at a session's start
-        return text_ids(tokenizer, r.prompt, special=not history)
+        ids = text_ids(tokenizer, r.prompt, special=not history)
+        if not ids:
+            raise Abort(Status.INVALID_ARGUMENT, "prompt: no tokens")
+        return ids
     try:
         return continue_ids(tokenizer, history, messages, eos_ids) if history else messages_ids(tokenizer, messages)
     except Exception as e:  # noqa: BLE001 - template errors are the caller's input
