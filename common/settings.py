@@ -257,6 +257,19 @@ SERVICE = {
         ),
         Setting("--tls-client-key", "RACER_TLS_CLIENT_KEY", "", "PEM private key of --tls-client-cert"),
         Setting(
+            "--http-port",
+            "RACER_HTTP_PORT",
+            0,
+            "OpenAI-compatible HTTP API port (/v1/chat/completions, /v1/completions, /v1/models; 0: off)",
+            int,
+        ),
+        Setting(
+            "--served-model-name",
+            "RACER_SERVED_MODEL_NAME",
+            "",
+            "the model name the HTTP API lists and accepts (default: the --model directory's name)",
+        ),
+        Setting(
             "--tls-server-name",
             "RACER_TLS_SERVER_NAME",
             "",

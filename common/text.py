@@ -24,6 +24,12 @@ def messages_ids(tokenizer, messages: list[dict]) -> list[int]:
     return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
 
 
+def text_ids(tokenizer, text: str, special: bool = True) -> list[int]:
+    """Token ids of plain text, no chat template (a completion prompt); ``special``: the tokenizer's
+    own start tokens, if it adds any (not in the middle of a session)."""
+    return _ids(tokenizer(text, add_special_tokens=special))
+
+
 def continue_ids(tokenizer, history: list[int], messages: list[dict], eos_ids=()) -> list[int]:
     """Ids that continue a chat session whose ``history`` ends with the assistant's last answer.
 

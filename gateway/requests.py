@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from common.errors import Abort, Status
 from common.params import MODES, SamplingParams
-from common.text import continue_ids, messages_ids
+from common.text import continue_ids, messages_ids, text_ids
 
 DEFAULT_MAX_NEW_TOKENS = 256
 MAX_STOP_STRINGS = 16
@@ -32,7 +32,7 @@ class Request:
     """A Generate request's fields as the client sent them (the servicer copies them out of protobuf)."""
 
     session_id: str = ""  # "": a new session
-    input: str | None = None  # which one is set: "prompt", "chat" or "prompt_ids"
+    input: str | None = None  # which one is set: "prompt", "chat", "prompt_ids" or "text" (no chat template)
     prompt: str = ""
     system: str = ""
     chat: tuple[tuple[str, str], ...] = ()  # (role, content)
@@ -108,7 +108,7 @@ def input_ids(r: Request, history: list[int], tokenizer, eos_ids, limits: Limits
 def _input_ids(r: Request, history, tokenizer, eos_ids, limits: Limits, vocab_size: int | None) -> list[int]:
     kind = r.input
     if kind is None:
-        raise Abort(Status.INVALID_ARGUMENT, "input: set one of prompt, chat, prompt_ids")
+        raise Abort(Status.INVALID_ARGUMENT, "input: set one of prompt, chat, prompt_ids, text")
     if kind == "prompt_ids":
         ids = list(r.prompt_ids)
         if not ids:
@@ -119,19 +119,22 @@ def _input_ids(r: Request, history, tokenizer, eos_ids, limits: Limits, vocab_si
         return ids
     if tokenizer is None:
         raise Abort(Status.FAILED_PRECONDITION, f"{kind}: this gateway has no tokenizer; send prompt_ids")
-    if kind == "prompt":
+    if kind in ("prompt", "text"):
         if not r.prompt:
             raise Abort(Status.INVALID_ARGUMENT, "prompt: empty")
+    if kind == "prompt":
         messages = [{"role": "user", "content": r.prompt}]
         if r.system and not history:
             messages.insert(0, {"role": "system", "content": r.system})
-    else:
+    elif kind == "chat":
         messages = [{"role": role, "content": content} for role, content in r.chat]
         if not messages:
             raise Abort(Status.INVALID_ARGUMENT, "chat.messages: empty")
         bad = next((m["role"] for m in messages if m["role"] not in ROLES), None)
         if bad is not None:
             raise Abort(Status.INVALID_ARGUMENT, f"chat.messages.role: {bad!r}, expected system, user or assistant")
+    elif kind != "text":
+        raise Abort(Status.INVALID_ARGUMENT, f"input: {kind!r}, expected prompt, chat, prompt_ids or text")
     # Text longer than this cannot fit the token limit (a token is at least one character for the
     # tokenizers this serves; checked before tokenizing a huge string).
     chars = len(r.prompt) + len(r.system) + sum(len(content) for _, content in r.chat)
@@ -141,6 +144,11 @@ def _input_ids(r: Request, history, tokenizer, eos_ids, limits: Limits, vocab_si
             f"{kind}: {chars} characters, more than max_prompt_tokens={limits.max_prompt_tokens} tokens "
             "can hold (refused before tokenizing)",
         )
+    if kind == "text":  # plain continuation (a completions call): special tokens only at a session's start
+        ids = text_ids(tokenizer, r.prompt, special=not history)
+        if not ids:
+            raise Abort(Status.INVALID_ARGUMENT, "prompt: no tokens")
+        return ids
     try:
         return continue_ids(tokenizer, history, messages, eos_ids) if history else messages_ids(tokenizer, messages)
     except Exception as e:  # noqa: BLE001 - template errors are the caller's input

@@ -330,6 +330,9 @@ def main(argv=None) -> int:
     st.add_argument("--keep", action="store_true", help="keep the stack up for other clients until Ctrl-C")
     st.add_argument("--port-base", type=int, default=0, help="gateway, drafter, verifier on this port and the next two")
     st.add_argument("--metrics-base", type=int, default=9100)
+    st.add_argument(
+        "--http-port", type=int, default=8000, help="the gateway's OpenAI-compatible HTTP API (0: off; default 8000)"
+    )
     st.add_argument("--log-level", default="WARNING")
     pin_flag(st)
     st.set_defaults(func=cmd_stack)

@@ -216,9 +216,13 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
 
         tasks.append(asyncio.ensure_future(janitor(reload_keys, every)))
 
+    http = []  # the OpenAI-compatible HTTP server, when --http-port is set
+
     async def closed():
         for t in tasks:
             t.cancel()
+        for h in http:  # after the drain: its turns have ended
+            await h.stop()
         await drafters.close()
         await verifiers.close()
         await store.close()
@@ -236,4 +240,30 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
     )
     if keys is not None:
         srv.reload = keys.reload  # SIGHUP (common.server.serve_forever)
+    if args.http_port:
+        from gateway.openai_http import start_http
+
+        try:
+            http.append(
+                await start_http(core, args.host, args.http_port, served_model_name(args), args.max_message_bytes)
+            )
+        except BaseException as e:
+            await srv.stop(0)
+            if isinstance(e, OSError):
+                raise RuntimeError(f"gateway: cannot serve HTTP on {args.host}:{args.http_port} ({e})") from e
+            raise
+    srv.http_port = http[0].port if http else 0  # the bound port (tests ask for a free one)
     return srv, core
+
+
+def served_model_name(args) -> str:
+    """The model name the HTTP API lists: ``--served-model-name``, else the model directory's name."""
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model == "default":
+        return "SmolLM2-135M-Instruct"
+    if args.model == "none":
+        return "racer"
+    from pathlib import Path
+
+    return Path(args.model).resolve().name or "racer"

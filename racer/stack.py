@@ -61,8 +61,11 @@ def running(
     env: dict[str, str] | None = None,
     pin: bool = True,
     dtype: str | None = None,
+    http_port: int = 0,
 ):
     """Starts the three services, waits for their health, yields the gateway target, stops them.
+
+    ``http_port``: the gateway also serves the OpenAI-compatible HTTP API there (0: off).
 
     ``pin`` (on two CPUs or more): the verifier runs on CPUs of its own (the upper half), the
     drafter, the gateway and this thread (the client, and the threads it starts) on the others,
@@ -84,6 +87,8 @@ def running(
     envs["gateway"].update(
         RACER_DRAFTERS=f"127.0.0.1:{ports['drafter'][0]}", RACER_VERIFIERS=f"127.0.0.1:{ports['verifier'][0]}"
     )
+    if http_port:
+        envs["gateway"]["RACER_HTTP_PORT"] = str(http_port)
     before = cpus.available()
     mine = _outer[0] if _outer else before  # a stack started inside another splits the same CPUs
     split = cpus.split_for_verifier(mine) if pin and "RACER_CPUS" not in base else None
@@ -111,7 +116,9 @@ def running(
         if split:  # the client side, off the verifier's CPUs (threads started from here on inherit it)
             cpus.confine(cpus.format_list(split[1]))
         print(
-            f"stack up in {time.monotonic() - t0:.1f} s: gateway {gateway}, metrics on "
+            f"stack up in {time.monotonic() - t0:.1f} s: gateway {gateway}"
+            + (f", OpenAI API http://127.0.0.1:{http_port}/v1" if http_port else "")
+            + ", metrics on "
             + ", ".join(f"{s} :{m}" for s, (_, m) in ports.items())
             + (
                 f"; verifier on CPUs {envs['verifier']['RACER_CPUS']}, the others on {envs['gateway']['RACER_CPUS']}"
@@ -140,7 +147,13 @@ def run(args) -> int:
     from .client import Client, format_stats
 
     with running(
-        args.model, args.port_base, args.metrics_base, args.log_level, pin=args.pin, dtype=getattr(args, "dtype", None)
+        args.model,
+        args.port_base,
+        args.metrics_base,
+        args.log_level,
+        pin=args.pin,
+        dtype=getattr(args, "dtype", None),
+        http_port=getattr(args, "http_port", 0),
     ) as gateway:
         if args.prompt:
             with Client(gateway) as c:

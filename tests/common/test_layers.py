@@ -32,6 +32,7 @@ def test_the_packages_keep_their_layers():
         ("verifier/tree.py", "import drafter.tree", "layers", "verifier.tree -> drafter.tree"),  # sideways
         ("drafter/automaton.py", "import grpc", "cores", "drafter.automaton -> grpc"),  # grpc in a core
         ("gateway/turn.py", "import common.v1.generation_pb2", "cores", "gateway.turn -> common.v1.generation_pb2"),
+        ("gateway/core.py", "import aiohttp.web", "cores", "gateway.core -> aiohttp"),  # HTTP in a core
     ],
 )
 def test_the_contracts_catch_a_bad_import(tmp_path, path, line, contract, edge):

@@ -30,6 +30,7 @@ RENDERS = {
     "cpu": K8S / "overlays" / "cpu",
     "gpu": K8S / "overlays" / "gpu",
     "mtls": K8S / "overlays" / "mtls",
+    "cpu-openai": K8S / "overlays" / "cpu-openai",  # cpu with the gateway's HTTP API on
 }
 OVERLAYS = ("cpu", "gpu", "mtls")
 SERVICES = tuple(settings.PORTS)  # gateway, drafter, verifier

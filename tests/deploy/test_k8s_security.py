@@ -26,6 +26,7 @@ from .manifests import (
 )
 
 NAMESPACE = "racer"
+HTTP_PORT = 8000  # the gateway's OpenAI-compatible API (k8s/overlays/cpu-openai)
 MONITORING = ("monitoring", {"app.kubernetes.io/name": "prometheus"})  # where Prometheus runs
 
 
@@ -72,7 +73,7 @@ def _allowed(policies, src: tuple[str, dict], dst: tuple[str, dict], port: int) 
     return False
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", OVERLAYS + ("cpu-openai",))
 def test_network_policies_let_only_gateways_reach_backends_and_only_monitoring_reach_metrics(overlay):
     objs = render(overlay)
     policies = of_kind(objs, "NetworkPolicy")
@@ -93,8 +94,8 @@ def test_network_policies_let_only_gateways_reach_backends_and_only_monitoring_r
         if port in metrics:
             return src == "prometheus"
         kind = component[dst]
-        if kind == "gateway" and port == grpc["gateway"]:
-            return True  # the public API
+        if kind == "gateway" and port in (grpc["gateway"], HTTP_PORT):
+            return True  # the public APIs: gRPC, and HTTP where an overlay serves it
         if kind in ("drafter", "verifier") and port == grpc[kind]:
             return component.get(src) == "gateway"
         if kind == "store":
@@ -110,7 +111,7 @@ def test_network_policies_let_only_gateways_reach_backends_and_only_monitoring_r
     assert checked > 50
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", OVERLAYS + ("cpu-openai",))
 def test_every_network_policy_selects_the_pods_it_names(overlay):
     """A label typo would make a policy select nothing (and leave its pods open or closed)."""
     objs = render(overlay)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from common.text import DEFAULT_SYSTEM, chat_ids, continue_ids
+from common.text import DEFAULT_SYSTEM, chat_ids, continue_ids, messages_ids
 from racer.client import Client
 from tests.support.engine import hf_greedy
 from tests.support.stack import free_port, start_stack
@@ -20,7 +20,9 @@ pytestmark = pytest.mark.slow
 def test_chat_turns_from_text_equal_greedy_on_the_whole_conversation(loop_thread, default_model):
     tok = default_model.tokenizer
     eos = default_model.eos_token_ids
-    st = start_stack(loop_thread, default_model.model, tokenizer=tok, eos_ids=eos)
+    st = start_stack(
+        loop_thread, default_model.model, tokenizer=tok, eos_ids=eos, http_port=free_port(), served_model_name="smol"
+    )
     try:
         turns = ["Name three primary colors.", "Which of them is warmest?"]
         history: list[int] = []
@@ -43,8 +45,27 @@ def test_chat_turns_from_text_equal_greedy_on_the_whole_conversation(loop_thread
         # the token-level continuation is what the chat template renders for the whole conversation
         answers = tok.decode(history[len(chat_ids(tok, turns[0], DEFAULT_SYSTEM)) :], skip_special_tokens=False)
         assert "<|im_start|>user\nWhich of them is warmest?<|im_end|>" in answers
+        _openai_chat_equals_greedy(st, default_model)
     finally:
         st.stop()
+
+
+def _openai_chat_equals_greedy(st, default_model):
+    """The OpenAI API with the real tokenizer (multi-character tokens, the model's chat template)."""
+    import openai
+
+    tok = default_model.tokenizer
+    messages = [{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": "Name a fruit."}]
+    ref = hf_greedy(default_model.model, messages_ids(tok, messages), 16, default_model.eos_token_ids)
+    url = f"http://127.0.0.1:{st.gateway_pair[0].http_port}/v1"
+    with openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300) as c:
+        r = c.chat.completions.create(
+            model="smol", messages=messages, max_tokens=16, extra_body={"return_token_ids": True}
+        )
+        chunks = list(c.chat.completions.create(model="smol", messages=messages, max_tokens=16, stream=True))
+    assert r.choices[0].model_extra["token_ids"] == ref
+    assert r.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == r.choices[0].message.content
 
 
 def _three_free_ports() -> int:
@@ -66,6 +87,7 @@ def _free(port: int) -> bool:
 
 def test_stack_command_streams_an_answer_and_stops_cleanly():
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    http_port = free_port()
     proc = subprocess.run(
         [
             sys.executable,
@@ -79,6 +101,8 @@ def test_stack_command_streams_an_answer_and_stops_cleanly():
             str(_three_free_ports()),
             "--metrics-base",
             str(_three_free_ports()),
+            "--http-port",
+            str(http_port),
         ],
         env=env,
         capture_output=True,
@@ -89,3 +113,4 @@ def test_stack_command_streams_an_answer_and_stops_cleanly():
     assert proc.stdout.strip(), "no answer streamed"
     assert "tokens=16" in proc.stderr and "MAT=" in proc.stderr
     assert "did not stop" not in proc.stderr
+    assert f"OpenAI API http://127.0.0.1:{http_port}/v1" in proc.stderr  # in the "stack up" line

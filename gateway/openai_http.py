@@ -1,0 +1,257 @@
+"""The OpenAI-compatible HTTP API: aiohttp in the gateway's own event loop, over the core.
+
+Like ``service.py`` for gRPC, this is a thin transport: a handler reads the HTTP request,
+``openai_api`` turns its JSON into the gateway's ``Request``, ``Gateway.generate`` runs the turn,
+and the answer goes back as JSON or as server-sent events (``data: {...}`` lines, then
+``data: [DONE]``). ``Abort`` becomes an OpenAI error object with the HTTP status of its gRPC code.
+
+aiohttp's ``AppRunner`` runs on the loop it is started from (no thread, no signal handlers of its
+own), so a turn served over HTTP shares admission, limits, metrics and drain with the gRPC ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+
+from aiohttp import web
+
+from common.errors import Abort, Status
+
+from . import metrics as M
+from . import openai_api as api
+from .core import Gateway
+from .turn import Chunk, Finished
+
+log = logging.getLogger("racer.gateway")
+
+SESSION_HEADER = "X-Session-Id"
+_GATEWAY = web.AppKey("gateway", Gateway)
+_MODEL = web.AppKey("model", str)
+_CREATED = web.AppKey("created", int)
+
+
+def _error(e: api.ApiError) -> web.Response:
+    return web.json_response(e.body, status=e.status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    """Every error leaves as an OpenAI error object: the API's own, the core's ``Abort``, aiohttp's
+    (unknown path, wrong method, a body over the size limit) and a bug (500 with a log id)."""
+    try:
+        return await handler(request)
+    except api.ApiError as e:
+        return _error(e)
+    except Abort as e:
+        return _error(api.from_abort(e))
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
+        return _error(api.ApiError(e.status, e.reason, "invalid_request_error", None, code))
+    except Exception:  # noqa: BLE001 - a bug: logged with an id, nothing of it to the caller
+        return _error(_internal(request))
+
+
+def _internal(request: web.Request) -> api.ApiError:
+    """Logs the exception being handled (with its traceback) under a short id; the caller's error."""
+    eid = secrets.token_hex(4)
+    log.error("unhandled exception in an HTTP handler", exc_info=True, extra={"path": request.path, "error_id": eid})
+    return api.ApiError(500, f"internal error (id {eid}); see the server log", "server_error")
+
+
+def _tenant(request: web.Request) -> str:
+    return request.app[_GATEWAY].tenant((k.lower(), v) for k, v in request.headers.items())
+
+
+async def _models(request: web.Request) -> web.Response:
+    _tenant(request)
+    return web.json_response(api.models(request.app[_MODEL], request.app[_CREATED]))
+
+
+async def _model(request: web.Request) -> web.Response:
+    _tenant(request)
+    name = request.match_info["model"]
+    if name != request.app[_MODEL]:
+        raise api.model_not_found(name, request.app[_MODEL])
+    return web.json_response(api.model(name, request.app[_CREATED]))
+
+
+async def _close_session(request: web.Request) -> web.Response:
+    gw = request.app[_GATEWAY]
+    rec = await gw.close(_tenant(request), request.match_info["session_id"])
+    return web.json_response({"id": rec.session_id, "object": "session", "deleted": True})
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    gw = request.app[_GATEWAY]
+    tenant = _tenant(request)
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise api.bad_request("the request body is not valid JSON") from None
+    call = api.parse(body, chat, request.headers.get(SESSION_HEADER, ""))
+    if call.model != request.app[_MODEL]:
+        raise api.model_not_found(call.model, request.app[_MODEL])
+    M.ACTIVE_STREAMS.inc()
+    code = "OK"
+
+    async def done(session_id: str) -> None:
+        """After the turn and before the answer's last bytes: a one-call session is closed."""
+        if not call.keep_session:
+            await asyncio.shield(_close(gw, tenant, session_id))
+
+    try:
+        async with contextlib.aclosing(gw.generate(tenant, call.request)) as items:
+            # The first item (or the error before it) decides the status line: errors a turn
+            # meets at its start are plain HTTP errors, for streams too.
+            first = await anext(items)
+            if call.stream:
+                resp, code = await _stream(request, call, first, items, done)
+                return resp
+            return await _whole(call, first, items, done)
+    except Abort as e:
+        code = e.code.name
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        code = "CANCELLED"
+        raise
+    except Exception:
+        code = "INTERNAL"
+        raise
+    finally:
+        M.ACTIVE_STREAMS.dec()
+        M.REQUESTS.labels(code).inc()
+
+
+async def _close(gw: Gateway, tenant: str, session_id: str) -> None:
+    """The one-call session goes (a turn that failed saved no record: nothing to close)."""
+    try:
+        await gw.close(tenant, session_id)
+    except Abort as e:
+        if e.code is not Status.NOT_FOUND:
+            log.warning("closing a one-call session failed", extra={"session_id": session_id, "error": e.message})
+
+
+async def _rest(items) -> None:
+    """Runs the turn to its end after its ``Finished`` (it releases its streams there): closing it
+    early would cancel that release."""
+    async for item in items:
+        raise AssertionError(f"a turn went on after its Finished message: {item!r}")
+
+
+async def _whole(call: api.Call, first, items, done) -> web.Response:
+    text = api.StopText(call.stop)
+    parts: list[str] = []
+    ids: list[int] = []
+    item = first
+    while isinstance(item, Chunk):
+        parts.append(text.push(item.text))
+        ids.extend(item.token_ids)
+        item = await anext(items)
+    assert isinstance(item, Finished)
+    await _rest(items)
+    await done(item.session_id)
+    parts.append(text.flush())
+    body = api.response(call, item, "".join(parts), api.finish_reason(item, text), ids)
+    return web.json_response(body, headers={SESSION_HEADER: item.session_id} if call.keep_session else None)
+
+
+def _event(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _stream(request: web.Request, call: api.Call, first, items, done) -> tuple[web.StreamResponse, str]:
+    """Server-sent events; an error after the status line was sent travels as an event (the openai
+    client raises it). Returns the response and the turn's outcome (a gRPC status name)."""
+    resp = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            **({SESSION_HEADER: first.session_id} if call.keep_session else {}),
+        }
+    )
+    await resp.prepare(request)
+    sid = first.session_id
+    text = api.StopText(call.stop)
+    code = "OK"
+    try:
+        if call.chat:
+            await resp.write(_event(api.chunk(call, sid, None, [])))
+        item = first
+        while isinstance(item, Chunk):
+            delta = text.push(item.text)
+            if delta or call.return_token_ids:
+                await resp.write(_event(api.chunk(call, sid, delta, item.token_ids)))
+            item = await anext(items)
+        assert isinstance(item, Finished)
+        await _rest(items)
+        await done(item.session_id)
+        rest = text.flush()
+        if rest:
+            await resp.write(_event(api.chunk(call, sid, rest, [])))
+        await resp.write(_event(api.last_chunk(call, item, api.finish_reason(item, text))))
+        if call.include_usage:
+            await resp.write(_event(api.usage_chunk(call, item)))
+    except Abort as e:
+        code = e.code.name
+        await resp.write(_event(api.from_abort(e).body))
+    except ConnectionResetError:  # the client is gone: nothing to tell it
+        raise
+    except Exception:  # noqa: BLE001 - a bug, after the status line: logged, then an error event
+        code = "INTERNAL"
+        await resp.write(_event(_internal(request).body))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp, code
+
+
+def app(gateway: Gateway, model: str, max_body_bytes: int) -> web.Application:
+    a = web.Application(middlewares=[_errors], client_max_size=max_body_bytes)
+    a[_GATEWAY] = gateway
+    a[_MODEL] = model
+    a[_CREATED] = int(time.time())
+    a.router.add_post("/v1/chat/completions", _chat)
+    a.router.add_post("/v1/completions", _completions)
+    a.router.add_get("/v1/models", _models)
+    a.router.add_get("/v1/models/{model}", _model)
+    a.router.add_delete("/v1/sessions/{session_id}", _close_session)
+    return a
+
+
+class HttpServer:
+    """The API on ``host:port`` in the running event loop; ``port`` is the bound one (0 picks one)."""
+
+    def __init__(self, runner: web.AppRunner, port: int):
+        self.runner = runner
+        self.port = port
+
+    async def stop(self) -> None:
+        """Closes the listener and the connections; run after the gateway's drain ended its turns."""
+        await self.runner.cleanup()
+
+
+async def start_http(gateway: Gateway, host: str, port: int, model: str, max_body_bytes: int) -> HttpServer:
+    # handler_cancellation: a client that goes away cancels its turn (and frees its backends).
+    runner = web.AppRunner(
+        app(gateway, model, max_body_bytes), access_log=None, handler_cancellation=True, shutdown_timeout=1.0
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0][1]
+    log.info("serving", extra={"service": "gateway-http", "port": bound, "model": model})
+    return HttpServer(runner, bound)

@@ -1,0 +1,119 @@
+"""gateway/openai_api.py without a server: any JSON body is a Call or a 400 (never a crash), stop
+strings are cut as a one-shot search over the whole text would cut them, and every gRPC status has
+its HTTP status."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.errors import Abort, Status
+from gateway import openai_api as api
+
+FIELDS = [
+    "model", "messages", "prompt", "n", "stream", "stream_options", "max_tokens", "max_completion_tokens",
+    "temperature", "top_p", "seed", "top_k", "stop", "speculation", "session_id", "logprobs", "tools",
+    "response_format", "return_token_ids", "presence_penalty", "echo",
+]  # fmt: skip
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+GOOD_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "developer"]), "content": st.text(max_size=8)}
+)
+BODY = st.dictionaries(
+    st.sampled_from(FIELDS),
+    JSON | st.lists(GOOD_MESSAGE, min_size=1, max_size=3) | st.sampled_from(["m", "new", ["a", "b"], {"mode": "pld"}]),
+    max_size=8,
+)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(body=BODY | JSON, chat=st.booleans())
+def test_any_body_is_a_call_or_a_400(body, chat):
+    try:
+        call = api.parse(body, chat)
+    except api.ApiError as e:
+        assert e.status == 400
+        err = e.body["error"]
+        assert err["type"] == "invalid_request_error" and err["message"]
+        assert err["param"] is None or err["param"] in FIELDS
+        return
+    r = call.request
+    assert isinstance(body, dict) and call.model == body["model"]
+    assert r.input == ("chat" if chat else r.input) and r.input in ("chat", "text", "prompt_ids")
+    assert r.chat if chat else (r.prompt or r.prompt_ids)
+    assert r.max_new_tokens >= 0 and r.temperature >= 0 and 0 <= r.top_p <= 1
+    assert call.keep_session == bool(body.get("session_id"))
+
+
+def test_fields_map_to_the_request():
+    call = api.parse(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+            ],
+            "max_tokens": 5,
+            "max_completion_tokens": 7,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "seed": 3,
+            "stop": "x",
+            "top_k": -1,
+            "speculation": {"mode": "pld", "budget": 8},
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        chat=True,
+        session_header="abc",
+    )
+    r = call.request
+    assert r.chat == (("system", "ab"),) and r.max_new_tokens == 7 and r.temperature == 0.5 and r.top_p == 0.9
+    assert r.seed == 3 and r.stop == ("x",) and call.stop == ("x",) and r.top_k == 0
+    assert (r.mode, r.budget) == ("pld", 8) and r.session_id == "abc" and call.keep_session
+    assert call.stream and call.include_usage
+    new = api.parse({"model": "m", "prompt": "hi", "session_id": "new"}, chat=False)
+    assert new.request.session_id == "" and new.keep_session and new.request.input == "text"
+    ids = api.parse({"model": "m", "prompt": [[1, 2, 3]]}, chat=False)
+    assert ids.request.input == "prompt_ids" and ids.request.prompt_ids == (1, 2, 3)
+
+
+ALPHABET = "ab c"
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(
+    deltas=st.lists(st.text(ALPHABET, max_size=5), max_size=8),
+    stops=st.lists(st.text(ALPHABET, min_size=1, max_size=3), max_size=3),
+)
+def test_stop_text_cuts_before_the_first_stop_string(deltas, stops):
+    """Fed delta by delta (a turn ends at the delta that completes a stop string), the text handed
+    out is the text so far, cut before the first stop string in it; nothing past it ever leaves."""
+    text = api.StopText(tuple(stops))
+    out, seen = "", ""
+    for d in deltas:
+        seen += d
+        got = text.push(d)
+        out += got
+        assert seen.startswith(out)
+        found = [i for i in (seen.find(s) for s in stops) if i >= 0]
+        if found:
+            assert text.hit and out == seen[: min(found)]
+            return
+        assert not text.hit
+        held = seen[len(out) :]  # only what may still become a stop string waits
+        assert held == "" or any(s.startswith(held) for s in stops)
+    out += text.flush()
+    assert out == seen
+
+
+@pytest.mark.parametrize("status", list(Status))
+def test_every_status_has_an_http_status(status):
+    e = api.from_abort(Abort(status, "max_new_tokens: 9, expected 1..8"))
+    assert e.status == api.HTTP_STATUS[status][0] and 400 <= e.status < 600
+    assert e.body["error"]["param"] == "max_tokens" and e.body["error"]["message"].startswith("max_new_tokens")
+    assert api.from_abort(Abort(status, "missing or unknown API key")).body["error"]["param"] is None

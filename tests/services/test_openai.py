@@ -1,0 +1,386 @@
+"""The OpenAI-compatible HTTP API through the official ``openai`` client, over real HTTP to a gateway
+in this process: chat and completions, streamed and not, sessions, errors. Every output is compared
+token for token with the gRPC path and with plain greedy decoding (the tiny Llama with a
+character-level tokenizer, so text and tokens are one to one)."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import threading
+from urllib.parse import urlsplit
+
+import openai
+import pytest
+import redis
+
+from common.text import continue_ids, messages_ids, text_ids
+from racer.client import Client
+from tests.support.engine import hf_greedy
+from tests.support.stack import free_port, start_stack, wait_until
+from tests.support.tinytok import make_char_tokenizer
+
+VOCAB = 96
+N = 24
+MODEL = "tiny-llama"
+TENANT = "openai-acme"  # key-a's: this module's own in the shared Redis
+GREEDY = {"temperature": 0, "max_tokens": N}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_char_tokenizer(VOCAB)
+
+
+@pytest.fixture(scope="module")
+def stack(loop_thread, tiny_llama, tok, redis_url, tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "keys"
+    keys.write_text(f"key-a {TENANT}\nkey-b globex\n")
+    st = start_stack(
+        loop_thread,
+        tiny_llama,
+        api_keys=str(keys),
+        tokenizer=tok,
+        eos_ids=(),
+        snapshot_url=redis_url,
+        session_url=redis_url,
+        http_port=free_port(),
+        served_model_name=MODEL,
+        max_new_tokens=64,
+        max_message_bytes=1 << 16,  # HTTP bodies too
+    )
+    yield st
+    st.stop()
+
+
+@pytest.fixture(scope="module")
+def base_url(stack):
+    return f"http://127.0.0.1:{stack.gateway_pair[0].http_port}/v1"
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    with openai.OpenAI(base_url=base_url, api_key="key-a", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def _http(base_url: str, method: str, path: str, body: bytes | None = None, key: str | None = "key-a"):
+    """A raw HTTP call (what the openai client cannot send): (status, parsed JSON body)."""
+    u = urlsplit(base_url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    try:
+        conn.request(method, u.path + path, body=body, headers={"Authorization": f"Bearer {key}"} if key else {})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def _text(tok, ids):
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+def _grpc(stack, prompt, **kw):
+    with Client(stack.gateway, api_key="key-a", timeout=60) as c:
+        ids, text, last = c.complete(prompt, max_new_tokens=N, **kw)
+        c.close_session(last.session_id)  # (so that the sessions left are the HTTP calls')
+    return ids, text, last
+
+
+def test_chat_equals_grpc_and_greedy(stack, client, tok, tiny_llama):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there, tiny model!"}]
+    ref = hf_greedy(tiny_llama, messages_ids(tok, messages), N)
+    grpc_ids, grpc_text, _ = _grpc(stack, messages)
+    assert grpc_ids == ref
+
+    r = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY, extra_body={"return_token_ids": True})
+    choice = r.choices[0]
+    assert choice.model_extra["token_ids"] == ref
+    assert choice.message.content == grpc_text == _text(tok, ref)
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    assert r.object == "chat.completion" and r.model == MODEL
+    assert r.usage.completion_tokens == N and r.usage.prompt_tokens == len(messages_ids(tok, messages))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + N
+    spec = r.model_extra["speculation"]
+    assert spec["rounds"] >= 1 and spec["accepted"] <= spec["drafted"]
+    assert spec["mat"] == pytest.approx((spec["accepted"] + spec["rounds"]) / spec["rounds"], abs=1e-4)
+    assert "session_id" not in r.model_extra  # a one-call session: closed, nothing to continue
+    assert r.id.startswith("chatcmpl-")
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+            extra_body={"return_token_ids": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    deltas = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(d.delta.content or "" for d in deltas) == _text(tok, ref)
+    assert [t for d in deltas for t in (d.model_extra.get("token_ids") or [])] == ref
+    assert [d.finish_reason for d in deltas if d.finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == N
+    assert chunks[-2].model_extra["speculation"]["rounds"] >= 1
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+
+
+def test_completions_equal_grpc_and_greedy(stack, client, tok, tiny_llama):
+    prompt = "Once upon a time, a model"
+    ids = text_ids(tok, prompt)
+    ref = hf_greedy(tiny_llama, ids, N)
+    assert _grpc(stack, ids)[0] == ref
+
+    r = client.completions.create(model=MODEL, prompt=prompt, **GREEDY, extra_body={"return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == ref
+    assert r.choices[0].text == _text(tok, ref) and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == N
+
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == _text(tok, ref)
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage is None  # no include_usage
+
+    # token ids as the prompt: the same continuation
+    r = client.completions.create(model=MODEL, prompt=ids, **GREEDY)
+    assert r.choices[0].text == _text(tok, ref)
+
+
+def test_stop_string_ends_the_text_without_it(client, tok, tiny_llama):
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    full = _text(tok, hf_greedy(tiny_llama, messages_ids(tok, messages), N))
+    stop = full[9:12]
+    cut = full.index(stop)
+    r = client.chat.completions.create(model=MODEL, messages=messages, stop=[stop, "never~"], **GREEDY)
+    assert r.choices[0].message.content == full[:cut] and r.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stop=stop, stream=True, **GREEDY))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full[:cut]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_second_turn_through_session_id(stack, base_url, client, tok, tiny_llama, redis_url):
+    first = [{"role": "user", "content": "Remember the word apple."}]
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=first, **GREEDY, extra_body={"session_id": "new", "return_token_ids": True}
+    )
+    r1 = raw.parse()
+    sid = r1.model_extra["session_id"]
+    assert raw.headers["x-session-id"] == sid
+    history = messages_ids(tok, first)
+    assert r1.choices[0].model_extra["token_ids"] == hf_greedy(tiny_llama, history, N)
+    history += r1.choices[0].model_extra["token_ids"]
+
+    second = [{"role": "user", "content": "Which word?"}]
+    history += continue_ids(tok, history, second, ())
+    ref = hf_greedy(tiny_llama, history, N)
+    # the header continues the session too; the answer streams
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=second, stream=True, **GREEDY, extra_headers={"X-Session-Id": sid}
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == _text(tok, ref)
+    assert {c.model_extra["session_id"] for c in chunks} == {sid}
+    assert chunks[-1].model_extra["speculation"]["session_tokens"] == len(history) + N
+
+    with Client(stack.gateway, api_key="key-a", timeout=30) as c:
+        info = c.get_session(sid)
+        assert info.turns == 2 and info.tokens == len(history) + N
+        # calls without session_id leave no session behind: no record, no drafter snapshot
+        assert [s.session_id for s in c.list_sessions()] == [sid]
+    for _, drafter in stack.drafters:
+        stack.lt.run(drafter.flush())  # snapshot writes in flight land first
+    store = redis.Redis.from_url(redis_url)
+    assert {k.decode() for k in store.scan_iter(f"racer:drafter:{TENANT}:*")} == {f"racer:drafter:{TENANT}:{sid}"}
+    # another tenant does not see it
+    with openai.OpenAI(base_url=base_url, api_key="key-b", max_retries=0) as b:
+        with pytest.raises(openai.NotFoundError):
+            b.chat.completions.create(model=MODEL, messages=second, **GREEDY, extra_body={"session_id": sid})
+    status, body = _http(base_url, "DELETE", f"/sessions/{sid}")
+    assert status == 200 and body["deleted"] is True
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model=MODEL, messages=second, **GREEDY, extra_body={"session_id": sid})
+
+
+def test_models(client, base_url):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
+def _error(excinfo) -> dict:
+    return excinfo.value.body
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_errors(client, base_url, stream):
+    chat = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4", messages=chat, stream=stream)
+    assert _error(e)["code"] == "model_not_found" and _error(e)["param"] == "model"
+    with openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0) as bad:
+        with pytest.raises(openai.AuthenticationError) as e:
+            bad.chat.completions.create(model=MODEL, messages=chat, stream=stream)
+    assert e.value.status_code == 401 and _error(e)["type"] == "authentication_error"
+    cases = [
+        ({"n": 2}, "n"),
+        ({"max_tokens": 10_000}, "max_tokens"),  # over the gateway's limit (64)
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"stop": ["x"] * 17}, "stop"),
+        ({"logprobs": True}, "logprobs"),
+        ({"seed": 2**70}, "seed"),
+        ({"extra_body": {"top_k": 2**40}}, "top_k"),
+        ({"extra_body": {"speculation": {"mode": "warp"}}}, "speculation"),
+        ({"extra_body": {"session_id": "no-such-session"}}, "session_id"),
+    ]
+    for kw, param in cases:
+        err = openai.NotFoundError if param == "session_id" else openai.BadRequestError
+        with pytest.raises(err) as e:
+            client.chat.completions.create(model=MODEL, messages=chat, stream=stream, **kw)
+        assert _error(e)["param"] == param, (kw, _error(e))
+        assert _error(e)["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "x"}], stream=stream)
+    assert _error(e)["param"] == "messages"
+    for prompt in ([[1, 2], [3, 4]], [1, 2**40], [5, -1]):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=prompt, stream=stream)
+        assert _error(e)["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:  # the gateway's own vocabulary check
+        client.completions.create(model=MODEL, prompt=[5, VOCAB], stream=stream)
+    assert _error(e)["param"] == "prompt" and "vocabulary" in _error(e)["message"]
+
+
+def test_malformed_http(base_url):
+    for body in (b"{not json", b"[1, 2]", b'{"model": 3}', b"\xff"):
+        status, r = _http(base_url, "POST", "/chat/completions", body)
+        assert status == 400 and r["error"]["type"] == "invalid_request_error", r
+    for key in ("nope", None):
+        for method, path in (("POST", "/chat/completions"), ("GET", "/models")):
+            status, r = _http(base_url, method, path, b"{}", key=key)
+            assert status == 401 and r["error"]["code"] == "invalid_api_key"
+    status, r = _http(base_url, "GET", "/nowhere")
+    assert status == 404 and r["error"]["message"]
+    status, r = _http(base_url, "GET", "/chat/completions")
+    assert status == 405 and r["error"]["message"]
+    status, r = _http(base_url, "POST", "/chat/completions", b" " * (1 << 17))
+    assert status == 413 and r["error"]["code"] == "request_too_large"
+
+
+def test_sampling_with_a_seed_is_the_grpc_path(stack, client, tok, tiny_llama):
+    """temperature, top_p, top_k and seed mean what they mean over gRPC: the same seed, the same tokens."""
+    messages = [{"role": "user", "content": "Surprise me."}]
+    kw = dict(temperature=0.9, top_p=0.95, top_k=40, seed=11)
+    grpc_ids, _, _ = _grpc(stack, messages, **kw)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=N,
+        temperature=0.9,
+        top_p=0.95,
+        seed=11,
+        extra_body={"top_k": 40, "return_token_ids": True},
+    )
+    assert r.choices[0].model_extra["token_ids"] == grpc_ids
+    assert grpc_ids != hf_greedy(tiny_llama, messages_ids(tok, messages), N)  # it did sample
+
+
+class Held:
+    """A stack whose drafter holds every session open until ``gate`` is set (in the services' loop)."""
+
+    def __init__(self, loop_thread, tiny_llama, tok):
+        self.lt = loop_thread
+        self.st = start_stack(loop_thread, tiny_llama, tokenizer=tok, http_port=free_port(), served_model_name=MODEL)
+        self.srv, self.gw = self.st.gateway_pair
+        self.base_url = f"http://127.0.0.1:{self.srv.http_port}/v1"
+        self.gate, self.opened = asyncio.Event(), asyncio.Event()
+        drafter = self.st.drafters[0][1]
+        real_open = drafter.open
+
+        async def held_open(req):
+            self.opened.set()
+            await self.gate.wait()
+            return await real_open(req)
+
+        drafter.open = held_open
+
+    def wait_held(self):
+        self.lt.run(self.opened.wait())
+
+    def release(self):
+        self.lt.loop.call_soon_threadsafe(self.gate.set)
+
+
+def test_shutdown_drains_http_turns(loop_thread, tiny_llama, tok):
+    """SIGTERM's path (``Server.stop``): a turn in flight over HTTP finishes, a new one is refused
+    with 503, then the HTTP port closes."""
+    h = Held(loop_thread, tiny_llama, tok)
+    messages = [{"role": "user", "content": "Drain me."}]
+    result: dict = {}
+
+    def call():
+        with openai.OpenAI(base_url=h.base_url, api_key="none", max_retries=0, timeout=60) as c:
+            result["r"] = c.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    h.wait_held()
+    stop = asyncio.run_coroutine_threadsafe(h.srv.stop(30), loop_thread.loop)
+    wait_until(lambda: h.gw.stopping is not None, what="the gateway draining")
+    body = json.dumps({"model": MODEL, "messages": messages}).encode()
+    status, r = _http(h.base_url, "POST", "/chat/completions", body, key=None)
+    assert status == 503 and "shutting down" in r["error"]["message"], r
+    assert not stop.done() and t.is_alive()
+    h.release()
+    stop.result(60)
+    t.join(60)
+    ref = hf_greedy(tiny_llama, messages_ids(tok, messages), N)
+    assert result["r"].choices[0].message.content == _text(tok, ref)
+    with pytest.raises(ConnectionError):  # the HTTP port is closed
+        _http(h.base_url, "GET", "/models", key=None)
+    h.st.stop()
+
+
+def test_a_client_that_goes_away_cancels_its_turn(loop_thread, tiny_llama, tok):
+    h = Held(loop_thread, tiny_llama, tok)
+    try:
+        u = urlsplit(h.base_url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Bye."}], "stream": True}
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body).encode())
+        h.wait_held()
+        assert len(h.gw._turns) == 1
+        conn.close()  # before any answer: the handler is cancelled, and the turn with it
+        wait_until(lambda: not h.gw._turns, timeout=10, what="the turn cancelled")
+        h.release()
+        with Client(h.st.gateway, timeout=30) as c:
+            assert c.list_sessions() == []  # nothing saved
+    finally:
+        h.release()
+        h.st.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_bug_is_a_500_with_a_log_id(stack, client, monkeypatch, stream):
+    """An unexpected exception (here: saving the record) is logged; the caller gets a server_error
+    with its id and nothing of the exception, as a 500 or, once a stream has begun, as an event."""
+
+    async def boom(rec):
+        raise RuntimeError("secret internals")
+
+    monkeypatch.setattr(stack.gateway_pair[1].records, "save", boom)
+    with pytest.raises(openai.APIError) as e:
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=stream, **GREEDY
+        )
+        if stream:
+            list(r)  # the error arrives as an event
+    msg = str(e.value)
+    assert "internal error (id " in msg and "secret" not in msg
+    if not stream:
+        assert isinstance(e.value, openai.InternalServerError) and e.value.status_code == 500
