@@ -71,6 +71,7 @@ class Turn:
         rounds, links = self.rounds, self.links
         detok = Detokenizer(self.gw.tokenizer) if self.gw.tokenizer is not None else None
         emitted: list[int] = []
+        t_emit = t0  # when the last chunk left
         finished = False
         try:
             opened = await links.open_verifier()
@@ -81,11 +82,16 @@ class Turn:
             while True:
                 out, done, text = self._stop_strings(detok, out, done)
                 if out:
+                    now = time.perf_counter()
                     if not emitted:
-                        M.TTFT_MS.observe((time.perf_counter() - t0) * 1e3)
+                        M.TTFT_SECONDS.observe(now - t0)
+                    else:
+                        for _ in out:
+                            M.TPOT_SECONDS.observe((now - t_emit) / len(out))
+                    t_emit = now
                     emitted.extend(out)
                     rounds.emitted(out)
-                    M.GENERATED_TOKENS.inc(len(out))
+                    M.GENERATED_TOKENS.labels(self.record.tenant).inc(len(out))
                     yield Chunk(sid, text, out)
                 if done:
                     break
@@ -100,7 +106,7 @@ class Turn:
                 # the drafter would have committed tokens past the cut.
                 sent = not done and not self.req.stop and await links.send_step(feedback)
                 self._count(tree, res)
-                M.ROUND_MS.observe((time.perf_counter() - t_round) * 1e3)
+                M.ROUND_SECONDS.observe(time.perf_counter() - t_round)
             finished = True
             yield await self._finish(emitted, t0)
         finally:
