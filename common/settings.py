@@ -73,6 +73,13 @@ COMMON = [
         "",
         "PEM CA bundle: clients must present a certificate it signed (mutual TLS); needs --tls-cert",
     ),
+    Setting(
+        "--otlp-endpoint",
+        "RACER_OTLP_ENDPOINT",
+        "",
+        "OpenTelemetry collector for traces, e.g. http://collector:4317 (OTLP/gRPC); empty: "
+        "OTEL_EXPORTER_OTLP_ENDPOINT if set, else tracing off (common/tracing.py)",
+    ),
 ]
 
 SERVICE = {

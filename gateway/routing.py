@@ -17,6 +17,8 @@ from typing import Callable
 
 import grpc
 
+from common import tracing
+
 log = logging.getLogger("racer.gateway")
 
 
@@ -111,10 +113,12 @@ class Endpoints:
     def channel(self, endpoint: str) -> grpc.aio.Channel:
         ch = self._channels.get(endpoint)
         if ch is None:
+            # Tracing on: the turn's trace context travels in the streams' metadata.
+            kw = dict(options=self.channel_options, interceptors=tracing.client_interceptors() or None)
             if self.credentials is not None:
-                ch = grpc.aio.secure_channel(endpoint, self.credentials, options=self.channel_options)
+                ch = grpc.aio.secure_channel(endpoint, self.credentials, **kw)
             else:
-                ch = grpc.aio.insecure_channel(endpoint, options=self.channel_options)
+                ch = grpc.aio.insecure_channel(endpoint, **kw)
             self._channels[endpoint] = ch
         return ch
 

@@ -10,16 +10,21 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from opentelemetry import trace
+
 from common.errors import Abort
 from common.loop import Rounds, Stats
 from common.params import GenerationParams
 from common.text import Detokenizer
+from common.tracing import RoundSpans
 
 from . import metrics as M
 from .failover import TurnLinks
 from .links import Feedback, Tree, Verified
 from .records import Record
 from .requests import TurnRequest
+
+tracer = trace.get_tracer("racer.gateway")
 
 
 @dataclass(frozen=True)
@@ -74,8 +79,10 @@ class Turn:
         t_emit = t0  # when the last chunk left
         finished = False
         try:
-            opened = await links.open_verifier()
-            await links.open_drafter(opened.topk, opened.topk_width)
+            with tracer.start_as_current_span("prefill", attributes={"racer.history_tokens": len(self.history)}):
+                opened = await links.open_verifier()
+                await links.open_drafter(opened.topk, opened.topk_width)
+            spans = RoundSpans(tracer)
             out, done = rounds.start(opened.next_token)
             feedback = Feedback()
             sent = False  # the next step is already on its way to the drafter
@@ -106,9 +113,13 @@ class Turn:
                 # the drafter would have committed tokens past the cut.
                 sent = not done and not self.req.stop and await links.send_step(feedback)
                 self._count(tree, res)
+                spans.round(len(tree.tokens) - 1, len(res.accepted) - 1, len(out), tree.elapsed_ms, res.elapsed_ms)
                 M.ROUND_SECONDS.observe(time.perf_counter() - t_round)
+            spans.close()
             finished = True
-            yield await self._finish(emitted, t0)
+            with tracer.start_as_current_span("save"):
+                last = await self._finish(emitted, t0)
+            yield last
         finally:
             await links.release(cancel=not finished)
 

@@ -1,0 +1,146 @@
+"""OpenTelemetry traces, off unless an OTLP endpoint is configured.
+
+With an endpoint (``--otlp-endpoint``/``RACER_OTLP_ENDPOINT``, or OpenTelemetry's own
+``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``/``OTEL_EXPORTER_OTLP_ENDPOINT``) a service process installs an
+SDK tracer provider that batches spans to that collector over OTLP/gRPC, and its gRPC servers and
+the gateway's channels get the maintained ``opentelemetry-instrumentation-grpc`` interceptors: the
+trace context travels in gRPC metadata, so one turn is one trace across gateway, drafter and
+verifier. Sampling is the SDK's, set by the standard ``OTEL_TRACES_SAMPLER``/``OTEL_TRACES_SAMPLER_ARG``
+(default: every trace, or as the caller's trace was sampled).
+
+Without one nothing is installed: the API's tracer is a no-op, no interceptor is added, and the SDK
+and exporter are never imported.
+
+Spans of one turn (``Generate`` on the gateway):
+
+    /racer.v1.Generation/Generate                 gateway, server
+      prefill                                     gateway: open the verifier and drafter streams
+        /racer.v1.Verifier/Session (client)  ──▶  /racer.v1.Verifier/Session (server)
+                                                    verifier.prefill (history_tokens, reused_tokens)
+        /racer.v1.Drafter/Session (client)   ──▶  /racer.v1.Drafter/Session (server)
+                                                    drafter.open (restored_from)
+      rounds × ⌈rounds / ROUNDS_PER_SPAN⌉          rounds, drafted, accepted, emitted, draft_ms, verify_ms
+      save                                        end the drafter's turn, save the session record
+
+A round is one message on each open stream, so rounds are aggregated (a span per round would cost
+more than the ~1.5 ms of orchestration a round has, README "Measured").
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from opentelemetry import trace
+
+ROUNDS_PER_SPAN = 16
+UNTRACED_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.")  # probes and tools, not the pipeline
+
+
+def endpoint(configured: str = "") -> str:
+    """Where spans go: the racer setting, else OpenTelemetry's standard variables; empty: off."""
+    return (
+        configured
+        or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "")
+        or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+    )
+
+
+def setup(service: str, configured_endpoint: str = "", exporter=None):
+    """Installs the process's tracer provider for ``service`` and returns it, or returns None and
+    installs nothing when there is no endpoint (and no ``exporter``: tests and benchmarks pass an
+    in-memory or console one, exported span by span instead of in batches)."""
+    url = endpoint(configured_endpoint)
+    if exporter is None and not url:
+        return None
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({"service.name": f"racer-{service}"}))
+    if exporter is None:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        # The racer setting names the collector; otherwise the exporter reads every OTEL_* variable
+        # itself (endpoint, headers, TLS).
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=configured_endpoint or None)))
+    else:
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    return provider
+
+
+def enabled() -> bool:
+    """Whether this process installed a tracer provider (the API's default is a no-op proxy)."""
+    return not isinstance(trace.get_tracer_provider(), (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+
+
+def _filter():
+    from opentelemetry.instrumentation.grpc import filters
+
+    return filters.negate(filters.any_of(*(filters.service_prefix(s) for s in UNTRACED_SERVICES)))
+
+
+def server_interceptors() -> list:
+    """The gRPC aio server interceptor that continues the caller's trace, when tracing is on."""
+    if not enabled():
+        return []
+    from opentelemetry.instrumentation.grpc import aio_server_interceptor
+
+    return [aio_server_interceptor(filter_=_filter())]
+
+
+def client_interceptors() -> list:
+    """The gRPC aio channel interceptors that send the current trace along, when tracing is on."""
+    if not enabled():
+        return []
+    from opentelemetry.instrumentation.grpc import aio_client_interceptors
+
+    return aio_client_interceptors(filter_=_filter())
+
+
+class RoundSpans:
+    """A turn's rounds as one span per ``every`` rounds, children of the current span: rounds,
+    drafted, accepted and emitted tokens, and the time inside the drafter and the verifier (ms)."""
+
+    def __init__(self, tracer: trace.Tracer, every: int = ROUNDS_PER_SPAN):
+        self.tracer = tracer
+        self.every = every
+        self.on = trace.get_current_span().get_span_context().is_valid  # off: no span to hang them on
+        self._reset()
+
+    def _reset(self) -> None:
+        self.start_ns = time.time_ns()
+        self.rounds = self.drafted = self.accepted = self.emitted = 0
+        self.draft_ms = self.verify_ms = 0.0
+
+    def round(self, drafted: int, accepted: int, emitted: int, draft_ms: float, verify_ms: float) -> None:
+        if not self.on:
+            return
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.emitted += emitted
+        self.draft_ms += draft_ms
+        self.verify_ms += verify_ms
+        if self.rounds >= self.every:
+            self.close()
+
+    def close(self) -> None:
+        """Ends the open group, if it holds a round."""
+        if not self.rounds:
+            return
+        span = self.tracer.start_span(
+            "rounds",
+            start_time=self.start_ns,
+            attributes={
+                "racer.rounds": self.rounds,
+                "racer.drafted_tokens": self.drafted,
+                "racer.accepted_tokens": self.accepted,
+                "racer.emitted_tokens": self.emitted,
+                "racer.draft_ms": round(self.draft_ms, 3),
+                "racer.verify_ms": round(self.verify_ms, 3),
+            },
+        )
+        span.end()
+        self._reset()
