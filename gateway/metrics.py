@@ -31,6 +31,9 @@ TPOT_SECONDS = Histogram(
     "Time between streamed chunks after the first, per token of the chunk (inter-token latency)",
     buckets=MODEL_SECONDS_BUCKETS,
 )
+ENDPOINTS = Gauge(
+    "racer_gateway_healthy_endpoints", "Drafters or verifiers the gateway can route to (not marked down)", ["kind"]
+)
 ACTIVE_STREAMS = Gauge("racer_active_streams", "Generate streams in flight")
 FAILOVERS = Counter("racer_failovers", "Drafter or verifier streams lost mid-turn and reopened elsewhere", ["kind"])
 CORRUPT_RECORDS = Counter(

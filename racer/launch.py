@@ -173,6 +173,7 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
     verifiers = Endpoints(args.verifiers, args.resolve_every, channel_options=opts, credentials=creds, **kw)
     await drafters.refresh(force=True)
     await verifiers.refresh(force=True)
+    _gauge_endpoints(drafters, verifiers)
     store = open_store(args.session_url)
     limits = Limits(args.max_prompt_tokens, args.max_new_tokens, args.max_budget, args.max_sessions_per_tenant)
     timeouts = Timeouts(args.backend_timeout, args.reconnect_seconds, args.store_retry_seconds)
@@ -206,3 +207,11 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
         **_server_kw(args),
     )
     return srv, core
+
+
+def _gauge_endpoints(drafters, verifiers) -> None:
+    """``racer_gateway_healthy_endpoints{kind}``, read at each scrape (the alert on no healthy verifier)."""
+    from gateway import metrics as M
+
+    M.ENDPOINTS.labels("drafter").set_function(drafters.healthy)
+    M.ENDPOINTS.labels("verifier").set_function(verifiers.healthy)
