@@ -79,7 +79,14 @@ def test_a_turn_is_one_trace_across_the_services_with_a_span_per_phase(tiny_llam
     traces: dict[str, list[dict]] = {}
     for s in spans:
         traces.setdefault(s["trace_id"], []).append(s)
-    assert len(traces) == 2, "one trace per turn"
+    assert len(traces) == 3, "one trace per turn, and one for the failed call"
+    # A failed call keeps its status and message, and its span carries the status (NOT_FOUND is the
+    # caller's error: by OpenTelemetry's conventions a server span does not turn ERROR for it).
+    assert run["error"]["code"] == "NOT_FOUND" and "no-such-session" in run["error"]["details"]
+    (failed,) = [t for t in traces.values() if not any(s["name"] == "prefill" for s in t)]
+    (root,) = failed
+    assert root["name"] == "/racer.v1.Generation/Generate" and root["attributes"]["rpc.grpc.status_code"] == 5
+    traces = {k: t for k, t in traces.items() if t is not failed}
     for turn, trace in zip(turns, sorted(traces.values(), key=lambda t: min(s["start"] for s in t))):
         by_id = {s["span_id"]: s for s in trace}
         (root,) = [s for s in trace if s["parent_id"] is None]

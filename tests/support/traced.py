@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from common import tracing
@@ -35,6 +36,11 @@ def main() -> None:
                     session = last.session_id
                     s = last.stats
                     turns.append({"ids": ids, "rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted})
+                try:  # an error through the tracing interceptors keeps its status and message
+                    c.complete(prompt(2), session_id="no-such-session", max_new_tokens=N)
+                    error = None
+                except grpc.RpcError as e:
+                    error = {"code": e.code().name, "details": e.details()}
         finally:
             st.stop()
             lt.close()
@@ -49,10 +55,11 @@ def main() -> None:
             "start": s.start_time,
             "end": s.end_time,
             "attributes": dict(s.attributes or {}),
+            "status": s.status.status_code.name,
         }
         for s in exporter.get_finished_spans()
     ]
-    print(json.dumps({"turns": turns, "spans": spans}))
+    print(json.dumps({"turns": turns, "error": error, "spans": spans}))
 
 
 if __name__ == "__main__":
