@@ -103,20 +103,41 @@ def client_interceptors() -> list:
     return aio_client_interceptors(filter_=_filter())
 
 
-class RoundSpans:
-    """A turn's rounds as one span per ``every`` rounds, children of the current span: rounds,
-    drafted, accepted and emitted tokens, and the time inside the drafter and the verifier (ms)."""
+class TurnSpans:
+    """The phase spans of one turn, children of the span current when the turn starts (the
+    ``Generate`` RPC's server span); a turn started outside a traced RPC (the OpenAI-compatible HTTP
+    API) gets a ``turn`` span of its own as their parent, so it is one trace all the same.
 
-    def __init__(self, tracer: trace.Tracer, every: int = ROUNDS_PER_SPAN):
+    The parent is passed explicitly rather than made current, because a turn is an async generator
+    whose consumer may resume it in another context. ``phase`` wraps an await with no yield inside;
+    ``round`` groups ``every`` rounds into one ``rounds`` span: rounds, drafted, accepted and emitted
+    tokens, time inside the drafter and the verifier (ms)."""
+
+    def __init__(self, tracer: trace.Tracer, every: int = ROUNDS_PER_SPAN, **attributes):
         self.tracer = tracer
         self.every = every
-        self.on = trace.get_current_span().get_span_context().is_valid  # off: no span to hang them on
+        parent = trace.get_current_span()
+        self.own = None
+        if not parent.get_span_context().is_valid and enabled():
+            self.own = parent = tracer.start_span("turn")
+        self.on = parent.get_span_context().is_valid  # off: nothing to record
+        if self.on:
+            parent.set_attributes(attributes)
+        self.context = trace.set_span_in_context(parent)
         self._reset()
+
+    def phase(self, name: str, **attributes):
+        """A span around one phase, current while it runs (the RPCs it makes are its children)."""
+        return self.tracer.start_as_current_span(name, context=self.context, attributes=attributes)
 
     def _reset(self) -> None:
         self.start_ns = time.time_ns()
         self.rounds = self.drafted = self.accepted = self.emitted = 0
         self.draft_ms = self.verify_ms = 0.0
+
+    def start_rounds(self) -> None:
+        """The first round starts now (after the prefill)."""
+        self._reset()
 
     def round(self, drafted: int, accepted: int, emitted: int, draft_ms: float, verify_ms: float) -> None:
         if not self.on:
@@ -128,23 +149,29 @@ class RoundSpans:
         self.draft_ms += draft_ms
         self.verify_ms += verify_ms
         if self.rounds >= self.every:
-            self.close()
+            self._flush()
 
-    def close(self) -> None:
-        """Ends the open group, if it holds a round."""
-        if not self.rounds:
-            return
-        span = self.tracer.start_span(
-            "rounds",
-            start_time=self.start_ns,
-            attributes={
+    def _flush(self) -> None:
+        if self.rounds:
+            attributes = {
                 "racer.rounds": self.rounds,
                 "racer.drafted_tokens": self.drafted,
                 "racer.accepted_tokens": self.accepted,
                 "racer.emitted_tokens": self.emitted,
                 "racer.draft_ms": round(self.draft_ms, 3),
                 "racer.verify_ms": round(self.verify_ms, 3),
-            },
-        )
-        span.end()
+            }
+            self.tracer.start_span("rounds", self.context, start_time=self.start_ns, attributes=attributes).end()
         self._reset()
+
+    def close_rounds(self) -> None:
+        """Ends the open group of rounds (before the save)."""
+        if self.on:
+            self._flush()
+
+    def close(self) -> None:
+        """Ends the open group of rounds (a turn that failed midway), and the turn's own span."""
+        self.close_rounds()
+        if self.own is not None:
+            self.own.end()
+            self.own = None

@@ -16,7 +16,7 @@ from common.errors import Abort
 from common.loop import Rounds, Stats
 from common.params import GenerationParams
 from common.text import Detokenizer
-from common.tracing import RoundSpans
+from common.tracing import TurnSpans
 
 from . import metrics as M
 from .failover import TurnLinks
@@ -78,11 +78,12 @@ class Turn:
         emitted: list[int] = []
         t_emit = t0  # when the last chunk left
         finished = False
+        spans = TurnSpans(tracer, **{"racer.tenant": self.record.tenant, "racer.session_id": sid})
         try:
-            with tracer.start_as_current_span("prefill", attributes={"racer.history_tokens": len(self.history)}):
+            with spans.phase("prefill", **{"racer.history_tokens": len(self.history)}):
                 opened = await links.open_verifier()
                 await links.open_drafter(opened.topk, opened.topk_width)
-            spans = RoundSpans(tracer)
+            spans.start_rounds()
             out, done = rounds.start(opened.next_token)
             feedback = Feedback()
             sent = False  # the next step is already on its way to the drafter
@@ -115,12 +116,13 @@ class Turn:
                 self._count(tree, res)
                 spans.round(len(tree.tokens) - 1, len(res.accepted) - 1, len(out), tree.elapsed_ms, res.elapsed_ms)
                 M.ROUND_SECONDS.observe(time.perf_counter() - t_round)
-            spans.close()
+            spans.close_rounds()
             finished = True
-            with tracer.start_as_current_span("save"):
+            with spans.phase("save"):
                 last = await self._finish(emitted, t0)
             yield last
         finally:
+            spans.close()
             await links.release(cancel=not finished)
 
     def _stop_strings(self, detok, out, done):

@@ -79,7 +79,7 @@ def test_a_turn_is_one_trace_across_the_services_with_a_span_per_phase(tiny_llam
     traces: dict[str, list[dict]] = {}
     for s in spans:
         traces.setdefault(s["trace_id"], []).append(s)
-    assert len(traces) == 3, "one trace per turn, and one for the failed call"
+    assert len(traces) == 4, "one trace per turn (three), and one for the failed call"
     # A failed call keeps its status and message, and its span carries the status (NOT_FOUND is the
     # caller's error: by OpenTelemetry's conventions a server span does not turn ERROR for it).
     assert run["error"]["code"] == "NOT_FOUND" and "no-such-session" in run["error"]["details"]
@@ -87,10 +87,23 @@ def test_a_turn_is_one_trace_across_the_services_with_a_span_per_phase(tiny_llam
     (root,) = failed
     assert root["name"] == "/racer.v1.Generation/Generate" and root["attributes"]["rpc.grpc.status_code"] == 5
     traces = {k: t for k, t in traces.items() if t is not failed}
+
+    # A turn started outside a traced RPC (the HTTP API's way) is one trace under a span of its own.
+    (direct,) = [t for t in traces.values() if any(s["name"] == "turn" for s in t)]
+    (root,) = [s for s in direct if s["parent_id"] is None]
+    assert root["name"] == "turn" and root["attributes"]["racer.tenant"] == "local"
+    assert all(s["parent_id"] in {x["span_id"] for x in direct} for s in direct if s is not root)
+    names = Counter(s["name"] for s in direct)
+    assert names["prefill"] == names["save"] == names["drafter.open"] == names["verifier.prefill"] == 1
+    rounds = [s["attributes"] for s in direct if s["name"] == "rounds"]
+    assert sum(a["racer.rounds"] for a in rounds) == run["direct"]["rounds"]
+    assert sum(a["racer.drafted_tokens"] for a in rounds) == run["direct"]["drafted"]
+    traces = {k: t for k, t in traces.items() if t is not direct}
     for turn, trace in zip(turns, sorted(traces.values(), key=lambda t: min(s["start"] for s in t))):
         by_id = {s["span_id"]: s for s in trace}
         (root,) = [s for s in trace if s["parent_id"] is None]
         assert root["name"] == "/racer.v1.Generation/Generate" and root["kind"] == "SERVER"
+        assert root["attributes"]["racer.tenant"] == "local" and root["attributes"]["racer.session_id"]
         assert all(s["parent_id"] in by_id for s in trace if s is not root), "every parent is in the trace"
 
         def parent(s):

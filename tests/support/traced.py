@@ -13,6 +13,7 @@ import grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from common import tracing
+from gateway.requests import Request
 from racer.client import Client
 from tests.support.models import make_tiny_llama, single_thread
 from tests.support.stack import LoopThread, prompt, start_stack
@@ -41,6 +42,15 @@ def main() -> None:
                     error = None
                 except grpc.RpcError as e:
                     error = {"code": e.code().name, "details": e.details()}
+            # A turn from outside a traced RPC (as the HTTP API runs them): the gateway core directly.
+            gw = st.gateway_pair[1]
+            request = Request(input="prompt_ids", prompt_ids=tuple(prompt(3)), max_new_tokens=N, budget=8)
+
+            async def direct():
+                return [item async for item in gw.generate("local", request)]
+
+            s = lt.run(direct())[-1].stats
+            direct_turn = {"rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted}
         finally:
             st.stop()
             lt.close()
@@ -59,7 +69,7 @@ def main() -> None:
         }
         for s in exporter.get_finished_spans()
     ]
-    print(json.dumps({"turns": turns, "error": error, "spans": spans}))
+    print(json.dumps({"turns": turns, "error": error, "direct": direct_turn, "spans": spans}))
 
 
 if __name__ == "__main__":
