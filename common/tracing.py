@@ -22,6 +22,9 @@ Spans of one turn (``Generate`` on the gateway):
       rounds × ⌈rounds / ROUNDS_PER_SPAN⌉          rounds, drafted, accepted, emitted, draft_ms, verify_ms
       save                                        end the drafter's turn, save the session record
 
+A turn not started by a traced RPC (the HTTP API) gets a ``turn`` span of its own in place of
+``Generate``.
+
 A round is one message on each open stream, not an RPC, so it has no gRPC span; rounds are
 aggregated because a turn has hundreds of them: a span each would multiply the export volume while
 the breakdown (draft vs verify time, acceptance) reads as well from their sums.
