@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from . import tracing
 from .errors import Abort
 from .settings import HEALTH_SERVICES
 
@@ -221,7 +222,8 @@ async def start_server(
     port serves mutual TLS; it answers nothing but SERVING or NOT_SERVING."""
     server = grpc.aio.server(
         options=server_options(max_message_bytes, keepalive_seconds),
-        interceptors=[ErrorInterceptor(), *(interceptors or ())],
+        # Tracing outermost: its span sees the status the error interceptor sets.
+        interceptors=[*tracing.server_interceptors(), ErrorInterceptor(), *(interceptors or ())],
     )
     register(server)
     hs = health.aio.HealthServicer()

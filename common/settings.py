@@ -94,6 +94,13 @@ COMMON = [
         "",
         "file holding the internal token(s), e.g. a mounted Secret; adds to --internal-token",
     ),
+    Setting(
+        "--otlp-endpoint",
+        "RACER_OTLP_ENDPOINT",
+        "",
+        "OpenTelemetry collector for traces, e.g. http://collector:4317 (OTLP/gRPC); empty: "
+        "OTEL_EXPORTER_OTLP_ENDPOINT if set, else tracing off (common/tracing.py)",
+    ),
 ]
 
 # Drafters and verifiers refuse to start without a way to authenticate their callers (an internal

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from opentelemetry import trace
+
 from common.errors import Abort, Status
 from common.errors import check as _check
 from common.v1 import drafter_pb2 as pb
@@ -11,6 +13,8 @@ from common.v1 import drafter_pb2_grpc as pb_grpc
 
 from . import metrics as M
 from .sessions import Drafter, Entry, Open, Step
+
+tracer = trace.get_tracer("racer.drafter")
 
 
 class DrafterService(pb_grpc.DrafterServicer):
@@ -26,7 +30,11 @@ class DrafterService(pb_grpc.DrafterServicer):
                 kind = req.WhichOneof("kind")
                 if kind == "open":
                     _check(entry is None, Status.FAILED_PRECONDITION, "open: this stream already has a session")
-                    entry, source = await d.open(_open(req.open))
+                    with tracer.start_as_current_span("drafter.open") as span:
+                        entry, source = await d.open(_open(req.open))
+                        span.set_attributes(
+                            {"racer.history_tokens": len(req.open.history), "racer.restored_from": source}
+                        )
                     resp = pb.DraftResponse(tokens=len(entry.session.history), restored_from=source)
                 elif kind == "step":
                     _check(entry is not None, Status.FAILED_PRECONDITION, "step: open the session first")
@@ -47,7 +55,7 @@ class DrafterService(pb_grpc.DrafterServicer):
                         tree=pb.DraftTree(tokens=tree.tokens, parents=tree.parents, retrieval_nodes=tree.n_retrieval),
                         tokens=len(entry.session.history),
                     )
-                    M.DRAFT_MS.observe((time.perf_counter() - t0) * 1e3)
+                    M.DRAFT_SECONDS.observe(time.perf_counter() - t0)
                 elif kind == "end_turn":
                     _check(entry is not None, Status.FAILED_PRECONDITION, "end_turn: open the session first")
                     d.end_turn(entry)

@@ -252,7 +252,7 @@ class Drafter(Holder):
                 entry.saved_length = -1  # not saved: the next trigger (or the shutdown flush) tries again
             return
         M.SNAPSHOT_BYTES.observe(len(data))
-        M.SNAPSHOT_MS.labels("save").observe(encode_ms + (time.perf_counter() - t0) * 1e3)
+        M.SNAPSHOT_SECONDS.labels("save").observe(encode_ms / 1e3 + time.perf_counter() - t0)
 
     async def _restore(self, tenant: str, session_id: str, history: list[int]) -> DraftSession | None:
         t0 = time.perf_counter()
@@ -275,7 +275,7 @@ class Drafter(Holder):
         if not _is_prefix(session.history, history):
             log.info("snapshot does not match the history; rebuilding", extra={"session_id": session_id})
             return None
-        M.SNAPSHOT_MS.labels("restore").observe((time.perf_counter() - t0) * 1e3)
+        M.SNAPSHOT_SECONDS.labels("restore").observe(time.perf_counter() - t0)
         return session
 
     async def flush(self) -> None:

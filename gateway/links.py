@@ -13,6 +13,7 @@ from typing import Sequence
 
 import grpc
 
+from common import tracing
 from common.errors import Abort, Status
 from common.v1 import common_pb2 as cpb
 from common.v1 import drafter_pb2 as dpb
@@ -144,7 +145,13 @@ class _Link:
             return
         try:
             await self.call.done_writing()
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            if tracing.enabled():
+                # The stream's client span ends when its responses do: read its end (the server ends
+                # the stream once the requests have), else the span is never exported.
+                async with asyncio.timeout(self.timeout):
+                    while await self.call.read() is not grpc.aio.EOF:
+                        pass
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, asyncio.TimeoutError):
             pass
 
 

@@ -1,10 +1,15 @@
-"""The gateway's Prometheus metrics."""
+"""The gateway's Prometheus metrics.
+
+Counters are exported with ``_total`` (prometheus_client appends it). Acceptance, in PromQL:
+``rate(racer_spec_decode_num_accepted_tokens_total[5m]) / rate(racer_spec_decode_num_draft_tokens_total[5m])``;
+mean acceptance length: ``1 + rate(..._accepted_tokens_total[5m]) / rate(racer_spec_decode_num_drafts_total[5m])``.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from common.metrics import LATENCY_MS_BUCKETS
+from common.metrics import MODEL_SECONDS_BUCKETS, REQUEST_SECONDS_BUCKETS
 
 NUM_DRAFTS = Counter("racer_spec_decode_num_drafts", "Draft trees verified", ["mode"])
 NUM_DRAFT_TOKENS = Counter("racer_spec_decode_num_draft_tokens", "Draft tree nodes beyond the root", ["mode"])
@@ -12,10 +17,23 @@ NUM_ACCEPTED_TOKENS = Counter("racer_spec_decode_num_accepted_tokens", "Draft to
 ACCEPTED_PER_POS = Counter(
     "racer_spec_decode_num_accepted_tokens_per_pos", "Rounds whose accepted path reached this depth", ["position"]
 )
-GENERATED_TOKENS = Counter("racer_generation_tokens", "Tokens streamed to clients")
+GENERATED_TOKENS = Counter("racer_generation_tokens", "Tokens streamed to clients", ["tenant"])
 REQUESTS = Counter("racer_requests", "Generate calls by outcome", ["code"])
-ROUND_MS = Histogram("racer_round_latency_ms", "Draft + verify round seen by the gateway", buckets=LATENCY_MS_BUCKETS)
-TTFT_MS = Histogram("racer_time_to_first_token_ms", "Request start to first streamed token", buckets=LATENCY_MS_BUCKETS)
+ROUND_SECONDS = Histogram(
+    "racer_round_latency_seconds", "Draft + verify round seen by the gateway", buckets=MODEL_SECONDS_BUCKETS
+)
+TTFT_SECONDS = Histogram(
+    "racer_time_to_first_token_seconds", "Request start to first streamed token", buckets=REQUEST_SECONDS_BUCKETS
+)
+# vLLM's name for it; a round's tokens leave together, so each gets the round's time / their number.
+TPOT_SECONDS = Histogram(
+    "racer_time_per_output_token_seconds",
+    "Time between streamed chunks after the first, per token of the chunk (inter-token latency)",
+    buckets=MODEL_SECONDS_BUCKETS,
+)
+ENDPOINTS = Gauge(
+    "racer_gateway_healthy_endpoints", "Drafters or verifiers the gateway can route to (not marked down)", ["kind"]
+)
 ACTIVE_STREAMS = Gauge("racer_active_streams", "Generate streams in flight")
 FAILOVERS = Counter("racer_failovers", "Drafter or verifier streams lost mid-turn and reopened elsewhere", ["kind"])
 CORRUPT_RECORDS = Counter(

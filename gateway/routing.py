@@ -17,6 +17,8 @@ from typing import Callable
 
 import grpc
 
+from common import tracing
+
 log = logging.getLogger("racer.gateway")
 
 
@@ -104,6 +106,11 @@ class Endpoints:
         up = [e for e in self.endpoints if self._down.get(e, 0.0) <= now]
         return up or list(self.endpoints)  # all marked down: try them anyway
 
+    def healthy(self) -> int:
+        """Endpoints known (for DNS: Ready pods behind a headless Service) and not marked down."""
+        now = time.monotonic()
+        return sum(1 for e in self.endpoints if self._down.get(e, 0.0) <= now)
+
     def mark_down(self, endpoint: str) -> None:
         self._down[endpoint] = time.monotonic() + self.down_for
 
@@ -113,10 +120,12 @@ class Endpoints:
     def channel(self, endpoint: str) -> grpc.aio.Channel:
         ch = self._channels.get(endpoint)
         if ch is None:
+            # Tracing on: the turn's trace context travels in the streams' metadata.
+            kw = dict(options=self.channel_options, interceptors=tracing.client_interceptors() or None)
             if self.credentials is not None:
-                ch = grpc.aio.secure_channel(endpoint, self.credentials, options=self.channel_options)
+                ch = grpc.aio.secure_channel(endpoint, self.credentials, **kw)
             else:
-                ch = grpc.aio.insecure_channel(endpoint, options=self.channel_options)
+                ch = grpc.aio.insecure_channel(endpoint, **kw)
             self._channels[endpoint] = ch
         return ch
 

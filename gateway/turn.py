@@ -10,16 +10,21 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from opentelemetry import trace
+
 from common.errors import Abort
 from common.loop import Rounds, Stats
 from common.params import GenerationParams
 from common.text import Detokenizer
+from common.tracing import TurnSpans
 
 from . import metrics as M
 from .failover import TurnLinks
 from .links import Feedback, Tree, Verified
 from .records import Record
 from .requests import TurnRequest
+
+tracer = trace.get_tracer("racer.gateway")
 
 
 @dataclass(frozen=True)
@@ -71,21 +76,30 @@ class Turn:
         rounds, links = self.rounds, self.links
         detok = Detokenizer(self.gw.tokenizer) if self.gw.tokenizer is not None else None
         emitted: list[int] = []
+        t_emit = t0  # when the last chunk left
         finished = False
+        spans = TurnSpans(tracer, **{"racer.tenant": self.record.tenant, "racer.session_id": sid})
         try:
-            opened = await links.open_verifier()
-            await links.open_drafter(opened.topk, opened.topk_width)
+            with spans.phase("prefill", **{"racer.history_tokens": len(self.history)}):
+                opened = await links.open_verifier()
+                await links.open_drafter(opened.topk, opened.topk_width)
+            spans.start_rounds()
             out, done = rounds.start(opened.next_token)
             feedback = Feedback()
             sent = False  # the next step is already on its way to the drafter
             while True:
                 out, done, text = self._stop_strings(detok, out, done)
                 if out:
+                    now = time.perf_counter()
                     if not emitted:
-                        M.TTFT_MS.observe((time.perf_counter() - t0) * 1e3)
+                        M.TTFT_SECONDS.observe(now - t0)
+                    else:
+                        for _ in out:
+                            M.TPOT_SECONDS.observe((now - t_emit) / len(out))
+                    t_emit = now
                     emitted.extend(out)
                     rounds.emitted(out)
-                    M.GENERATED_TOKENS.inc(len(out))
+                    M.GENERATED_TOKENS.labels(self.record.tenant).inc(len(out))
                     yield Chunk(sid, text, out)
                 if done:
                     break
@@ -100,10 +114,15 @@ class Turn:
                 # the drafter would have committed tokens past the cut.
                 sent = not done and not self.req.stop and await links.send_step(feedback)
                 self._count(tree, res)
-                M.ROUND_MS.observe((time.perf_counter() - t_round) * 1e3)
+                spans.round(len(tree.tokens) - 1, len(res.accepted) - 1, len(out), tree.elapsed_ms, res.elapsed_ms)
+                M.ROUND_SECONDS.observe(time.perf_counter() - t_round)
+            spans.close_rounds()
             finished = True
-            yield await self._finish(emitted, t0)
+            with spans.phase("save"):
+                last = await self._finish(emitted, t0)
+            yield last
         finally:
+            spans.close()
             await links.release(cancel=not finished)
 
     def _stop_strings(self, detok, out, done):

@@ -167,6 +167,10 @@ def cmd_serve(args) -> int:
         return 2
     start = {"drafter": services.start_drafter, "verifier": services.start_verifier, "gateway": services.start_gateway}
 
+    from common import tracing
+
+    tracing.setup(args.service, args.otlp_endpoint)  # before the servers: they add its interceptors
+
     async def go():
         srv, _ = await start[args.service](args)
         start_metrics(args.metrics_port)

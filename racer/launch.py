@@ -191,6 +191,7 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
     await drafters.refresh(force=True)
     await verifiers.refresh(force=True)
     keys = ApiKeys(args.api_keys) if args.api_keys else None  # a bad file stops the start here
+    _gauge_endpoints(drafters, verifiers)
     store = open_store(args.session_url)
     limits = Limits(args.max_prompt_tokens, args.max_new_tokens, args.max_budget, args.max_sessions_per_tenant)
     timeouts = Timeouts(args.backend_timeout, args.reconnect_seconds, args.store_retry_seconds)
@@ -267,3 +268,11 @@ def served_model_name(args) -> str:
     from pathlib import Path
 
     return Path(args.model).resolve().name or "racer"
+
+
+def _gauge_endpoints(drafters, verifiers) -> None:
+    """``racer_gateway_healthy_endpoints{kind}``, read at each scrape (the alert on no healthy verifier)."""
+    from gateway import metrics as M
+
+    M.ENDPOINTS.labels("drafter").set_function(drafters.healthy)
+    M.ENDPOINTS.labels("verifier").set_function(verifiers.healthy)

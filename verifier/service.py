@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from opentelemetry import trace
+
 from common.errors import Abort, Status
 from common.v1 import common_pb2 as cpb
 from common.v1 import verifier_pb2 as pb
 from common.v1 import verifier_pb2_grpc as pb_grpc
 
 from .sessions import Entry, Open, Verifier
+
+tracer = trace.get_tracer("racer.verifier")
 
 
 class VerifierService(pb_grpc.VerifierServicer):
@@ -33,7 +37,11 @@ class VerifierService(pb_grpc.VerifierServicer):
                             (s.temperature, s.top_p or 1.0, s.top_k, s.seed if s.HasField("seed") else None),
                         )
                     )
-                    res = await v.open(entry, list(op.history))
+                    with tracer.start_as_current_span("verifier.prefill") as span:
+                        res = await v.open(entry, list(op.history))
+                        span.set_attributes(
+                            {"racer.history_tokens": len(op.history), "racer.reused_tokens": res.reused_tokens}
+                        )
                     yield pb.VerifyResponse(
                         next_token=res.next_token,
                         topk=res.topk,

@@ -91,6 +91,7 @@ class Verifier(Holder):
         self.vocab_size = model.config.vocab_size
         self.max_sessions = max_sessions
         self.max_cache_tokens = max_cache_tokens
+        M.CACHE_TOKENS_LIMIT.set(max_cache_tokens)
         self.sessions: SessionTable[Entry] = SessionTable(ttl)
         # ms per verification by tree size: measured at start-up, kept current by unbatched verifications
         self.cost: dict[int, float] = dict(cost or {})
@@ -199,7 +200,7 @@ class Verifier(Holder):
             raise
         entry.tokens = history
         elapsed = (time.perf_counter() - t0) * 1e3
-        M.PREFILL_MS.observe(elapsed)
+        M.PREFILL_SECONDS.observe(elapsed / 1e3)
         M.REUSED_TOKENS.inc(reuse)
         self._gauge()
         return Prefilled(res.next_token, [t for row in res.topk for t in row], reuse, len(entry.tokens), elapsed)
@@ -224,7 +225,7 @@ class Verifier(Holder):
             self.cost[n] += 0.05 * (forward_ms - self.cost[n])
         entry.touch()
         elapsed = (time.perf_counter() - t0) * 1e3
-        M.VERIFY_MS.observe(elapsed)
+        M.VERIFY_SECONDS.observe(elapsed / 1e3)
         return Verified(
             res.bonus, res.accepted, [t for row in res.topk for t in row], len(entry.tokens), elapsed, others
         )

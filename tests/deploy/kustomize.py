@@ -7,8 +7,10 @@ renderer and `kubectl kustomize` produce the same objects, so the two cannot dri
 Supported (kustomize v5 semantics):
 - `resources`: YAML files (multi-document) and directories holding a kustomization (bases).
 - `namespace`: set on every namespaced object.
+- `components`: directories holding a `kind: Component` kustomization, applied after the
+  resources (their resources added, their generators and patches run on everything so far).
 - `configMapGenerator` / `secretGenerator`: `envs` (KEY=VALUE files), `literals`, `files`
-  (`key=path` or `path`); `behavior` create or merge. Generated names get a 10-character content
+  (`key=path` or `path`); `behavior` create or merge; `options.labels`. Generated names get a 10-character content
   hash suffix, and references to them from pod templates are renamed (envFrom, env valueFrom,
   volumes). The suffix is computed like kustomize's but its digits differ from what `kubectl
   kustomize` prints (kustomize's exact hash input is not reproduced), so the comparison with kubectl
@@ -34,8 +36,11 @@ from pathlib import Path
 
 import yaml
 
-KNOWN_FIELDS = {"apiVersion", "kind", "namespace", "resources", "configMapGenerator", "secretGenerator", "patches"}
-GENERATOR_FIELDS = {"name", "behavior", "envs", "literals", "files"}
+KNOWN_FIELDS = {
+    "apiVersion", "kind", "namespace", "resources", "components", "configMapGenerator", "secretGenerator", "patches"
+}  # fmt: skip
+GENERATOR_FIELDS = {"name", "behavior", "envs", "literals", "files", "options"}
+GENERATOR_OPTIONS = {"labels"}
 CLUSTER_SCOPED = {
     "Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "PersistentVolume",
     "StorageClass", "PriorityClass", "IngressClass", "RuntimeClass", "ValidatingWebhookConfiguration",
@@ -89,20 +94,25 @@ def build(directory: str | Path) -> list[dict]:
     return out
 
 
-def _build(directory: Path) -> list[_Resource]:
+def _build(directory: Path, resources: list[_Resource] | None = None, kind: str = "Kustomization") -> list[_Resource]:
+    """``resources``: what a kustomization that uses this component has so far (changed in place)."""
     path = directory / "kustomization.yaml"
     k = yaml.safe_load(path.read_text())
     unknown = set(k) - KNOWN_FIELDS
     if unknown:
         raise Unsupported(f"{path}: {sorted(unknown)}")
+    if k.get("kind", "Kustomization") != kind:
+        raise Unsupported(f"{path}: kind {k.get('kind')}, expected {kind}")
 
-    resources: list[_Resource] = []
+    resources = [] if resources is None else resources
     for entry in k.get("resources", []):
         target = directory / entry
         if target.is_dir():
             resources += _build(target)
         else:
             resources += [_Resource(doc) for doc in yaml.safe_load_all(target.read_text()) if doc]
+    for entry in k.get("components", []):
+        _build(directory / entry, resources, "Component")
 
     for kind, entries in (("ConfigMap", k.get("configMapGenerator", [])), ("Secret", k.get("secretGenerator", []))):
         for g in entries:
@@ -150,6 +160,11 @@ def _generate(directory: Path, kind: str, g: dict, resources: list[_Resource]) -
     obj = {"apiVersion": "v1", "kind": kind, "metadata": {"name": g["name"]}, "data": data}
     if kind == "Secret":
         obj["type"] = "Opaque"
+    options = g.get("options", {})
+    if set(options) - GENERATOR_OPTIONS:
+        raise Unsupported(f"{kind} generator {g['name']}: options {sorted(set(options) - GENERATOR_OPTIONS)}")
+    if "labels" in options:
+        obj["metadata"]["labels"] = dict(options["labels"])
     resources.append(_Resource(obj, generated=True))
 
 

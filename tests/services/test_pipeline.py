@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import random
 import threading
+import time
 
 import grpc
 import pytest
@@ -396,3 +397,35 @@ def test_speculation_metrics_count_what_the_stream_reports(stack):
     assert after[1] - before[1] == s.drafted
     assert after[2] - before[2] == s.accepted
     assert 0 < after[3] - before[3] <= s.rounds  # rounds that accepted at least one draft token
+
+
+def test_latency_metrics_are_in_seconds_and_count_what_the_stream_did(stack):
+    """Base units: a turn's round, verify, first-token and per-token times add up to less than its
+    wall time in seconds (milliseconds would not); counts follow the stream."""
+
+    def value(name, **labels):
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    names = (
+        "racer_round_latency_seconds_count",
+        "racer_round_latency_seconds_sum",
+        "racer_verify_latency_seconds_sum",
+        "racer_time_to_first_token_seconds_count",
+        "racer_time_to_first_token_seconds_sum",
+        "racer_time_per_output_token_seconds_count",
+        "racer_time_per_output_token_seconds_sum",
+    )
+    before = {n: value(n) for n in names}
+    tokens = value("racer_generation_tokens_total", tenant="local")
+    t0 = time.perf_counter()
+    with Client(stack.gateway, timeout=60) as c:
+        ids, _, last = c.complete(prompt(51), max_new_tokens=N, budget=16)
+    wall = time.perf_counter() - t0
+    d = {n: value(n) - before[n] for n in names}
+    assert value("racer_generation_tokens_total", tenant="local") - tokens == len(ids) == N
+    assert d["racer_round_latency_seconds_count"] == last.stats.rounds
+    assert d["racer_time_to_first_token_seconds_count"] == 1
+    assert d["racer_time_per_output_token_seconds_count"] == N - 1  # every token after the first
+    for n in ("racer_round_latency_seconds_sum", "racer_verify_latency_seconds_sum"):
+        assert 0 < d[n] < wall, n
+    assert 0 < d["racer_time_to_first_token_seconds_sum"] + d["racer_time_per_output_token_seconds_sum"] < wall
