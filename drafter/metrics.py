@@ -14,3 +14,7 @@ SNAPSHOT_BYTES = Histogram(
 SNAPSHOT_MS = Histogram("racer_snapshot_latency_ms", "Snapshot save or restore", ["op"], buckets=LATENCY_MS_BUCKETS)
 SNAPSHOT_FAILURES = Counter("racer_snapshot_failures", "Snapshot saves or restores that failed", ["op"])
 RESTORES = Counter("racer_drafter_restores", "How a drafter session was found at open", ["source"])
+DRAFTER_BYTES = Gauge("racer_drafter_session_bytes", "Estimated bytes of the sessions held in drafter memory")
+EVICTIONS = Counter(
+    "racer_drafter_evictions", "Idle sessions dropped from memory to stay within --max-memory-bytes (snapshot kept)"
+)

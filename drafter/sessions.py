@@ -3,6 +3,10 @@
 A session's snapshot goes to the store at every turn end and every ``snapshot_every`` rounds, after
 the response is sent; another replica that is handed the session restores the snapshot and replays
 the tokens after it, or rebuilds from the history. No grpc: the service converts its messages.
+
+Memory is bounded in bytes (``max_bytes``, each session's estimate taken when it opens and when its
+stream ends): past the bound the least recently used idle sessions leave memory, their snapshot
+written first, and their next turn restores from it.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class Entry(_Entry):
     parents: list[int] = field(default_factory=list)
     rounds_since_save: int = 0
     saved_length: int = -1
+    bytes: int = 0  # the session's memory estimate when it last opened or was released
 
     @property
     def snapshot_key(self) -> str:
@@ -94,9 +99,11 @@ class Drafter(Holder):
         snapshot_every: int = 32,
         ttl: float = 1800.0,
         max_tokens: int = 65_536,
+        max_bytes: int = 0,
     ):
         self.config = config
         self.max_tokens = max_tokens
+        self.max_bytes = max_bytes  # sessions in memory, estimated; 0: bounded only by the TTL
         self.store = store
         self.prior = prior
         self.snapshot_every = snapshot_every
@@ -154,6 +161,7 @@ class Drafter(Holder):
         if plain_end < len(history):
             s.extend(history[plain_end:], rows[plain_end - first_row :])
         self.sessions.claim(entry)  # only once the open succeeded: a failed one leaves no stream behind
+        self._bound(entry)
         M.DRAFTER_SESSIONS.set(len(self.sessions))
         return entry, source
 
@@ -224,6 +232,29 @@ class Drafter(Holder):
         self.sessions.release(entry)
         if len(entry.session.history) != entry.saved_length and entry.key in self.sessions:
             self._save_later(entry)
+        if entry.key in self.sessions:
+            self._bound(entry)
+
+    # -- memory -------------------------------------------------------------------------------
+    def memory_bytes(self) -> int:
+        """Estimated bytes of the sessions in memory (as of their last open or release)."""
+        return sum(e.bytes for e in self.sessions)
+
+    def _bound(self, entry: Entry) -> None:
+        """Re-estimates ``entry``; while the sessions are over ``max_bytes``, the least recently used
+        idle one (never ``entry``) is snapshotted and dropped from memory."""
+        entry.bytes = entry.session.memory_estimate() if self.max_bytes else 0
+        total = self.memory_bytes()
+        while self.max_bytes and total > self.max_bytes:
+            victim = self.sessions.idle_lru(keep=entry.key)
+            if victim is None:
+                break
+            if len(victim.session.history) != victim.saved_length:
+                self._save_later(victim)  # serialized now; the write finishes after it has left memory
+            self.sessions.pop(victim.key)
+            total -= victim.bytes
+            M.EVICTIONS.inc()
+        M.DRAFTER_BYTES.set(total)
 
     # -- snapshots ----------------------------------------------------------------------------
     def _save_later(self, entry: Entry) -> None:
