@@ -223,7 +223,10 @@ def test_quotas_are_counted_across_gateways(env, loop_thread):
             assert a0.close_session(sid).closed
         assert b.close_session(other).closed
     assert usage[0]() == (0, 0, 0)
-    assert not r.keys("racer:quota:*") and not r.keys("racer:lease:*") and not r.keys("racer:session:*")
+    assert not r.keys("racer:quota:acme:*")  # emptied: the keys are gone
+    for sid in sids:
+        _nothing_left(r, "acme", sid)
+    _nothing_left(r, "globex", other)
 
 
 def test_the_gateway_refuses_a_message_larger_than_any_valid_request(env):
