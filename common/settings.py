@@ -199,14 +199,14 @@ SERVICE = {
         Setting(
             "--max-sessions-kept",
             "RACER_MAX_SESSIONS_KEPT",
-            256,
+            64,
             "default quota: sessions one tenant keeps in the session store, counted across gateways (0: no limit)",
             int,
         ),
         Setting(
             "--max-tokens-stored",
             "RACER_MAX_TOKENS_STORED",
-            1_000_000,
+            524_288,
             "default quota: tokens of all one tenant's sessions (a turn reserves its history + max_new_tokens), "
             "counted across gateways (0: no limit)",
             int,

@@ -116,6 +116,11 @@ class Records:
                 return await fn(*args)
             except Exception as e:  # noqa: BLE001 - any store error is retried, then reported
                 M.STORE_FAILURES.labels(op).inc()
+                if str(e).startswith("OOM"):  # Redis is full (noeviction): retrying would not help
+                    log.warning("session store full", extra={"op": op, "error": repr(e)})
+                    raise Abort(
+                        Status.RESOURCE_EXHAUSTED, f"session store full ({op}): close sessions or retry later"
+                    ) from None
                 if time.monotonic() + delay > deadline:
                     log.warning("session store call failed", extra={"op": op, "error": repr(e)})
                     raise Abort(Status.UNAVAILABLE, f"session store unavailable ({op}): {e!r}") from None
