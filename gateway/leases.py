@@ -52,6 +52,7 @@ class Lease:
 
     def keep(self, on_lost) -> None:
         """Renews the lease until ``end``; ``on_lost(reason)`` when it cannot."""
+        self._ended = asyncio.Event()
         self._renewing = asyncio.create_task(self._renew(on_lost))
 
     async def _renew(self, on_lost) -> None:
@@ -59,7 +60,12 @@ class Lease:
         loop = asyncio.get_running_loop()
         held_until = loop.time() + self.ttl_s
         while True:
-            await asyncio.sleep(self.ttl_s / 3)
+            # Stopped by an event, not only by cancelling: a cancel that lands inside a Redis call can
+            # be absorbed by the client library, and the loop would go on renewing a finished turn.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._ended.wait(), self.ttl_s / 3)
+            if self._ended.is_set():
+                return
             t = loop.time()
             try:
                 ok = await self.records.call("lease", store.renew, self.key, self.token, self.ttl_s, retry=False)
@@ -76,6 +82,8 @@ class Lease:
                 on_lost(self.lost)
                 return
             held_until = t + self.ttl_s
+            if self._ended.is_set():
+                return
             with contextlib.suppress(Abort):
                 await self.quotas.renew(self.tenant, self.token, self.ttl_s)
 
@@ -84,8 +92,8 @@ class Lease:
         the saved record's length, None if the turn was not saved; then the session is back to
         ``kept_tokens``, or stops counting if it was new)."""
         if self._renewing is not None:
-            self._renewing.cancel()
-            await asyncio.gather(self._renewing, return_exceptions=True)
+            self._ended.set()
+            await asyncio.gather(self._renewing, return_exceptions=True)  # a renewal in flight: one store call
         outcome = "saved" if saved_tokens is not None else ("new" if self.new else "kept")
         tokens = saved_tokens if saved_tokens is not None else kept_tokens
         try:

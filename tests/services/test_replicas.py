@@ -16,6 +16,7 @@ import redis
 from gateway.requests import request_bytes
 from racer import launch as services
 from racer.client import Client
+from racer.load import make_prompts, run_load
 from tests.support.engine import hf_greedy
 from tests.support.stack import prompt, start_stack, wait_until
 
@@ -240,3 +241,37 @@ def test_the_gateway_refuses_a_message_larger_than_any_valid_request(env):
         with pytest.raises(grpc.RpcError) as e:  # under it: read, and refused by the token limit
             a.complete([7] * (gw.limits.max_prompt_tokens + 1), max_new_tokens=2)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_prompt_tokens" in e.value.details()
+
+
+def test_load_with_two_tenants_through_two_gateways(env, tiny_llama):
+    st, gws, r = env
+    sessions, turns, new, plen = 16, 3, 8, 6
+    targets = f"{_target(gws, 0)},{_target(gws, 1)}"
+    report = asyncio.run(
+        run_load(targets, sessions, turns, new, seed=3, ids_vocab=96, prompt_tokens=plen, api_key="key-a,key-b")
+    )
+    print(report.format())
+    # acme (tenant1: sessions=3, turns=1) meets its quotas; globex (tenant2) is never refused
+    assert set(report.errors) <= {"RESOURCE_EXHAUSTED"} and set(report.tenant_errors) <= {"tenant1"}
+    assert report.tenant_errors.get("tenant1"), "acme's quota was never reached: the test could not fail"
+    prompts = make_prompts(sessions, turns, 3, 96, plen)
+    done = 0
+    for i, run in enumerate(report.runs):
+        history: list[int] = []
+        for t, turn in enumerate(run.turns):
+            if turn.error:
+                assert run.tenant == 0 and "quota" in turn.error
+                break
+            history += prompts[i][t]
+            assert turn.ids == hf_greedy(tiny_llama, history, new), f"session {i} turn {t}"
+            history += turn.ids
+            done += 1
+        if run.tenant == 1:
+            assert len(run.turns) == turns and not run.turns[-1].error
+    assert done == report.completed_turns
+    for run in report.runs:  # closed at the end: nothing left in Redis
+        if run.session_id:
+            tenant = ("acme", "globex")[run.tenant]
+            _nothing_left(r, tenant, run.session_id)
+            assert not r.exists(f"racer:drafter:{tenant}:{run.session_id}")
+    assert not r.keys("racer:quota:acme:*") and not r.keys("racer:quota:globex:*")
