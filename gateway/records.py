@@ -116,7 +116,7 @@ class Records:
                 return await fn(*args)
             except Exception as e:  # noqa: BLE001 - any store error is retried, then reported
                 M.STORE_FAILURES.labels(op).inc()
-                if str(e).startswith("OOM"):  # Redis is full (noeviction): retrying would not help
+                if type(e).__name__ == "OutOfMemoryError" or str(e).startswith("OOM"):  # Redis full (noeviction)
                     log.warning("session store full", extra={"op": op, "error": repr(e)})
                     raise Abort(
                         Status.RESOURCE_EXHAUSTED, f"session store full ({op}): close sessions or retry later"

@@ -18,17 +18,24 @@ from racer import launch as services
 from racer.client import Client
 from racer.load import make_prompts, run_load
 from tests.support.engine import hf_greedy
-from tests.support.stack import prompt, start_stack, wait_until
+from tests.support.stack import prompt, redis_server, start_stack, wait_until
 
 AB, RE, NF = grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND
 LEASE_S = 0.6  # short, so an expired lease is seen within a test
 
 
 @pytest.fixture(scope="module")
-def env(loop_thread, tiny_llama, redis_url, tmp_path_factory):
+def files(tmp_path_factory):
+    """The API keys and tenant limits every gateway here reads."""
     d = tmp_path_factory.mktemp("replicas")
     (d / "keys").write_text("key-a acme\nkey-b globex\n")
     (d / "limits.toml").write_text("[default]\nturns = 8\n\n[tenants.acme]\nsessions = 3\ntokens = 400\nturns = 1\n")
+    return d
+
+
+@pytest.fixture(scope="module")
+def env(loop_thread, tiny_llama, redis_url, files):
+    d = files
     kw = dict(
         api_keys=str(d / "keys"),
         tenant_limits=str(d / "limits.toml"),
@@ -275,3 +282,51 @@ def test_load_with_two_tenants_through_two_gateways(env, tiny_llama):
             _nothing_left(r, tenant, run.session_id)
             assert not r.exists(f"racer:drafter:{tenant}:{run.session_id}")
     assert not r.keys("racer:quota:acme:*") and not r.keys("racer:quota:globex:*")
+
+
+def test_a_full_store_refuses_new_work_and_evicts_nobody(env, files, loop_thread, tiny_llama):
+    st, gws, _ = env
+    with redis_server() as url:
+        r = redis.Redis.from_url(url)
+        r.config_set("maxmemory-policy", "noeviction")
+        args = services.defaults(
+            "gateway",
+            host="127.0.0.1",
+            port=0,
+            model="none",
+            session_url=url,
+            api_keys=str(files / "keys"),
+            drafters=st.drafter_target(0),
+            verifiers=st.verifier_target(0),
+            max_sessions_kept=0,
+            max_tokens_stored=0,
+        )
+        srv, gw = loop_thread.run(services.start_gateway(args, vocab_size=tiny_llama.config.vocab_size))
+        target = f"127.0.0.1:{srv.port}"
+        try:
+            with Client(target, api_key="key-a", timeout=60) as a, Client(target, api_key="key-b", timeout=60) as b:
+                p = prompt(30, 8)
+                ids, _, last = b.complete(p, max_new_tokens=3)
+                sid_b = last.session_id
+                r.set("filler", b"x" * (256 * 1024))  # other data
+                r.connection_pool.disconnect()  # frees the connection's 256 KiB query buffer
+                r.config_set("maxmemory", r.info("memory")["used_memory"] + 48 * 1024)  # room for a few sessions
+                mine, err = [], None
+                for i in range(400):  # tenant A fills the store
+                    try:
+                        mine.append(a.complete(prompt(100 + i, 900), max_new_tokens=2)[2].session_id)
+                    except grpc.RpcError as e:
+                        err = e
+                        break
+                assert err is not None and err.code() == RE and "session store full" in err.details()
+                assert mine, "the store was full before tenant A wrote anything: the test could not tell"
+                print(f"tenant A stored {len(mine)} sessions before the store was full")
+                assert _record(r, "globex", sid_b)["history"] == p + ids  # B's session was not evicted
+                for sid in mine:  # closing works on a full store, and frees it
+                    assert a.close_session(sid).closed
+                p2 = prompt(31, 4)
+                ids2 = b.complete(p2, session_id=sid_b, max_new_tokens=3)[0]
+                assert ids2 == hf_greedy(tiny_llama, p + ids + p2, 3)
+                assert _record(r, "globex", sid_b)["turns"] == 2
+        finally:
+            loop_thread.run(srv.stop(0))
