@@ -43,6 +43,7 @@ class Entry(_Entry):
     rounds_since_save: int = 0
     saved_length: int = -1
     bytes: int = 0  # the session's memory estimate when it last opened or was released
+    dropped: bool = False  # closed (``drop``) while a stream still held it: nothing more is saved
 
     @property
     def snapshot_key(self) -> str:
@@ -224,16 +225,17 @@ class Drafter(Holder):
 
     def after_response(self, entry: Entry) -> None:
         """Off the round's critical path: the response is on its way before the snapshot is encoded."""
-        if entry.rounds_since_save >= self.snapshot_every:
+        if entry.rounds_since_save >= self.snapshot_every and not entry.dropped:
             self._save_later(entry)
 
     def release(self, entry: Entry) -> None:
         """The stream ended: the session stays for the next one, and what changed is saved."""
         self.sessions.release(entry)
-        if len(entry.session.history) != entry.saved_length and entry.key in self.sessions:
+        if entry.dropped or self.sessions.get(entry.key) is not entry:
+            return  # closed or evicted meanwhile
+        if len(entry.session.history) != entry.saved_length:
             self._save_later(entry)
-        if entry.key in self.sessions:
-            self._bound(entry)
+        self._bound(entry)
 
     # -- memory -------------------------------------------------------------------------------
     def memory_bytes(self) -> int:
@@ -282,6 +284,12 @@ class Drafter(Holder):
             if entry.saved_length == length:
                 entry.saved_length = -1  # not saved: the next trigger (or the shutdown flush) tries again
             return
+        if entry.dropped:  # the session was closed while this write was on its way: it stays closed
+            try:
+                await self.store.delete(key)
+            except Exception as e:  # noqa: BLE001 - the snapshot then expires with its TTL
+                self._warnings.warning("snapshot delete failed", key=key, error=repr(e))
+            return
         M.SNAPSHOT_BYTES.observe(len(data))
         M.SNAPSHOT_MS.labels("save").observe(encode_ms + (time.perf_counter() - t0) * 1e3)
 
@@ -326,6 +334,8 @@ class Drafter(Holder):
     async def drop(self, tenant: str, session_id: str) -> bool:
         """Forgets a session here and in the store; whether there was one."""
         entry = self.sessions.pop((tenant, session_id))
+        if entry is not None:
+            entry.dropped = True  # a stream still on it (a turn being ended) saves nothing more
         try:
             in_store = await self.store.delete(snapshot_key(tenant, session_id))
         except Exception as e:  # noqa: BLE001

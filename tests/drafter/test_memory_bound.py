@@ -61,3 +61,23 @@ def test_lru_idle_sessions_leave_memory_and_restore_from_their_snapshot():
         d.release(entry)
 
     asyncio.run(go())
+
+
+def test_a_session_closed_while_its_stream_ends_writes_no_snapshot_after_the_close():
+    async def go():
+        store = MemoryStore()
+        d = Drafter(CFG, store, snapshot_every=1)
+        entry, _ = await d.open(Open("t", "s", _history(5), []))
+        tree = d.step(entry, Step([], [], 0, 3, 8, "racer"))
+        d.after_response(entry)  # a snapshot on its way when the close comes
+        assert await d.drop("t", "s")
+        n = len(tree.tokens)
+        d.step(entry, Step([0] * (n * CFG.topk), [0], 1, 4, 8, "racer"))  # the stream's last round
+        d.after_response(entry)
+        d.end_turn(entry)
+        d.release(entry)
+        await d.flush()
+        assert await store.get(snapshot_key("t", "s")) is None, "the closed session's snapshot came back"
+        assert ("t", "s") not in d.sessions
+
+    asyncio.run(go())
