@@ -129,10 +129,11 @@ class Gateway:
                 f"turn's {len(turn)} it would exceed max_prompt_tokens={lim.max_prompt_tokens}; "
                 "start a new session",
             )
+        kept = len(record.history)  # what the session holds if this turn is not saved
         lease = Lease(self.records, self.quotas, tenant, record.session_id, self.lease_s)
         await lease.take(len(history) + req.max_new, new=not r.session_id)  # ABORTED if a turn runs anywhere
-        if key in self._turns:  # cannot be (the lease is this turn's), but never overwrite a running turn
-            await lease.end(None, len(record.history))
+        if key in self._turns:  # a turn of this gateway whose lease expired: never overwrite it
+            await lease.end(None, kept)
             raise Abort(Status.ABORTED, f"session_id {record.session_id!r}: a turn is already running")
         run = self._turns[key] = Turn(self, record, history, len(turn), req)
         run.lease = lease
@@ -155,7 +156,7 @@ class Gateway:
                 rounds.cancel()  # the client went away: the turn releases its drafter and verifier
             await asyncio.gather(rounds, return_exceptions=True)
             del self._turns[key]
-            await lease.end(run.saved_tokens, len(record.history) if r.session_id else 0)
+            await lease.end(run.saved_tokens, kept)
 
     async def _input_ids(self, r: Request, history: list[int]) -> list[int]:
         """The turn's input tokens: text is tokenized, and a large ``prompt_ids`` scanned, off the event

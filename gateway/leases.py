@@ -49,6 +49,7 @@ class Lease:
             await self._release()
             raise
         self.new = new
+        self.need = need
 
     def keep(self, on_lost) -> None:
         """Renews the lease until ``end``; ``on_lost(reason)`` when it cannot."""
@@ -97,7 +98,7 @@ class Lease:
         outcome = "saved" if saved_tokens is not None else ("new" if self.new else "kept")
         tokens = saved_tokens if saved_tokens is not None else kept_tokens
         try:
-            await self.quotas.end(self.tenant, self.session_id, self.token, outcome, tokens)
+            await self.quotas.end(self.tenant, self.session_id, self.token, outcome, tokens, self.need)
         except Abort as e:  # counted again correctly when the turn's entry and the session expire
             log.warning("quota update failed", extra={"session_id": self.session_id, "error": e.message})
         await self._release()

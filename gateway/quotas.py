@@ -129,11 +129,13 @@ _RENEW = """
 if redis.call('ZADD', KEYS[3], 'XX', 'CH', ARGV[2], ARGV[1]) == 1 then redis.call('PEXPIRE', KEYS[3], ARGV[3]) end
 return 1
 """
-# ARGV: turn id, sid, outcome ('saved' | 'new' | 'kept'), tokens (saved or restored), session expiry, key ttl ms
+# ARGV: turn id, sid, outcome ('saved' | 'new' | 'kept'), tokens (saved or restored), session expiry, key ttl ms,
+# the turn's reservation (a 'kept' turn restores the count only if no later turn changed it)
 _END = """
 redis.call('ZREM', KEYS[3], ARGV[1])
 local sid = ARGV[2]
 if not redis.call('ZSCORE', KEYS[1], sid) then return 0 end
+if ARGV[3] == 'kept' and redis.call('HGET', KEYS[2], sid) ~= ARGV[7] then return 0 end
 if ARGV[3] == 'new' then
   redis.call('ZREM', KEYS[1], sid)
   redis.call('HDEL', KEYS[2], sid)
@@ -245,17 +247,18 @@ class Quotas:
         elif turn_id in self._t(tenant).turns:
             self._t(tenant).turns[turn_id] = now + lease_s
 
-    async def end(self, tenant: str, session_id: str, turn_id: str, outcome: str, tokens: int) -> None:
-        """The turn ended: ``outcome`` 'saved' (the session now holds ``tokens``), 'kept' (not saved:
-        back to ``tokens``) or 'new' (not saved, and the session never existed: it stops counting)."""
+    async def end(self, tenant: str, session_id: str, turn_id: str, outcome: str, tokens: int, need: int) -> None:
+        """The turn (which reserved ``need``) ended: ``outcome`` 'saved' (the session now holds
+        ``tokens``), 'kept' (not saved: back to ``tokens``, unless a later turn of the session changed
+        the count) or 'new' (not saved, and the session never existed: it stops counting)."""
         now = time.time()
         if self._mem is None:
-            args = [turn_id, session_id, outcome, tokens, now + self.ttl_s, int(self.ttl_s * 1000)]
+            args = [turn_id, session_id, outcome, tokens, now + self.ttl_s, int(self.ttl_s * 1000), need]
             await self._call("quota", self._end, quota_keys(tenant), args)
             return
         t = self._t(tenant)
         t.turns.pop(turn_id, None)
-        if session_id not in t.sessions:
+        if session_id not in t.sessions or (outcome == "kept" and t.tokens.get(session_id) != need):
             return
         if outcome == "new":
             del t.sessions[session_id]

@@ -77,21 +77,27 @@ def test_quotas_admit_end_and_forget(run):
         await q.admit(a, "s1", 30, "t1", 30)
         assert "turns=1" in await refused(a, "s2", 10, "t2", 30)
         await q.admit(b, "s1", 10_000, "u1", 30)  # another tenant: no quota
-        await q.end(a, "s1", "t1", "saved", 25)
+        await q.end(a, "s1", "t1", "saved", 25, 30)
         assert await q.usage(a) == (1, 25, 0)
         await q.admit(a, "s2", 70, "t2", 30)
         assert await q.usage(a) == (2, 95, 1)
-        await q.end(a, "s2", "t2", "new", 0)  # not saved, never existed: stops counting
+        await q.end(a, "s2", "t2", "new", 0, 70)  # not saved, never existed: stops counting
         assert await q.usage(a) == (1, 25, 0)
         await q.admit(a, "s2", 10, "t3", 30)
-        await q.end(a, "s2", "t3", "saved", 10)
+        await q.end(a, "s2", "t3", "saved", 10, 10)
         assert "sessions=2" in await refused(a, "s3", 1, "t4", 30)
         assert "tokens=100" in await refused(a, "s1", 91, "t4", 30)  # 10 held elsewhere + 91
         await q.admit(a, "s1", 90, "t4", 30)  # the session's own 25 are replaced, not added
-        await q.end(a, "s1", "t4", "kept", 25)  # failed turn: back to what the record holds
+        await q.end(a, "s1", "t4", "kept", 25, 90)  # failed turn: back to what the record holds
         assert await q.usage(a) == (2, 35, 0)
+        # a turn whose lease expired ends after another turn of the session saved: the count stays the later one's
+        await q.admit(a, "s2", 20, "t5", 30)
+        await q.end(a, "s2", "t6", "saved", 15, 20)
+        await q.end(a, "s2", "t5", "kept", 10, 20)
+        assert await q.usage(a) == (2, 40, 0)
+        await q.end(a, "s2", "t7", "saved", 10, 10)
         await q.forget(a, "s1")
-        await q.end(a, "s1", "t-late", "saved", 50)  # a late end of a closed session does not bring it back
+        await q.end(a, "s1", "t-late", "saved", 50, 50)  # a late end of a closed session does not bring it back
         assert await q.usage(a) == (1, 10, 0)
         await q.admit(a, "s1", 5, "t5", 0.05)  # a turn whose gateway died stops counting when its lease ends
         await asyncio.sleep(0.2)  # the lease TTL running out is the behaviour under test
@@ -113,6 +119,7 @@ def test_quotas_random_sequences_agree_between_memory_and_redis(redis_url):
     tenant = f"x{uuid.uuid4().hex[:8]}"
 
     async def run(store):
+        rng2 = random.Random(8)  # the same reservations for both stores
         q, out = Quotas(store, limits, 60.0, _call), []
         for kind, sid, turn, n, arg in ops:
             if kind == "admit":
@@ -122,7 +129,7 @@ def test_quotas_random_sequences_agree_between_memory_and_redis(redis_url):
                 except Abort as e:
                     out.append(e.message)
             elif kind == "end":
-                await q.end(tenant, sid, turn, arg, n)
+                await q.end(tenant, sid, turn, arg, n, rng2.randrange(1, 120))
             elif kind == "forget":
                 await q.forget(tenant, sid)
             else:

@@ -185,6 +185,8 @@ def test_a_frozen_gateways_lease_expires_and_its_late_save_is_refused(env, loop_
         assert err.value.code() == AB
         rec = _record(r, "globex", sid)  # B's turn, once; A's late turn neither lost B's nor was added
         assert rec["turns"] == 2 and rec["history"] == p1 + ids1 + p3 + ids3
+        # the quota counts what B saved, not A's reservation nor the length A would have restored
+        assert loop_thread.run(gws[1][1].quotas.usage("globex")) == (1, len(rec["history"]), 0)
         assert b.close_session(sid).closed
     _nothing_left(r, "globex", sid)
 
