@@ -18,6 +18,8 @@ import secrets
 
 from common.errors import Abort, Status
 
+from . import metrics as M
+
 log = logging.getLogger("racer.gateway")
 
 
@@ -80,6 +82,7 @@ class Lease:
                     "ran; the turn was not saved"
                 )
                 log.info("session lease lost", extra={"session_id": self.session_id})
+                M.LEASE_LOST.inc()
                 on_lost(self.lost)
                 return
             held_until = t + self.ttl_s

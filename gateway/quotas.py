@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields, replace
 
 from common.errors import Abort, Status
 
+from . import metrics as M
 from .auth import TENANT
 
 
@@ -206,6 +207,8 @@ class Quotas:
             code, n = await self._call("quota", self._admit, quota_keys(tenant), args)
         else:
             code, n = self._admit_memory(self._t(tenant), q, now, session_id, need, turn_id, lease_s)
+        if code:
+            M.QUOTA_REFUSALS.labels(("turns", "sessions", "tokens")[code - 1]).inc()
         if code == 1:
             raise Abort(
                 Status.RESOURCE_EXHAUSTED,

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import redis
+from prometheus_client import REGISTRY
 
 from gateway.requests import request_bytes
 from racer import launch as services
@@ -21,6 +22,7 @@ from tests.support.engine import hf_greedy
 from tests.support.stack import prompt, redis_server, start_stack, wait_until
 
 AB, RE, NF = grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND
+QUOTAS = ("sessions", "tokens", "turns")
 LEASE_S = 0.6  # short, so an expired lease is seen within a test
 
 
@@ -116,8 +118,12 @@ def test_close_on_b_during_a_turn_on_a_ends_it_and_nothing_resurrects(env, loop_
         with ThreadPoolExecutor(1) as pool, held_save(loop_thread, gws[0][1]) as (reached, release):
             fut = pool.submit(a.complete, prompt(2, 4), session_id=sid, max_new_tokens=6)
             assert reached.wait(60), "the turn on A never reached its save"
+            lost = REGISTRY.get_sample_value("racer_session_leases_lost_total") or 0
             info = b.close_session(sid)
             assert info.closed and info.turns == 1
+            wait_until(  # A's next renewal finds its lease broken (the turn is held at its save meanwhile)
+                lambda: REGISTRY.get_sample_value("racer_session_leases_lost_total") > lost, what="lease lost"
+            )
             release()
             err = pytest.raises(grpc.RpcError, fut.result, 60)
         assert err.value.code() == AB and "closed" in err.value.details()
@@ -194,6 +200,7 @@ def test_a_frozen_gateways_lease_expires_and_its_late_save_is_refused(env, loop_
 def test_quotas_are_counted_across_gateways(env, loop_thread):
     st, gws, r = env
     usage = [lambda gw=gw: loop_thread.run(gw[1].quotas.usage("acme")) for gw in gws]
+    refused = {q: REGISTRY.get_sample_value("racer_quota_refusals_total", {"quota": q}) or 0 for q in QUOTAS}
     with (
         Client(_target(gws, 0), api_key="key-a", timeout=60) as a0,
         Client(_target(gws, 1), api_key="key-a", timeout=60) as a1,
@@ -233,6 +240,8 @@ def test_quotas_are_counted_across_gateways(env, loop_thread):
             assert a0.close_session(sid).closed
         assert b.close_session(other).closed
     assert usage[0]() == (0, 0, 0)
+    for q in QUOTAS:  # each refusal counted (4: two sessions, one tokens, one turns; both gateways in-process)
+        assert REGISTRY.get_sample_value("racer_quota_refusals_total", {"quota": q}) > refused[q]
     assert not r.keys("racer:quota:acme:*")  # emptied: the keys are gone
     for sid in sids:
         _nothing_left(r, "acme", sid)
