@@ -341,3 +341,22 @@ def test_a_full_store_refuses_new_work_and_evicts_nobody(env, files, loop_thread
                 assert _record(r, "globex", sid_b)["turns"] == 2
         finally:
             loop_thread.run(srv.stop(0))
+
+
+def test_large_inputs_are_read_off_the_event_loop(env, loop_thread, monkeypatch):
+    import gateway.core as core
+
+    threads = []
+
+    def spy(r, *args):
+        threads.append(threading.get_ident())
+        raise core.Abort(core.Status.INVALID_ARGUMENT, "spied")
+
+    monkeypatch.setattr(core, "input_ids", spy)
+    st, gws, r = env
+    with Client(_target(gws, 0), api_key="key-b", timeout=60) as b:
+        for n in (8, 3000):  # a small request on the loop (no thread hop), a large one in a worker thread
+            with pytest.raises(grpc.RpcError) as e:
+                b.complete([7] * n, max_new_tokens=2)
+            assert "spied" in e.value.details()
+    assert threads[0] == loop_thread.thread.ident and threads[1] != loop_thread.thread.ident
