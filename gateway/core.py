@@ -19,7 +19,7 @@ from typing import AsyncIterator, Iterable
 from common.errors import Abort, Status
 
 from .auth import tenant_of
-from .leases import Lease, break_lease
+from .leases import Lease, break_lease, lease_key
 from .links import Backends
 from .quotas import Quotas, TenantLimits
 from .records import Record, Records
@@ -182,7 +182,10 @@ class Gateway:
         try:
             rec = await self.records.load(tenant, session_id)
         except Abort as e:
-            if e.code is not Status.DATA_LOSS:
+            # corrupt, or a new session whose first turn runs now (its lease is there, its record not yet)
+            if e.code is not Status.DATA_LOSS and not (
+                e.code is Status.NOT_FOUND and await self._leased(tenant, session_id)
+            ):
                 raise
             rec = Record(session_id, tenant, created=0.0, last_used=0.0)
         # A turn of the session running on any gateway loses its lease: it ends with ABORTED and its
@@ -195,6 +198,9 @@ class Gateway:
         await self.quotas.forget(tenant, rec.session_id)
         await self.backends.drop(rec.session_id, tenant, rec.verifier)
         return rec
+
+    async def _leased(self, tenant: str, session_id: str) -> bool:
+        return await self.records.call("get", self.records.store.get, lease_key(tenant, session_id)) is not None
 
     async def sessions(self, tenant: str) -> list[Record]:
         """The tenant's sessions, oldest first."""

@@ -136,6 +136,26 @@ def test_close_on_b_during_a_turn_on_a_ends_it_and_nothing_resurrects(env, loop_
     assert loop_thread.run(gws[0][1].quotas.usage("globex"))[2] == 0
 
 
+def test_close_on_b_during_a_new_sessions_first_turn_on_a(env, loop_thread):
+    st, gws, r = env
+    with Client(_target(gws, 0), api_key="key-b", timeout=60) as a, Client(_target(gws, 1), api_key="key-b") as b:
+        with ThreadPoolExecutor(1) as pool, held_save(loop_thread, gws[0][1]) as (reached, release):
+            call = a.generate(prompt(40, 8), max_new_tokens=4)
+            sid = next(call).session_id  # the session's id arrives with the first chunk, before any record
+            fut = pool.submit(lambda: [x for x in call])
+            assert reached.wait(60)
+            assert _record(r, "globex", sid) is None
+            info = b.close_session(sid)  # no record yet, but a running turn: closed all the same
+            assert info.closed and info.turns == 0
+            release()
+            err = pytest.raises(grpc.RpcError, fut.result, 60)
+        assert err.value.code() == AB
+        _nothing_left(r, "globex", sid)
+        with pytest.raises(grpc.RpcError) as e:
+            a.complete([5], session_id=sid, max_new_tokens=2)
+        assert e.value.code() == NF
+
+
 def test_concurrent_turns_of_one_session_on_two_gateways(env, loop_thread, tiny_llama):
     st, gws, r = env
     p1, p2, p3 = prompt(3, 10), prompt(4, 4), prompt(5, 5)
