@@ -138,6 +138,14 @@ SERVICE = {
             "--max-session-tokens", "RACER_MAX_SESSION_TOKENS", 65_536, "longest session history a drafter takes", int
         ),
         ALLOW_UNAUTHENTICATED,
+        Setting(
+            "--max-memory-bytes",
+            "RACER_MAX_MEMORY_BYTES",
+            1 << 30,
+            "estimated bytes of the sessions a drafter keeps in memory; past it the least recently used idle ones "
+            "leave memory and restore from their snapshot at their next turn (0: bounded only by the TTL)",
+            int,
+        ),
     ],
     "verifier": [
         Setting(
@@ -226,8 +234,39 @@ SERVICE = {
             "--max-sessions-per-tenant",
             "RACER_MAX_SESSIONS_PER_TENANT",
             32,
-            "sessions of one tenant generating at once on one gateway; more get RESOURCE_EXHAUSTED (0: no limit)",
+            "sessions of one tenant generating at once on one gateway; more get RESOURCE_EXHAUSTED (0: no limit); "
+            "also the default of the tenant's turns quota across all gateways (--tenant-limits)",
             int,
+        ),
+        Setting(
+            "--tenant-limits",
+            "RACER_TENANT_LIMITS",
+            "",
+            "TOML (or .json) file of per-tenant quotas: a [default] table and [tenants.<name>] overrides of "
+            "sessions, tokens and turns (gateway/quotas.py); unset: the defaults below for every tenant",
+        ),
+        Setting(
+            "--max-sessions-kept",
+            "RACER_MAX_SESSIONS_KEPT",
+            64,
+            "default quota: sessions one tenant keeps in the session store, counted across gateways (0: no limit)",
+            int,
+        ),
+        Setting(
+            "--max-tokens-stored",
+            "RACER_MAX_TOKENS_STORED",
+            524_288,
+            "default quota: tokens of all one tenant's sessions (a turn reserves its history + max_new_tokens), "
+            "counted across gateways (0: no limit)",
+            int,
+        ),
+        Setting(
+            "--lease-seconds",
+            "RACER_LEASE_SECONDS",
+            10.0,
+            "a turn's lease on its session in the store, renewed every third of it while the turn runs; a "
+            "gateway that dies mid-turn blocks the session this long",
+            float,
         ),
         Setting(
             "--backend-timeout",

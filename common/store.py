@@ -2,6 +2,12 @@
 
 ``open_store("memory://")`` serves the local demo and tests; ``open_store("redis://host:6379/0")``
 is the durable store replicas share. Values are bytes; every write carries a TTL.
+
+Besides get/set/delete, both stores give the same atomic operations for a single writer per key:
+a lease (a random token under a key with a TTL: ``acquire``, ``renew``, ``release``) and a fenced
+compare-and-set (``fenced_set``: writes only while the lease holds the caller's token and the value
+is still the one the caller read), so a writer whose lease expired or was taken cannot overwrite.
+The Redis store runs them as Lua scripts; extra scripts (``script``) serve other atomic counters.
 """
 
 from __future__ import annotations
@@ -35,6 +41,34 @@ class MemoryStore:
         now = time.monotonic()
         return [k for k, (_, exp) in self._data.items() if k.startswith(prefix) and exp >= now]
 
+    async def acquire(self, key: str, token: str, ttl: float) -> bool:
+        """Sets ``key`` to ``token`` if it is absent (or expired); whether it did."""
+        if await self.get(key) is not None:
+            return False
+        await self.set(key, token.encode(), ttl)
+        return True
+
+    async def renew(self, key: str, token: str, ttl: float) -> bool:
+        """Extends ``key``'s TTL if it still holds ``token``."""
+        if await self.get(key) != token.encode():
+            return False
+        await self.set(key, token.encode(), ttl)
+        return True
+
+    async def release(self, key: str, token: str) -> bool:
+        """Deletes ``key`` if it still holds ``token``."""
+        if await self.get(key) != token.encode():
+            return False
+        return await self.delete(key)
+
+    async def fenced_set(self, lease: str, token: str, key: str, old: bytes | None, value: bytes, ttl: float) -> bool:
+        """Sets ``key`` to ``value`` only if ``lease`` holds ``token`` and ``key`` holds ``old`` (None:
+        absent); whether it did."""
+        if await self.get(lease) != token.encode() or await self.get(key) != old:
+            return False
+        await self.set(key, value, ttl)
+        return True
+
     async def close(self) -> None:
         pass
 
@@ -52,6 +86,9 @@ class RedisStore:
         self._r = redis.Redis.from_url(
             url, socket_timeout=2.0, socket_connect_timeout=2.0, retry=Retry(ExponentialBackoff(cap=0.25, base=0.05), 1)
         )
+        self._renew = self._r.register_script(_RENEW)
+        self._release = self._r.register_script(_RELEASE)
+        self._fenced_set = self._r.register_script(_FENCED_SET)
 
     async def get(self, key: str) -> bytes | None:
         return await self._r.get(key)
@@ -65,8 +102,50 @@ class RedisStore:
     async def keys(self, prefix: str) -> list[str]:
         return [k.decode() async for k in self._r.scan_iter(match=_escape(prefix) + "*", count=500)]
 
+    async def acquire(self, key: str, token: str, ttl: float) -> bool:
+        return bool(await self._r.set(key, token, px=_ms(ttl), nx=True))
+
+    async def renew(self, key: str, token: str, ttl: float) -> bool:
+        return bool(await self._renew(keys=[key], args=[token, _ms(ttl)]))
+
+    async def release(self, key: str, token: str) -> bool:
+        return bool(await self._release(keys=[key], args=[token]))
+
+    async def fenced_set(self, lease: str, token: str, key: str, old: bytes | None, value: bytes, ttl: float) -> bool:
+        args = [token, "1" if old is None else "0", old or b"", value, _ms(ttl)]
+        return bool(await self._fenced_set(keys=[lease, key], args=args))
+
+    def script(self, lua: str):
+        """A Lua script registered with this Redis: ``await s(keys=[...], args=[...])``."""
+        return self._r.register_script(lua)
+
     async def close(self) -> None:
         await self._r.aclose()
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+_FENCED_SET = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local cur = redis.call('GET', KEYS[2])
+if ARGV[2] == '1' then
+  if cur then return 0 end
+elseif cur ~= ARGV[3] then
+  return 0
+end
+redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[5])
+return 1
+"""
 
 
 def _escape(s: str) -> str:

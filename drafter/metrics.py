@@ -17,3 +17,7 @@ SNAPSHOT_SECONDS = Histogram(
 # Exported with _total (racer_snapshot_failures_total, racer_drafter_restores_total).
 SNAPSHOT_FAILURES = Counter("racer_snapshot_failures", "Snapshot saves or restores that failed", ["op"])
 RESTORES = Counter("racer_drafter_restores", "How a drafter session was found at open", ["source"])
+DRAFTER_BYTES = Gauge("racer_drafter_session_bytes", "Estimated bytes of the sessions held in drafter memory")
+EVICTIONS = Counter(
+    "racer_drafter_evictions", "Idle sessions dropped from memory to stay within --max-memory-bytes (snapshot kept)"
+)

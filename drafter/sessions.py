@@ -3,6 +3,10 @@
 A session's snapshot goes to the store at every turn end and every ``snapshot_every`` rounds, after
 the response is sent; another replica that is handed the session restores the snapshot and replays
 the tokens after it, or rebuilds from the history. No grpc: the service converts its messages.
+
+Memory is bounded in bytes (``max_bytes``, each session's estimate taken when it enters memory and
+when its stream ends): past the bound the least recently used idle sessions leave memory, their snapshot
+written first, and their next turn restores from it.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class Entry(_Entry):
     parents: list[int] = field(default_factory=list)
     rounds_since_save: int = 0
     saved_length: int = -1
+    bytes: int = 0  # the session's memory estimate when it last opened or was released
+    dropped: bool = False  # closed (``drop``) while a stream still held it: nothing more is saved
 
     @property
     def snapshot_key(self) -> str:
@@ -94,9 +100,11 @@ class Drafter(Holder):
         snapshot_every: int = 32,
         ttl: float = 1800.0,
         max_tokens: int = 65_536,
+        max_bytes: int = 0,
     ):
         self.config = config
         self.max_tokens = max_tokens
+        self.max_bytes = max_bytes  # sessions in memory, estimated; 0: bounded only by the TTL
         self.store = store
         self.prior = prior
         self.snapshot_every = snapshot_every
@@ -154,6 +162,7 @@ class Drafter(Holder):
         if plain_end < len(history):
             s.extend(history[plain_end:], rows[plain_end - first_row :])
         self.sessions.claim(entry)  # only once the open succeeded: a failed one leaves no stream behind
+        self._bound(entry, estimate=source != "memory")  # (~5 ms for a full session: not before every turn)
         M.DRAFTER_SESSIONS.set(len(self.sessions))
         return entry, source
 
@@ -216,14 +225,40 @@ class Drafter(Holder):
 
     def after_response(self, entry: Entry) -> None:
         """Off the round's critical path: the response is on its way before the snapshot is encoded."""
-        if entry.rounds_since_save >= self.snapshot_every:
+        if entry.rounds_since_save >= self.snapshot_every and not entry.dropped:
             self._save_later(entry)
 
     def release(self, entry: Entry) -> None:
         """The stream ended: the session stays for the next one, and what changed is saved."""
         self.sessions.release(entry)
-        if len(entry.session.history) != entry.saved_length and entry.key in self.sessions:
+        if entry.dropped or self.sessions.get(entry.key) is not entry:
+            return  # closed or evicted meanwhile
+        if len(entry.session.history) != entry.saved_length:
             self._save_later(entry)
+        self._bound(entry)
+
+    # -- memory -------------------------------------------------------------------------------
+    def memory_bytes(self) -> int:
+        """Estimated bytes of the sessions in memory (as of their last open or release)."""
+        return sum(e.bytes for e in self.sessions)
+
+    def _bound(self, entry: Entry, estimate: bool = True) -> None:
+        """Re-estimates ``entry`` (unless told not to); while the sessions are over ``max_bytes``, the
+        least recently used idle one (never ``entry``) is snapshotted and dropped from memory."""
+        if estimate:
+            entry.bytes = entry.session.memory_estimate() if self.max_bytes else 0
+        total = self.memory_bytes()
+        while self.max_bytes and total > self.max_bytes:
+            victim = self.sessions.idle_lru(keep=entry.key)
+            if victim is None:
+                break
+            if len(victim.session.history) != victim.saved_length:
+                self._save_later(victim)  # serialized now; the write finishes after it has left memory
+            self.sessions.pop(victim.key)
+            total -= victim.bytes
+            M.EVICTIONS.inc()
+        M.DRAFTER_BYTES.set(total)
+        M.DRAFTER_SESSIONS.set(len(self.sessions))
 
     # -- snapshots ----------------------------------------------------------------------------
     def _save_later(self, entry: Entry) -> None:
@@ -250,6 +285,12 @@ class Drafter(Holder):
             self._warnings.warning("snapshot save failed", key=key, tokens=length, error=repr(e))
             if entry.saved_length == length:
                 entry.saved_length = -1  # not saved: the next trigger (or the shutdown flush) tries again
+            return
+        if entry.dropped:  # the session was closed while this write was on its way: it stays closed
+            try:
+                await self.store.delete(key)
+            except Exception as e:  # noqa: BLE001 - the snapshot then expires with its TTL
+                self._warnings.warning("snapshot delete failed", key=key, error=repr(e))
             return
         M.SNAPSHOT_BYTES.observe(len(data))
         M.SNAPSHOT_SECONDS.labels("save").observe(encode_ms / 1e3 + time.perf_counter() - t0)
@@ -295,6 +336,8 @@ class Drafter(Holder):
     async def drop(self, tenant: str, session_id: str) -> bool:
         """Forgets a session here and in the store; whether there was one."""
         entry = self.sessions.pop((tenant, session_id))
+        if entry is not None:
+            entry.dropped = True  # a stream still on it (a turn being ended) saves nothing more
         try:
             in_store = await self.store.delete(snapshot_key(tenant, session_id))
         except Exception as e:  # noqa: BLE001

@@ -19,7 +19,9 @@ from typing import AsyncIterator, Iterable
 from common.errors import Abort, Status
 
 from .auth import ApiKeys, tenant_of
+from .leases import Lease, break_lease, lease_key
 from .links import Backends
+from .quotas import Quotas, TenantLimits
 from .records import Record, Records
 from .requests import Limits, Request, check, input_ids
 from .routing import Endpoints
@@ -63,6 +65,8 @@ class Gateway:
         ttl: float = 1800.0,
         vocab_size: int | None = None,
         timeouts: Timeouts = Timeouts(),
+        tenant_limits: TenantLimits = TenantLimits(),
+        lease_s: float = 10.0,
     ):
         self.tokenizer = tokenizer
         self.eos_ids = tuple(eos_ids)
@@ -72,6 +76,8 @@ class Gateway:
         self.timeouts = timeouts
         self.vocab_size = vocab_size or (len(tokenizer) if tokenizer is not None else None)
         self.records = Records(store, ttl, timeouts.store_retry, self.vocab_size)
+        self.quotas = Quotas(store, tenant_limits, ttl, self.records.call)  # in the store: shared by replicas
+        self.lease_s = lease_s  # a turn's lease on its session: renewed every third of this while it runs
         self._turns: dict[tuple[str, str], Turn] = {}  # (tenant, session id) -> its turn running on this gateway
         self.stopping: str | None = None  # set when the gateway drains: why new turns are refused
 
@@ -114,7 +120,7 @@ class Gateway:
                 f"tenant {tenant!r}: {running} sessions are generating, the limit is "
                 f"max_sessions_per_tenant={lim.max_sessions_per_tenant}; retry when one ends",
             )
-        turn = input_ids(r, record.history, self.tokenizer, self.eos_ids, lim, self.vocab_size)
+        turn = await self._input_ids(r, record.history)
         history = record.history + turn
         if len(history) > lim.max_prompt_tokens:
             raise Abort(
@@ -123,7 +129,15 @@ class Gateway:
                 f"turn's {len(turn)} it would exceed max_prompt_tokens={lim.max_prompt_tokens}; "
                 "start a new session",
             )
+        kept = len(record.history)  # what the session holds if this turn is not saved
+        lease = Lease(self.records, self.quotas, tenant, record.session_id, self.lease_s)
+        await lease.take(len(history) + req.max_new, new=not r.session_id)  # ABORTED if a turn runs anywhere
+        if key in self._turns:  # a turn of this gateway whose lease expired: never overwrite it
+            await lease.end(None, kept)
+            raise Abort(Status.ABORTED, f"session_id {record.session_id!r}: a turn is already running")
         run = self._turns[key] = Turn(self, record, history, len(turn), req)
+        run.lease = lease
+        lease.keep(lambda reason: run.stop(reason, Status.ABORTED))
         # The rounds run in their own task and hand their responses over through a queue: a
         # streamed message's send completes ~0.4 ms after it is queued, and the next round need
         # not wait for it. The queue holds at most one turn's tokens.
@@ -142,25 +156,46 @@ class Gateway:
                 rounds.cancel()  # the client went away: the turn releases its drafter and verifier
             await asyncio.gather(rounds, return_exceptions=True)
             del self._turns[key]
+            await lease.end(run.saved_tokens, kept)
+
+    async def _input_ids(self, r: Request, history: list[int]) -> list[int]:
+        """The turn's input tokens: text is tokenized, and a large ``prompt_ids`` scanned, off the event
+        loop, so one large request does not hold up every other stream of this gateway."""
+        args = (r, history, self.tokenizer, self.eos_ids, self.limits, self.vocab_size)
+        if r.input == "prompt_ids" and len(r.prompt_ids) <= 2048:
+            return input_ids(*args)
+        return await asyncio.to_thread(input_ids, *args)
 
     # -- sessions -----------------------------------------------------------------------------
     async def session(self, tenant: str, session_id: str) -> Record:
         return await self.records.load(tenant, session_id)
 
     async def close(self, tenant: str, session_id: str) -> Record:
-        """Deletes the record, then drops the session's state in the backends (best effort). A
+        """Ends a turn of the session running on any gateway (ABORTED, not saved), deletes the record,
+        then drops the session's state in the backends (best effort). A
         corrupt record is deleted too (its verifier unknown: the verifier's copy expires on its own)."""
         try:
             rec = await self.records.load(tenant, session_id)
         except Abort as e:
-            if e.code is not Status.DATA_LOSS:
+            # corrupt, or a new session whose first turn runs now (its lease is there, its record not yet)
+            if e.code is not Status.DATA_LOSS and not (
+                e.code is Status.NOT_FOUND and await self._leased(tenant, session_id)
+            ):
                 raise
             rec = Record(session_id, tenant, created=0.0, last_used=0.0)
-        if (tenant, rec.session_id) in self._turns:
-            raise Abort(Status.FAILED_PRECONDITION, f"session_id {rec.session_id!r}: a turn is running")
+        # A turn of the session running on any gateway loses its lease: it ends with ABORTED and its
+        # fenced save cannot bring the record back.
+        await break_lease(self.records, tenant, rec.session_id)
+        run = self._turns.get((tenant, rec.session_id))
+        if run is not None:
+            run.stop(f"session_id {rec.session_id!r}: the session was closed while this turn ran", Status.ABORTED)
         await self.records.delete(rec)
+        await self.quotas.forget(tenant, rec.session_id)
         await self.backends.drop(rec.session_id, tenant, rec.verifier)
         return rec
+
+    async def _leased(self, tenant: str, session_id: str) -> bool:
+        return await self.records.call("get", self.records.store.get, lease_key(tenant, session_id)) is not None
 
     async def sessions(self, tenant: str) -> list[Record]:
         """The tenant's sessions, oldest first."""

@@ -42,11 +42,12 @@ class TurnLinks:
         self.lost = {"drafter": 0, "verifier": 0}  # streams lost mid-turn
         self.last_error = {"drafter": "", "verifier": ""}
         self.abort: str | None = None  # set by a draining gateway: end the turn with UNAVAILABLE
+        self.abort_code = Status.UNAVAILABLE  # ABORTED when the session's lease was lost
         self.waiting: dict[str, float] = {}  # kind -> when to stop waiting for one to come back
 
     def check_abort(self) -> None:
         if self.abort:
-            raise Abort(Status.UNAVAILABLE, self.abort)
+            raise Abort(self.abort_code, self.abort)
 
     async def _candidates(self, kind: str) -> list[str]:
         """Endpoints of ``kind`` to try, best first. When every one has failed this turn, waits with

@@ -40,3 +40,7 @@ CORRUPT_RECORDS = Counter(
     "racer_session_records_corrupt", "Session records read from the store that failed validation (each read counts)"
 )
 STORE_FAILURES = Counter("racer_store_failures", "Session-store calls that failed (each retry counts)", ["op"])
+QUOTA_REFUSALS = Counter(
+    "racer_quota_refusals", "Turns refused because a tenant quota was full", ["quota"]
+)  # no tenant label: tenants are unbounded
+LEASE_LOST = Counter("racer_session_leases_lost", "Running turns that lost their session's lease (closed or expired)")

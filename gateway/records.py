@@ -35,9 +35,13 @@ class Record:
     verifier: str = ""
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
+    # The bytes this record was read from (None: not in the store yet): what a fenced save compares.
+    stored: bytes | None = field(default=None, repr=False, compare=False)
 
     def dumps(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        d = asdict(self)
+        del d["stored"]
+        return json.dumps(d, separators=(",", ":")).encode()
 
     @classmethod
     def loads(
@@ -60,10 +64,10 @@ class Record:
         _need(vocab_size is None or all(t < vocab_size for t in h), "history: token outside the vocabulary")
         _need(tenant is None or d["tenant"] == tenant, "tenant: not the key's")
         _need(session_id is None or d["session_id"] == session_id, "session_id: not the key's")
-        return cls(**d)
+        return cls(**d, stored=bytes(data))
 
 
-_FIELDS = frozenset(f.name for f in fields(Record))
+_FIELDS = frozenset(f.name for f in fields(Record)) - {"stored"}
 
 
 class RecordError(ValueError):
@@ -112,6 +116,11 @@ class Records:
                 return await fn(*args)
             except Exception as e:  # noqa: BLE001 - any store error is retried, then reported
                 M.STORE_FAILURES.labels(op).inc()
+                if type(e).__name__ == "OutOfMemoryError" or str(e).startswith("OOM"):  # Redis full (noeviction)
+                    log.warning("session store full", extra={"op": op, "error": repr(e)})
+                    raise Abort(
+                        Status.RESOURCE_EXHAUSTED, f"session store full ({op}): close sessions or retry later"
+                    ) from None
                 if time.monotonic() + delay > deadline:
                     log.warning("session store call failed", extra={"op": op, "error": repr(e)})
                     raise Abort(Status.UNAVAILABLE, f"session store unavailable ({op}): {e!r}") from None
@@ -132,8 +141,27 @@ class Records:
             raise Abort(Status.NOT_FOUND, f"session_id {session_id!r}: no such session")
         return self._decode(data, tenant, session_id)  # checks the tenant too: a second lock on the door
 
-    async def save(self, rec: Record) -> None:
-        await self.call("set", self.store.set, record_key(rec.tenant, rec.session_id), rec.dumps(), self.ttl_s)
+    async def save(self, rec: Record, lease=None) -> None:
+        """Writes the record; with the turn's ``lease`` (``leases.Lease``) only while the lease is still
+        the turn's and the stored record is still the one the turn read: ABORTED otherwise (the session
+        was closed, or another turn took it over after this one's lease expired)."""
+        key, data = record_key(rec.tenant, rec.session_id), rec.dumps()
+        if lease is None:
+            await self.call("set", self.store.set, key, data, self.ttl_s)
+            rec.stored = data
+            return
+        fenced = (lease.key, lease.token, key, rec.stored, data, self.ttl_s)
+        # (a retried call whose first try was written but not answered finds its own bytes there)
+        if (
+            not await self.call("set", self.store.fenced_set, *fenced)
+            and await self.call("get", self.store.get, key) != data
+        ):
+            raise Abort(
+                Status.ABORTED,
+                f"session_id {rec.session_id!r}: the session was closed, or taken over by another turn after this "
+                "turn's lease expired, while this turn ran",
+            )
+        rec.stored = data
 
     async def delete(self, rec: Record) -> None:
         await self.call("delete", self.store.delete, record_key(rec.tenant, rec.session_id))

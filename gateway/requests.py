@@ -27,6 +27,14 @@ class Limits:
     max_sessions_per_tenant: int = 32  # turns running at once per tenant, on one gateway (0: no limit)
 
 
+def request_bytes(limits: Limits) -> int:
+    """The largest Generate request that can pass the checks: text of up to 64 characters per
+    allowed token at 4 UTF-8 bytes each (``prompt_ids`` need at most 5 bytes per token), plus room
+    for the other fields. The gateway's gRPC message limit (a larger message is refused before it is
+    read into memory)."""
+    return 4 * 64 * limits.max_prompt_tokens + 256 * 1024
+
+
 @dataclass(frozen=True)
 class Request:
     """A Generate request's fields as the client sent them (the servicer copies them out of protobuf)."""

@@ -29,7 +29,9 @@ class GatewayService(pb_grpc.GenerationServicer):
         try:
             gw = self.gateway
             tenant = gw.tenant(context.invocation_metadata())
-            async for item in gw.generate(tenant, _request(request)):
+            # a large request (up to the message limit) is copied out of protobuf off the event loop
+            req = _request(request) if request.ByteSize() <= 64 * 1024 else await asyncio.to_thread(_request, request)
+            async for item in gw.generate(tenant, req):
                 yield _response(item)
         except Abort as e:
             code = e.code.name

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from opentelemetry import trace
 
-from common.errors import Abort
+from common.errors import Abort, Status
 from common.loop import Rounds, Stats
 from common.params import GenerationParams
 from common.text import Detokenizer
@@ -64,10 +64,14 @@ class Turn:
         self.rounds = Rounds(history, GenerationParams(req.max_new, tuple(self.stop_ids), req.mode, req.budget))
         self.stats = self.rounds.stats
         self.links = TurnLinks(gw, record, req.sampling, self.rounds)
+        self.lease = None  # leases.Lease: the record is saved only while it holds
+        self.saved_tokens: int | None = None  # the saved record's length, once saved
 
-    def stop(self, reason: str) -> None:
-        """Ends the turn with UNAVAILABLE at its next round or failover (a draining gateway)."""
+    def stop(self, reason: str, code: Status = Status.UNAVAILABLE) -> None:
+        """Ends the turn with ``code`` at its next round or failover (a draining gateway: UNAVAILABLE;
+        a lost lease: ABORTED)."""
         self.links.abort = reason
+        self.links.abort_code = code
 
     async def stream(self):
         """``Chunk`` messages, then one ``Finished`` once the record is saved."""
@@ -153,8 +157,11 @@ class Turn:
         rec.turns += 1
         rec.last_used = time.time()
         try:
-            await self.gw.records.save(rec)
+            await self.gw.records.save(rec, self.lease)
+            self.saved_tokens = len(rec.history)
         except Abort as e:
+            if e.code is Status.ABORTED:
+                raise
             raise Abort(e.code, f"{e.message}; the turn was not saved: retry it") from None
         total = time.perf_counter() - t0
         s = self.stats

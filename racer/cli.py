@@ -385,7 +385,11 @@ def main(argv=None) -> int:
     bb.set_defaults(func=lambda a: __import__("racer.bench_services", fromlist=["x"]).bench_batch(a))
 
     ld = sub.add_parser("load", help="N concurrent sessions x T turns through a gateway on this machine (bounded)")
-    ld.add_argument("--target", default="localhost:50051", help="gateway address (loopback only)")
+    ld.add_argument(
+        "--target",
+        default="localhost:50051",
+        help="gateway address (loopback only); several, comma-separated: each session's turns rotate over them",
+    )
     ld.add_argument("--sessions", type=int, default=16, help="concurrent sessions (at most 256)")
     ld.add_argument("--turns", type=int, default=3, help="turns per session (at most 32)")
     ld.add_argument("--max-new-tokens", type=int, default=64, help="per turn (at most 1024)")
@@ -399,7 +403,11 @@ def main(argv=None) -> int:
     )
     ld.add_argument("--prompt-tokens", type=int, default=16, help="with --ids: tokens per turn")
     ld.add_argument("--time-limit", type=float, default=120.0, help="seconds for the whole run (at most 600)")
-    ld.add_argument("--api-key", default=None, help="tenant API key (or env RACER_API_KEY)")
+    ld.add_argument(
+        "--api-key",
+        default=None,
+        help="tenant API key (or env RACER_API_KEY); several, comma-separated: sessions alternate over the tenants",
+    )
     ld.add_argument("--mode", default="", help="speculation mode (default: the server's)")
     ld.add_argument("--budget", type=int, default=0, help="draft budget (0: the server's)")
     ld.add_argument("--keep-sessions", action="store_true", help="do not close the sessions at the end")

@@ -69,6 +69,7 @@ async def start_drafter(args) -> tuple[Server, object]:
         args.snapshot_every,
         args.session_ttl,
         max_tokens=args.max_session_tokens,
+        max_bytes=getattr(args, "max_memory_bytes", 0),
     )
     svc = DrafterService(core)
     tasks = []
@@ -169,7 +170,7 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
     from common.v1 import generation_pb2_grpc
     from gateway.auth import ApiKeys
     from gateway.core import Gateway, Timeouts
-    from gateway.requests import Limits
+    from gateway.requests import Limits, request_bytes
     from gateway.routing import Endpoints
     from gateway.service import GatewayService
 
@@ -194,6 +195,7 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
     _gauge_endpoints(drafters, verifiers)
     store = open_store(args.session_url)
     limits = Limits(args.max_prompt_tokens, args.max_new_tokens, args.max_budget, args.max_sessions_per_tenant)
+    tenant_limits = _tenant_limits(args)
     timeouts = Timeouts(args.backend_timeout, args.reconnect_seconds, args.store_retry_seconds)
     core = Gateway(
         tokenizer,
@@ -206,6 +208,8 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
         args.session_ttl,
         vocab_size,
         timeouts,
+        tenant_limits,
+        getattr(args, "lease_seconds", 10.0),
     )
 
     tasks = []
@@ -234,7 +238,7 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
         lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(svc, s),
         args.host,
         args.port,
-        args.max_message_bytes,
+        min(args.max_message_bytes, request_bytes(limits)),
         core.drain,
         closed=closed,
         **_server_kw(args),
@@ -276,3 +280,11 @@ def _gauge_endpoints(drafters, verifiers) -> None:
 
     M.ENDPOINTS.labels("drafter").set_function(drafters.healthy)
     M.ENDPOINTS.labels("verifier").set_function(verifiers.healthy)
+
+
+def _tenant_limits(args):
+    """The per-tenant quotas: the settings' defaults, then the tenant-limits file if one is named."""
+    from gateway.quotas import Quota, TenantLimits, load_tenant_limits
+
+    default = Quota(args.max_sessions_kept, args.max_tokens_stored, args.max_sessions_per_tenant)
+    return load_tenant_limits(args.tenant_limits, default) if args.tenant_limits else TenantLimits(default)

@@ -5,6 +5,10 @@ Bounded on purpose: loopback targets only, at most ``MAX_SESSIONS`` sessions, ``
 from a fixed seed, so two runs send the same requests. Reports time to first token, inter-token
 latency (a chunk of k tokens that came g ms after the previous one counts k gaps of g/k ms), turn
 latency, aggregate tokens/s and errors by status; sessions are closed at the end unless asked not to.
+
+Several gateways (``--target a,b``): turn t of session i goes to gateway (i + t) mod n, so every
+session moves between replicas. Several API keys (``--api-key k1,k2``): session i belongs to tenant
+i mod k, and errors are also counted per tenant (``tenant1``, ``tenant2``...: keys are not printed).
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ class Turn:
 class SessionRun:
     session_id: str = ""
     turns: list[Turn] = field(default_factory=list)
+    tenant: int = 0  # index of its API key
 
 
 @dataclass
@@ -85,6 +90,7 @@ class Report:
     itl_ms: dict[str, float]
     turn_ms: dict[str, float]
     runs: list[SessionRun] = field(default_factory=list, repr=False)
+    tenant_errors: dict[str, dict[str, int]] = field(default_factory=dict)  # with several API keys
 
     def summary(self) -> dict:
         d = asdict(self)
@@ -96,7 +102,11 @@ class Report:
         return (
             f"{self.sessions} sessions x {self.turns} turns: {self.completed_turns}/{self.sessions * self.turns} turns "
             f"completed, errors: {e}\n"
-            f"tokens {self.tokens} in {self.wall_s:.2f} s: {self.tokens_per_s:.1f} tok/s aggregate\n"
+            + "".join(
+                f"  {name}: " + ", ".join(f"{k} {v}" for k, v in sorted(errs.items())) + "\n"
+                for name, errs in sorted(self.tenant_errors.items())
+            )
+            + f"tokens {self.tokens} in {self.wall_s:.2f} s: {self.tokens_per_s:.1f} tok/s aggregate\n"
             f"time to first token  p50 {self.ttft_ms['p50']:.1f} ms  p99 {self.ttft_ms['p99']:.1f} ms\n"
             f"inter-token latency  p50 {self.itl_ms['p50']:.2f} ms  p99 {self.itl_ms['p99']:.2f} ms\n"
             f"turn latency         p50 {self.turn_ms['p50']:.1f} ms  p99 {self.turn_ms['p99']:.1f} ms"
@@ -160,23 +170,31 @@ async def run_load(
         raise ValueError(f"--max-new-tokens {max_new_tokens}: expected 1..{MAX_NEW_TOKENS}")
     if not 0 < time_limit <= MAX_SECONDS:
         raise ValueError(f"--time-limit {time_limit}: expected (0, {MAX_SECONDS:g}] seconds")
+    targets = [t.strip() for t in target.split(",") if t.strip()]
+    if not targets:
+        raise ValueError("--target: no gateway address")
     if loopback_only:
-        check_loopback(target)
+        for t in targets:
+            check_loopback(t)
     prompts = make_prompts(sessions, turns, seed, ids_vocab, prompt_tokens)
-    md = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-    runs = [SessionRun() for _ in range(sessions)]
+    keys = [k.strip() for k in api_key.split(",")] if api_key else [""]
+    mds = [(("authorization", f"Bearer {k}"),) if k else () for k in keys]
+    runs = [SessionRun(tenant=i % len(keys)) for i in range(sessions)]
     ttft: list[float] = []
     itl: list[float] = []
     turn_ms: list[float] = []
     opts = [("grpc.max_receive_message_length", 64 << 20)]
-    channel = (
-        grpc.aio.secure_channel(target, credentials, opts) if credentials else grpc.aio.insecure_channel(target, opts)
-    )
-    stub = pb_grpc.GenerationStub(channel)
+    channels = [
+        grpc.aio.secure_channel(t, credentials, opts) if credentials else grpc.aio.insecure_channel(t, opts)
+        for t in targets
+    ]
+    stubs = [pb_grpc.GenerationStub(ch) for ch in channels]
 
     async def one(i: int) -> None:
         run = runs[i]
+        md = mds[run.tenant]
         for t in range(turns):
+            stub = stubs[(i + t) % len(stubs)]
             p = prompts[i][t]
             turn = Turn(p)
             run.turns.append(turn)
@@ -223,20 +241,27 @@ async def run_load(
         if close:
             await asyncio.gather(
                 *(
-                    stub.CloseSession(pb.SessionRef(session_id=r.session_id), metadata=md, timeout=10)
-                    for r in runs
+                    stubs[i % len(stubs)].CloseSession(
+                        pb.SessionRef(session_id=r.session_id), metadata=mds[r.tenant], timeout=10
+                    )
+                    for i, r in enumerate(runs)
                     if r.session_id
                 ),
                 return_exceptions=True,
             )
     finally:
-        await channel.close()
+        for ch in channels:
+            await ch.close()
     errors: dict[str, int] = {}
+    tenant_errors: dict[str, dict[str, int]] = {}
     for r in runs:
         for t in r.turns:
             if t.error:
                 code = t.error.split(":", 1)[0]
                 errors[code] = errors.get(code, 0) + 1
+                if len(keys) > 1:
+                    per = tenant_errors.setdefault(f"tenant{r.tenant + 1}", {})
+                    per[code] = per.get(code, 0) + 1
     tokens = sum(len(t.ids) for r in runs for t in r.turns)
     return Report(
         sessions=sessions,
@@ -250,6 +275,7 @@ async def run_load(
         itl_ms=percentiles(itl),
         turn_ms=percentiles(turn_ms),
         runs=runs,
+        tenant_errors=tenant_errors,
     )
 
 

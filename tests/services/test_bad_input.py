@@ -321,13 +321,18 @@ def test_oversized_messages_and_limits(env, tiny_llama):
     with pytest.raises(grpc.RpcError) as e:
         a.complete(prompt(64, 4), session_id=sid, max_new_tokens=2)
     assert e.value.code() == AB and "session_id" in e.value.details()
+    # CloseSession while the turn runs ends it (ABORTED, unless it was saved already) and the session is gone
+    assert a.close_session(sid).closed
+    ids = list(first.token_ids)
+    try:
+        ids += [t for r in call for t in r.token_ids]
+        assert ids == hf_greedy(tiny_llama, histories[sid] + prompt(63, 4), MAX_NEW)
+    except grpc.RpcError as e:
+        assert e.code() == AB and "closed" in e.details()
+    del histories[sid]
     with pytest.raises(grpc.RpcError) as e:
-        a.close_session(sid)
-    assert e.value.code() == FP and "session_id" in e.value.details()
-    ids = list(first.token_ids) + [t for r in call for t in r.token_ids]
-    history = histories[sid] + prompt(63, 4)
-    assert ids == hf_greedy(tiny_llama, history, MAX_NEW)
-    histories[sid] = history + ids
+        a.complete(prompt(64, 4), session_id=sid, max_new_tokens=2)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
     _nothing_left_running(stack)
 
 

@@ -437,3 +437,38 @@ def test_sigterm_on_the_gateway_under_load_ends_every_stream_clearly(healthy, ti
     with Client(cl.gateway.target) as c:
         for i, (code, _) in results.items():
             assert c.get_session(starts[i][2]).turns == (2 if code == "ok" else 1), "an ended turn was not saved"
+
+
+def test_a_gateway_killed_mid_turn_its_lease_expires_and_another_gateway_goes_on(healthy, tiny_llama):
+    cl = healthy
+    gws = [cl.make_gateway(f"lease-gateway{i}", cl.verifiers) for i in range(2)]
+    for g in gws:
+        g.env["RACER_LEASE_SECONDS"] = "1"
+        g.start()
+    try:
+        for g in gws:
+            g.wait_healthy()
+        a, b = gws
+        p1, ids1, sid = first_turn(a.target, 12)
+        # gateway A is killed right after its turn's first chunk: the turn is lost, its lease stays behind
+        with pytest.raises(grpc.RpcError) as e:
+            stream_turn(a.target, sid, prompt(112, n=4), 900, a.kill, budget=1)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        wait_until(lambda: cl.released(sid), timeout=8, what="the backends saw A's streams end")
+        # on gateway B the session is ABORTED ("a turn is already running") until that lease expires
+        p3, deadline = prompt(113, n=4), time.monotonic() + 60
+        while True:
+            try:
+                with Client(b.target, timeout=60) as c:
+                    ids3 = c.complete(p3, session_id=sid, max_new_tokens=10)[0]
+                break
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.ABORTED and "already running" in err.details()
+                assert time.monotonic() < deadline, "the dead gateway's lease never expired"
+                wait_until(lambda: not cl.redis.client().exists(f"racer:lease:local:{sid}"), what="lease expired")
+        assert ids3 == hf_greedy(tiny_llama, p1 + ids1 + p3, 10)
+        info = Client(b.target).get_session(sid)  # A's lost turn is not in it, B's is, once
+        assert info.turns == 2 and info.tokens == len(p1 + ids1 + p3 + ids3)
+        assert Client(b.target).close_session(sid).closed
+    finally:
+        reap(gws)

@@ -1,0 +1,290 @@
+"""Per-tenant quotas kept in the session store, so every gateway replica counts the same sessions.
+
+Three quotas per tenant: sessions kept, tokens stored (a turn reserves its history plus its
+``max_new_tokens`` when it starts; the record's length replaces the reservation when it is saved)
+and turns running at once. Defaults and per-tenant overrides come from a tenant-limits file (TOML
+or JSON, see ``load_tenant_limits``); 0 means no limit.
+
+In Redis a tenant's counts are a sorted set of its sessions (scored by when their record expires),
+a hash of the tokens each holds, and a sorted set of its running turns (scored by when their lease
+expires, renewed while the turn runs): a session whose record expires, or a turn whose gateway died,
+stops counting on its own. Admission is one Lua script, so two gateways cannot both take the last
+slot. The in-memory store (one process) keeps the same counts in dicts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import tomllib
+from dataclasses import dataclass, fields, replace
+
+from common.errors import Abort, Status
+
+from . import metrics as M
+from .auth import TENANT
+
+
+@dataclass(frozen=True)
+class Quota:
+    sessions: int = 0  # sessions kept (records in the store); 0: no limit
+    tokens: int = 0  # tokens of all the tenant's session histories, reservations of running turns included
+    turns: int = 0  # turns running at once, on all gateways
+
+
+_KEYS = tuple(f.name for f in fields(Quota))
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    default: Quota = Quota()
+    tenants: tuple[tuple[str, Quota], ...] = ()  # per-tenant overrides
+
+    def of(self, tenant: str) -> Quota:
+        return dict(self.tenants).get(tenant, self.default)
+
+
+def _quota(d: object, base: Quota, where: str) -> Quota:
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: expected a table of {', '.join(_KEYS)}")
+    bad = set(d) - set(_KEYS)
+    if bad:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(sorted(bad))}; expected {', '.join(_KEYS)}")
+    for k, v in d.items():
+        if type(v) is not int or v < 0:
+            raise ValueError(f"{where}.{k}: {v!r}, expected an integer >= 0 (0: no limit)")
+    return replace(base, **d)
+
+
+def load_tenant_limits(path: str, default: Quota = Quota()) -> TenantLimits:
+    """Quotas from a file; ``default`` (the settings) fills what the file leaves out. The file::
+
+        [default]            # every tenant without its own table
+        sessions = 256
+        tokens = 1000000
+        turns = 16
+
+        [tenants.acme]       # overrides, key by key, on top of [default]
+        turns = 4
+
+    (or the same structure in JSON when the name ends in ``.json``)."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        d = json.loads(raw) if path.endswith(".json") else tomllib.loads(raw.decode())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    if not isinstance(d, dict) or set(d) - {"default", "tenants"}:
+        raise ValueError(f"{path}: expected only the tables 'default' and 'tenants'")
+    base = _quota(d.get("default", {}), default, f"{path}: default")
+    tenants = d.get("tenants", {})
+    if not isinstance(tenants, dict):
+        raise ValueError(f"{path}: tenants: expected a table of tenant tables")
+    out = []
+    for name, q in tenants.items():
+        if not TENANT.fullmatch(name):
+            raise ValueError(f"{path}: tenants.{name}: expected 1-64 of A-Z a-z 0-9 _ . @ -")
+        out.append((name, _quota(q, base, f"{path}: tenants.{name}")))
+    return TenantLimits(base, tuple(out))
+
+
+def quota_keys(tenant: str) -> tuple[str, str, str]:
+    p = f"racer:quota:{tenant}:"
+    return p + "sessions", p + "tokens", p + "turns"
+
+
+# KEYS: sessions (zset sid -> expiry), tokens (hash sid -> tokens), turns (zset turn -> expiry)
+# ARGV: now, sid, need, turn id, turn expiry, session expiry, max sessions, max tokens, max turns, key ttl ms
+# Returns {0, 0} when admitted, else {1 turns | 2 sessions | 3 tokens, the count that is full}.
+_PRUNE = """
+local now = tonumber(ARGV[1])
+local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. now)
+for _, s in ipairs(gone) do redis.call('HDEL', KEYS[2], s) end
+if #gone > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. now) end
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. now)
+"""
+_ADMIT = (
+    _PRUNE
+    + """
+local sid, need = ARGV[2], tonumber(ARGV[3])
+local max_s, max_t, max_c = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+local turns = redis.call('ZCARD', KEYS[3])
+if max_c > 0 and turns >= max_c then return {1, turns} end
+if not redis.call('ZSCORE', KEYS[1], sid) then
+  local n = redis.call('ZCARD', KEYS[1])
+  if max_s > 0 and n >= max_s then return {2, n} end
+end
+local total = 0
+for _, v in ipairs(redis.call('HVALS', KEYS[2])) do total = total + tonumber(v) end
+total = total - tonumber(redis.call('HGET', KEYS[2], sid) or '0')
+if max_t > 0 and total + need > max_t then return {3, total} end
+redis.call('ZADD', KEYS[1], ARGV[6], sid)
+redis.call('HSET', KEYS[2], sid, need)
+redis.call('ZADD', KEYS[3], ARGV[5], ARGV[4])
+for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[10]) end
+return {0, 0}
+"""
+)
+# ARGV: turn id, turn expiry, key ttl ms
+_RENEW = """
+if redis.call('ZADD', KEYS[3], 'XX', 'CH', ARGV[2], ARGV[1]) == 1 then redis.call('PEXPIRE', KEYS[3], ARGV[3]) end
+return 1
+"""
+# ARGV: turn id, sid, outcome ('saved' | 'new' | 'kept'), tokens (saved or restored), session expiry, key ttl ms,
+# the turn's reservation (a 'kept' turn restores the count only if no later turn changed it)
+_END = """
+redis.call('ZREM', KEYS[3], ARGV[1])
+local sid = ARGV[2]
+if not redis.call('ZSCORE', KEYS[1], sid) then return 0 end
+if ARGV[3] == 'kept' and redis.call('HGET', KEYS[2], sid) ~= ARGV[7] then return 0 end
+if ARGV[3] == 'new' then
+  redis.call('ZREM', KEYS[1], sid)
+  redis.call('HDEL', KEYS[2], sid)
+  return 1
+end
+redis.call('HSET', KEYS[2], sid, ARGV[4])
+if ARGV[3] == 'saved' then redis.call('ZADD', KEYS[1], ARGV[5], sid) end
+for i = 1, 2 do redis.call('PEXPIRE', KEYS[i], ARGV[6]) end
+return 1
+"""
+_FORGET = """
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+return 1
+"""
+_USAGE = (
+    _PRUNE
+    + """
+local total = 0
+for _, v in ipairs(redis.call('HVALS', KEYS[2])) do total = total + tonumber(v) end
+return {redis.call('ZCARD', KEYS[1]), total, redis.call('ZCARD', KEYS[3])}
+"""
+)
+
+
+@dataclass
+class _Tenant:  # the in-memory store's counts of one tenant
+    sessions: dict[str, float]  # sid -> expiry (unix s)
+    tokens: dict[str, int]
+    turns: dict[str, float]  # turn id -> expiry
+
+    def prune(self, now: float) -> None:
+        for sid in [s for s, exp in self.sessions.items() if exp < now]:
+            del self.sessions[sid]
+            self.tokens.pop(sid, None)
+        for t in [t for t, exp in self.turns.items() if exp < now]:
+            del self.turns[t]
+
+
+class Quotas:
+    """The quotas of every tenant, counted in ``store`` (through ``call``: the records' retried calls)."""
+
+    def __init__(self, store, limits: TenantLimits, ttl_s: float, call):
+        self.limits = limits
+        self.ttl_s = ttl_s  # a session record's TTL: how long an idle session counts
+        self._call = call
+        script = getattr(store, "script", None)
+        if script is not None:
+            self._admit, self._renew, self._end = script(_ADMIT), script(_RENEW), script(_END)
+            self._forget, self._usage = script(_FORGET), script(_USAGE)
+            self._mem: dict[str, _Tenant] | None = None
+        else:
+            self._mem = {}
+
+    def _t(self, tenant: str) -> _Tenant:
+        t = self._mem.setdefault(tenant, _Tenant({}, {}, {}))
+        t.prune(time.time())
+        return t
+
+    async def admit(self, tenant: str, session_id: str, need: int, turn_id: str, lease_s: float) -> None:
+        """Counts a starting turn that may grow the session to ``need`` tokens; RESOURCE_EXHAUSTED
+        (nothing counted) when a quota of the tenant is full."""
+        q = self.limits.of(tenant)
+        now = time.time()
+        if self._mem is None:
+            args = [now, session_id, need, turn_id, now + lease_s, now + self.ttl_s + lease_s]
+            args += [q.sessions, q.tokens, q.turns, int((self.ttl_s + lease_s) * 1000)]
+            code, n = await self._call("quota", self._admit, quota_keys(tenant), args)
+        else:
+            code, n = self._admit_memory(self._t(tenant), q, now, session_id, need, turn_id, lease_s)
+        if code:
+            M.QUOTA_REFUSALS.labels(("turns", "sessions", "tokens")[code - 1]).inc()
+        if code == 1:
+            raise Abort(
+                Status.RESOURCE_EXHAUSTED,
+                f"tenant {tenant!r}: {n} turns are running on the gateways, the quota is turns={q.turns}; "
+                "retry when one ends",
+            )
+        if code == 2:
+            raise Abort(
+                Status.RESOURCE_EXHAUSTED,
+                f"tenant {tenant!r}: {n} sessions are kept, the quota is sessions={q.sessions}; close one "
+                "(CloseSession) or wait for an idle one to expire",
+            )
+        if code == 3:
+            raise Abort(
+                Status.RESOURCE_EXHAUSTED,
+                f"tenant {tenant!r}: the sessions hold {n} tokens and this turn may take the session to {need} "
+                f"(history + max_new_tokens), the quota is tokens={q.tokens}; close sessions or ask for fewer "
+                "max_new_tokens",
+            )
+
+    def _admit_memory(self, t: _Tenant, q: Quota, now, sid, need, turn_id, lease_s) -> tuple[int, int]:
+        if q.turns and len(t.turns) >= q.turns:
+            return 1, len(t.turns)
+        if sid not in t.sessions and q.sessions and len(t.sessions) >= q.sessions:
+            return 2, len(t.sessions)
+        total = sum(t.tokens.values()) - t.tokens.get(sid, 0)
+        if q.tokens and total + need > q.tokens:
+            return 3, total
+        t.sessions[sid] = now + self.ttl_s + lease_s
+        t.tokens[sid] = need
+        t.turns[turn_id] = now + lease_s
+        return 0, 0
+
+    async def renew(self, tenant: str, turn_id: str, lease_s: float) -> None:
+        now = time.time()
+        if self._mem is None:
+            args = [turn_id, now + lease_s, int((self.ttl_s + lease_s) * 1000)]
+            await self._call("quota", self._renew, quota_keys(tenant), args, retry=False)
+        elif turn_id in self._t(tenant).turns:
+            self._t(tenant).turns[turn_id] = now + lease_s
+
+    async def end(self, tenant: str, session_id: str, turn_id: str, outcome: str, tokens: int, need: int) -> None:
+        """The turn (which reserved ``need``) ended: ``outcome`` 'saved' (the session now holds
+        ``tokens``), 'kept' (not saved: back to ``tokens``, unless a later turn of the session changed
+        the count) or 'new' (not saved, and the session never existed: it stops counting)."""
+        now = time.time()
+        if self._mem is None:
+            args = [turn_id, session_id, outcome, tokens, now + self.ttl_s, int(self.ttl_s * 1000), need]
+            await self._call("quota", self._end, quota_keys(tenant), args)
+            return
+        t = self._t(tenant)
+        t.turns.pop(turn_id, None)
+        if session_id not in t.sessions or (outcome == "kept" and t.tokens.get(session_id) != need):
+            return
+        if outcome == "new":
+            del t.sessions[session_id]
+            t.tokens.pop(session_id, None)
+            return
+        t.tokens[session_id] = tokens
+        if outcome == "saved":
+            t.sessions[session_id] = now + self.ttl_s
+
+    async def forget(self, tenant: str, session_id: str) -> None:
+        """The session was closed: it stops counting."""
+        if self._mem is None:
+            await self._call("quota", self._forget, quota_keys(tenant), [session_id])
+            return
+        t = self._t(tenant)
+        t.sessions.pop(session_id, None)
+        t.tokens.pop(session_id, None)
+
+    async def usage(self, tenant: str) -> tuple[int, int, int]:
+        """(sessions kept, tokens held or reserved, turns running) of ``tenant`` now."""
+        if self._mem is None:
+            args = [time.time()]
+            s, tok, turns = await self._call("quota", self._usage, quota_keys(tenant), args, retry=False)
+            return int(s), int(tok), int(turns)
+        t = self._t(tenant)
+        return len(t.sessions), sum(t.tokens.values()), len(t.turns)

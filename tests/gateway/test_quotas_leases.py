@@ -1,0 +1,168 @@
+"""The store's lease and fenced compare-and-set, and the tenant quotas: the same answers from the
+in-memory store (``racer generate``, tests) as from Redis (the Lua scripts replicas share)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+
+import pytest
+
+from common.errors import Abort, Status
+from common.store import MemoryStore, RedisStore
+from gateway.quotas import Quota, Quotas, TenantLimits, load_tenant_limits
+
+
+@pytest.fixture(params=["memory", "redis"])
+def run(request, redis_url):
+    """Runs ``test(store)`` on a store of the parameter's kind, in one event loop (keys and tenants
+    carry a random prefix: the Redis is shared with other tests)."""
+
+    def go(test):
+        async def main():
+            store = MemoryStore() if request.param == "memory" else RedisStore(redis_url)
+            try:
+                await test(store)
+            finally:
+                await store.close()
+
+        asyncio.run(main())
+
+    return go
+
+
+def test_lease_and_fenced_set(run):
+    L, K = f"{uuid.uuid4().hex}:L", f"{uuid.uuid4().hex}:K"
+
+    async def go(store):
+        assert await store.acquire(L, "t1", 30)
+        assert not await store.acquire(L, "t2", 30)  # held
+        assert not await store.renew(L, "t2", 30) and await store.renew(L, "t1", 30)
+        # absent -> value only for the holder, and only while absent
+        assert not await store.fenced_set(L, "t2", K, None, b"v1", 30)
+        assert await store.fenced_set(L, "t1", K, None, b"v1", 30)
+        assert not await store.fenced_set(L, "t1", K, None, b"v2", 30)
+        # then only from the value the writer read
+        assert not await store.fenced_set(L, "t1", K, b"other", b"v2", 30)
+        assert await store.fenced_set(L, "t1", K, b"v1", b"v2", 30)
+        assert await store.get(K) == b"v2"
+        assert not await store.release(L, "t2") and await store.release(L, "t1")
+        assert not await store.fenced_set(L, "t1", K, b"v2", b"v3", 30)  # released: fenced off
+        assert await store.acquire(L, "t3", 0.05)
+        await asyncio.sleep(0.2)  # a TTL is the behaviour under test: it has to run out
+        assert not await store.renew(L, "t3", 30) and await store.acquire(L, "t4", 30)
+        assert await store.get(K) == b"v2"
+
+    run(go)
+
+
+async def _call(op, fn, *args, retry=True):
+    return await fn(*args)
+
+
+def test_quotas_admit_end_and_forget(run):
+    a, b = f"a{uuid.uuid4().hex[:8]}", f"b{uuid.uuid4().hex[:8]}"
+    limits = TenantLimits(Quota(0, 0, 0), ((a, Quota(sessions=2, tokens=100, turns=1)),))
+
+    async def go(store):
+        q = Quotas(store, limits, 60.0, _call)
+
+        async def refused(*args):
+            with pytest.raises(Abort) as e:
+                await q.admit(*args)
+            assert e.value.code is Status.RESOURCE_EXHAUSTED
+            return e.value.message
+
+        await q.admit(a, "s1", 30, "t1", 30)
+        assert "turns=1" in await refused(a, "s2", 10, "t2", 30)
+        await q.admit(b, "s1", 10_000, "u1", 30)  # another tenant: no quota
+        await q.end(a, "s1", "t1", "saved", 25, 30)
+        assert await q.usage(a) == (1, 25, 0)
+        await q.admit(a, "s2", 70, "t2", 30)
+        assert await q.usage(a) == (2, 95, 1)
+        await q.end(a, "s2", "t2", "new", 0, 70)  # not saved, never existed: stops counting
+        assert await q.usage(a) == (1, 25, 0)
+        await q.admit(a, "s2", 10, "t3", 30)
+        await q.end(a, "s2", "t3", "saved", 10, 10)
+        assert "sessions=2" in await refused(a, "s3", 1, "t4", 30)
+        assert "tokens=100" in await refused(a, "s1", 91, "t4", 30)  # 10 held elsewhere + 91
+        await q.admit(a, "s1", 90, "t4", 30)  # the session's own 25 are replaced, not added
+        await q.end(a, "s1", "t4", "kept", 25, 90)  # failed turn: back to what the record holds
+        assert await q.usage(a) == (2, 35, 0)
+        # a turn whose lease expired ends after another turn of the session saved: the count stays the later one's
+        await q.admit(a, "s2", 20, "t5", 30)
+        await q.end(a, "s2", "t6", "saved", 15, 20)
+        await q.end(a, "s2", "t5", "kept", 10, 20)
+        assert await q.usage(a) == (2, 40, 0)
+        await q.end(a, "s2", "t7", "saved", 10, 10)
+        await q.forget(a, "s1")
+        await q.end(a, "s1", "t-late", "saved", 50, 50)  # a late end of a closed session does not bring it back
+        assert await q.usage(a) == (1, 10, 0)
+        await q.admit(a, "s1", 5, "t5", 0.05)  # a turn whose gateway died stops counting when its lease ends
+        await asyncio.sleep(0.2)  # the lease TTL running out is the behaviour under test
+        assert (await q.usage(a))[2] == 0
+
+    run(go)
+
+
+def test_quotas_random_sequences_agree_between_memory_and_redis(redis_url):
+    limits = TenantLimits(Quota(3, 200, 2))
+    rng = random.Random(7)
+    ops = []
+    for _ in range(300):
+        sid, turn = f"s{rng.randrange(6)}", f"t{rng.randrange(4)}"
+        kind = rng.choice(["admit", "admit", "end", "forget", "usage"])
+        arg = rng.choice(["saved", "new", "kept"])
+        ops.append((kind, sid, turn, rng.randrange(1, 120), arg))
+
+    tenant = f"x{uuid.uuid4().hex[:8]}"
+
+    async def run(store):
+        rng2 = random.Random(8)  # the same reservations for both stores
+        q, out = Quotas(store, limits, 60.0, _call), []
+        for kind, sid, turn, n, arg in ops:
+            if kind == "admit":
+                try:
+                    await q.admit(tenant, sid, n, turn, 60)
+                    out.append("ok")
+                except Abort as e:
+                    out.append(e.message)
+            elif kind == "end":
+                await q.end(tenant, sid, turn, arg, n, rng2.randrange(1, 120))
+            elif kind == "forget":
+                await q.forget(tenant, sid)
+            else:
+                out.append(await q.usage(tenant))
+        return out
+
+    async def both():
+        r = RedisStore(redis_url)
+        try:
+            return await run(MemoryStore()), await run(r)
+        finally:
+            await r.close()
+
+    mem, red = asyncio.run(both())
+    assert mem == red
+    assert "ok" in mem and any("quota" in str(x) for x in mem)
+
+
+def test_tenant_limits_file(tmp_path):
+    f = tmp_path / "limits.toml"
+    f.write_text("[default]\nsessions = 5\n\n[tenants.acme]\nturns = 2\n")
+    lim = load_tenant_limits(str(f), Quota(1, 2, 3))
+    assert lim.of("globex") == Quota(5, 2, 3) and lim.of("acme") == Quota(5, 2, 2)
+    j = tmp_path / "limits.json"
+    j.write_text('{"tenants": {"acme": {"tokens": 9}}}')
+    assert load_tenant_limits(str(j), Quota(1, 2, 3)).of("acme") == Quota(1, 9, 3)
+    for bad, msg in [
+        ("[default]\nsesions = 5\n", "unknown key"),
+        ("[default]\nsessions = -1\n", "sessions"),
+        ('[tenants."a b"]\nturns = 1\n', "tenants.a b"),
+        ("[other]\n", "only the tables"),
+        ("[default\n", "limits.toml"),
+    ]:
+        f.write_text(bad)
+        with pytest.raises(ValueError, match=msg):
+            load_tenant_limits(str(f))
