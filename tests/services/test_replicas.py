@@ -19,7 +19,7 @@ from racer import launch as services
 from racer.client import Client
 from racer.load import make_prompts, run_load
 from tests.support.engine import hf_greedy
-from tests.support.stack import prompt, redis_server, start_stack, wait_until
+from tests.support.stack import INTERNAL_TOKEN, prompt, redis_server, start_stack, wait_until
 
 AB, RE, NF = grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND
 QUOTAS = ("sessions", "tokens", "turns")
@@ -54,6 +54,7 @@ def env(loop_thread, tiny_llama, redis_url, files):
         session_url=redis_url,
         drafters=st.drafter_target(0),
         verifiers=st.verifier_target(0),
+        internal_token=INTERNAL_TOKEN,
         **kw,
     )
     second = loop_thread.run(services.start_gateway(args, vocab_size=tiny_llama.config.vocab_size))
@@ -331,6 +332,7 @@ def test_a_full_store_refuses_new_work_and_evicts_nobody(env, files, loop_thread
             verifiers=st.verifier_target(0),
             max_sessions_kept=0,
             max_tokens_stored=0,
+            internal_token=INTERNAL_TOKEN,
         )
         srv, gw = loop_thread.run(services.start_gateway(args, vocab_size=tiny_llama.config.vocab_size))
         target = f"127.0.0.1:{srv.port}"
