@@ -33,7 +33,7 @@ class VerifierService(pb_grpc.VerifierServicer):
                             (s.temperature, s.top_p or 1.0, s.top_k, s.seed if s.HasField("seed") else None),
                         )
                     )
-                    res = await v.open(entry, list(op.history))
+                    res = await v.open(entry, list(op.history), context.time_remaining())
                     yield pb.VerifyResponse(
                         next_token=res.next_token,
                         topk=res.topk,
