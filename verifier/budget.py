@@ -94,6 +94,7 @@ class KVBudget:
         self.used = 0
         self.peak = 0
         self._waiters: deque[_Waiter] = deque()
+        self._waking = False
         M.KV_BUDGET_BYTES.set(total)
 
     @property
@@ -126,14 +127,14 @@ class KVBudget:
         """After ``key``'s cache shrank to ``nbytes`` (or less): the rest goes to those waiting."""
         if key in self.held and nbytes < self.held[key]:
             self._set(key, nbytes)
-            self._wake()
+            self.wake()
 
     def release(self, key: Hashable) -> None:
         """After ``key``'s cache was dropped."""
         if key in self.held:
             self.used -= self.held.pop(key)
             M.KV_RESERVED_BYTES.set(self.used)
-            self._wake()
+            self.wake()
 
     async def reserve(self, key: Hashable, nbytes: int, timeout: float | None = None, what: str = "") -> None:
         """Reserves ``nbytes`` for ``key`` (its whole reservation, not an increment): at once when it
@@ -159,7 +160,7 @@ class KVBudget:
         w = _Waiter(key, nbytes)
         self._waiters.append(w)
         M.ADMISSION_WAITING.set(self.waiting)
-        self._wake()  # it may fit already (the head may be this one)
+        self.wake()  # it may fit already (the head may be this one)
         try:
             async with asyncio.timeout(wait):
                 await asyncio.shield(w.fut)
@@ -181,17 +182,24 @@ class KVBudget:
         while self._waiters and self._waiters[0].fut.done():
             self._waiters.popleft()
         M.ADMISSION_WAITING.set(self.waiting)
-        self._wake()
+        self.wake()
 
-    def _wake(self) -> None:
-        """Admits the oldest waiters that fit, in order (a big request is not passed by small ones)."""
-        while self._waiters:
-            w = self._waiters[0]
-            if w.fut.done():
+    def wake(self) -> None:
+        """Admits the oldest waiters that fit, in order (a big request is not passed by small ones);
+        also after a cache turned idle (evictable)."""
+        if self._waking:  # an eviction made for the head waiter releases (and wakes) from inside
+            return
+        self._waking = True
+        try:
+            while self._waiters:
+                w = self._waiters[0]
+                if w.fut.done():
+                    self._waiters.popleft()
+                    continue
+                if not self.try_reserve(w.key, w.nbytes):
+                    break
                 self._waiters.popleft()
-                continue
-            if not self.try_reserve(w.key, w.nbytes):
-                break
-            self._waiters.popleft()
-            w.fut.set_result(None)
+                w.fut.set_result(None)
+        finally:
+            self._waking = False
         M.ADMISSION_WAITING.set(self.waiting)

@@ -289,6 +289,7 @@ class Verifier(Holder):
         """The stream is over: the idle cache gives back its spare rows (on the model thread, after
         the stream's own jobs; the budget follows once it has)."""
         self.sessions.release(entry)
+        self.budget.wake()  # an idle cache may be evicted for those waiting
         if self.sessions.get(entry.key) is not entry or entry.rows <= len(entry.tokens):
             return
         rows = len(entry.tokens)
