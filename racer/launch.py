@@ -137,6 +137,9 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
         for t in tasks:
             t.cancel()
 
+    async def closed():  # after the last RPC: the model thread finishes its job and ends
+        await asyncio.to_thread(core.model_thread.close)
+
     srv = await start_server(
         "verifier",
         lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(svc, s),
@@ -144,6 +147,7 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
         args.port,
         args.max_message_bytes,
         drain,
+        closed=closed,
         **_server_kw(args),
     )
     tasks.append(asyncio.ensure_future(janitor(core.expire, min(30.0, args.session_ttl))))
