@@ -150,8 +150,8 @@ SERVICE = {
             "--kv-headroom-tokens",
             "RACER_KV_HEADROOM_TOKENS",
             320,
-            "cache rows an open reserves past the history (new tokens and a draft tree); a cache grows past "
-            "them by another reservation",
+            "cache rows an open reserves past the history and the turn's new tokens (a draft tree; the new "
+            "tokens too when the open names none); a cache grows past them by another reservation",
             int,
         ),
         Setting(

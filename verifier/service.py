@@ -31,9 +31,10 @@ class VerifierService(pb_grpc.VerifierServicer):
                             op.session_id,
                             list(op.history),
                             (s.temperature, s.top_p or 1.0, s.top_k, s.seed if s.HasField("seed") else None),
+                            reserve=op.reserve_tokens,
                         )
                     )
-                    res = await v.open(entry, list(op.history), context.time_remaining())
+                    res = await v.open(entry, list(op.history), context.time_remaining(), op.reserve_tokens)
                     yield pb.VerifyResponse(
                         next_token=res.next_token,
                         topk=res.topk,

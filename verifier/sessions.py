@@ -50,6 +50,7 @@ class Open:
     history: list[int]
     sampling: tuple = (0.0, 1.0, 0, None)  # SamplingParams' fields: temperature, top_p, top_k, seed
     timeout: float | None = None  # seconds the client still waits (its deadline): the longest wait for room
+    reserve: int = 0  # new tokens the turn may add: reserved at open with the history and a tree's headroom
 
 
 @dataclass(frozen=True)
@@ -145,12 +146,14 @@ class Verifier(Holder):
             raise Abort(
                 Status.INVALID_ARGUMENT, f"open.history: token id {bad} outside the vocabulary [0, {self.vocab_size})"
             )
-        need = self.budget.bytes_for(len(op.history) + self.headroom)
+        if op.reserve < 0:
+            raise Abort(Status.INVALID_ARGUMENT, f"open.reserve_tokens: {op.reserve} is negative")
+        need = self.budget.bytes_for(len(op.history) + op.reserve + self.headroom)
         if need > self.budget.total:
             raise Abort(
                 Status.RESOURCE_EXHAUSTED,
-                f"open.history: {len(op.history)} tokens need {need} bytes of KV memory "
-                f"(with {self.headroom} rows for new tokens), this verifier holds at most {self.budget.total}",
+                f"open.history: {len(op.history)} tokens and {op.reserve} new need {need} bytes of KV memory "
+                f"(with {self.headroom} rows for a tree), this verifier holds at most {self.budget.total}",
             )
         if self.stalled():
             raise Abort(
@@ -200,7 +203,7 @@ class Verifier(Holder):
             entry.rows = rows
             self.budget.shrink(entry.key, self.budget.bytes_for(rows))
 
-    async def open(self, entry: Entry, history: list[int], timeout: float | None = None) -> Prefilled:
+    async def open(self, entry: Entry, history: list[int], timeout: float | None = None, reserve: int = 0) -> Prefilled:
         """Keeps the longest prefix of ``history`` the cache holds and prefills the rest, in chunks
         of ``prefill_chunk`` tokens, each its own job in the tenant's fair turn on the model thread."""
         have = entry.tokens
@@ -212,7 +215,7 @@ class Verifier(Holder):
         reuse = min(common, len(history) - 1)  # at least one token is fed: its logits pick the next
         t0 = time.perf_counter()
         pad = entry.session.rows_needed(0) - entry.session.length  # rows a forward writes past its own
-        rows = len(history) + self.headroom + pad
+        rows = len(history) + reserve + self.headroom + pad
         try:
             await self._reserve(entry, rows, timeout, f"open of session {entry.session_id}")
         except BaseException:
@@ -289,8 +292,11 @@ class Verifier(Holder):
         """The stream is over: the idle cache gives back its spare rows (on the model thread, after
         the stream's own jobs; the budget follows once it has)."""
         self.sessions.release(entry)
+        current = self.sessions.get(entry.key)
+        if current is None:  # dropped while it streamed (a growth may have reserved again since)
+            self.budget.release(entry.key)
         self.budget.wake()  # an idle cache may be evicted for those waiting
-        if self.sessions.get(entry.key) is not entry or entry.rows <= len(entry.tokens):
+        if current is not entry or entry.rows <= len(entry.tokens):
             return
         rows = len(entry.tokens)
         entry.session.set_reserve(rows)

@@ -117,6 +117,8 @@ def test_a_dropped_session_frees_its_reservation_for_the_waiter(tiny_llama):
         await task
         assert set(v.budget.held) == {("t", "b")}
         _held_rows_fit(v)
+        v.release(e1)  # the dropped session's stream ends: nothing of it stays reserved
+        assert set(v.budget.held) == {("t", "b")}
         v.close()
 
     asyncio.run(go())
@@ -231,6 +233,25 @@ def test_chunked_prefill_gives_the_unchunked_tokens(tiny_llama, chunk):
         for _ in range(12):
             out.append((await v.verify(e, [out[-1]], [-1])).next_token)
         assert out == hf_greedy(tiny_llama, p, len(out))
+        v.close()
+
+    asyncio.run(go())
+
+
+def test_an_open_reserves_the_turns_new_tokens_too(tiny_llama):
+    async def go():
+        v = _verifier(tiny_llama, sessions_fit=3)
+        p = prompt(12, HISTORY)
+        e = v.claim(Open("t", "r", p, reserve=ROWS))
+        await v.open(e, p, reserve=ROWS)
+        assert v.budget.held[e.key] == (ROWS + ROWS) * PER_TOKEN
+        assert e.session.backend.capacity == ROWS + ROWS
+        with pytest.raises(Abort) as err:
+            v.claim(Open("t", "neg", p, reserve=-1))
+        assert err.value.code == Status.INVALID_ARGUMENT
+        with pytest.raises(Abort) as err:  # fits alone, not with the new tokens it asks room for
+            v.claim(Open("t", "big", p, reserve=3 * ROWS))
+        assert err.value.code == Status.RESOURCE_EXHAUSTED and "new need" in err.value.message
         v.close()
 
     asyncio.run(go())
