@@ -285,7 +285,7 @@ def main(argv=None) -> None:
     ap.add_argument("--a-tokens", type=int, default=2048)
     ap.add_argument("--b-tokens", type=int, default=32)
     ap.add_argument("--b-turns", type=int, default=20)
-    ap.add_argument("--baseline-turns", type=int, default=5, help="B's turns in the unchunked comparison")
+    ap.add_argument("--baseline-turns", type=int, default=10, help="B's turns in the unchunked comparison")
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument("--skip-fairness", action="store_true")
     args = ap.parse_args(argv)
@@ -301,21 +301,21 @@ def main(argv=None) -> None:
     if not args.skip_memory:
         memory_case(args, model, per_token)
     if not args.skip_fairness:
-        rows = [fairness_case(args, model, per_token, args.prefill_chunk, args.b_turns)]
-        # Unchunked, with a quantum as big: a tenant's turn runs all its queued prompts (first come,
-        # first served in effect). B waits for A's whole queue: fewer turns keep it finite.
-        rows.append(fairness_case(args, model, per_token, 1 << 30, args.baseline_turns))
         print(
-            f"\n## fairness: B's time to first token ({args.b_tokens}-token prompts, {args.b_turns} turns), alone "
+            f"\n## fairness: B's time to first token ({args.b_tokens}-token prompts), alone "
             f"and with A's {args.a_sessions} concurrent {args.a_tokens}-token prompts, {args.threads} threads"
         )
         print("| prefill chunk | B turns | B alone p50 / p99 | B with A p50 / p99 | p99 ratio | A done meanwhile |")
         print("|---|---|---|---|---|---|")
-        for r in rows:
-            name = str(r["chunk"]) if r["chunk"] < 1 << 30 else "none (whole prompts, first come first served)"
+        # Then unchunked: a chunk (and a tenant's turn) is a whole A prompt, so B waits for up to one
+        # of them. (First come, first served would make it wait for all of A's queued prompts.)
+        for chunk, turns in ((args.prefill_chunk, args.b_turns), (args.a_tokens, args.baseline_turns)):
+            r = fairness_case(args, model, per_token, chunk, turns)
+            name = str(chunk) if chunk < args.a_tokens else f"{chunk} (A's whole prompts)"
             print(
-                f"| {name} | {r['turns']} | {r['alone'][0]:.0f} / {r['alone'][1]:.0f} ms | {r['loaded'][0]:.0f} / "
-                f"{r['loaded'][1]:.0f} ms | {r['loaded'][1] / r['alone'][1]:.1f}x | {r['a_done']} |"
+                f"| {name} | {turns} | {r['alone'][0]:.0f} / {r['alone'][1]:.0f} ms | {r['loaded'][0]:.0f} / "
+                f"{r['loaded'][1]:.0f} ms | {r['loaded'][1] / r['alone'][1]:.1f}x | {r['a_done']} |",
+                flush=True,
             )
 
 
