@@ -5,7 +5,7 @@ talks to it over gRPC, as a gateway would:
 
 * **memory**: ``--sessions`` concurrent sessions, each a ``--prompt-tokens`` random prompt then
   ``--new-tokens`` greedy tokens (one-node trees), against ``--budget-sessions`` sessions' worth of
-  KV budget. Peak RSS of the verifier (sampled every 20 ms) against its RSS when idle (model and
+  KV budget. Peak RSS of the verifier (/proc, sampled every 20 ms) against its RSS when idle (model and
   runtime) plus the budget; every turn completes (after waiting for room) or gets a clear status;
   the outputs are compared with ``model.generate`` greedy in this process.
 * **fairness**: tenant B opens short prompts one after another and measures its time to first token
@@ -37,7 +37,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
-import psutil  # noqa: E402
 
 from common.health import wait_serving  # noqa: E402
 from common.v1 import verifier_pb2 as vpb  # noqa: E402
@@ -122,17 +121,23 @@ async def drop(stub, tenant: str, sid: str) -> None:
     await stub.Drop(vpb.VerifierDropRequest(tenant=tenant, session_id=sid))
 
 
+def rss(pid: int) -> int:
+    """Resident bytes of process ``pid`` (Linux: /proc/PID/statm, in pages)."""
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 class RssSampler:
     def __init__(self, pid: int):
-        self.proc = psutil.Process(pid)
-        self.peak = self.proc.memory_info().rss
+        self.pid = pid
+        self.peak = rss(pid)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self):
         while not self._stop.wait(0.02):
-            self.peak = max(self.peak, self.proc.memory_info().rss)
+            self.peak = max(self.peak, rss(self.pid))
 
     def close(self) -> int:
         self._stop.set()
@@ -162,7 +167,7 @@ def memory_case(args, model, per_token: int) -> None:
                 await drop(stub, "w", "warm")
 
         asyncio.run(warm())
-        idle = psutil.Process(proc.pid).memory_info().rss
+        idle = rss(proc.pid)
         sampler = RssSampler(proc.pid)
 
         async def go():
