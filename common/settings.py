@@ -187,6 +187,52 @@ SERVICE = {
         Setting("--max-sessions", "RACER_MAX_SESSIONS", 64, "KV caches kept; the least recently used goes first", int),
         Setting("--max-cache-tokens", "RACER_MAX_CACHE_TOKENS", 262_144, "tokens held in all KV caches together", int),
         ALLOW_UNAUTHENTICATED,
+        Setting(
+            "--kv-budget-bytes",
+            "RACER_KV_BUDGET_BYTES",
+            0,
+            "bytes all KV caches may hold together (0: 60 percent of the cgroup memory limit left after the model's "
+            "weights, or --max-cache-tokens tokens' worth without a limit)",
+            int,
+        ),
+        Setting(
+            "--kv-headroom-tokens",
+            "RACER_KV_HEADROOM_TOKENS",
+            320,
+            "cache rows an open reserves past the history and the turn's new tokens (a draft tree; the new "
+            "tokens too when the open names none); a cache grows past them by another reservation",
+            int,
+        ),
+        Setting(
+            "--admission-queue",
+            "RACER_ADMISSION_QUEUE",
+            64,
+            "requests that may wait for KV memory at once; one more gets RESOURCE_EXHAUSTED",
+            int,
+        ),
+        Setting(
+            "--admission-wait-seconds",
+            "RACER_ADMISSION_WAIT_SECONDS",
+            20.0,
+            "longest a request waits for KV memory (less when the client's deadline is sooner)",
+            float,
+        ),
+        Setting(
+            "--prefill-chunk",
+            "RACER_PREFILL_CHUNK",
+            512,
+            "tokens of a prompt prefilled per model-thread job: other tenants' work runs between chunks "
+            "(also each tenant's fair share per turn)",
+            int,
+        ),
+        Setting(
+            "--stall-seconds",
+            "RACER_STALL_SECONDS",
+            60.0,
+            "health turns NOT_SERVING (and new sessions are refused) when work has waited this long with no "
+            "forward finished",
+            float,
+        ),
     ],
     "gateway": [
         Setting(

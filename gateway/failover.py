@@ -95,7 +95,8 @@ class TurnLinks:
             ep = (await self._candidates("verifier"))[0]
             link = gw.backends.verifier(ep)
             try:
-                opened = await link.open(rec.session_id, rec.tenant, self.rounds.committed, self.sampling)
+                left = max(0, self.rounds.max_new - self.rounds.stats.new_tokens)  # KV rows to reserve
+                opened = await link.open(rec.session_id, rec.tenant, self.rounds.committed, self.sampling, left)
             except (Lost, Abort) as e:
                 await link.close(cancel=True)
                 if isinstance(e, Abort) and e.code == Status.RESOURCE_EXHAUSTED:

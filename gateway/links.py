@@ -208,14 +208,16 @@ class DrafterLink(_Link):
 
 
 class VerifierLink(_Link):
-    async def open(self, session_id: str, tenant: str, history: list[int], sampling) -> Opened:
-        """Prefills ``history`` (what the verifier's cache lacks of it); ``sampling``: a SamplingParams."""
+    async def open(self, session_id: str, tenant: str, history: list[int], sampling, reserve_tokens: int = 0) -> Opened:
+        """Prefills ``history`` (what the verifier's cache lacks of it); ``sampling``: a SamplingParams;
+        ``reserve_tokens``: new tokens the turn may add (the verifier reserves KV memory for them)."""
         s = vpb.Sampling(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
         if sampling.seed is not None:
             s.seed = sampling.seed
-        resp = await self.ask(
-            vpb.VerifyRequest(open=vpb.VerifierOpen(session_id=session_id, tenant=tenant, history=history, sampling=s))
+        op = vpb.VerifierOpen(
+            session_id=session_id, tenant=tenant, history=history, sampling=s, reserve_tokens=reserve_tokens
         )
+        resp = await self.ask(vpb.VerifyRequest(open=op))
         cost = (tuple(resp.cost.sizes), tuple(resp.cost.ms)) if resp.cost.sizes else None
         return Opened(resp.next_token, list(resp.topk), resp.topk_width, cost, resp.elapsed_ms)
 

@@ -135,6 +135,16 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
         cost,
         args.max_batch,
         args.max_wait_ms,
+        kv_budget_bytes=args.kv_budget_bytes,
+        headroom=args.kv_headroom_tokens,
+        prefill_chunk=args.prefill_chunk,
+        max_waiting=args.admission_queue,
+        wait_seconds=args.admission_wait_seconds,
+        stall_seconds=args.stall_seconds,
+    )
+    log.info(
+        "KV budget",
+        extra={"bytes": core.budget.total, "bytes_per_token": core.budget.per_token, "tokens": core.budget.tokens},
     )
     svc = VerifierService(core)
     tasks = []
@@ -143,6 +153,9 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
         for t in tasks:
             t.cancel()
 
+    async def closed():  # after the last RPC: the model thread finishes its job and ends
+        await asyncio.to_thread(core.model_thread.close)
+
     srv = await start_server(
         "verifier",
         lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(svc, s),
@@ -150,10 +163,39 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
         args.port,
         args.max_message_bytes,
         drain,
+        closed=closed,
         **server_kw,
     )
     tasks.append(asyncio.ensure_future(janitor(core.expire, min(30.0, args.session_ttl))))
+    tasks.append(asyncio.ensure_future(watch_model_thread(core, srv)))
     return srv, core
+
+
+async def watch_model_thread(core, srv: Server) -> None:
+    """Health follows the model thread: NOT_SERVING while it has work and finished none for
+    ``stall_seconds`` (load balancers and gateways then send new sessions elsewhere), SERVING again
+    once it finishes one. A server shutting down stays NOT_SERVING (the health servicer ignores
+    ``set`` from then on)."""
+    from grpc_health.v1 import health_pb2
+
+    from common.settings import HEALTH_SERVICES
+    from verifier import metrics as M
+
+    period = max(0.02, min(1.0, core.stall_seconds / 4))
+    was = False
+    while True:
+        stalled = core.stalled()
+        if stalled != was:
+            status = health_pb2.HealthCheckResponse.NOT_SERVING if stalled else health_pb2.HealthCheckResponse.SERVING
+            for name in ("", HEALTH_SERVICES["verifier"]):
+                await srv.health.set(name, status)
+            M.MODEL_STALLED.set(int(stalled))
+            (log.error if stalled else log.info)(
+                "model thread stalled" if stalled else "model thread running again",
+                extra={"stall_seconds": core.stall_seconds},
+            )
+            was = stalled
+        await asyncio.sleep(period)
 
 
 def _cuda() -> bool:

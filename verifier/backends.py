@@ -25,6 +25,8 @@ class FastLlamaBackend:
     """Decoder forward over a preallocated per-session KV cache [layers, 2, kv_heads, capacity, head_dim]."""
 
     def __init__(self, model, capacity: int = 1024):
+        """``capacity``: rows allocated now. The verifier's core passes 0 and sets ``reserve_rows``
+        (the rows its KV budget reserved for this cache): the cache then grows to exactly that."""
         from .kernels import plan_for
 
         self.model = model
@@ -47,6 +49,7 @@ class FastLlamaBackend:
             (len(self.layers), 2, self.n_kv, capacity, self.head_dim), dtype=self.dtype, device=self.device
         )
         self.length = 0  # rows of the cache that hold committed context
+        self.reserve_rows: int | None = None  # None: grow by doubling (no budget to answer to)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # invariant mode: cos, sin by position
 
     _ROPE_CHUNK = 256
@@ -112,14 +115,32 @@ class FastLlamaBackend:
                 return False
         return True
 
+    @property
+    def capacity(self) -> int:
+        return self.cache.shape[3]
+
+    def pad_rows(self) -> int:
+        """Rows a forward writes past its tokens' own (invariant attention reads whole key blocks)."""
+        return _KEY_BLOCK if self.invariant else 0
+
     def _ensure_capacity(self, needed: int) -> None:
-        cap = self.cache.shape[3]
+        cap = self.capacity
         if needed <= cap:
             return
-        new_cap = max(needed, cap * 2)
-        grown = torch.zeros((*self.cache.shape[:3], new_cap, self.head_dim), dtype=self.dtype, device=self.device)
-        grown[:, :, :, : self.length] = self.cache[:, :, :, : self.length]
-        self.cache = grown
+        if self.reserve_rows is not None:  # the core reserved the bytes for this growth beforehand
+            self.resize(max(needed, self.reserve_rows))
+        else:
+            self.resize(max(needed, cap * 2))
+
+    def resize(self, rows: int) -> None:
+        """Reallocates the cache to exactly ``max(rows, length)`` rows, keeping the committed ones:
+        a trimmed or idle cache gives its spare rows back."""
+        rows = max(rows, self.length)
+        if rows == self.capacity:
+            return
+        new = torch.zeros((*self.cache.shape[:3], rows, self.head_dim), dtype=self.dtype, device=self.device)
+        new[:, :, :, : self.length] = self.cache[:, :, :, : self.length]
+        self.cache = new
 
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, rows_exact: bool = True

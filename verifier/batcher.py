@@ -45,7 +45,9 @@ class Batcher:
         self.task: asyncio.Task | None = None
         self.sizes: list[int] = []  # batch sizes, for inspection
 
-    async def verify(self, session, tokens: list[int], parents: list[int]):
+    async def verify(self, entry, tokens: list[int], parents: list[int]):
+        """``entry``: the session's (its ``session`` and ``tenant``)."""
+        session = entry.session
         if self.queue.empty() and self.service.streaming() <= 1:
             # Nobody to batch with: no queue (its two hops through the event loop would be paid
             # every round). With the model idle and a tree small and quick to verify, the forward
@@ -53,18 +55,23 @@ class Batcher:
             # ~0.4 ms a round on a VM (two idle threads' wake-ups), and the loop is held for one
             # short forward at most; a stream that opens meanwhile is batched from its next round.
             here = len(tokens) <= INLINE_NODES and self.last_forward * 1e3 <= INLINE_MS and not self.service.busy
-            results, ms = await self._forward([(session, tokens, parents)], here)
+            results, ms = await self._forward([(session, tokens, parents)], entry.tenant, here)
             return results[0], ms, 0
         if self.task is None or self.task.done():
             self.task = asyncio.ensure_future(self._loop())
         fut = asyncio.get_running_loop().create_future()
-        await self.queue.put(((session, tokens, parents), fut))
+        await self.queue.put(((session, tokens, parents), entry.tenant, fut))
         return await fut
 
-    async def _forward(self, items, here: bool = False):
-        """One ``verify_batch`` of ``items``, on this loop when ``here``, else on the model thread,
+    async def _forward(self, items, tenant: str, here: bool = False):
+        """One ``verify_batch`` of ``items``, on this loop when ``here``, else on the model thread in
+        ``tenant``'s fair turn (a batch is charged to the tenant of its oldest tree, by its rows),
         with its bookkeeping: (results, milliseconds)."""
-        results, ms = _timed_verify(items) if here else await self.service._run(_timed_verify, items)
+        rows = sum(len(item[1]) for item in items)
+        if here:
+            results, ms = _timed_verify(items)
+        else:
+            results, ms = await self.service._run(_timed_verify, items, tenant=tenant, cost=rows, kind="verify")
         self.sizes.append(len(items))
         M.BATCH_SIZE.observe(len(items))
         self.last_forward = ms / 1e3
@@ -85,17 +92,17 @@ class Batcher:
                     batch.append(await asyncio.wait_for(self.queue.get(), deadline - loop.time()))
                 except asyncio.TimeoutError:
                     break
-            batch = [(item, fut) for item, fut in batch if not fut.cancelled()]
+            batch = [(item, tenant, fut) for item, tenant, fut in batch if not fut.cancelled()]
             if not batch:
                 continue
             try:
-                results, ms = await self._forward([item for item, _ in batch])
+                results, ms = await self._forward([item for item, _, _ in batch], batch[0][1])
             except Exception as e:  # noqa: BLE001 - every waiter learns of it
-                for _, fut in batch:
+                for _, _, fut in batch:
                     if not fut.done():
                         fut.set_exception(e)
                 continue
-            rows = sum(len(item[1]) for item, _ in batch)
-            for (item, fut), res in zip(batch, results):
+            rows = sum(len(item[1]) for item, _, _ in batch)
+            for (item, _, fut), res in zip(batch, results):
                 if not fut.done():
                     fut.set_result((res, ms, rows - len(item[1])))

@@ -32,11 +32,18 @@ class VerifyResult:
 class VerifierSession:
     """Holds one sequence's KV cache. ``length`` tokens are committed; the next input continues them."""
 
-    def __init__(self, model, topk: int = 8, backend: str = "auto", sampling: SamplingParams = SamplingParams()):
+    def __init__(
+        self,
+        model,
+        topk: int = 8,
+        backend: str = "auto",
+        sampling: SamplingParams = SamplingParams(),
+        capacity: int = 1024,
+    ):
         self.model = model
         self.vocab_size = model.config.vocab_size
         self.topk = topk
-        self.backend = make_backend(model, backend)
+        self.backend = make_backend(model, backend, capacity)
         self.set_sampling(sampling)
 
     def set_sampling(self, sampling: SamplingParams) -> None:
@@ -50,14 +57,32 @@ class VerifierSession:
     def truncate(self, length: int) -> None:
         self.backend.truncate(length)
 
+    def rows_needed(self, n: int) -> int:
+        """Cache rows a forward of ``n`` new tokens needs (a KV budget reserves them beforehand)."""
+        pad = self.backend.pad_rows() if hasattr(self.backend, "pad_rows") else 0
+        return self.length + n + pad
+
+    def set_reserve(self, rows: int) -> None:
+        """The rows the KV budget holds for this cache: a growing cache grows to them at once."""
+        if hasattr(self.backend, "reserve_rows"):
+            self.backend.reserve_rows = rows
+
+    def resize(self, rows: int) -> None:
+        """Gives back (or allocates) cache rows: exactly ``max(rows, length)`` afterwards. A cache
+        that only ever holds its committed rows (the generic backend's) has nothing to do."""
+        if hasattr(self.backend, "resize"):
+            self.backend.resize(rows)
+
     def _choose(self, logits_row: torch.Tensor) -> int:
         if self._sampler is None:
             return int(torch.argmax(logits_row))
         return self._sampler(logits_row.cpu())
 
     @torch.inference_mode()
-    def prefill(self, tokens: list[int]) -> PrefillResult:
-        """Appends ``tokens`` to the cache (a first prompt, or a later turn's new tokens)."""
+    def prefill(self, tokens: list[int], choose: bool = True) -> PrefillResult:
+        """Appends ``tokens`` to the cache (a first prompt, or a later turn's new tokens).
+        ``choose=False`` (a chunk before the last of a long prompt): ``next_token`` is -1 and a
+        sampler draws nothing, so a chunked prefill draws what an unchunked one does."""
         if not tokens:
             raise ValueError("prefill: no tokens")
         validate(tokens, [-1, *range(len(tokens) - 1)], self.vocab_size)
@@ -80,7 +105,7 @@ class VerifierSession:
             logits = self.backend.logits(hidden[s : s + _PREFILL_CHUNK])
             topk.extend(torch.topk(logits, self.topk, dim=-1).indices.tolist())
             last_logits = logits[-1]
-        return PrefillResult(self._choose(last_logits), topk)
+        return PrefillResult(self._choose(last_logits) if choose else -1, topk)
 
     @torch.inference_mode()
     def verify(self, tokens: list[int], parents: list[int]) -> VerifyResult:

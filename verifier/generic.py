@@ -318,7 +318,7 @@ def _prefill(b: GenericBackend, ctx: list[int]) -> None:
 # -- the engine's choice -----------------------------------------------------------------------------
 
 
-def make_backend(model, kind: str = "auto"):
+def make_backend(model, kind: str = "auto", capacity: int = 1024):
     """``auto``: the lean backend where it implements the model, else the generic one; ``fast``: the
     lean one or ValueError; ``hf`` / ``generic``: the generic one."""
     from .backends import FastLlamaBackend
@@ -336,7 +336,7 @@ def make_backend(model, kind: str = "auto"):
     if kind in ("fast", "auto"):
         if not FastLlamaBackend.supports(model):
             raise ValueError(f"the fast backend does not support model_type={model.config.model_type!r}")
-        return FastLlamaBackend(model)
+        return FastLlamaBackend(model, capacity)
     raise ValueError(f"unknown backend {kind!r}")
 
 

@@ -17,7 +17,16 @@ BATCH_SIZE = Histogram(
 )
 VERIFIER_SESSIONS = Gauge("racer_verifier_sessions", "KV caches held")
 CACHE_TOKENS = Gauge("racer_verifier_cache_tokens", "Tokens held in all KV caches")
-CACHE_TOKENS_LIMIT = Gauge("racer_verifier_cache_tokens_limit", "Tokens all KV caches may hold (--max-cache-tokens)")
 # Exported with _total (racer_verifier_evictions_total, racer_verifier_reused_tokens_total).
 EVICTIONS = Counter("racer_verifier_evictions", "KV caches dropped", ["reason"])
 REUSED_TOKENS = Counter("racer_verifier_reused_tokens", "History tokens found in the KV cache at open")
+KV_BUDGET_BYTES = Gauge("racer_verifier_kv_budget_bytes", "KV memory the caches may hold, in bytes")
+KV_RESERVED_BYTES = Gauge("racer_verifier_kv_reserved_bytes", "KV memory reserved by the caches, in bytes")
+ADMISSIONS = Counter(
+    "racer_verifier_admissions",
+    "KV reservations by outcome: now, queued (after a wait), never_fits, queue_full, timed_out",
+    ["outcome"],
+)
+ADMISSION_WAITING = Gauge("racer_verifier_admission_waiting", "Requests waiting for KV memory")
+MODEL_QUEUE = Gauge("racer_verifier_model_queue", "Jobs (prefill chunks, tree batches) waiting for the model thread")
+MODEL_STALLED = Gauge("racer_verifier_model_stalled", "1 while the model thread has work but finished none lately")

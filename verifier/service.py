@@ -35,10 +35,11 @@ class VerifierService(pb_grpc.VerifierServicer):
                             op.session_id,
                             list(op.history),
                             (s.temperature, s.top_p or 1.0, s.top_k, s.seed if s.HasField("seed") else None),
+                            reserve=op.reserve_tokens,
                         )
                     )
                     with tracer.start_as_current_span("verifier.prefill") as span:
-                        res = await v.open(entry, list(op.history))
+                        res = await v.open(entry, list(op.history), context.time_remaining(), op.reserve_tokens)
                         span.set_attributes(
                             {"racer.history_tokens": len(op.history), "racer.reused_tokens": res.reused_tokens}
                         )

@@ -4,8 +4,13 @@ Model work runs on one worker thread (the forward releases the GIL), so health c
 streams stay responsive while a prefill, a batch or a big tree is computed; a lone stream's small
 trees are verified on the event loop itself when the last forward was short (INLINE_MS), which
 holds the loop for one short forward. Caches outlive streams: a session's next turn
-prefills only its new tokens. They are bounded by count and by total tokens; the least recently
-used idle cache goes first, and an evicted session is simply re-prefilled when it comes back.
+prefills only its new tokens. They are bounded by count and by a KV budget in bytes
+(``budget.py``): an open reserves its history plus ``headroom`` rows (new tokens and a tree) before
+any of it is allocated, a cache grows only by a further reservation, and an idle cache gives its
+spare rows back. The least recently used idle cache is evicted for room (an evicted session is
+simply re-prefilled when it comes back); what still does not fit waits in a bounded queue.
+The model thread (``fair.py``) serves tenants in fair turns; a long prefill runs in chunks of
+``prefill_chunk`` tokens, so other tenants' prefills and trees pass between them.
 No grpc: ``verifier/service.py`` converts its messages.
 """
 
@@ -13,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +29,9 @@ from common.sessions import Holder, SessionTable
 
 from . import metrics as M
 from .batcher import Batcher
+from .budget import KVBudget, default_budget, kv_bytes_per_token
 from .engine import VerifierSession
+from .fair import ModelThread
 
 MAX_TREE = 4096
 
@@ -34,6 +40,7 @@ MAX_TREE = 4096
 class Entry(_Entry):
     session: VerifierSession = None  # type: ignore[assignment] - always given
     tokens: list[int] = field(default_factory=list)  # what the KV cache holds, in order
+    rows: int = 0  # cache rows the KV budget reserves for it
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,8 @@ class Open:
     session_id: str
     history: list[int]
     sampling: tuple = (0.0, 1.0, 0, None)  # SamplingParams' fields: temperature, top_p, top_k, seed
+    timeout: float | None = None  # seconds the client still waits (its deadline): the longest wait for room
+    reserve: int = 0  # new tokens the turn may add: reserved at open with the history and a tree's headroom
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,12 @@ class Verifier(Holder):
         cost: dict[int, float] | None = None,
         max_batch: int = 16,
         max_wait_ms: float = 20.0,
+        kv_budget_bytes: int = 0,
+        headroom: int = 320,
+        prefill_chunk: int = 512,
+        max_waiting: int = 64,
+        wait_seconds: float = 20.0,
+        stall_seconds: float = 60.0,
     ):
         self.model = model
         self.topk = topk
@@ -91,38 +106,35 @@ class Verifier(Holder):
         self.vocab_size = model.config.vocab_size
         self.max_sessions = max_sessions
         self.max_cache_tokens = max_cache_tokens
-        M.CACHE_TOKENS_LIMIT.set(max_cache_tokens)
+        self.headroom = headroom  # rows reserved past the history: new tokens, a tree
+        self.prefill_chunk = max(1, prefill_chunk)
+        self.stall_seconds = stall_seconds
         self.sessions: SessionTable[Entry] = SessionTable(ttl)
+        per_token = kv_bytes_per_token(model.config, next(model.parameters()).element_size())
+        total = kv_budget_bytes or default_budget(model, per_token, max_cache_tokens)
+        self.budget = KVBudget(total, per_token, self._evict, max_waiting, wait_seconds)
         # ms per verification by tree size: measured at start-up, kept current by unbatched verifications
         self.cost: dict[int, float] = dict(cost or {})
         self.batcher = Batcher(self, max_batch, max_wait_ms)
         # OpenMP thread settings are per thread: the worker takes the creating thread's count.
-        threads = torch.get_num_threads()
-        self.busy = 0  # calls handed to the model thread and not yet over
-        self._pool = ThreadPoolExecutor(
-            1, thread_name_prefix="verifier-model", initializer=torch.set_num_threads, initargs=(threads,)
-        )
+        self.model_thread = ModelThread(self.prefill_chunk, torch.get_num_threads())
 
-    async def _run(self, fn, *args):
-        """``fn(*args)`` on the model thread; ``busy`` counts it until it is over, even when the
-        caller stops waiting for it (a cancelled stream)."""
-        loop = asyncio.get_running_loop()
-        self.busy += 1
-        job = self._pool.submit(fn, *args)
-        job.add_done_callback(lambda _: self._done_one(loop))
-        return await asyncio.wrap_future(job)
+    @property
+    def busy(self) -> int:
+        """Jobs handed to the model thread and not yet over (queued or running)."""
+        return self.model_thread.pending
 
-    def _done_one(self, loop) -> None:  # on the model thread
-        def dec():
-            self.busy -= 1
+    async def _run(self, fn, *args, tenant: str = "", cost: int = 1, kind: str = "verify"):
+        """``fn(*args)`` on the model thread, in ``tenant``'s fair turn (``cost``: tokens or rows).
+        A caller that stops waiting (a cancelled stream) cancels it if it has not started."""
+        return await asyncio.wrap_future(self.model_thread.submit(tenant, cost, kind, fn, *args))
 
-        try:
-            loop.call_soon_threadsafe(dec)
-        except RuntimeError:  # the loop has closed: nobody is left to count for
-            pass
+    def stalled(self) -> bool:
+        """The model thread has had work for ``stall_seconds`` and finished none of it."""
+        return self.model_thread.stalled(self.stall_seconds)
 
     def claim(self, op: Open) -> Entry:
-        """The session's entry, held by the calling stream, with room made for its history."""
+        """The session's entry, held by the calling stream (``open`` makes room for its history)."""
         if not op.session_id:
             raise Abort(Status.INVALID_ARGUMENT, "open.session_id: required")
         if not op.tenant:
@@ -134,10 +146,19 @@ class Verifier(Holder):
             raise Abort(
                 Status.INVALID_ARGUMENT, f"open.history: token id {bad} outside the vocabulary [0, {self.vocab_size})"
             )
-        if len(op.history) > self.max_cache_tokens:
+        if op.reserve < 0:
+            raise Abort(Status.INVALID_ARGUMENT, f"open.reserve_tokens: {op.reserve} is negative")
+        need = self.budget.bytes_for(len(op.history) + op.reserve + self.headroom)
+        if need > self.budget.total:
             raise Abort(
                 Status.RESOURCE_EXHAUSTED,
-                f"open.history: {len(op.history)} tokens, this verifier holds at most {self.max_cache_tokens}",
+                f"open.history: {len(op.history)} tokens and {op.reserve} new need {need} bytes of KV memory "
+                f"(with {self.headroom} rows for a tree), this verifier holds at most {self.budget.total}",
+            )
+        if self.stalled():
+            raise Abort(
+                Status.UNAVAILABLE,
+                f"verifier stalled: its model thread finished no forward in {self.stall_seconds:g} s",
             )
         try:
             sampling = SamplingParams(*op.sampling)
@@ -147,33 +168,44 @@ class Verifier(Holder):
         entry = self.sessions.get(key)
         if entry is not None and entry.streaming:
             raise Abort(Status.ABORTED, f"session {op.session_id}: another stream is open on it")
-        self._make_room(len(op.history), keep=key)
+        while entry is None and len(self.sessions) >= self.max_sessions:
+            if not self._evict(key):
+                raise Abort(Status.RESOURCE_EXHAUSTED, "verifier full: every KV cache is in use by a stream")
         if entry is None:
-            entry = self.sessions.put(
-                Entry(op.tenant, op.session_id, session=VerifierSession(self.model, self.topk, self.backend, sampling))
-            )
+            session = VerifierSession(self.model, self.topk, self.backend, sampling, capacity=0)
+            entry = self.sessions.put(Entry(op.tenant, op.session_id, session=session))
         entry.session.set_sampling(sampling)
         self.sessions.claim(entry)
         M.VERIFIER_SESSIONS.set(len(self.sessions))
         return entry
 
-    def _make_room(self, tokens: int, keep: tuple[str, str]) -> None:
-        """Evicts idle caches, least recently used first, until a session of ``tokens`` fits."""
+    def _evict(self, keep: tuple[str, str]) -> bool:
+        """Drops the least recently used idle cache other than ``keep``'s: False when none is left."""
+        victim = self.sessions.idle_lru(keep)
+        if victim is None:
+            return False
+        self.sessions.pop(victim.key)
+        self.budget.release(victim.key)
+        M.EVICTIONS.labels("capacity").inc()
+        return True
 
-        def over() -> bool:
-            held = sum(len(e.tokens) for e in self.sessions if e.key != keep)
-            count = len(self.sessions) + (keep not in self.sessions)
-            return count > self.max_sessions or held + tokens > self.max_cache_tokens
+    async def _reserve(self, entry: Entry, rows: int, timeout: float | None, what: str) -> None:
+        """Makes ``entry``'s reservation at least ``rows`` rows (waiting for room if need be); a smaller
+        one is applied by ``_shrunk`` once the cache has really shrunk."""
+        if rows > entry.rows:
+            await self.budget.reserve(entry.key, self.budget.bytes_for(rows), timeout, what)
+            entry.rows = rows
+        entry.session.set_reserve(rows)
 
-        while over():
-            victim = self.sessions.idle_lru(keep)
-            if victim is None:
-                raise Abort(Status.RESOURCE_EXHAUSTED, "verifier full: every KV cache is in use by a stream")
-            self.sessions.pop(victim.key)
-            M.EVICTIONS.labels("capacity").inc()
+    def _shrunk(self, entry: Entry, rows: int) -> None:
+        """The cache now has at most ``rows`` rows: the rest of its reservation is given back."""
+        if rows < entry.rows and self.sessions.get(entry.key) is entry:
+            entry.rows = rows
+            self.budget.shrink(entry.key, self.budget.bytes_for(rows))
 
-    async def open(self, entry: Entry, history: list[int]) -> Prefilled:
-        """Keeps the longest prefix of ``history`` the cache holds and prefills the rest."""
+    async def open(self, entry: Entry, history: list[int], timeout: float | None = None, reserve: int = 0) -> Prefilled:
+        """Keeps the longest prefix of ``history`` the cache holds and prefills the rest, in chunks
+        of ``prefill_chunk`` tokens, each its own job in the tenant's fair turn on the model thread."""
         have = entry.tokens
         common = 0
         for a, b in zip(have, history):
@@ -182,36 +214,59 @@ class Verifier(Holder):
             common += 1
         reuse = min(common, len(history) - 1)  # at least one token is fed: its logits pick the next
         t0 = time.perf_counter()
-        # Whatever happens to this call, the cache's first ``reuse`` rows stay valid: the work only
-        # truncates to them and appends. A cancelled stream (the worker may still run the work)
-        # thus keeps a cache the next open can reuse.
-        entry.tokens = have[:reuse]
-
-        def work():
-            entry.session.truncate(reuse)
-            return entry.session.prefill(history[reuse:])
-
+        pad = entry.session.rows_needed(0) - entry.session.length  # rows a forward writes past its own
+        rows = len(history) + reserve + self.headroom + pad
         try:
-            res = await self._run(work)
-        except asyncio.CancelledError:
-            raise
+            await self._reserve(entry, rows, timeout, f"open of session {entry.session_id}")
         except BaseException:
-            self._forget(entry)  # a forward that failed halfway leaves the cache unknown
+            if not entry.tokens:  # nothing cached: keep no empty entry around
+                self._forget(entry)
             raise
-        entry.tokens = history
+        # Whatever happens to this call, the cache's first ``len(entry.tokens)`` rows stay valid: the
+        # work only truncates to them and appends. A cancelled stream (the worker may still run a
+        # chunk) thus keeps a cache the next open can reuse.
+        entry.tokens = have[:reuse]
+        session = entry.session
+        new = history[reuse:]
+        chunks = [new[i : i + self.prefill_chunk] for i in range(0, len(new), self.prefill_chunk)]
+        topk: list[int] = []
+        res = None
+        for i, chunk in enumerate(chunks):
+            last = i == len(chunks) - 1
+
+            def work(chunk=chunk, last=last, first=i == 0):
+                if first:
+                    session.truncate(reuse)
+                    session.resize(rows)  # exactly the reservation: grows, or gives back spare rows
+                return session.prefill(chunk, choose=last)
+
+            try:
+                res = await self._run(work, tenant=entry.tenant, cost=len(chunk), kind="prefill")
+            except asyncio.CancelledError:
+                raise
+            except BaseException:
+                self._forget(entry)  # a forward that failed halfway leaves the cache unknown
+                raise
+            if i == 0:
+                self._shrunk(entry, rows)
+            entry.tokens = entry.tokens + chunk
+            topk.extend(t for row in res.topk for t in row)
         elapsed = (time.perf_counter() - t0) * 1e3
         M.PREFILL_SECONDS.observe(elapsed / 1e3)
         M.REUSED_TOKENS.inc(reuse)
         self._gauge()
-        return Prefilled(res.next_token, [t for row in res.topk for t in row], reuse, len(entry.tokens), elapsed)
+        return Prefilled(res.next_token, topk, reuse, len(entry.tokens), elapsed)
 
     async def verify(self, entry: Entry, tokens: list[int], parents: list[int]) -> Verified:
         """One tree of the session's, alone or batched with other sessions' trees."""
         if len(tokens) > MAX_TREE:
             raise Abort(Status.INVALID_ARGUMENT, f"tree.tokens: {len(tokens)} nodes, at most {MAX_TREE}")
         t0 = time.perf_counter()
+        need = entry.session.rows_needed(len(tokens))
+        if need > entry.rows:  # grows by a reservation, with headroom so it does not every round
+            await self._reserve(entry, need + self.headroom, None, f"tree of session {entry.session_id}")
         try:
-            res, forward_ms, others = await self.batcher.verify(entry.session, tokens, parents)
+            res, forward_ms, others = await self.batcher.verify(entry, tokens, parents)
         except asyncio.CancelledError:
             raise  # the forward only appends after ``entry.tokens`` (same worker thread): they stay a valid prefix
         except BaseException:
@@ -234,10 +289,39 @@ class Verifier(Holder):
         return self.sessions.streaming()
 
     def release(self, entry: Entry) -> None:
+        """The stream is over: the idle cache gives back its spare rows (on the model thread, after
+        the stream's own jobs; the budget follows once it has)."""
         self.sessions.release(entry)
+        current = self.sessions.get(entry.key)
+        if current is None:  # dropped while it streamed (a growth may have reserved again since)
+            self.budget.release(entry.key)
+        self.budget.wake()  # an idle cache may be evicted for those waiting
+        if current is not entry or entry.rows <= len(entry.tokens):
+            return
+        rows = len(entry.tokens)
+        entry.session.set_reserve(rows)
+
+        def trim():
+            if getattr(entry.session.backend, "reserve_rows", rows) == rows:  # no open since
+                entry.session.resize(rows)
+
+        job = self.model_thread.submit(entry.tenant, 1, "resize", trim)
+        loop = asyncio.get_running_loop()
+
+        def done(f):
+            if not f.cancelled() and f.exception() is None:
+                loop.call_soon_threadsafe(self._trimmed, entry, rows)
+
+        job.add_done_callback(done)
+
+    def _trimmed(self, entry: Entry, rows: int) -> None:
+        if not entry.streaming:  # a new open keeps (or grows) the reservation it made
+            self._shrunk(entry, rows)
 
     def _forget(self, entry: Entry) -> None:
-        self.sessions.pop(entry.key)
+        if self.sessions.get(entry.key) is entry:
+            self.sessions.pop(entry.key)
+            self.budget.release(entry.key)
         self._gauge()
 
     def _gauge(self) -> None:
@@ -246,12 +330,16 @@ class Verifier(Holder):
 
     async def expire(self) -> int:
         gone = self.sessions.expire()
+        for e in gone:
+            self.budget.release(e.key)
         M.EVICTIONS.labels("idle").inc(len(gone))
         self._gauge()
         return len(gone)
 
     def drop(self, tenant: str, session_id: str) -> bool:
         entry = self.sessions.pop((tenant, session_id))
+        if entry is not None:
+            self.budget.release(entry.key)
         self._gauge()
         return entry is not None
 
@@ -270,4 +358,4 @@ class Verifier(Holder):
         task = self.batcher.task
         if task is not None and not task.done():
             task.get_loop().call_soon_threadsafe(task.cancel)
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.model_thread.close()

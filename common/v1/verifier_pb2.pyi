@@ -20,16 +20,18 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class VerifierOpen(_message.Message):
-    __slots__ = ("session_id", "tenant", "history", "sampling")
+    __slots__ = ("session_id", "tenant", "history", "sampling", "reserve_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     history: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., history: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+    reserve_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., history: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., reserve_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyTree(_message.Message):
     __slots__ = ("tokens", "parents")

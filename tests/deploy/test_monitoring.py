@@ -109,8 +109,8 @@ def test_the_dashboard_has_the_panels_operators_need():
         "racer_time_to_first_token_seconds_bucket",
         "racer_time_per_output_token_seconds_bucket",  # inter-token latency
         "racer_verify_batch_size_bucket",
-        "racer_verifier_cache_tokens",  # KV usage
-        "racer_verifier_cache_tokens_limit",
+        "racer_verifier_kv_reserved_bytes",  # KV usage
+        "racer_verifier_kv_budget_bytes",
         "racer_failovers_total",
         "racer_snapshot_failures_total",
     ):

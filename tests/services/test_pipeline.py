@@ -242,10 +242,10 @@ def handed_to_model_thread(svc):
     handed: list[int] = []
     real = svc._run
 
-    async def spy(fn, *args):
+    async def spy(fn, *args, **kw):
         if fn is _timed_verify:
             handed.append(len(args[0][0][1]))
-        return await real(fn, *args)
+        return await real(fn, *args, **kw)
 
     svc._run = spy
     try:
