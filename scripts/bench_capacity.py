@@ -76,6 +76,8 @@ def spawn(args, budget: int, chunk: int) -> tuple[subprocess.Popen, str]:
         "256",
         "--log-level",
         "WARNING",
+        "--allow-unauthenticated",  # bound to loopback, called by this script alone
+        "1",
     ]
     proc = subprocess.Popen(cmd, env=dict(os.environ), start_new_session=True)
     target = f"127.0.0.1:{port}"

@@ -19,7 +19,7 @@ from common.v1 import verifier_pb2_grpc as vgrpc
 from racer import launch as services
 from racer.client import Client
 from tests.support.engine import hf_greedy
-from tests.support.stack import prompt, start_stack
+from tests.support.stack import INTERNAL_TOKEN, backend_channel, prompt, start_stack
 
 STALL = 0.3  # seconds: the test's bound
 
@@ -42,7 +42,9 @@ def _next_status(statuses, want: str) -> None:
 
 @pytest.fixture
 def verifier(loop_thread, tiny_llama):
-    args = services.defaults("verifier", host="127.0.0.1", port=0, stall_seconds=STALL, measure_cost=0)
+    args = services.defaults(
+        "verifier", host="127.0.0.1", port=0, stall_seconds=STALL, measure_cost=0, internal_token=INTERNAL_TOKEN
+    )
     srv, core = loop_thread.run(services.start_verifier(args, model=tiny_llama))
     yield f"127.0.0.1:{srv.port}", core
     loop_thread.run(srv.stop(0))
@@ -57,7 +59,7 @@ def test_a_wedged_model_thread_turns_health_not_serving_and_refuses_new_sessions
         _next_status(statuses, "SERVING")
         wedge = asyncio.run_coroutine_threadsafe(core._run(gate.wait, 60, tenant="t", kind="hold"), loop_thread.loop)
         _next_status(statuses, "NOT_SERVING")
-        with grpc.insecure_channel(target) as vch:
+        with backend_channel(target) as vch:
             req = vpb.VerifyRequest(open=vpb.VerifierOpen(session_id="s", tenant="t", history=prompt(1)))
             with pytest.raises(grpc.RpcError) as err:
                 list(vgrpc.VerifierStub(vch).Session(iter([req]), timeout=30))
@@ -65,7 +67,7 @@ def test_a_wedged_model_thread_turns_health_not_serving_and_refuses_new_sessions
         gate.set()
         wedge.result(30)
         _next_status(statuses, "SERVING")
-        with grpc.insecure_channel(target) as vch:
+        with backend_channel(target) as vch:
             assert len(list(vgrpc.VerifierStub(vch).Session(iter([req]), timeout=30))) == 1
     finally:
         gate.set()
