@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from common.errors import Abort, Status
+from tests.support.aio import until
 from tests.support.engine import hf_greedy
 from tests.support.stack import prompt
 from verifier.budget import default_budget, kv_bytes_per_token, memory_limit, model_bytes
@@ -32,15 +33,6 @@ def _verifier(model, sessions_fit: float = 3, **kw) -> Verifier:
 
 def _metric(name: str, **labels) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
-
-
-async def _until(cond) -> None:
-    """Yields to the loop until ``cond()``: the other tasks run their next steps, no clock involved."""
-    for _ in range(10_000):
-        if cond():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("condition never reached")
 
 
 def _held_rows_fit(v: Verifier) -> None:
@@ -88,7 +80,7 @@ def test_an_open_that_does_not_fit_waits_and_proceeds_when_another_session_close
         fourth = prompt(3, HISTORY)
         e4 = v.claim(Open("u", "s3", fourth))
         task = asyncio.ensure_future(v.open(e4, fourth))
-        await _until(lambda: v.budget.waiting == 1)
+        await until(lambda: v.budget.waiting == 1)
         assert not task.done()
         assert v.budget.used <= v.budget.total
         assert _metric("racer_verifier_kv_reserved_bytes") == v.budget.used
@@ -112,7 +104,7 @@ def test_a_dropped_session_frees_its_reservation_for_the_waiter(tiny_llama):
         await v.open(e1, prompt(1, HISTORY))
         e2 = v.claim(Open("t", "b", prompt(2, HISTORY)))
         task = asyncio.ensure_future(v.open(e2, prompt(2, HISTORY)))
-        await _until(lambda: v.budget.waiting == 1)
+        await until(lambda: v.budget.waiting == 1)
         assert v.drop("t", "a")  # CloseSession while its stream is still open
         await task
         assert set(v.budget.held) == {("t", "b")}
@@ -153,7 +145,7 @@ def test_the_wait_ends_at_the_deadline_and_a_full_queue_refuses_at_once(tiny_lla
         await v.open(e1, prompt(1, HISTORY))
         e2 = v.claim(Open("t", "b", prompt(2, HISTORY)))
         waiter = asyncio.ensure_future(v.open(e2, prompt(2, HISTORY), timeout=3600))
-        await _until(lambda: v.budget.waiting == 1)
+        await until(lambda: v.budget.waiting == 1)
         e3 = v.claim(Open("t", "c", prompt(3, HISTORY)))
         with pytest.raises(Abort) as err:
             await v.open(e3, prompt(3, HISTORY))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+from tests.support.aio import until
 from tests.support.stack import prompt
 from verifier.engine import VerifierSession
 from verifier.fair import ModelThread
@@ -86,11 +87,11 @@ def test_a_tenants_short_prefill_passes_another_tenants_long_chunked_prefills(ti
         for i, p in enumerate(a_prompts):
             e = v.claim(Open("A", f"a{i}", p))
             a_tasks.append(asyncio.ensure_future(v.open(e, p)))
-        await _until(lambda: rec.count("queued", "A", "prefill") == 3)
+        await until(lambda: rec.count("queued", "A", "prefill") == 3)
         b_prompt = prompt(30, short_n)
         eb = v.claim(Open("B", "b", b_prompt))
         b_task = asyncio.ensure_future(v.open(eb, b_prompt))
-        await _until(lambda: rec.count("queued", "B", "prefill") == 1)
+        await until(lambda: rec.count("queued", "B", "prefill") == 1)
         gate.set()
         await hold
         b_res = await b_task
@@ -108,11 +109,3 @@ def test_a_tenants_short_prefill_passes_another_tenants_long_chunked_prefills(ti
         ref = VerifierSession(tiny_llama).prefill(p)
         assert res.next_token == ref.next_token
         assert res.topk == [t for row in ref.topk for t in row]
-
-
-async def _until(cond) -> None:
-    for _ in range(10_000):
-        if cond():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("condition never reached")
