@@ -28,18 +28,23 @@ TENANT = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
 
 def load_api_keys(path: str) -> dict[str, str]:
     """A file of ``key tenant`` lines (``#`` comments). A file without keys lets nobody in."""
-    keys: dict[str, str] = {}
     with open(path) as f:
-        for n, line in enumerate(f, 1):
-            line = line.split("#", 1)[0].strip()
-            if not line:
-                continue
-            parts = line.split()
-            if len(parts) != 2:
-                raise ValueError(f"{path}:{n}: expected 'key tenant'")
-            if not TENANT.fullmatch(parts[1]):
-                raise ValueError(f"{path}:{n}: tenant {parts[1]!r}: expected 1-64 of A-Z a-z 0-9 _ . @ -")
-            keys[parts[0]] = parts[1]
+        return parse_api_keys(f.read(), path)
+
+
+def parse_api_keys(text: str, path: str) -> dict[str, str]:
+    """``key tenant`` lines (``#`` comments) of the file at ``path`` (named in errors)."""
+    keys: dict[str, str] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) != 2:
+            raise ValueError(f"{path}:{n}: expected 'key tenant'")
+        if not TENANT.fullmatch(parts[1]):
+            raise ValueError(f"{path}:{n}: tenant {parts[1]!r}: expected 1-64 of A-Z a-z 0-9 _ . @ -")
+        keys[parts[0]] = parts[1]
     return keys
 
 
@@ -73,10 +78,22 @@ class ApiKeys:
 
     def reload(self, strict: bool = False) -> bool:
         """Reads the file again; True when the keys changed. A file that cannot be read or parsed
-        keeps the keys already loaded (``strict``, at start: raises)."""
+        keeps the keys already loaded (``strict``, at start: raises). So does, on a reload, a file
+        that looks half written: empty, or without a newline after its last line (a truncated
+        ``key tenant-eu`` line could otherwise read as ``key tenant``), or one that changed while
+        it was read (read again at the next poll)."""
         stamp = self._stat()
         try:
-            keys = load_api_keys(self.path)
+            with open(self.path, "rb") as f:
+                raw = f.read()
+            if not strict:
+                if self._stat() != stamp:
+                    return False  # being written: the next poll reads it whole
+                if not raw.strip():
+                    raise ValueError("the file is empty (to let nobody in, leave a comment line)")
+                if not raw.endswith(b"\n"):
+                    raise ValueError("no newline after the last line: the file may be half written")
+            keys = parse_api_keys(raw.decode(), self.path)
         except (OSError, ValueError) as e:
             if strict:
                 raise
