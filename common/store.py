@@ -42,9 +42,11 @@ class MemoryStore:
         return [k for k, (_, exp) in self._data.items() if k.startswith(prefix) and exp >= now]
 
     async def acquire(self, key: str, token: str, ttl: float) -> bool:
-        """Sets ``key`` to ``token`` if it is absent (or expired); whether it did."""
-        if await self.get(key) is not None:
-            return False
+        """Sets ``key`` to ``token`` if it is absent (or expired); whether ``key`` now holds ``token``
+        (a retried call finds its own)."""
+        held = await self.get(key)
+        if held is not None:
+            return held == token.encode()
         await self.set(key, token.encode(), ttl)
         return True
 
@@ -103,7 +105,10 @@ class RedisStore:
         return [k.decode() async for k in self._r.scan_iter(match=_escape(prefix) + "*", count=500)]
 
     async def acquire(self, key: str, token: str, ttl: float) -> bool:
-        return bool(await self._r.set(key, token, px=_ms(ttl), nx=True))
+        if await self._r.set(key, token, px=_ms(ttl), nx=True):
+            return True
+        # A retried call whose first SET reached Redis but whose reply was lost finds its own token.
+        return await self._r.get(key) == token.encode()
 
     async def renew(self, key: str, token: str, ttl: float) -> bool:
         return bool(await self._renew(keys=[key], args=[token, _ms(ttl)]))

@@ -155,8 +155,11 @@ class Gateway:
             if not rounds.done():
                 rounds.cancel()  # the client went away: the turn releases its drafter and verifier
             await asyncio.gather(rounds, return_exceptions=True)
-            del self._turns[key]
-            await lease.end(run.saved_tokens, kept)
+            # Shielded: a second cancel (the server stopping after the drain) does not cut the quota
+            # update and the lease release short, and the turn stays listed (the drain waits) until done.
+            end = asyncio.ensure_future(lease.end(run.saved_tokens, kept))
+            end.add_done_callback(lambda _: self._turns.pop(key, None))
+            await asyncio.shield(end)
 
     async def _input_ids(self, r: Request, history: list[int]) -> list[int]:
         """The turn's input tokens: text is tokenized, and a large ``prompt_ids`` scanned, off the event

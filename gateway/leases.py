@@ -19,6 +19,7 @@ import secrets
 from common.errors import Abort, Status
 
 from . import metrics as M
+from .records import record_key
 
 log = logging.getLogger("racer.gateway")
 
@@ -46,7 +47,8 @@ class Lease:
         if not await self.records.call("lease", store.acquire, self.key, self.token, self.ttl_s):
             raise Abort(Status.ABORTED, f"session_id {self.session_id!r}: a turn is already running")
         try:
-            await self.quotas.admit(self.tenant, self.session_id, need, self.token, self.ttl_s)
+            record = record_key(self.tenant, self.session_id)
+            await self.quotas.admit(self.tenant, self.session_id, need, self.token, self.ttl_s, new, record)
         except BaseException:
             await self._release()
             raise
@@ -89,7 +91,7 @@ class Lease:
             if self._ended.is_set():
                 return
             with contextlib.suppress(Abort):
-                await self.quotas.renew(self.tenant, self.token, self.ttl_s)
+                await self.quotas.renew(self.tenant, self.session_id, self.token, self.ttl_s)
 
     async def end(self, saved_tokens: int | None, kept_tokens: int) -> None:
         """The turn ended: stops renewing, releases the lease and settles the quotas (``saved_tokens``:
@@ -104,7 +106,8 @@ class Lease:
             await self.quotas.end(self.tenant, self.session_id, self.token, outcome, tokens, self.need)
         except Abort as e:  # counted again correctly when the turn's entry and the session expire
             log.warning("quota update failed", extra={"session_id": self.session_id, "error": e.message})
-        await self._release()
+        finally:
+            await self._release()
 
     async def _release(self) -> None:
         try:

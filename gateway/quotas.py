@@ -93,9 +93,11 @@ def quota_keys(tenant: str) -> tuple[str, str, str]:
     return p + "sessions", p + "tokens", p + "turns"
 
 
-# KEYS: sessions (zset sid -> expiry), tokens (hash sid -> tokens), turns (zset turn -> expiry)
-# ARGV: now, sid, need, turn id, turn expiry, session expiry, max sessions, max tokens, max turns, key ttl ms
-# Returns {0, 0} when admitted, else {1 turns | 2 sessions | 3 tokens, the count that is full}.
+# KEYS: sessions (zset sid -> expiry), tokens (hash sid -> tokens), turns (zset turn -> expiry), the record
+# ARGV: now, sid, need, turn id, turn expiry, session expiry, max sessions, max tokens, max turns, key ttl ms,
+# '1' if the session is new
+# Returns {0, 0} when admitted, else {1 turns | 2 sessions | 3 tokens, the count that is full} or {4, 0}: an
+# existing session whose record is gone (closed since the turn read it).
 _PRUNE = """
 local now = tonumber(ARGV[1])
 local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. now)
@@ -108,6 +110,7 @@ _ADMIT = (
     + """
 local sid, need = ARGV[2], tonumber(ARGV[3])
 local max_s, max_t, max_c = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+if ARGV[11] ~= '1' and redis.call('EXISTS', KEYS[4]) == 0 then return {4, 0} end
 local turns = redis.call('ZCARD', KEYS[3])
 if max_c > 0 and turns >= max_c then return {1, turns} end
 if not redis.call('ZSCORE', KEYS[1], sid) then
@@ -118,16 +121,20 @@ local total = 0
 for _, v in ipairs(redis.call('HVALS', KEYS[2])) do total = total + tonumber(v) end
 total = total - tonumber(redis.call('HGET', KEYS[2], sid) or '0')
 if max_t > 0 and total + need > max_t then return {3, total} end
-redis.call('ZADD', KEYS[1], ARGV[6], sid)
+redis.call('ZADD', KEYS[1], 'GT', ARGV[6], sid)
 redis.call('HSET', KEYS[2], sid, need)
 redis.call('ZADD', KEYS[3], ARGV[5], ARGV[4])
 for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[10]) end
 return {0, 0}
 """
 )
-# ARGV: turn id, turn expiry, key ttl ms
+# ARGV: turn id, turn expiry, key ttl ms, sid. A running turn's session counts at least as long as
+# its lease: a new session whose gateway died stops counting when the lease would have expired.
 _RENEW = """
-if redis.call('ZADD', KEYS[3], 'XX', 'CH', ARGV[2], ARGV[1]) == 1 then redis.call('PEXPIRE', KEYS[3], ARGV[3]) end
+if redis.call('ZADD', KEYS[3], 'XX', 'CH', ARGV[2], ARGV[1]) == 1 then
+  redis.call('PEXPIRE', KEYS[3], ARGV[3])
+  redis.call('ZADD', KEYS[1], 'XX', 'GT', ARGV[2], ARGV[4])
+end
 return 1
 """
 # ARGV: turn id, sid, outcome ('saved' | 'new' | 'kept'), tokens (saved or restored), session expiry, key ttl ms,
@@ -180,6 +187,7 @@ class Quotas:
     """The quotas of every tenant, counted in ``store`` (through ``call``: the records' retried calls)."""
 
     def __init__(self, store, limits: TenantLimits, ttl_s: float, call):
+        self._store = store
         self.limits = limits
         self.ttl_s = ttl_s  # a session record's TTL: how long an idle session counts
         self._call = call
@@ -196,17 +204,30 @@ class Quotas:
         t.prune(time.time())
         return t
 
-    async def admit(self, tenant: str, session_id: str, need: int, turn_id: str, lease_s: float) -> None:
+    async def admit(
+        self, tenant: str, session_id: str, need: int, turn_id: str, lease_s: float, new: bool = True, record: str = ""
+    ) -> None:
         """Counts a starting turn that may grow the session to ``need`` tokens; RESOURCE_EXHAUSTED
-        (nothing counted) when a quota of the tenant is full."""
+        (nothing counted) when a quota of the tenant is full, NOT_FOUND when an existing session's
+        ``record`` (its store key) is gone: closed since the turn read it.
+
+        A new session counts as long as its turn's lease (renewed with it) until a save gives it the
+        record's TTL: a turn whose gateway died leaves nothing counted past its lease."""
         q = self.limits.of(tenant)
         now = time.time()
+        expiry = now + lease_s if new else now + self.ttl_s + lease_s
         if self._mem is None:
-            args = [now, session_id, need, turn_id, now + lease_s, now + self.ttl_s + lease_s]
-            args += [q.sessions, q.tokens, q.turns, int((self.ttl_s + lease_s) * 1000)]
-            code, n = await self._call("quota", self._admit, quota_keys(tenant), args)
+            args = [now, session_id, need, turn_id, now + lease_s, expiry]
+            args += [q.sessions, q.tokens, q.turns, int((self.ttl_s + lease_s) * 1000), "1" if new else "0"]
+            code, n = await self._call("quota", self._admit, (*quota_keys(tenant), record), args)
         else:
-            code, n = self._admit_memory(self._t(tenant), q, now, session_id, need, turn_id, lease_s)
+            # One process: nothing runs between this check and the admission (no await in between).
+            if not new and (not record or await self._call("get", self._store.get, record) is None):
+                code, n = 4, 0
+            else:
+                code, n = self._admit_memory(self._t(tenant), q, now, session_id, need, turn_id, lease_s, expiry)
+        if code == 4:
+            raise Abort(Status.NOT_FOUND, f"session_id {session_id!r}: no such session (it was closed)")
         if code:
             M.QUOTA_REFUSALS.labels(("turns", "sessions", "tokens")[code - 1]).inc()
         if code == 1:
@@ -229,7 +250,7 @@ class Quotas:
                 "max_new_tokens",
             )
 
-    def _admit_memory(self, t: _Tenant, q: Quota, now, sid, need, turn_id, lease_s) -> tuple[int, int]:
+    def _admit_memory(self, t: _Tenant, q: Quota, now, sid, need, turn_id, lease_s, expiry) -> tuple[int, int]:
         if q.turns and len(t.turns) >= q.turns:
             return 1, len(t.turns)
         if sid not in t.sessions and q.sessions and len(t.sessions) >= q.sessions:
@@ -237,18 +258,22 @@ class Quotas:
         total = sum(t.tokens.values()) - t.tokens.get(sid, 0)
         if q.tokens and total + need > q.tokens:
             return 3, total
-        t.sessions[sid] = now + self.ttl_s + lease_s
+        t.sessions[sid] = max(t.sessions.get(sid, 0.0), expiry)
         t.tokens[sid] = need
         t.turns[turn_id] = now + lease_s
         return 0, 0
 
-    async def renew(self, tenant: str, turn_id: str, lease_s: float) -> None:
+    async def renew(self, tenant: str, session_id: str, turn_id: str, lease_s: float) -> None:
         now = time.time()
         if self._mem is None:
-            args = [turn_id, now + lease_s, int((self.ttl_s + lease_s) * 1000)]
+            args = [turn_id, now + lease_s, int((self.ttl_s + lease_s) * 1000), session_id]
             await self._call("quota", self._renew, quota_keys(tenant), args, retry=False)
-        elif turn_id in self._t(tenant).turns:
-            self._t(tenant).turns[turn_id] = now + lease_s
+            return
+        t = self._t(tenant)
+        if turn_id in t.turns:
+            t.turns[turn_id] = now + lease_s
+            if session_id in t.sessions:
+                t.sessions[session_id] = max(t.sessions[session_id], now + lease_s)
 
     async def end(self, tenant: str, session_id: str, turn_id: str, outcome: str, tokens: int, need: int) -> None:
         """The turn (which reserved ``need``) ended: ``outcome`` 'saved' (the session now holds

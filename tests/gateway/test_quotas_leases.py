@@ -38,6 +38,7 @@ def test_lease_and_fenced_set(run):
     async def go(store):
         assert await store.acquire(L, "t1", 30)
         assert not await store.acquire(L, "t2", 30)  # held
+        assert await store.acquire(L, "t1", 30)  # a retry of the holder's own call (its first reply lost)
         assert not await store.renew(L, "t2", 30) and await store.renew(L, "t1", 30)
         # absent -> value only for the holder, and only while absent
         assert not await store.fenced_set(L, "t2", K, None, b"v1", 30)
@@ -102,6 +103,37 @@ def test_quotas_admit_end_and_forget(run):
         await q.admit(a, "s1", 5, "t5", 0.05)  # a turn whose gateway died stops counting when its lease ends
         await asyncio.sleep(0.2)  # the lease TTL running out is the behaviour under test
         assert (await q.usage(a))[2] == 0
+
+    run(go)
+
+
+def test_a_dead_turns_new_session_stops_counting_with_its_lease_and_a_closed_session_is_not_readmitted(run):
+    a = f"a{uuid.uuid4().hex[:8]}"
+    limits = TenantLimits(Quota(sessions=2, tokens=0, turns=0))
+
+    async def go(store):
+        q = Quotas(store, limits, 60.0, _call)
+        # a new session's first turn whose gateway died (no renewal, no end): counted for its lease only
+        await q.admit(a, "s1", 10, "t1", 0.05, new=True)
+        await q.admit(a, "s2", 10, "t2", 0.05, new=True)
+        assert (await q.usage(a))[0] == 2
+        await asyncio.sleep(0.2)  # the lease TTL running out is the behaviour under test
+        assert await q.usage(a) == (0, 0, 0)
+        # renewed while it runs, a new session keeps counting past its first lease
+        await q.admit(a, "s3", 10, "t3", 0.05, new=True)
+        await q.renew(a, "s3", "t3", 60.0)
+        await asyncio.sleep(0.2)
+        assert (await q.usage(a))[0] == 1
+        await q.end(a, "s3", "t3", "saved", 10, 10)
+        # an existing session is admitted only while its record is there (closed since read: NOT_FOUND)
+        rec = f"racer:session:{a}:s3"
+        with pytest.raises(Abort) as e:
+            await q.admit(a, "s3", 10, "t4", 30, new=False, record=rec)
+        assert e.value.code is Status.NOT_FOUND
+        await store.set(rec, b"{}", 30)
+        await q.admit(a, "s3", 10, "t4", 30, new=False, record=rec)
+        assert await q.usage(a) == (1, 10, 1)
+        await store.delete(rec)
 
     run(go)
 
