@@ -108,17 +108,21 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         raise api.model_not_found(call.model, request.app[_MODEL])
     M.ACTIVE_STREAMS.inc()
     code = "OK"
+    closing: list[asyncio.Future] = []  # the one-call session's close, once started
+    started: list[str] = []  # the turn's session id, once known
 
     async def done(session_id: str) -> None:
         """After the turn and before the answer's last bytes: a one-call session is closed."""
-        if not call.keep_session:
-            await asyncio.shield(_close(gw, tenant, session_id))
+        if not call.keep_session and not closing:
+            closing.append(asyncio.ensure_future(_close(gw, tenant, session_id)))
+            await asyncio.shield(closing[0])
 
     try:
         async with contextlib.aclosing(gw.generate(tenant, call.request)) as items:
             # The first item (or the error before it) decides the status line: errors a turn
             # meets at its start are plain HTTP errors, for streams too.
             first = await anext(items)
+            started.append(first.session_id)
             if call.stream:
                 resp, code = await _stream(request, call, first, items, done)
                 return resp
@@ -135,6 +139,10 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     finally:
         M.ACTIVE_STREAMS.dec()
         M.REQUESTS.labels(code).inc()
+        if started and not call.keep_session and not closing:
+            # An error or a client gone after the turn began (its record may have been saved just
+            # before): the one-call session still goes, in a task of its own, whatever cancelled this.
+            closing.append(asyncio.ensure_future(_close(gw, tenant, started[0])))
 
 
 async def _close(gw: Gateway, tenant: str, session_id: str) -> None:

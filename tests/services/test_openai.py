@@ -365,6 +365,36 @@ def test_a_client_that_goes_away_cancels_its_turn(loop_thread, tiny_llama, tok):
         h.st.stop()
 
 
+def test_a_one_call_session_saved_just_before_its_client_went_away_is_closed(loop_thread, tiny_llama, tok):
+    """The record is written, then the client disconnects before the answer ends: the session it
+    can never name again is closed anyway (no record, no quota held)."""
+    h = Held(loop_thread, tiny_llama, tok)
+    h.release()  # drafters open at once here; the turn is held after its save instead
+    saved, gate = asyncio.Event(), asyncio.Event()
+    real_save = h.gw.records.save
+
+    async def held_save(rec, *a, **kw):
+        await real_save(rec, *a, **kw)
+        saved.set()
+        await gate.wait()
+
+    h.gw.records.save = held_save
+    try:
+        u = urlsplit(h.base_url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Bye."}], "stream": True}
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body).encode())
+        loop_thread.run(saved.wait())
+        with Client(h.st.gateway, timeout=30) as c:
+            assert len(c.list_sessions()) == 1  # saved
+            conn.close()
+            wait_until(lambda: not h.gw._turns, timeout=30, what="the turn cancelled")
+            wait_until(lambda: c.list_sessions() == [], timeout=30, what="the one-call session closed")
+    finally:
+        loop_thread.loop.call_soon_threadsafe(gate.set)
+        h.st.stop()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_bug_is_a_500_with_a_log_id(stack, client, monkeypatch, stream):
     """An unexpected exception (here: saving the record) is logged; the caller gets a server_error
