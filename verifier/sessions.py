@@ -303,6 +303,9 @@ class Verifier(Holder):
 
         def trim():
             if getattr(entry.session.backend, "reserve_rows", rows) == rows:  # no open since
+                # A job of a cancelled stream may have run on and written rows past ``entry.tokens``:
+                # they are not counted, so they go before the cache shrinks to the reservation.
+                entry.session.truncate(rows)
                 entry.session.resize(rows)
 
         job = self.model_thread.submit(entry.tenant, 1, "resize", trim)

@@ -8,6 +8,7 @@ waiter counted), never by time.
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from prometheus_client import REGISTRY
@@ -185,6 +186,42 @@ def test_idle_caches_give_back_spare_rows_and_growth_stays_within_the_reservatio
         await v._run(lambda: None, tenant="t")  # after the trim: one tenant's jobs run in order
         assert e.session.backend.capacity == len(e.tokens)
         assert v.budget.held[e.key] == len(e.tokens) * PER_TOKEN
+        _held_rows_fit(v)
+        v.close()
+
+    asyncio.run(go())
+
+
+def test_a_chunk_that_ran_on_after_its_stream_was_cancelled_is_trimmed_before_the_cache_shrinks(tiny_llama):
+    """The open is cancelled while its second chunk runs on the model thread: that chunk still writes
+    its rows, which ``entry.tokens`` does not count; once idle, the cache holds no row past its
+    reservation."""
+
+    async def go():
+        v = _verifier(tiny_llama, sessions_fit=4, prefill_chunk=4)
+        p = prompt(9, HISTORY)
+        e = v.claim(Open("t", "cut", p))
+        loop = asyncio.get_running_loop()
+        second, gate = asyncio.Event(), threading.Event()
+        chunks = []
+
+        def hook(event, job):
+            if event == "start" and job.kind == "prefill":
+                chunks.append(job)
+                if len(chunks) == 2:
+                    loop.call_soon_threadsafe(second.set)
+                    gate.wait(60)
+
+        v.model_thread.hooks.append(hook)
+        task = asyncio.ensure_future(v.open(e, p))
+        await second.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.set()
+        v.release(e)
+        await v._run(lambda: None, tenant="t")  # after the chunk and the trim: one tenant's jobs run in order
+        assert e.session.backend.length == e.session.backend.capacity == len(e.tokens)
         _held_rows_fit(v)
         v.close()
 
