@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 INLINE_NODES = 64
 INLINE_MS = 250.0
 
+# The model thread's flow of tree batches (no tenant's name: tenants match [A-Za-z0-9_.@-]+).
+TREES = " trees"
+
 
 def _timed_verify(items):
     """``verify_batch`` and its milliseconds."""
@@ -65,13 +68,14 @@ class Batcher:
 
     async def _forward(self, items, tenant: str, here: bool = False):
         """One ``verify_batch`` of ``items``, on this loop when ``here``, else on the model thread in
-        ``tenant``'s fair turn (a batch is charged to the tenant of its oldest tree, by its rows),
+        the fair turn of the tree batches' own flow (``TREES``, charged by rows: a batch holds trees
+        of several tenants, and in no tenant's flow it waits behind no tenant's queued prefills),
         with its bookkeeping: (results, milliseconds)."""
         rows = sum(len(item[1]) for item in items)
         if here:
             results, ms = _timed_verify(items)
         else:
-            results, ms = await self.service._run(_timed_verify, items, tenant=tenant, cost=rows, kind="verify")
+            results, ms = await self.service._run(_timed_verify, items, tenant=TREES, cost=rows, kind="verify")
         self.sizes.append(len(items))
         M.BATCH_SIZE.observe(len(items))
         self.last_forward = ms / 1e3

@@ -109,3 +109,38 @@ def test_a_tenants_short_prefill_passes_another_tenants_long_chunked_prefills(ti
         ref = VerifierSession(tiny_llama).prefill(p)
         assert res.next_token == ref.next_token
         assert res.topk == [t for row in ref.topk for t in row]
+
+
+def test_a_batch_of_trees_waits_for_one_chunk_not_for_its_tenants_queued_prefills(tiny_llama):
+    """Tenant A streams one session and prefills long prompts in four others (four chunks queued in
+    A's flow at any time): A's next tree (and so the batch that carries it, other tenants' trees
+    included) runs after at most one of A's chunks, not after all of those queued."""
+    chunk, long_n, opens = 8, 32, 4
+
+    async def go():
+        v = Verifier(tiny_llama, kv_budget_bytes=1 << 24, prefill_chunk=chunk)
+        rec = Recorder(v.model_thread)
+        p = prompt(40, 6)
+        e = v.claim(Open("A", "a0", p))
+        first = (await v.open(e, p)).next_token
+        with rec._lock:
+            rec.events.clear()  # from here on
+        gate = threading.Event()
+        hold = asyncio.ensure_future(v._run(gate.wait, tenant="hold", kind="hold"))
+        prefills = []
+        for i in range(opens):
+            long = prompt(41 + i, long_n)
+            prefills.append(asyncio.ensure_future(v.open(v.claim(Open("A", f"a{i + 1}", long)), long)))
+        await until(lambda: rec.count("queued", "A", "prefill") == opens)
+        tree = asyncio.ensure_future(v.verify(e, [first], [-1]))
+        await until(lambda: any(k == "verify" for _, _, k in rec.events))
+        gate.set()
+        await hold
+        await asyncio.gather(*prefills, tree)
+        v.close()
+        with rec._lock:
+            return [k for ev, _, k in rec.events if ev == "start" and k in ("prefill", "verify")]
+
+    kinds = asyncio.run(go())
+    assert kinds.count("prefill") == opens * long_n // chunk
+    assert kinds.index("verify") <= 1, kinds  # in A's own flow it would follow the chunks queued before it
