@@ -7,8 +7,12 @@ mean acceptance length: ``1 + rate(..._accepted_tokens_total[5m]) / rate(racer_s
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 from prometheus_client import Counter, Gauge, Histogram
 
+from common.errors import Abort
 from common.metrics import MODEL_SECONDS_BUCKETS, REQUEST_SECONDS_BUCKETS
 
 NUM_DRAFTS = Counter("racer_spec_decode_num_drafts", "Draft trees verified", ["mode"])
@@ -44,3 +48,27 @@ QUOTA_REFUSALS = Counter(
     "racer_quota_refusals", "Turns refused because a tenant quota was full", ["quota"]
 )  # no tenant label: tenants are unbounded
 LEASE_LOST = Counter("racer_session_leases_lost", "Running turns that lost their session's lease (closed or expired)")
+
+
+@contextlib.contextmanager
+def generate_call():
+    """One Generate call, gRPC or HTTP: counted in ``ACTIVE_STREAMS`` while it runs, then in
+    ``REQUESTS`` by outcome. Yields a one-item list holding the outcome ("OK"); an exception sets it
+    (an ``Abort``: its code; cancelled or reset: CANCELLED; anything else, a bug: INTERNAL), and a
+    handler that answers an error without raising sets it itself."""
+    outcome = ["OK"]
+    ACTIVE_STREAMS.inc()
+    try:
+        yield outcome
+    except Abort as e:
+        outcome[0] = e.code.name
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        outcome[0] = "CANCELLED"
+        raise
+    except Exception:
+        outcome[0] = "INTERNAL"
+        raise
+    finally:
+        ACTIVE_STREAMS.dec()
+        REQUESTS.labels(outcome[0]).inc()

@@ -66,7 +66,7 @@ def _internal(request: web.Request) -> api.ApiError:
 
 
 def _tenant(request: web.Request) -> str:
-    return request.app[_GATEWAY].tenant((k.lower(), v) for k, v in request.headers.items())
+    return request.app[_GATEWAY].tenant(request.headers.items())
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -106,8 +106,6 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     call = api.parse(body, chat, request.headers.get(SESSION_HEADER, ""))
     if call.model != request.app[_MODEL]:
         raise api.model_not_found(call.model, request.app[_MODEL])
-    M.ACTIVE_STREAMS.inc()
-    code = "OK"
     closing: list[asyncio.Future] = []  # the one-call session's close, once started
     started: list[str] = []  # the turn's session id, once known
 
@@ -118,27 +116,17 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             await asyncio.shield(closing[0])
 
     try:
-        async with contextlib.aclosing(gw.generate(tenant, call.request)) as items:
-            # The first item (or the error before it) decides the status line: errors a turn
-            # meets at its start are plain HTTP errors, for streams too.
-            first = await anext(items)
-            started.append(first.session_id)
-            if call.stream:
-                resp, code = await _stream(request, call, first, items, done)
-                return resp
-            return await _whole(call, first, items, done)
-    except Abort as e:
-        code = e.code.name
-        raise
-    except (asyncio.CancelledError, ConnectionResetError):
-        code = "CANCELLED"
-        raise
-    except Exception:
-        code = "INTERNAL"
-        raise
+        with M.generate_call() as outcome:
+            async with contextlib.aclosing(gw.generate(tenant, call.request)) as items:
+                # The first item (or the error before it) decides the status line: errors a turn
+                # meets at its start are plain HTTP errors, for streams too.
+                first = await anext(items)
+                started.append(first.session_id)
+                if call.stream:
+                    resp, outcome[0] = await _stream(request, call, first, items, done)
+                    return resp
+                return await _whole(call, first, items, done)
     finally:
-        M.ACTIVE_STREAMS.dec()
-        M.REQUESTS.labels(code).inc()
         if started and not call.keep_session and not closing:
             # An error or a client gone after the turn began (its record may have been saved just
             # before): the one-call session still goes, in a task of its own, whatever cancelled this.

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 
-from common.errors import Abort
 from common.v1 import generation_pb2 as pb
 from common.v1 import generation_pb2_grpc as pb_grpc
 
@@ -24,27 +23,13 @@ class GatewayService(pb_grpc.GenerationServicer):
         self.gateway = gateway
 
     async def Generate(self, request: pb.GenerateRequest, context):
-        M.ACTIVE_STREAMS.inc()
-        code = "OK"
-        try:
+        with M.generate_call():  # a bug: the interceptor answers INTERNAL, and it is counted as one
             gw = self.gateway
             tenant = gw.tenant(context.invocation_metadata())
             # a large request (up to the message limit) is copied out of protobuf off the event loop
             req = _request(request) if request.ByteSize() <= 64 * 1024 else await asyncio.to_thread(_request, request)
             async for item in gw.generate(tenant, req):
                 yield _response(item)
-        except Abort as e:
-            code = e.code.name
-            raise
-        except asyncio.CancelledError:
-            code = "CANCELLED"
-            raise
-        except Exception:  # a bug: the interceptor answers INTERNAL, and it is counted as one
-            code = "INTERNAL"
-            raise
-        finally:
-            M.ACTIVE_STREAMS.dec()
-            M.REQUESTS.labels(code).inc()
 
     async def GetSession(self, request, context):
         gw = self.gateway
