@@ -101,15 +101,16 @@ class Endpoints:
                         await self._channels.pop(ep).close()
         return self.endpoints
 
-    def live(self) -> list[str]:
+    def _up(self) -> list[str]:
         now = time.monotonic()
-        up = [e for e in self.endpoints if self._down.get(e, 0.0) <= now]
-        return up or list(self.endpoints)  # all marked down: try them anyway
+        return [e for e in self.endpoints if self._down.get(e, 0.0) <= now]
+
+    def live(self) -> list[str]:
+        return self._up() or list(self.endpoints)  # all marked down: try them anyway
 
     def healthy(self) -> int:
         """Endpoints known (for DNS: Ready pods behind a headless Service) and not marked down."""
-        now = time.monotonic()
-        return sum(1 for e in self.endpoints if self._down.get(e, 0.0) <= now)
+        return len(self._up())
 
     def mark_down(self, endpoint: str) -> None:
         self._down[endpoint] = time.monotonic() + self.down_for

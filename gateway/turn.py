@@ -66,6 +66,7 @@ class Turn:
         self.links = TurnLinks(gw, record, req.sampling, self.rounds)
         self.lease = None  # leases.Lease: the record is saved only while it holds
         self.saved_tokens: int | None = None  # the saved record's length, once saved
+        self._generated = M.GENERATED_TOKENS.labels(record.tenant)
 
     def stop(self, reason: str, code: Status = Status.UNAVAILABLE) -> None:
         """Ends the turn with ``code`` at its next round or failover (a draining gateway: UNAVAILABLE;
@@ -98,12 +99,13 @@ class Turn:
                     if not emitted:
                         M.TTFT_SECONDS.observe(now - t0)
                     else:
+                        per = (now - t_emit) / len(out)
                         for _ in out:
-                            M.TPOT_SECONDS.observe((now - t_emit) / len(out))
+                            M.TPOT_SECONDS.observe(per)
                     t_emit = now
                     emitted.extend(out)
                     rounds.emitted(out)
-                    M.GENERATED_TOKENS.labels(self.record.tenant).inc(len(out))
+                    self._generated.inc(len(out))
                     yield Chunk(sid, text, out)
                 if done:
                     break
