@@ -163,7 +163,6 @@ class Drafter(Holder):
             s.extend(history[plain_end:], rows[plain_end - first_row :])
         self.sessions.claim(entry)  # only once the open succeeded: a failed one leaves no stream behind
         self._bound(entry, estimate=source != "memory")  # (~5 ms for a full session: not before every turn)
-        M.DRAFTER_SESSIONS.set(len(self.sessions))
         return entry, source
 
     def step(self, entry: Entry, st: Step) -> DraftTree:

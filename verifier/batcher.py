@@ -58,15 +58,15 @@ class Batcher:
             # ~0.4 ms a round on a VM (two idle threads' wake-ups), and the loop is held for one
             # short forward at most; a stream that opens meanwhile is batched from its next round.
             here = len(tokens) <= INLINE_NODES and self.last_forward * 1e3 <= INLINE_MS and not self.service.busy
-            results, ms = await self._forward([(session, tokens, parents)], entry.tenant, here)
+            results, ms = await self._forward([(session, tokens, parents)], here)
             return results[0], ms, 0
         if self.task is None or self.task.done():
             self.task = asyncio.ensure_future(self._loop())
         fut = asyncio.get_running_loop().create_future()
-        await self.queue.put(((session, tokens, parents), entry.tenant, fut))
+        await self.queue.put(((session, tokens, parents), fut))
         return await fut
 
-    async def _forward(self, items, tenant: str, here: bool = False):
+    async def _forward(self, items, here: bool = False):
         """One ``verify_batch`` of ``items``, on this loop when ``here``, else on the model thread in
         the fair turn of the tree batches' own flow (``TREES``, charged by rows: a batch holds trees
         of several tenants, and in no tenant's flow it waits behind no tenant's queued prefills),
@@ -96,17 +96,17 @@ class Batcher:
                     batch.append(await asyncio.wait_for(self.queue.get(), deadline - loop.time()))
                 except asyncio.TimeoutError:
                     break
-            batch = [(item, tenant, fut) for item, tenant, fut in batch if not fut.cancelled()]
+            batch = [(item, fut) for item, fut in batch if not fut.cancelled()]
             if not batch:
                 continue
             try:
-                results, ms = await self._forward([item for item, _, _ in batch], batch[0][1])
+                results, ms = await self._forward([item for item, _ in batch])
             except Exception as e:  # noqa: BLE001 - every waiter learns of it
-                for _, _, fut in batch:
+                for _, fut in batch:
                     if not fut.done():
                         fut.set_exception(e)
                 continue
-            rows = sum(len(item[1]) for item, _, _ in batch)
-            for (item, _, fut), res in zip(batch, results):
+            rows = sum(len(item[1]) for item, _ in batch)
+            for (item, fut), res in zip(batch, results):
                 if not fut.done():
                     fut.set_result((res, ms, rows - len(item[1])))

@@ -136,11 +136,10 @@ class KVBudget:
             M.KV_RESERVED_BYTES.set(self.used)
             self.wake()
 
-    async def reserve(self, key: Hashable, nbytes: int, timeout: float | None = None, what: str = "") -> None:
+    async def reserve(self, key: Hashable, nbytes: int, timeout: float | None, what: str) -> None:
         """Reserves ``nbytes`` for ``key`` (its whole reservation, not an increment): at once when it
         fits, else after waiting in the queue for at most ``timeout`` seconds (and ``wait_seconds``).
         RESOURCE_EXHAUSTED when it can never fit, when the queue is full, or when the wait runs out."""
-        what = what or "KV cache"
         if nbytes > self.total:
             M.ADMISSIONS.labels("never_fits").inc()
             raise Abort(

@@ -105,7 +105,6 @@ class Verifier(Holder):
         self.backend = backend
         self.vocab_size = model.config.vocab_size
         self.max_sessions = max_sessions
-        self.max_cache_tokens = max_cache_tokens
         self.headroom = headroom  # rows reserved past the history: new tokens, a tree
         self.prefill_chunk = max(1, prefill_chunk)
         self.stall_seconds = stall_seconds
@@ -249,7 +248,7 @@ class Verifier(Holder):
                 raise
             if i == 0:
                 self._shrunk(entry, rows)
-            entry.tokens = entry.tokens + chunk
+            entry.tokens.extend(chunk)
             topk.extend(t for row in res.topk for t in row)
         elapsed = (time.perf_counter() - t0) * 1e3
         M.PREFILL_SECONDS.observe(elapsed / 1e3)
