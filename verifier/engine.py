@@ -59,19 +59,16 @@ class VerifierSession:
 
     def rows_needed(self, n: int) -> int:
         """Cache rows a forward of ``n`` new tokens needs (a KV budget reserves them beforehand)."""
-        pad = self.backend.pad_rows() if hasattr(self.backend, "pad_rows") else 0
-        return self.length + n + pad
+        return self.length + n + self.backend.pad_rows()
 
     def set_reserve(self, rows: int) -> None:
         """The rows the KV budget holds for this cache: a growing cache grows to them at once."""
-        if hasattr(self.backend, "reserve_rows"):
-            self.backend.reserve_rows = rows
+        self.backend.reserve_rows = rows
 
     def resize(self, rows: int) -> None:
         """Gives back (or allocates) cache rows: exactly ``max(rows, length)`` afterwards. A cache
         that only ever holds its committed rows (the generic backend's) has nothing to do."""
-        if hasattr(self.backend, "resize"):
-            self.backend.resize(rows)
+        self.backend.resize(rows)
 
     def _choose(self, logits_row: torch.Tensor) -> int:
         if self._sampler is None:

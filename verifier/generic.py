@@ -178,6 +178,16 @@ class GenericBackend:
             self.cache.crop(length - self.length)  # negative: drop that many (transformers 5.x)
             self.length = length
 
+    # The KV budget's side of the interface. A DynamicCache holds exactly its committed rows and
+    # grows per forward: no padding, nothing reserved ahead to grow to, nothing spare to give back.
+    reserve_rows: int | None = None
+
+    def pad_rows(self) -> int:
+        return 0
+
+    def resize(self, rows: int) -> None:
+        pass
+
 
 # -- the plan: probed once per model ------------------------------------------------------------------
 

@@ -301,7 +301,7 @@ class Verifier(Holder):
         entry.session.set_reserve(rows)
 
         def trim():
-            if getattr(entry.session.backend, "reserve_rows", rows) == rows:  # no open since
+            if entry.session.backend.reserve_rows == rows:  # no open since
                 # A job of a cancelled stream may have run on and written rows past ``entry.tokens``:
                 # they are not counted, so they go before the cache shrinks to the reservation.
                 entry.session.truncate(rows)
