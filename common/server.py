@@ -181,6 +181,12 @@ class Server:
         self._stopped = asyncio.Event()
         self.reload: Callable[[], object] | None = None  # what SIGHUP does (the gateway: read its API keys again)
 
+    async def set_serving(self, serving: bool) -> None:
+        """The overall ("") and the service's own health status (ignored once shutting down)."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", HEALTH_SERVICES[self.kind]):
+            await self.health.set(name, status)
+
     async def stop(self, grace: float = 5.0) -> None:
         """Graceful: NOT_SERVING, drain hook, then in-flight RPCs get what is left of ``grace``
         seconds (the hook gets the whole grace; the gateway's uses it to end its turns cleanly)."""
@@ -246,13 +252,13 @@ async def start_server(
     await server.start()
     if health_server is not None:
         await health_server.start()
-    for svc in ("", name):
-        await hs.set(svc, health_pb2.HealthCheckResponse.SERVING)
+    srv = Server(kind, server, bound, hs, drain, closed, health_server, health_bound)
+    await srv.set_serving(True)
     log.info(
         "serving",
         extra={"service": kind, "port": bound, "tls": credentials is not None, "health_port": health_bound or None},
     )
-    return Server(kind, server, bound, hs, drain, closed, health_server, health_bound)
+    return srv
 
 
 def start_metrics(port: int) -> None:

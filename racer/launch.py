@@ -176,9 +176,6 @@ async def watch_model_thread(core, srv: Server) -> None:
     ``stall_seconds`` (load balancers and gateways then send new sessions elsewhere), SERVING again
     once it finishes one. A server shutting down stays NOT_SERVING (the health servicer ignores
     ``set`` from then on)."""
-    from grpc_health.v1 import health_pb2
-
-    from common.settings import HEALTH_SERVICES
     from verifier import metrics as M
 
     period = max(0.02, min(1.0, core.stall_seconds / 4))
@@ -186,9 +183,7 @@ async def watch_model_thread(core, srv: Server) -> None:
     while True:
         stalled = core.stalled()
         if stalled != was:
-            status = health_pb2.HealthCheckResponse.NOT_SERVING if stalled else health_pb2.HealthCheckResponse.SERVING
-            for name in ("", HEALTH_SERVICES["verifier"]):
-                await srv.health.set(name, status)
+            await srv.set_serving(not stalled)
             M.MODEL_STALLED.set(int(stalled))
             (log.error if stalled else log.info)(
                 "model thread stalled" if stalled else "model thread running again",
