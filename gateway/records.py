@@ -92,6 +92,7 @@ class Records:
         self.retry_s = retry_s
         self.vocab_size = vocab_size
         self._warnings = Throttled(log)  # corrupt records: all counted, logged at most every 10 s
+        self._full = Throttled(log)  # a full store refuses every write: counted, logged at most every 10 s
 
     def _decode(self, data: bytes, tenant: str, session_id: str) -> Record:
         try:
@@ -117,7 +118,7 @@ class Records:
             except Exception as e:  # noqa: BLE001 - any store error is retried, then reported
                 M.STORE_FAILURES.labels(op).inc()
                 if type(e).__name__ == "OutOfMemoryError" or str(e).startswith("OOM"):  # Redis full (noeviction)
-                    log.warning("session store full", extra={"op": op, "error": repr(e)})
+                    self._full.warning("session store full", op=op, error=repr(e))
                     raise Abort(
                         Status.RESOURCE_EXHAUSTED, f"session store full ({op}): close sessions or retry later"
                     ) from None
