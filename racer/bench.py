@@ -46,7 +46,7 @@ class Record:
 def run_hf(engine: Engine, prompt_ids: list[int], max_new_tokens: int, lookup: int = 0) -> tuple[list[int], float]:
     import torch
 
-    model = engine.loaded.model
+    model = engine.reference_model()
     ids = torch.tensor([prompt_ids])
     kw = dict(
         attention_mask=torch.ones_like(ids),

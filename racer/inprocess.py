@@ -22,6 +22,7 @@ class Engine:
     prior: object = None  # [vocab, k] copy-logit prior shared by all sessions (verifier/prior.py)
     costs: dict | None = None  # verifier cost curve (ms by tree size) for the adaptive budget
     overhead_ms: float = 1.0  # per round outside the forward, as the adaptive budget counts it
+    _reference: object = field(default=None, repr=False)  # reference_model(), once loaded
 
     @classmethod
     def load(
@@ -81,6 +82,20 @@ class Engine:
     @property
     def tokenizer(self):
         return self.loaded.tokenizer
+
+    def reference_model(self):
+        """The model as Hugging Face loaded it, for the HF baselines. The lean backend may store some
+        projection weights transposed (``verifier/kernels.py``: same values, another GEMM), which
+        would also change which GEMM HF's own forward calls, and so its speed; the baseline must be
+        HF as its users run it. Loaded once, only when some weight is stored that way."""
+        from verifier.kernels import stored_as
+
+        model = self.loaded.model
+        if all(stored_as(p) == "row" for p in model.parameters()):
+            return model
+        if self._reference is None:
+            self._reference = load(str(self.loaded.path), dtype=self.dtype, tokenizer=False).model
+        return self._reference
 
     def stream(
         self,

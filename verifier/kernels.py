@@ -20,8 +20,17 @@ Two kinds of plan:
   the verifier uses) and the choice is checked at tuning: a row must come out bit-identical at any
   position of its chunk, or a smaller chunk is taken (one row is invariant by construction).
 
+Candidates come from two BLAS libraries: torch's (MKL, and oneDNN) and numpy's OpenBLAS, whose
+float32 GEMM with few rows streams the weight faster on some CPUs and slower on others. In float32 a
+shape's weight may also be *stored transposed* (``layout`` ``col``: the same values, the module's
+``weight`` a transposed view of contiguous ``[in, out]`` storage, so no memory is added and any
+other reader of the module sees the same tensor): ``x @ W.T`` is then a plain NN GEMM, which some
+BLAS builds run faster than the transposed product. Both layouts are timed, and a shape's layout is
+the one whose per-bucket best times lose least to the other's.
+
 Environment: ``RACER_KERNELS`` = ``auto`` (default: cached choice or tune), ``tune`` (tune again),
-or a kernel name, optionally with chunk rows (``linear``, ``linear:4``), which skips tuning (tests).
+or a kernel name, optionally with chunk rows and a layout (``linear``, ``linear:4``, ``blas@col``),
+which skips tuning (tests).
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -44,7 +54,8 @@ log = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # row counts timed; a call of n rows uses the smallest bucket >= n
 _TUNE_SECONDS = 30.0  # soft bound on the whole tuning (few reps, interleaved, medians)
 _SLOW_CALL_S = 0.1  # a candidate's call slower than this is not timed at larger buckets
-_VERSION = 1
+_VERSION = 2
+LAYOUTS = ("row", "col")  # a weight stored as is ([out, in] rows), or transposed ([in, out] storage)
 
 
 # -- candidates ------------------------------------------------------------------------------------
@@ -75,13 +86,45 @@ def _onednn(x, w, b):
     return _ONEDNN(x.contiguous(), w, b, "none", [], "")
 
 
+def _blas(x, w, b):
+    """numpy's OpenBLAS ``x @ W.T`` (no copy either way: numpy views of the tensors). On a weight
+    stored transposed this is an NN GEMM over contiguous ``[in, out]`` storage."""
+    y = torch.from_numpy(np.matmul(x.detach().numpy(), w.detach().numpy().T))
+    return y if b is None else y + b
+
+
+def _blas_wxt(x, w, b):
+    """numpy's OpenBLAS ``W @ x.T``, contiguous rows out."""
+    y = torch.from_numpy(np.ascontiguousarray(np.matmul(w.detach().numpy(), x.detach().numpy().T).T))
+    return y if b is None else y + b
+
+
 CANDIDATES = {"linear": _linear, "wxt": _wxt, "dup": _dup}
 if _ONEDNN is not None:
     CANDIDATES["onednn"] = _onednn
+CANDIDATES["blas"] = _blas
+CANDIDATES["blas_wxt"] = _blas_wxt
 
 
-def _usable(name: str, device: torch.device) -> bool:
+def _usable(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
+    if name.startswith("blas"):  # numpy: CPU float32 only (it has no bfloat16)
+        return device.type == "cpu" and dtype == torch.float32
     return device.type == "cpu" or name == "linear"
+
+
+def stored_as(w: torch.Tensor) -> str:
+    """``col`` when a 2-D weight is a transposed view of contiguous storage, else ``row``."""
+    return "col" if w.dim() == 2 and w.shape[0] > 1 and w.shape[1] > 1 and w.t().is_contiguous() else "row"
+
+
+def set_layout(param: torch.Tensor, layout: str) -> None:
+    """Stores a weight (in place: its ``data``, so tied modules follow) as ``layout``; same values."""
+    if stored_as(param.data) == layout:
+        return
+    if layout == "col":
+        param.data = param.data.t().contiguous().t()
+    else:
+        param.data = param.data.contiguous()
 
 
 # -- plans -----------------------------------------------------------------------------------------
@@ -94,6 +137,7 @@ class ShapePlan:
     by_bucket: dict[int, str] = field(default_factory=dict)  # fastest: bucket -> kernel
     kernel: str = "linear"  # invariant: the kernel of every chunk
     rows: int = 0  # invariant: rows per chunk (0: fastest plan)
+    layout: str = "row"  # how the shape's weights are stored (see the module docstring)
     ms: dict = field(default_factory=dict)  # measured medians, for the record: "kernel@rows" -> ms
 
 
@@ -138,7 +182,8 @@ class Plan:
                     else:
                         prev = [str(bucket), sp.by_bucket[bucket]]
                         runs.append(prev)
-                parts.append(f"{o}x{i}: " + " ".join(f"{r}:{k}" for r, k in runs))
+                stored = " (stored transposed)" if sp.layout == "col" else ""
+                parts.append(f"{o}x{i}{stored}: " + " ".join(f"{r}:{k}" for r, k in runs))
         mode = "invariant chunks" if self.invariant else "fastest per row bucket"
         return f"kernels ({mode}, {self.source}): " + "; ".join(parts)
 
@@ -178,7 +223,26 @@ def machine_fingerprint() -> dict:
         "flags": flags,
         "torch": torch.__version__,
         "capability": torch.backends.cpu.get_cpu_capability(),
+        "numpy": np.__version__,
+        "blas": [f"{i['internal_api']} {i.get('version')} {i.get('architecture')}" for i in _blas_pools()],
     }
+
+
+def _blas_pools() -> list[dict]:
+    """The BLAS libraries loaded in this process that threadpoolctl can see (numpy's OpenBLAS)."""
+    from threadpoolctl import threadpool_info
+
+    return [i for i in threadpool_info() if i.get("user_api") == "blas"]
+
+
+def single_thread_blas() -> None:
+    """numpy's BLAS runs on the calling thread alone, whatever torch's thread count: its own thread
+    pool beside torch's OpenMP one makes the two spin against each other for the cores (measured on
+    2 cores: a one-token step went from 57 to 269 ms). So its candidates are timed, and run, as
+    one-thread GEMMs, and win only where one thread of OpenBLAS beats all of torch's."""
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=1, user_api="blas")
 
 
 def projection_weights(model) -> dict[tuple[int, int], torch.Tensor]:
@@ -197,6 +261,25 @@ def projection_weights(model) -> dict[tuple[int, int], torch.Tensor]:
     ):
         found.setdefault(tuple(mod.weight.shape), mod.weight)
     return found
+
+
+def all_projections(model) -> list[torch.nn.Parameter]:
+    """Every projection weight of a Llama-family model and its output layer (tied ones once)."""
+    params: dict[int, torch.nn.Parameter] = {}
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        for mod in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
+            params.setdefault(id(mod.weight), mod.weight)
+    params.setdefault(id(model.lm_head.weight), model.lm_head.weight)
+    return list(params.values())
+
+
+def apply_layouts(model, plan: "Plan") -> None:
+    """Stores every projection weight as its shape's plan says (in place; same values)."""
+    with torch.no_grad():
+        for p in all_projections(model):
+            sp = plan.shapes.get(tuple(p.shape))
+            set_layout(p, sp.layout if sp is not None else "row")
 
 
 def _key(model, weights, dtype, threads, device, invariant) -> tuple[dict, str]:
@@ -230,11 +313,12 @@ def _agrees(y: torch.Tensor, ref: torch.Tensor) -> bool:
 
 
 def _time(fns: dict, inputs: dict, reps: int) -> dict:
-    """Median seconds per (name, rows), the candidates interleaved within each repetition."""
+    """Median seconds per key (its last element: the rows), the candidates interleaved within each
+    repetition."""
     times = {k: [] for k in fns}
     for _ in range(reps):
         for k, fn in fns.items():
-            x = inputs[k[1]]
+            x = inputs[k[-1]]
             t0 = time.perf_counter()
             fn(x)
             times[k].append(time.perf_counter() - t0)
@@ -242,41 +326,72 @@ def _time(fns: dict, inputs: dict, reps: int) -> dict:
 
 
 def tune_shape(
-    w: torch.Tensor, buckets=BUCKETS, invariant: bool = False, reps: int = 5, candidates: dict | None = None
+    w: torch.Tensor,
+    buckets=BUCKETS,
+    invariant: bool = False,
+    reps: int = 5,
+    candidates: dict | None = None,
+    layouts: tuple[str, ...] | None = None,
 ) -> ShapePlan:
-    cands = {n: f for n, f in (candidates or CANDIDATES).items() if _usable(n, w.device)}
+    """Times every usable candidate for every bucket (and, in float32, with the weight stored either
+    way); ``layouts`` defaults to both in float32 and ``row`` otherwise (invariant plans keep rows)."""
+    cands = {n: f for n, f in (candidates or CANDIDATES).items() if _usable(n, w.device, w.dtype)}
+    if layouts is None:
+        layouts = LAYOUTS if (w.dtype == torch.float32 and not invariant) else ("row",)
+    stored = {
+        lay: (w if stored_as(w) == lay else w.t().contiguous().t() if lay == "col" else w.contiguous())
+        for lay in layouts
+    }
     gen = torch.Generator(device="cpu").manual_seed(0)
     inputs = {m: torch.randn((m, w.shape[1]), generator=gen).to(w.dtype).to(w.device) for m in buckets}
+    refs = {m: F.linear(inputs[m], w) for m in buckets}
     fns, slow = {}, {}
-    for name, fn in cands.items():
-        for m in buckets:
-            if name == "dup" and m != 1:
-                continue  # the same as wxt beyond one row
-            if name in slow:  # bounded tuning: a candidate this slow is extrapolated, not timed, beyond
-                continue
-            try:
-                t0 = time.perf_counter()
-                ok = _agrees(fn(inputs[m], w, None), F.linear(inputs[m], w))
-                if time.perf_counter() - t0 > _SLOW_CALL_S:
-                    slow[name] = m
-            except RuntimeError:  # e.g. oneDNN without a kernel for this dtype on this CPU
-                ok = False
-            if ok:
-                fns[(name, m)] = lambda x, fn=fn: fn(x, w, None)
+    for lay, wl in stored.items():
+        for name, fn in cands.items():
+            for m in buckets:
+                if name == "dup" and m != 1:
+                    continue  # the same as wxt beyond one row
+                if (name, lay) in slow:  # bounded tuning: a candidate this slow is extrapolated, not timed, beyond
+                    continue
+                try:
+                    t0 = time.perf_counter()
+                    ok = _agrees(fn(inputs[m], wl, None), refs[m])
+                    if time.perf_counter() - t0 > _SLOW_CALL_S:
+                        slow[(name, lay)] = m
+                except (RuntimeError, TypeError):  # e.g. oneDNN without a kernel for this dtype on this CPU
+                    ok = False
+                if ok:
+                    fns[(name, lay, m)] = lambda x, fn=fn, wl=wl: fn(x, wl, None)
     _time(fns, inputs, 1)  # warm-up: primitive creation, first-touch allocations
-    first = max(_time({k: fns[k] for k in fns if k[1] == max(b for _, b in fns)}, inputs, 1).values(), default=0.0)
+    top = max((k[2] for k in fns), default=0)
+    first = max(_time({k: f for k, f in fns.items() if k[2] == top}, inputs, 1).values(), default=0.0)
     if first * len(fns) * reps > _TUNE_SECONDS / 4:
         reps = 3
     elif first < 2e-3:  # cheap calls: more repetitions against a noisy machine, still milliseconds
         reps = 3 * reps
     ms = {k: v * 1e3 for k, v in _time(fns, inputs, reps).items()}
-    for name, last in slow.items():  # linear in the rows beyond the last one timed (a lower bound, in practice)
-        if (name, last) in ms:
+    for (name, lay), last in slow.items():  # linear in the rows beyond the last one timed (a lower bound, in practice)
+        if (name, lay, last) in ms:
             for m in buckets:
                 if m > last:
-                    ms[(name, m)] = ms[(name, last)] * m / last
-    best = {m: min(((v, k[0]) for k, v in ms.items() if k[1] == m), default=(math.inf, "linear")) for m in buckets}
-    plan = ShapePlan(ms={f"{k[0]}@{k[1]}": round(v, 4) for k, v in ms.items()})
+                    ms[(name, lay, m)] = ms[(name, lay, last)] * m / last
+
+    def best_of(lay):
+        return {
+            m: min(((v, k[0]) for k, v in ms.items() if k[1] == lay and k[2] == m), default=(math.inf, "linear"))
+            for m in buckets
+        }
+
+    bests = {lay: best_of(lay) for lay in layouts}
+    # The layout whose best per bucket loses least, summed over buckets, to the best of either layout
+    # (a ratio, so one-row steps weigh as much as 64-node trees); ties keep the weight as it is.
+    regret = {lay: sum(bests[lay][m][0] / min(bests[q][m][0] for q in layouts) for m in buckets) for lay in layouts}
+    layout = min(layouts, key=lambda lay: (regret[lay], lay != stored_as(w)))
+    best = bests[layout]
+    plan = ShapePlan(
+        layout=layout,
+        ms={f"{k[0]}{'' if k[1] == 'row' else '/' + k[1]}@{k[2]}": round(v, 4) for k, v in ms.items()},
+    )
     if not invariant:
         plan.by_bucket = {m: best[m][1] for m in buckets}
         return plan
@@ -312,12 +427,22 @@ def position_invariant(fn, w: torch.Tensor, rows: int, trials: int = 2, position
 
 
 def _forced(spec: str, weights, invariant: bool) -> Plan:
-    name, _, rows = spec.partition(":")
-    if name not in CANDIDATES:
-        raise ValueError(f"RACER_KERNELS={spec!r}: unknown kernel (one of {', '.join(CANDIDATES)}, auto, tune)")
+    kernel, _, layout = spec.partition("@")
+    name, _, rows = kernel.partition(":")
+    if name not in CANDIDATES or layout not in ("", *LAYOUTS) or (invariant and layout == "col"):
+        raise ValueError(
+            f"RACER_KERNELS={spec!r}: unknown kernel (one of {', '.join(CANDIDATES)}, optionally :rows and "
+            "@row or @col (float32 only); or auto, tune)"
+        )
+    w0 = next(iter(weights.values()))
+    if not _usable(name, w0.device, w0.dtype) or (layout == "col" and w0.dtype != torch.float32):
+        raise ValueError(f"RACER_KERNELS={spec!r}: not available for {w0.dtype} on {w0.device}")
     r = int(rows) if rows else 1
     shapes = {
-        s: ShapePlan(by_bucket={b: name for b in BUCKETS}, kernel=name, rows=r if invariant else 0) for s in weights
+        s: ShapePlan(
+            by_bucket={b: name for b in BUCKETS}, kernel=name, rows=r if invariant else 0, layout=layout or "row"
+        )
+        for s in weights
     }
     return Plan(shapes, invariant, "forced")
 
@@ -333,13 +458,17 @@ def plan_for(model, invariant: bool | None = None, spec: str | None = None, cach
         invariant = dtype != torch.float32
     spec = spec if spec is not None else os.environ.get("RACER_KERNELS", "auto")
     held = getattr(model, "_racer_kernels", None)
-    if held is not None and held[0] == (spec, invariant, torch.get_num_threads()):
+    threads = torch.get_num_threads()
+    if held is not None and held[0] == (spec, invariant, threads):
         return held[1]
+    if device.type == "cpu":
+        single_thread_blas()
     if spec not in ("auto", "tune", ""):
         plan = _forced(spec, weights, invariant)
     else:
         plan = _tuned(model, weights, dtype, device, invariant, use_cache=cache and spec != "tune")
-    model._racer_kernels = ((spec, invariant, torch.get_num_threads()), plan)
+    apply_layouts(model, plan)
+    model._racer_kernels = ((spec, invariant, threads), plan)
     return plan
 
 
@@ -358,11 +487,13 @@ def _tuned(model, weights, dtype, device, invariant, use_cache: bool) -> Plan:
                     kernel=p["kernel"],
                     rows=p["rows"],
                     ms=p["ms"],
+                    layout=p["layout"],
                 )
                 for s, p in data["shapes"].items()
             }
             if set(shapes) == set(weights) and all(
-                k in CANDIDATES for p in shapes.values() for k in [p.kernel, *p.by_bucket.values()]
+                p.layout in LAYOUTS and all(k in CANDIDATES for k in [p.kernel, *p.by_bucket.values()])
+                for p in shapes.values()
             ):
                 return Plan(shapes, invariant, "cache")
         except (OSError, ValueError, KeyError, TypeError):
@@ -381,7 +512,13 @@ def _tuned(model, weights, dtype, device, invariant, use_cache: bool) -> Plan:
                     "key": ident,
                     "seconds": round(time.perf_counter() - t0, 2),
                     "shapes": {
-                        f"{o}x{i}": {"by_bucket": p.by_bucket, "kernel": p.kernel, "rows": p.rows, "ms": p.ms}
+                        f"{o}x{i}": {
+                            "by_bucket": p.by_bucket,
+                            "kernel": p.kernel,
+                            "rows": p.rows,
+                            "layout": p.layout,
+                            "ms": p.ms,
+                        }
                         for (o, i), p in shapes.items()
                     },
                 },

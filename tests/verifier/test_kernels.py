@@ -43,15 +43,48 @@ def test_tuned_choice_agrees_with_linear_for_every_shape_and_row_count(cache, dt
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_candidate_agrees_with_linear(dtype):
     w = torch.randn(96, 64).to(dtype)
+    stored = {"row": w, "col": w.t().contiguous().t()}  # the same weight stored as is and transposed
+    assert [kernels.stored_as(v) for v in stored.values()] == ["row", "col"]
+    usable = [name for name in CANDIDATES if kernels._usable(name, w.device, dtype)]
+    assert ("blas" in usable) == (dtype == torch.float32)  # numpy has no bfloat16
     for n in (1, 2, 7, 64):
         x = torch.randn(n, 64).to(dtype)
-        for name, fn in CANDIDATES.items():
-            try:
-                y = fn(x, w, None)
-            except RuntimeError:  # a candidate without a kernel for this dtype here is never chosen
-                continue
-            tol = 1e-5 if dtype == torch.float32 else 2e-2
-            torch.testing.assert_close(y.float(), F.linear(x, w).float(), atol=tol, rtol=tol, msg=f"{name} x {n}")
+        for layout, wl in stored.items():
+            for name in usable:
+                try:
+                    y = CANDIDATES[name](x, wl, None)
+                except RuntimeError:  # a candidate without a kernel for this dtype here is never chosen
+                    continue
+                tol = 1e-5 if dtype == torch.float32 else 2e-2
+                msg = f"{name} x {n} ({layout})"
+                assert y.is_contiguous(), msg
+                torch.testing.assert_close(y.float(), F.linear(x, w).float(), atol=tol, rtol=tol, msg=msg)
+
+
+def test_a_weight_stored_transposed_keeps_its_values_and_the_model_its_output(cache, monkeypatch):
+    model = make_tiny_llama()
+    ids = torch.tensor([[3, 17, 5, 9, 40, 2]])
+    with torch.inference_mode():
+        before = model(ids).logits
+    values = {id(p): p.detach().clone() for p in kernels.all_projections(model)}
+    monkeypatch.setenv("RACER_KERNELS", "blas@col")
+    plan = plan_for(model)
+    assert all(sp.layout == "col" for sp in plan.shapes.values()) and "stored transposed" in plan.describe()
+    for p in kernels.all_projections(model):
+        assert kernels.stored_as(p) == "col" and torch.equal(p, values[id(p)])
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids).logits, before, atol=1e-5, rtol=1e-5)
+    monkeypatch.setenv("RACER_KERNELS", "linear")  # another plan stores them as rows again
+    plan_for(model)
+    assert all(kernels.stored_as(p) == "row" and torch.equal(p, values[id(p)]) for p in kernels.all_projections(model))
+
+
+def test_tuning_times_both_layouts_in_float32_only(cache):
+    w = torch.randn(96, 64)
+    plan = tune_shape(w, buckets=(1, 4), reps=1)
+    assert plan.layout in ("row", "col") and any("/col@" in k for k in plan.ms) and any("blas@" in k for k in plan.ms)
+    plan = tune_shape(w.to(torch.bfloat16), buckets=(1, 4), reps=1, invariant=True)
+    assert plan.layout == "row" and not any("/col@" in k or "blas" in k for k in plan.ms)
 
 
 def test_choice_is_cached_per_model_dtype_and_threads(cache):
@@ -81,9 +114,14 @@ def test_forced_kernel_skips_tuning(cache, monkeypatch):
     plan = plan_for(make_tiny_llama().to(torch.bfloat16))
     assert plan.source == "forced" and all(p.kernel == "linear" and p.rows == 4 for p in plan.shapes.values())
     assert not (cache / "kernels").exists()
-    monkeypatch.setenv("RACER_KERNELS", "nope")
-    with pytest.raises(ValueError):
-        plan_for(make_tiny_llama())
+    for spec in ("nope", "linear@diagonal"):
+        monkeypatch.setenv("RACER_KERNELS", spec)
+        with pytest.raises(ValueError):
+            plan_for(make_tiny_llama())
+    for spec in ("blas", "linear@col"):  # numpy has no bfloat16; reduced precision keeps its rows
+        monkeypatch.setenv("RACER_KERNELS", spec)
+        with pytest.raises(ValueError):
+            plan_for(make_tiny_llama().to(torch.bfloat16))
 
 
 def test_chunked_rows_are_bit_identical_alone_and_in_any_call():
