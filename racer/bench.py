@@ -46,21 +46,22 @@ class Record:
 def run_hf(engine: Engine, prompt_ids: list[int], max_new_tokens: int, lookup: int = 0) -> tuple[list[int], float]:
     import torch
 
-    model = engine.reference_model()
-    ids = torch.tensor([prompt_ids])
-    kw = dict(
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=list(engine.loaded.eos_token_ids) or None,
-        pad_token_id=engine.tokenizer.pad_token_id or 0,
-    )
-    if lookup:
-        kw["prompt_lookup_num_tokens"] = lookup
-    t = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(ids, **kw)
-    return out[0, len(prompt_ids) :].tolist(), time.perf_counter() - t
+    with engine.reference_model() as model:
+        ids = torch.tensor([prompt_ids])
+        kw = dict(
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=list(engine.loaded.eos_token_ids) or None,
+            pad_token_id=engine.tokenizer.pad_token_id or 0,
+        )
+        if lookup:
+            kw["prompt_lookup_num_tokens"] = lookup
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, **kw)
+        secs = time.perf_counter() - t
+    return out[0, len(prompt_ids) :].tolist(), secs
 
 
 def run_engine(engine: Engine, prompt_ids: list[int], mode: str, budget: int, max_new_tokens: int):

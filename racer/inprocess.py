@@ -22,7 +22,6 @@ class Engine:
     prior: object = None  # [vocab, k] copy-logit prior shared by all sessions (verifier/prior.py)
     costs: dict | None = None  # verifier cost curve (ms by tree size) for the adaptive budget
     overhead_ms: float = 1.0  # per round outside the forward, as the adaptive budget counts it
-    _reference: object = field(default=None, repr=False)  # reference_model(), once loaded
 
     @classmethod
     def load(
@@ -84,18 +83,13 @@ class Engine:
         return self.loaded.tokenizer
 
     def reference_model(self):
-        """The model as Hugging Face loaded it, for the HF baselines. The lean backend may store some
-        projection weights transposed (``verifier/kernels.py``: same values, another GEMM), which
-        would also change which GEMM HF's own forward calls, and so its speed; the baseline must be
-        HF as its users run it. Loaded once, only when some weight is stored that way."""
-        from verifier.kernels import stored_as
+        """A context holding the model as Hugging Face loaded it, for the HF baselines. The lean
+        backend may store some projection weights transposed (``verifier/kernels.py``: the same
+        values, another GEMM), which would also change which GEMM HF's own forward calls, and so
+        its speed; a baseline must be HF as its users run it. The layouts come back afterwards."""
+        from verifier.kernels import loaded_layout
 
-        model = self.loaded.model
-        if all(stored_as(p) == "row" for p in model.parameters()):
-            return model
-        if self._reference is None:
-            self._reference = load(str(self.loaded.path), dtype=self.dtype, tokenizer=False).model
-        return self._reference
+        return loaded_layout(self.loaded.model)
 
     def stream(
         self,

@@ -43,6 +43,7 @@ import os
 import platform
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -110,6 +111,12 @@ def _usable(name: str, device: torch.device, dtype: torch.dtype = torch.float32)
     if name.startswith("blas"):  # numpy: CPU float32 only (it has no bfloat16)
         return device.type == "cpu" and dtype == torch.float32
     return device.type == "cpu" or name == "linear"
+
+
+def _transposable(w: torch.Tensor) -> bool:
+    """Whether a weight may be stored transposed: float32 on a CPU (the layouts were measured there;
+    reduced precision keeps its rows for the invariant chunks)."""
+    return w.device.type == "cpu" and w.dtype == torch.float32
 
 
 def stored_as(w: torch.Tensor) -> str:
@@ -224,15 +231,21 @@ def machine_fingerprint() -> dict:
         "torch": torch.__version__,
         "capability": torch.backends.cpu.get_cpu_capability(),
         "numpy": np.__version__,
-        "blas": [f"{i['internal_api']} {i.get('version')} {i.get('architecture')}" for i in _blas_pools()],
+        "blas": [f"{lib.internal_api} {lib.version} {getattr(lib, 'architecture', '')}" for lib in _numpy_blas()],
     }
 
 
-def _blas_pools() -> list[dict]:
-    """The BLAS libraries loaded in this process that threadpoolctl can see (numpy's OpenBLAS)."""
-    from threadpoolctl import threadpool_info
+def _numpy_blas() -> list:
+    """threadpoolctl's controllers of the BLAS library numpy itself loaded (OpenBLAS in numpy's
+    wheels), not of any other BLAS in the process (torch's own, where a build links one)."""
+    from threadpoolctl import ThreadpoolController
 
-    return [i for i in threadpool_info() if i.get("user_api") == "blas"]
+    home = os.path.dirname(np.__file__)  # numpy's wheels keep it in numpy.libs/ or numpy/.dylibs/
+    return [
+        lib
+        for lib in ThreadpoolController().lib_controllers
+        if lib.user_api == "blas" and lib.filepath.startswith(home)
+    ]
 
 
 def single_thread_blas() -> None:
@@ -240,9 +253,26 @@ def single_thread_blas() -> None:
     pool beside torch's OpenMP one makes the two spin against each other for the cores (measured on
     2 cores: a one-token step went from 57 to 269 ms). So its candidates are timed, and run, as
     one-thread GEMMs, and win only where one thread of OpenBLAS beats all of torch's."""
-    from threadpoolctl import threadpool_limits
+    for lib in _numpy_blas():
+        lib.set_num_threads(1)
 
-    threadpool_limits(limits=1, user_api="blas")
+
+@contextmanager
+def loaded_layout(model):
+    """For the block, every weight of ``model`` stored as Hugging Face loaded it (rows), then as the
+    plan stored it again: Hugging Face's own forward then calls the GEMMs its users' runs call (the
+    HF baselines of ``racer bench``). One weight's copy at a time, never a second model; not while a
+    forward of the lean backend runs."""
+    changed = [p for p in model.parameters() if stored_as(p) == "col"]
+    with torch.inference_mode(False), torch.no_grad():
+        for p in changed:
+            set_layout(p, "row")
+    try:
+        yield model
+    finally:
+        with torch.inference_mode(False), torch.no_grad():
+            for p in changed:
+                set_layout(p, "col")
 
 
 def projection_weights(model) -> dict[tuple[int, int], torch.Tensor]:
@@ -275,8 +305,9 @@ def all_projections(model) -> list[torch.nn.Parameter]:
 
 
 def apply_layouts(model, plan: "Plan") -> None:
-    """Stores every projection weight as its shape's plan says (in place; same values)."""
-    with torch.no_grad():
+    """Stores every projection weight as its shape's plan says (in place; same values). Outside
+    inference mode, whoever calls: the parameters must stay ordinary tensors."""
+    with torch.inference_mode(False), torch.no_grad():
         for p in all_projections(model):
             sp = plan.shapes.get(tuple(p.shape))
             set_layout(p, sp.layout if sp is not None else "row")
@@ -337,7 +368,7 @@ def tune_shape(
     way); ``layouts`` defaults to both in float32 and ``row`` otherwise (invariant plans keep rows)."""
     cands = {n: f for n, f in (candidates or CANDIDATES).items() if _usable(n, w.device, w.dtype)}
     if layouts is None:
-        layouts = LAYOUTS if (w.dtype == torch.float32 and not invariant) else ("row",)
+        layouts = LAYOUTS if (w.device.type == "cpu" and w.dtype == torch.float32 and not invariant) else ("row",)
     stored = {
         lay: (w if stored_as(w) == lay else w.t().contiguous().t() if lay == "col" else w.contiguous())
         for lay in layouts
@@ -435,9 +466,11 @@ def _forced(spec: str, weights, invariant: bool) -> Plan:
             "@row or @col (float32 only); or auto, tune)"
         )
     w0 = next(iter(weights.values()))
-    if not _usable(name, w0.device, w0.dtype) or (layout == "col" and w0.dtype != torch.float32):
+    if not _usable(name, w0.device, w0.dtype) or (layout == "col" and not _transposable(w0)):
         raise ValueError(f"RACER_KERNELS={spec!r}: not available for {w0.dtype} on {w0.device}")
     r = int(rows) if rows else 1
+    if r < 1:
+        raise ValueError(f"RACER_KERNELS={spec!r}: chunk rows must be >= 1")
     shapes = {
         s: ShapePlan(
             by_bucket={b: name for b in BUCKETS}, kernel=name, rows=r if invariant else 0, layout=layout or "row"
@@ -450,7 +483,11 @@ def _forced(spec: str, weights, invariant: bool) -> Plan:
 def plan_for(model, invariant: bool | None = None, spec: str | None = None, cache: bool = True) -> Plan:
     """The model's kernel plan: forced by ``RACER_KERNELS``, read from the cache, or tuned now (and
     cached). Kept on the model, so every session of it shares one plan. ``invariant`` defaults to
-    True for reduced precision."""
+    True for reduced precision.
+
+    The first plan of a model may store weights transposed; a later measured one (another thread
+    count) keeps the layouts as they are and chooses kernels for them, since a forward may be
+    reading the weights. Only a forced spec (tests, by hand) stores them anew."""
     weights = projection_weights(model)
     w0 = next(iter(weights.values()))
     dtype, device = w0.dtype, w0.device
@@ -466,43 +503,65 @@ def plan_for(model, invariant: bool | None = None, spec: str | None = None, cach
     if spec not in ("auto", "tune", ""):
         plan = _forced(spec, weights, invariant)
     else:
-        plan = _tuned(model, weights, dtype, device, invariant, use_cache=cache and spec != "tune")
+        keep = {shape: stored_as(w) for shape, w in weights.items()} if held is not None else None
+        plan = _tuned(model, weights, dtype, device, invariant, use_cache=cache and spec != "tune", keep=keep)
     apply_layouts(model, plan)
     model._racer_kernels = ((spec, invariant, threads), plan)
     return plan
 
 
-def _tuned(model, weights, dtype, device, invariant, use_cache: bool) -> Plan:
+def _read_cached(path, weights, invariant) -> dict | None:
+    """The cached shape plans at ``path`` if they are whole and usable here, else None."""
+    w0 = next(iter(weights.values()))
+    try:
+        data = json.loads(path.read_text())
+        shapes = {
+            tuple(int(v) for v in s.split("x")): ShapePlan(
+                by_bucket={int(b): str(k) for b, k in p["by_bucket"].items()},
+                kernel=str(p["kernel"]),
+                rows=int(p["rows"]),
+                ms=dict(p["ms"]),
+                layout=str(p["layout"]),
+            )
+            for s, p in data["shapes"].items()
+        }
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    for p in shapes.values():
+        kernels = [p.kernel] if invariant else list(p.by_bucket.values())
+        if (
+            p.layout not in LAYOUTS
+            or (p.layout == "col" and (invariant or not _transposable(w0)))
+            or not kernels
+            or not all(k in CANDIDATES and _usable(k, w0.device, w0.dtype) for k in kernels)
+            or (invariant and p.rows < 1)
+        ):
+            return None
+    return shapes if set(shapes) == set(weights) else None
+
+
+def _tuned(model, weights, dtype, device, invariant, use_cache: bool, keep: dict | None = None) -> Plan:
+    """``keep``: the layout each shape must keep (a model already planned); a plan tuned under it is
+    not cached, the cache holding what the machine measures best."""
     from .model import cache_root
 
     threads = torch.get_num_threads()
     ident, digest = _key(model, weights, dtype, threads, device, invariant)
     path = cache_root() / "kernels" / f"{digest}.json"
     if use_cache and path.exists():
-        try:
-            data = json.loads(path.read_text())
-            shapes = {
-                tuple(int(v) for v in s.split("x")): ShapePlan(
-                    by_bucket={int(b): k for b, k in p["by_bucket"].items()},
-                    kernel=p["kernel"],
-                    rows=p["rows"],
-                    ms=p["ms"],
-                    layout=p["layout"],
-                )
-                for s, p in data["shapes"].items()
-            }
-            if set(shapes) == set(weights) and all(
-                p.layout in LAYOUTS and all(k in CANDIDATES for k in [p.kernel, *p.by_bucket.values()])
-                for p in shapes.values()
-            ):
-                return Plan(shapes, invariant, "cache")
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+        shapes = _read_cached(path, weights, invariant)
+        if shapes is not None and (keep is None or all(p.layout == keep[s] for s, p in shapes.items())):
+            return Plan(shapes, invariant, "cache")
     t0 = time.perf_counter()
     with torch.inference_mode():
-        shapes = {s: tune_shape(w, invariant=invariant) for s, w in weights.items()}
+        shapes = {
+            s: tune_shape(w, invariant=invariant, layouts=None if keep is None else (keep[s],))
+            for s, w in weights.items()
+        }
     plan = Plan(shapes, invariant, "tuned")
     log.info("kernels tuned in %.1f s: %s", time.perf_counter() - t0, plan.describe())
+    if keep is not None:
+        return plan
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")

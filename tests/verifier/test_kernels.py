@@ -152,3 +152,95 @@ def test_auto_dtype_follows_native_bf16(monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     assert auto_dtype("cpu") == "bfloat16"
     assert auto_dtype("cuda") == "bfloat16"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v projections with biases
+@pytest.mark.parametrize(
+    "spec",
+    [s for s in ("blas@col", "blas_wxt@col", "blas", "onednn@col", "linear@col") if s.split("@")[0] in CANDIDATES],
+)
+def test_lean_forward_on_each_kernel_and_layout_equals_hf(cache, monkeypatch, family, spec):
+    from tests.support.engine import hf_greedy
+    from tests.support.families import echo_prompt, make
+    from verifier.engine import VerifierSession
+
+    model = make(family)
+    if family == "llama":  # tied output layer and embedding: one Parameter, converted once
+        model.lm_head.weight = model.model.embed_tokens.weight
+    prompt = echo_prompt(model)
+    with torch.inference_mode():
+        ref_logits = model(torch.tensor([prompt])).logits[0]
+    ref = hf_greedy(model, prompt, 24)
+    monkeypatch.setenv("RACER_KERNELS", spec)
+    session = VerifierSession(model)
+    layout = "col" if spec.endswith("@col") else "row"
+    assert all(kernels.stored_as(p) == layout for p in kernels.all_projections(model))
+    assert kernels.stored_as(model.model.embed_tokens.weight) == (layout if family == "llama" else "row")
+    session.prefill(prompt[:-1])
+    with torch.inference_mode():
+        hidden = session.backend.forward(torch.tensor(prompt[-1:]), torch.tensor([len(prompt) - 1]), None)
+        torch.testing.assert_close(session.backend.logits(hidden)[0], ref_logits[-1], atol=1e-4, rtol=1e-4)
+    from tests.support.engine import run_racer
+
+    for budget in (1, 8):
+        assert run_racer(model, list(prompt), "auto", max_new_tokens=24, budget=budget)[0] == ref
+
+
+def test_blas_candidates_add_the_bias():
+    w, b = torch.randn(48, 64), torch.randn(48)
+    x = torch.randn(5, 64)
+    for name in ("blas", "blas_wxt"):
+        for wl in (w, w.t().contiguous().t()):
+            torch.testing.assert_close(CANDIDATES[name](x, wl, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+def test_loaded_layout_gives_hf_its_rows_for_the_block_and_the_plan_its_layout_back(cache, monkeypatch):
+    model = make_tiny_llama()
+    monkeypatch.setenv("RACER_KERNELS", "blas@col")
+    plan_for(model)
+    values = {id(p): p.detach().clone() for p in kernels.all_projections(model)}
+    with kernels.loaded_layout(model) as m:
+        assert m is model and all(kernels.stored_as(p) == "row" for p in model.parameters())
+    for p in kernels.all_projections(model):
+        assert kernels.stored_as(p) == "col" and torch.equal(p, values[id(p)]) and not p.is_inference()
+
+
+def test_a_later_measured_plan_keeps_the_layout_a_forward_may_be_reading(cache, monkeypatch):
+    model = make_tiny_llama()
+    monkeypatch.setenv("RACER_KERNELS", "blas@col")
+    plan_for(model)
+    monkeypatch.setenv("RACER_KERNELS", "auto")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)  # another thread count: a new plan, measured
+    try:
+        plan = plan_for(model)
+    finally:
+        torch.set_num_threads(threads)
+    assert plan.source == "tuned" and all(sp.layout == "col" for sp in plan.shapes.values())
+    assert all(kernels.stored_as(p) == "col" for p in kernels.all_projections(model))
+    assert not (cache / "kernels").exists()  # a plan constrained so is not what the machine measures best
+
+
+def test_a_cached_plan_unusable_here_is_measured_again(cache):
+    model = make_tiny_llama().to(torch.bfloat16)
+    assert plan_for(model).source == "tuned"
+    (path,) = (cache / "kernels").glob("*.json")
+    record = json.loads(path.read_text())
+    for bad in ({"layout": "col"}, {"kernel": "blas"}, {"rows": 0}, {"by_bucket": "nope"}):
+        broken = json.loads(json.dumps(record))
+        for shape in broken["shapes"].values():
+            shape.update(bad)
+        path.write_text(json.dumps(broken))
+        plan = plan_for(make_tiny_llama().to(torch.bfloat16))
+        assert plan.source == "tuned", bad
+        assert all(sp.layout == "row" and sp.kernel != "blas" and sp.rows >= 1 for sp in plan.shapes.values())
+
+
+def test_numpy_blas_runs_on_the_calling_thread_and_torch_keeps_its_threads(cache):
+    from threadpoolctl import threadpool_info
+
+    threads = torch.get_num_threads()
+    plan_for(make_tiny_llama())
+    numpy_blas = [i for i in threadpool_info() if i["user_api"] == "blas" and "numpy" in i["filepath"]]
+    assert numpy_blas and all(i["num_threads"] == 1 for i in numpy_blas)
+    assert torch.get_num_threads() == threads
