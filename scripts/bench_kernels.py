@@ -1,0 +1,84 @@
+"""Verifier cost curves side by side, one per kernel plan: what the measured choice buys on this machine.
+
+Each plan gets its own copy of the model (a plan may store weights transposed, in place), one
+verifier session over the same random ``--context``-token cache, and chain trees of every size;
+the plans and sizes are interleaved within each repetition, so drift on a shared machine falls on
+all of them alike. Prints the plans' descriptions and a table of medians (ms per verification:
+forward, logits, top-k, acceptance), with each curve's ratio to its one-node step.
+
+    PYTHONPATH=. python scripts/bench_kernels.py [--threads 1] [--plans tune,linear,blas@col]
+
+A plan is ``tune`` (measured now, not read from the cache), ``auto`` (the cached choice, else
+measured) or a forced ``RACER_KERNELS`` spec (``linear``, ``wxt``, ``onednn``, ``blas@col``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from verifier.engine import VerifierSession  # noqa: E402
+from verifier.kernels import plan_for  # noqa: E402
+from verifier.model import DEFAULT_MODEL, load  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--plans", default="tune,linear")
+    ap.add_argument("--sizes", default="1,2,4,8,16,32,64")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    plans = args.plans.split(",")
+    rng = random.Random(0)
+    sessions = {}
+    for spec in plans:
+        os.environ["RACER_KERNELS"] = spec  # what the session's backend asks for, too
+        model = load(args.model, dtype=args.dtype, tokenizer=False).model
+        t0 = time.perf_counter()
+        plan = plan_for(model)
+        print(f"{spec}: {plan.describe()} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        vocab = model.config.vocab_size
+        session = VerifierSession(model)
+        assert session.backend.plan is plan, "the session must run the plan it is named after"
+        session.prefill([random.Random(1).randrange(vocab) for _ in range(args.context)])
+        sessions[spec] = session
+    vocab = next(iter(sessions.values())).vocab_size
+    trees = {n: ([rng.randrange(vocab) for _ in range(n)], [-1, *range(n - 1)]) for n in sizes}
+    times = {(spec, n): [] for spec in plans for n in sizes}
+    for rep in range(args.reps + 1):  # the first pass warms up and is not counted
+        for n in sizes:
+            for spec, session in sessions.items():
+                t0 = time.perf_counter()
+                session.verify(*trees[n])
+                if rep:
+                    times[(spec, n)].append((time.perf_counter() - t0) * 1e3)
+                session.truncate(args.context)
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    print(
+        f"\n{cpu}, {args.threads} thread(s), {args.dtype}, {args.context}-token context, chain trees, "
+        f"medians of {args.reps} (ms)"
+    )
+    print("| plan | " + " | ".join(str(n) for n in sizes) + f" | {sizes[-1]} / {sizes[0]} |")
+    print("|---|" + "---|" * (len(sizes) + 1))
+    for spec in plans:
+        med = [statistics.median(times[(spec, n)]) for n in sizes]
+        print(f"| {spec} | " + " | ".join(f"{m:.1f}" for m in med) + f" | {med[-1] / med[0]:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
