@@ -124,14 +124,17 @@ def stored_as(w: torch.Tensor) -> str:
     return "col" if w.dim() == 2 and w.shape[0] > 1 and w.shape[1] > 1 and w.t().is_contiguous() else "row"
 
 
+def in_layout(w: torch.Tensor, layout: str) -> torch.Tensor:
+    """``w`` stored as ``layout``: itself when it already is, else a copy with the same values."""
+    if stored_as(w) == layout:
+        return w
+    return w.t().contiguous().t() if layout == "col" else w.contiguous()
+
+
 def set_layout(param: torch.Tensor, layout: str) -> None:
     """Stores a weight (in place: its ``data``, so tied modules follow) as ``layout``; same values."""
-    if stored_as(param.data) == layout:
-        return
-    if layout == "col":
-        param.data = param.data.t().contiguous().t()
-    else:
-        param.data = param.data.contiguous()
+    if stored_as(param.data) != layout:
+        param.data = in_layout(param.data, layout)
 
 
 # -- plans -----------------------------------------------------------------------------------------
@@ -368,11 +371,8 @@ def tune_shape(
     way); ``layouts`` defaults to both in float32 and ``row`` otherwise (invariant plans keep rows)."""
     cands = {n: f for n, f in (candidates or CANDIDATES).items() if _usable(n, w.device, w.dtype)}
     if layouts is None:
-        layouts = LAYOUTS if (w.device.type == "cpu" and w.dtype == torch.float32 and not invariant) else ("row",)
-    stored = {
-        lay: (w if stored_as(w) == lay else w.t().contiguous().t() if lay == "col" else w.contiguous())
-        for lay in layouts
-    }
+        layouts = LAYOUTS if _transposable(w) and not invariant else ("row",)
+    stored = {lay: in_layout(w, lay) for lay in layouts}
     gen = torch.Generator(device="cpu").manual_seed(0)
     inputs = {m: torch.randn((m, w.shape[1]), generator=gen).to(w.dtype).to(w.device) for m in buckets}
     refs = {m: F.linear(inputs[m], w) for m in buckets}

@@ -15,11 +15,10 @@ import redis
 from prometheus_client import REGISTRY
 
 from gateway.requests import request_bytes
-from racer import launch as services
 from racer.client import Client
 from racer.load import make_prompts, run_load
 from tests.support.engine import hf_greedy
-from tests.support.stack import INTERNAL_TOKEN, prompt, redis_server, start_stack, wait_until
+from tests.support.stack import prompt, redis_server, start_stack, wait_until
 
 AB, RE, NF = grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND
 QUOTAS = ("sessions", "tokens", "turns")
@@ -46,18 +45,7 @@ def env(loop_thread, tiny_llama, redis_url, files):
         max_tokens_stored=100_000,
     )
     st = start_stack(loop_thread, tiny_llama, session_url=redis_url, snapshot_url=redis_url, **kw)
-    args = services.defaults(
-        "gateway",
-        host="127.0.0.1",
-        port=0,
-        model="none",
-        session_url=redis_url,
-        drafters=st.drafter_target(0),
-        verifiers=st.verifier_target(0),
-        internal_token=INTERNAL_TOKEN,
-        **kw,
-    )
-    second = loop_thread.run(services.start_gateway(args, vocab_size=tiny_llama.config.vocab_size))
+    second = st.another_gateway(tiny_llama.config.vocab_size, session_url=redis_url, **kw)
     gws = [st.gateway_pair, second]
     r = redis.Redis.from_url(redis_url)
     yield st, gws, r
@@ -321,20 +309,13 @@ def test_a_full_store_refuses_new_work_and_evicts_nobody(env, files, loop_thread
     with redis_server() as url:
         r = redis.Redis.from_url(url)
         r.config_set("maxmemory-policy", "noeviction")
-        args = services.defaults(
-            "gateway",
-            host="127.0.0.1",
-            port=0,
-            model="none",
+        srv, gw = st.another_gateway(
+            tiny_llama.config.vocab_size,
             session_url=url,
             api_keys=str(files / "keys"),
-            drafters=st.drafter_target(0),
-            verifiers=st.verifier_target(0),
             max_sessions_kept=0,
             max_tokens_stored=0,
-            internal_token=INTERNAL_TOKEN,
         )
-        srv, gw = loop_thread.run(services.start_gateway(args, vocab_size=tiny_llama.config.vocab_size))
         target = f"127.0.0.1:{srv.port}"
         try:
             with Client(target, api_key="key-a", timeout=60) as a, Client(target, api_key="key-b", timeout=60) as b:

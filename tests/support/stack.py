@@ -151,6 +151,21 @@ class Stack:
                 .sessions
             )
 
+    def another_gateway(self, vocab_size: int, **settings):
+        """One more gateway (a second replica) over this stack's first drafter and verifier, with the
+        shared internal token; ``settings``: its own (session_url, api_keys, quotas...). (server, core)."""
+        args = services.defaults(
+            "gateway",
+            host="127.0.0.1",
+            port=0,
+            model="none",
+            drafters=self.drafter_target(0),
+            verifiers=self.verifier_target(0),
+            internal_token=INTERNAL_TOKEN,
+            **settings,
+        )
+        return self.lt.run(services.start_gateway(args, vocab_size=vocab_size))
+
     def stop_drafter(self, i: int, grace: float = 0.0):
         self.lt.run(self.drafters[i][0].stop(grace))
 

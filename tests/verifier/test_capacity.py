@@ -45,6 +45,13 @@ def _held_rows_fit(v: Verifier) -> None:
     assert v.budget.peak <= v.budget.total
 
 
+async def _opened(v, session_id: str, tokens: list[int]):
+    """Claims and opens one of tenant ``t``'s sessions with ``tokens`` as its prompt."""
+    e = v.claim(Open("t", session_id, tokens))
+    await v.open(e, tokens)
+    return e
+
+
 def test_bytes_per_token_come_from_the_model_config(tiny_llama):
     assert kv_bytes_per_token(tiny_llama.config, 4) == PER_TOKEN
     assert kv_bytes_per_token(tiny_llama.config, 2) == PER_TOKEN // 2
@@ -101,8 +108,7 @@ def test_an_open_that_does_not_fit_waits_and_proceeds_when_another_session_close
 def test_a_dropped_session_frees_its_reservation_for_the_waiter(tiny_llama):
     async def go():
         v = _verifier(tiny_llama, sessions_fit=1.5)
-        e1 = v.claim(Open("t", "a", prompt(1, HISTORY)))
-        await v.open(e1, prompt(1, HISTORY))
+        e1 = await _opened(v, "a", prompt(1, HISTORY))
         e2 = v.claim(Open("t", "b", prompt(2, HISTORY)))
         task = asyncio.ensure_future(v.open(e2, prompt(2, HISTORY)))
         await until(lambda: v.budget.waiting == 1)
@@ -126,8 +132,7 @@ def test_a_request_that_can_never_fit_is_refused_at_once(tiny_llama):
     assert v.budget.waiting == 0 and v.budget.used == 0 and len(v.sessions) == 0
 
     async def tree_too_big():  # a tree that could never fit, on a session that does
-        e = v.claim(Open("t", "s", prompt(2, HISTORY)))
-        await v.open(e, prompt(2, HISTORY))
+        e = await _opened(v, "s", prompt(2, HISTORY))
         n = 2 * ROWS
         with pytest.raises(Abort) as err:
             await v.verify(e, prompt(3, n), [-1, *range(n - 1)])
@@ -142,8 +147,7 @@ def test_a_request_that_can_never_fit_is_refused_at_once(tiny_llama):
 def test_the_wait_ends_at_the_deadline_and_a_full_queue_refuses_at_once(tiny_llama):
     async def go():
         v = _verifier(tiny_llama, sessions_fit=1.5, max_waiting=1)
-        e1 = v.claim(Open("t", "a", prompt(1, HISTORY)))
-        await v.open(e1, prompt(1, HISTORY))
+        await _opened(v, "a", prompt(1, HISTORY))
         e2 = v.claim(Open("t", "b", prompt(2, HISTORY)))
         waiter = asyncio.ensure_future(v.open(e2, prompt(2, HISTORY), timeout=3600))
         await until(lambda: v.budget.waiting == 1)
