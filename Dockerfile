@@ -50,6 +50,13 @@ RUN python -c "from verifier.model import load; load()" \
 # ---------------------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime
 
+# A C compiler: the verifier builds its native float32 kernels at start-up for the CPU of the node it
+# runs on (-march=native; verifier/native.py), into its cache or /tmp. Without one it runs the BLAS
+# kernels only.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 # A fixed numeric uid/gid so Kubernetes can check runAsNonRoot without a name lookup.
 RUN groupadd --system --gid 10001 racer \
     && useradd --system --uid 10001 --gid racer --home-dir /home/racer --create-home racer

@@ -9,7 +9,9 @@ forward, logits, top-k, acceptance), with each curve's ratio to its one-node ste
     PYTHONPATH=. python scripts/bench_kernels.py [--threads 1] [--plans tune,linear,blas@col]
 
 A plan is ``tune`` (measured now, not read from the cache), ``auto`` (the cached choice, else
-measured) or a forced ``RACER_KERNELS`` spec (``linear``, ``wxt``, ``onednn``, ``blas@col``, ...).
+measured) or a forced ``RACER_KERNELS`` spec (``linear``, ``wxt``, ``onednn``, ``blas@col``,
+``native6x2``, ...); ``/no-native`` after a plan leaves the native kernels out of its candidates
+(``tune/no-native``: the choice a machine without a C compiler makes).
 """
 
 from __future__ import annotations
@@ -46,17 +48,19 @@ def main() -> None:
     plans = args.plans.split(",")
     rng = random.Random(0)
     sessions = {}
-    for spec in plans:
+    for name in plans:
+        spec, _, option = name.partition("/")
         os.environ["RACER_KERNELS"] = spec  # what the session's backend asks for, too
+        os.environ["RACER_NATIVE"] = "off" if option == "no-native" else "on"
         model = load(args.model, dtype=args.dtype, tokenizer=False).model
         t0 = time.perf_counter()
         plan = plan_for(model)
-        print(f"{spec}: {plan.describe()} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        print(f"{name}: {plan.describe()} ({time.perf_counter() - t0:.1f} s)", flush=True)
         vocab = model.config.vocab_size
         session = VerifierSession(model)
         assert session.backend.plan is plan, "the session must run the plan it is named after"
         session.prefill([random.Random(1).randrange(vocab) for _ in range(args.context)])
-        sessions[spec] = session
+        sessions[name] = session
     vocab = next(iter(sessions.values())).vocab_size
     trees = {n: ([rng.randrange(vocab) for _ in range(n)], [-1, *range(n - 1)]) for n in sizes}
     times = {(spec, n): [] for spec in plans for n in sizes}

@@ -11,10 +11,12 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/nul
   done
 fi
 
-# System packages: venv support and redis-server (integration tests start their own).
+# System packages: venv support, redis-server (integration tests start their own) and a C compiler
+# (the verifier builds its native float32 kernels for the CPU it runs on).
 need_apt=()
 "$PY" -m venv --help >/dev/null 2>&1 || need_apt+=(python3-venv)
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+command -v "${CC:-cc}" >/dev/null 2>&1 || need_apt+=(gcc libc6-dev)
 if [ ${#need_apt[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq

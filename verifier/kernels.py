@@ -20,8 +20,10 @@ Two kinds of plan:
   the verifier uses) and the choice is checked at tuning: a row must come out bit-identical at any
   position of its chunk, or a smaller chunk is taken (one row is invariant by construction).
 
-Candidates come from two BLAS libraries: torch's (MKL, and oneDNN) and numpy's OpenBLAS, whose
-float32 GEMM with few rows streams the weight faster on some CPUs and slower on others. In float32 a
+Candidates come from two BLAS libraries, torch's (MKL, and oneDNN) and numpy's OpenBLAS, whose
+float32 GEMM with few rows streams the weight faster on some CPUs and slower on others, and from
+``native_linear.c`` (``verifier/native.py``): float32 kernels compiled for this CPU that stream each
+weight row once per call instead of packing the weight, in a few tile shapes. In float32 a
 shape's weight may also be *stored transposed* (``layout`` ``col``: the same values, the module's
 ``weight`` a transposed view of contiguous ``[in, out]`` storage, so no memory is added and any
 other reader of the module sees the same tensor): ``x @ W.T`` is then a plain NN GEMM, which some
@@ -35,6 +37,7 @@ which skips tuning (tests).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -49,6 +52,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from . import native
 
 log = logging.getLogger(__name__)
 
@@ -105,12 +110,20 @@ if _ONEDNN is not None:
     CANDIDATES["onednn"] = _onednn
 CANDIDATES["blas"] = _blas
 CANDIDATES["blas_wxt"] = _blas_wxt
+CANDIDATES.update({name: native.linear(name) for name in native.VARIANTS})
 
 
 def _usable(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
     if name.startswith("blas"):  # numpy: CPU float32 only (it has no bfloat16)
         return device.type == "cpu" and dtype == torch.float32
+    if name in native.VARIANTS:  # built for this CPU at first use, float32 only
+        return device.type == "cpu" and dtype == torch.float32 and native.usable(name, _cpu_identity())
     return device.type == "cpu" or name == "linear"
+
+
+def _row_only(name: str) -> bool:
+    """Kernels that read the weight's rows in place (not a transposed view)."""
+    return name in native.VARIANTS
 
 
 def _transposable(w: torch.Tensor) -> bool:
@@ -213,6 +226,12 @@ def chunked(fn, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rows: 
 
 
 # -- identity of what a choice holds for ---------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_identity() -> str:
+    fp = machine_fingerprint()
+    return f"{fp['cpu']} {' '.join(fp['flags'])}"
 
 
 def machine_fingerprint() -> dict:
@@ -330,6 +349,7 @@ def _key(model, weights, dtype, threads, device, invariant) -> tuple[dict, str]:
         "threads": threads,
         "invariant": invariant,
         "buckets": list(BUCKETS),
+        "native": [n for n in native.VARIANTS if _usable(n, device, dtype)],
     }
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]
     return ident, digest
@@ -440,6 +460,51 @@ def tune_shape(
     raise AssertionError("unreachable: one-row chunks are invariant")
 
 
+def compose(model, shapes: dict[tuple[int, int], ShapePlan], buckets=BUCKETS, reps: int = 3) -> dict[int, str]:
+    """Checks the per-shape choices as a whole, per row bucket, and keeps what a forward runs fastest.
+
+    A shape tuned alone runs with its weight hot in the caches, while a forward streams every
+    layer's weights from memory, where a kernel that reads a weight once gains over one that packs
+    it. So for each bucket one forward's projections (every weight of the model in layer order, in
+    the layouts chosen) are timed with the per-shape choices and with each kernel among them, and
+    ``F.linear``, run for every shape that can take it; the options are interleaved, and the fastest
+    one's kernels replace the bucket's choices. The model's weights must be in the shapes' layouts.
+    Returns bucket -> the option kept (``per-shape`` or a kernel's name), for the record."""
+    params = all_projections(model)
+    w0 = params[0]
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    kept = {}
+    for m in buckets:
+        xs = {d: torch.randn((m, d), generator=gen).to(w0.dtype).to(w0.device) for d in {p.shape[1] for p in params}}
+        per_shape = {s: sp.by_bucket[m] for s, sp in shapes.items()}
+        options: dict[str, dict] = {"per-shape": per_shape}
+        for k in sorted({*per_shape.values(), "linear"}):
+            uniform = {s: k if not (sp.layout == "col" and _row_only(k)) else per_shape[s] for s, sp in shapes.items()}
+            if uniform not in options.values():
+                options[k] = uniform
+        if len(options) == 1:
+            kept[m] = "per-shape"
+            continue
+        runs = {
+            name: [(CANDIDATES[choice[tuple(p.shape)]], p, xs[p.shape[1]]) for p in params if tuple(p.shape) in choice]
+            for name, choice in options.items()
+        }
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for rep in range(reps + 1):  # the first pass warms up
+            for name, run in runs.items():
+                t0 = time.perf_counter()
+                for fn, w, x in run:
+                    fn(x, w, None)
+                if rep:
+                    times[name].append(time.perf_counter() - t0)
+        best = min(times, key=lambda name: (statistics.median(times[name]), name != "per-shape"))
+        for s, sp in shapes.items():
+            sp.by_bucket[m] = options[best][s]
+            sp.ms[f"forward:{best}@{m}"] = round(statistics.median(times[best]) * 1e3, 3)
+        kept[m] = best
+    return kept
+
+
 def position_invariant(fn, w: torch.Tensor, rows: int, trials: int = 2, positions: int = 6) -> bool:
     """Is a row's output bit-identical wherever it sits in a ``rows``-row call, whatever the others?
     (Sampled: ``positions`` rows per trial, each moved to another position among other rows.)"""
@@ -460,10 +525,10 @@ def position_invariant(fn, w: torch.Tensor, rows: int, trials: int = 2, position
 def _forced(spec: str, weights, invariant: bool) -> Plan:
     kernel, _, layout = spec.partition("@")
     name, _, rows = kernel.partition(":")
-    if name not in CANDIDATES or layout not in ("", *LAYOUTS) or (invariant and layout == "col"):
+    if name not in CANDIDATES or layout not in ("", *LAYOUTS) or (layout == "col" and (invariant or _row_only(name))):
         raise ValueError(
             f"RACER_KERNELS={spec!r}: unknown kernel (one of {', '.join(CANDIDATES)}, optionally :rows and "
-            "@row or @col (float32 only); or auto, tune)"
+            "@row or @col (float32 only; not for native kernels); or auto, tune)"
         )
     w0 = next(iter(weights.values()))
     if not _usable(name, w0.device, w0.dtype) or (layout == "col" and not _transposable(w0)):
@@ -531,7 +596,7 @@ def _read_cached(path, weights, invariant) -> dict | None:
         kernels = [p.kernel] if invariant else list(p.by_bucket.values())
         if (
             p.layout not in LAYOUTS
-            or (p.layout == "col" and (invariant or not _transposable(w0)))
+            or (p.layout == "col" and (invariant or not _transposable(w0) or any(map(_row_only, kernels))))
             or not kernels
             or not all(k in CANDIDATES and _usable(k, w0.device, w0.dtype) for k in kernels)
             or (invariant and p.rows < 1)
@@ -558,6 +623,10 @@ def _tuned(model, weights, dtype, device, invariant, use_cache: bool, keep: dict
             s: tune_shape(w, invariant=invariant, layouts=None if keep is None else (keep[s],))
             for s, w in weights.items()
         }
+        if not invariant:  # the weights in the chosen layouts, then the choices checked as a whole
+            apply_layouts(model, Plan(shapes, invariant, "tuned"))
+            kept = compose(model, shapes)
+            log.info("kernels per bucket after a whole forward's projections: %s", kept)
     plan = Plan(shapes, invariant, "tuned")
     log.info("kernels tuned in %.1f s: %s", time.perf_counter() - t0, plan.describe())
     if keep is not None:

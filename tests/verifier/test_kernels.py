@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.support.models import make_tiny_llama
-from verifier import kernels
+from verifier import kernels, native
 from verifier.kernels import BUCKETS, CANDIDATES, auto_dtype, chunked, plan_for, position_invariant, tune_shape
 
 ROWS = sorted({*BUCKETS, 3, 5, 13, 33, 70, 130})  # buckets, rows between them, rows beyond the largest
@@ -51,6 +51,10 @@ def test_every_candidate_agrees_with_linear(dtype):
         x = torch.randn(n, 64).to(dtype)
         for layout, wl in stored.items():
             for name in usable:
+                if layout == "col" and kernels._row_only(name):
+                    with pytest.raises(TypeError):  # the tuner skips it on a transposed weight
+                        CANDIDATES[name](x, wl, None)
+                    continue
                 try:
                     y = CANDIDATES[name](x, wl, None)
                 except RuntimeError:  # a candidate without a kernel for this dtype here is never chosen
@@ -157,7 +161,11 @@ def test_auto_dtype_follows_native_bf16(monkeypatch):
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v projections with biases
 @pytest.mark.parametrize(
     "spec",
-    [s for s in ("blas@col", "blas_wxt@col", "blas", "onednn@col", "linear@col") if s.split("@")[0] in CANDIDATES],
+    [
+        s
+        for s in ("blas@col", "blas_wxt@col", "blas", "onednn@col", "linear@col", *native.VARIANTS)
+        if s.split("@")[0] in CANDIDATES
+    ],
 )
 def test_lean_forward_on_each_kernel_and_layout_equals_hf(cache, monkeypatch, family, spec):
     from tests.support.engine import hf_greedy
@@ -165,6 +173,11 @@ def test_lean_forward_on_each_kernel_and_layout_equals_hf(cache, monkeypatch, fa
     from verifier.engine import VerifierSession
 
     model = make(family)
+    if spec in native.VARIANTS and not kernels._usable(spec, torch.device("cpu")):
+        # a tile shape meant for another vector width: refused by name, never run
+        with pytest.raises(ValueError, match="not available"):
+            plan_for(model, spec=spec)
+        return
     if family == "llama":  # tied output layer and embedding: one Parameter, converted once
         model.lm_head.weight = model.model.embed_tokens.weight
     prompt = echo_prompt(model)

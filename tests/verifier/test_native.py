@@ -1,0 +1,101 @@
+"""The native float32 kernels (verifier/native_linear.c): built here, equal to F.linear for every row
+count and tail, a row's bits independent of the other rows and of the thread count, and offered
+only where they can run."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from verifier import kernels, native
+
+SHAPES = [(96, 64), (37, 19), (1536, 576), (576, 1536), (13, 40)]  # tails: rows % tile, K % vector
+
+
+def _variants() -> list[str]:
+    return [name for name in native.VARIANTS if native.usable(name)]
+
+
+def test_the_library_is_built_here_with_tiles_for_this_vector_width():
+    assert native.library() is not None, native.why()
+    bits = native.library().racer_vector_bits()
+    assert bits in (256, 512)
+    assert _variants() == [n for n, (_, b) in native.VARIANTS.items() if b == bits] and len(_variants()) == 2
+    assert all(kernels._usable(n, torch.device("cpu"), torch.float32) for n in _variants())
+    assert not any(kernels._usable(n, torch.device("cpu"), torch.bfloat16) for n in native.VARIANTS)
+
+
+def test_every_variant_equals_linear_for_every_shape_and_row_count():
+    gen = torch.Generator().manual_seed(0)
+    for out, inp in SHAPES:
+        w = torch.randn((out, inp), generator=gen) / inp**0.5
+        b = torch.randn(out, generator=gen)
+        for n in (*kernels.BUCKETS, 3, 5, 7, 13, 70):
+            x = torch.randn((n, inp), generator=gen)
+            for name in _variants():
+                for bias in (None, b):
+                    y = kernels.CANDIDATES[name](x, w, bias)
+                    assert y.shape == (n, out) and y.is_contiguous()
+                    msg = f"{name} {out}x{inp} x {n} rows, bias {bias is not None}"
+                    torch.testing.assert_close(y, F.linear(x, w, bias), atol=1e-5, rtol=1e-5, msg=msg)
+
+
+def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_threads():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn((1536, 576), generator=gen)
+    x = torch.randn((64, 576), generator=gen)
+    threads = torch.get_num_threads()
+    for name in _variants():
+        fn = kernels.CANDIDATES[name]
+        full = fn(x, w, None)
+        for r in (0, 1, 5, 31, 63):
+            assert torch.equal(fn(x[r : r + 1], w, None)[0], full[r]), (name, r)
+            assert torch.equal(fn(x[r : r + 7], w, None)[0], full[r]), (name, r)
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(fn(x, w, None), full), name
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_a_transposed_view_or_another_dtype_is_refused_not_misread():
+    w = torch.randn(64, 32)
+    x = torch.randn(4, 32)
+    for name in _variants():
+        for bad_w, bad_x in ((w.t().contiguous().t(), x), (w.bfloat16(), x.bfloat16())):
+            try:
+                kernels.CANDIDATES[name](bad_x, bad_w, None)
+            except TypeError:
+                continue
+            raise AssertionError(f"{name} ran on a weight it cannot read")
+
+
+def test_one_openmp_runtime_in_the_process():
+    native.library()
+    runtimes = native._openmp_runtimes()
+    assert len(runtimes) == 1, runtimes
+
+
+def test_off_switch_and_missing_compiler_leave_the_other_kernels(monkeypatch, tmp_path):
+    name = _variants()[0]
+    monkeypatch.setenv("RACER_NATIVE", "off")
+    assert not native.usable(name) and not kernels._usable(name, torch.device("cpu"))
+    monkeypatch.delenv("RACER_NATIVE")
+    monkeypatch.setattr(native, "_state", {})  # a fresh process whose compiler is missing
+    monkeypatch.setenv("RACER_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert native.library() is None and "no C compiler" in native.why()
+    assert not any(kernels._usable(n, torch.device("cpu")) for n in native.VARIANTS)
+    w = torch.randn(48, 32)
+    plan = kernels.tune_shape(w, buckets=(1, 4), reps=1)
+    assert not set(plan.by_bucket.values()) & set(native.VARIANTS)
+
+
+def test_a_compiler_error_is_reported_not_raised(monkeypatch, tmp_path):
+    fake = tmp_path / "cc"
+    fake.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo fake-cc 1.0 && exit 0\necho 'boom: no' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("RACER_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(fake))
+    assert native.library() is None and "boom" in native.why()

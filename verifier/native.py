@@ -1,0 +1,180 @@
+"""Hand-written float32 projection kernels for a few rows (``native_linear.c``), built for this CPU.
+
+A verification step multiplies 1 to 64 rows with each weight. Every BLAS at hand packs the weight
+first, so with a handful of rows it reads the weight more than once and runs well below both the
+memory bandwidth and the FMA peak. The kernels here stream each weight row once per call. They are
+compiled at first use with the system's C compiler (``$CC``, else ``cc``) for the CPU they run on
+(``-march=native``) and cached under ``cache_root()/native``, keyed by the source, the compiler and
+the CPU. They are candidates like any other (``verifier/kernels.py``): they run only where the
+tuner measured them fastest, and without a compiler (or with ``RACER_NATIVE=off``) they are simply
+not offered.
+
+Threads come from OpenMP. Loaded into a process that already holds torch's OpenMP runtime, the
+library binds to that runtime, so its parallel regions share torch's thread pool; were a second
+OpenMP runtime loaded, the two pools would spin against each other for the cores, and the kernels
+are refused.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native_linear.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+
+# name -> (weight rows, x rows) per tile, and the vector width (bits) the shape is meant for: a
+# 256-bit build has 16 vector registers (4x3 and 6x2 tiles fit), a 512-bit one 32 (6x4 and 8x3 fit).
+VARIANTS = {
+    "native4x3": ((4, 3), 256),
+    "native6x2": ((6, 2), 256),
+    "native6x4": ((6, 4), 512),
+    "native8x3": ((8, 3), 512),
+}
+
+_lock = threading.Lock()
+_state: dict = {}  # "lib": the loaded library or None, once tried; "why": why not
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc)
+
+
+def _openmp_runtimes() -> set[str]:
+    """Files of OpenMP runtimes mapped into this process (Linux; empty elsewhere)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            paths = {line.split()[-1] for line in f if len(line.split()) >= 6}
+    except OSError:
+        return set()
+    names = ("libgomp", "libiomp", "libomp")
+    return {os.path.realpath(p) for p in paths if os.path.basename(p).startswith(names)}
+
+
+def _build(cc: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], check=True, capture_output=True, text=True, timeout=120)
+    tmp.replace(out)  # atomic: another process building the same key reads a whole file or none
+
+
+def _load(machine: str) -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        _state["why"] = "built on Linux only"
+        return None
+    cc = _compiler()
+    if cc is None:
+        _state["why"] = "no C compiler (set CC or install gcc)"
+        return None
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        _state["why"] = f"{cc} --version failed: {e}"
+        return None
+    digest = hashlib.sha256(
+        b"\0".join(x.encode() for x in (SOURCE.read_text(), version, " ".join(FLAGS), machine))
+    ).hexdigest()[:20]
+    from .model import cache_root
+
+    before = _openmp_runtimes()
+    lib = None
+    for where in (cache_root() / "native", Path(tempfile.gettempdir()) / f"racer-native-{os.getuid()}"):
+        path = where / f"linear-{digest}.so"
+        try:
+            if not path.exists():
+                _build(cc, path)
+            lib = ctypes.CDLL(str(path))
+            break
+        except subprocess.CalledProcessError as e:
+            _state["why"] = f"compiling {SOURCE.name} failed: {e.stderr.strip()[-500:]}"
+            return None
+        except (OSError, subprocess.SubprocessError) as e:  # an unwritable cache: the next place
+            _state["why"] = f"{path}: {e}"
+    if lib is None:
+        return None
+    after = _openmp_runtimes()
+    if before and len(after) > len(before):
+        _state["why"] = f"a second OpenMP runtime was loaded beside torch's ({sorted(after)})"
+        return None
+    lib.racer_vector_bits.restype = ctypes.c_int
+    lib.racer_linear.restype = ctypes.c_int
+    lib.racer_linear.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
+    lib.racer_linear.argtypes += [ctypes.c_int]
+    return lib
+
+
+def library(machine: str = "") -> ctypes.CDLL | None:
+    """The built library, or None (``why()`` says why). ``machine`` (the CPU's identity) is part of
+    the build's key: a cache directory shared by several machines holds one build per CPU."""
+    with _lock:
+        if "lib" not in _state:
+            _state["lib"] = _load(machine)
+            if _state["lib"] is None:
+                log.info("native kernels not available: %s", _state.get("why"))
+        return _state["lib"]
+
+
+def why() -> str | None:
+    """Why the library is not available (None when it is, or was not tried)."""
+    return None if _state.get("lib") is not None else _state.get("why")
+
+
+def usable(name: str, machine: str = "") -> bool:
+    """Whether the variant ``name`` is built here and meant for this CPU's vector width (never with
+    ``RACER_NATIVE=off``)."""
+    if os.environ.get("RACER_NATIVE", "on").lower() in ("off", "0", "no", "false"):
+        return False
+    lib = library(machine)
+    return lib is not None and name in VARIANTS and VARIANTS[name][1] == lib.racer_vector_bits()
+
+
+def linear(name: str):
+    """The variant ``name`` as a kernel ``(x [M, K], w [N, K], b [N] or None) -> [M, N]``: float32 on a
+    CPU, ``w`` stored as rows (contiguous); anything else raises TypeError (the tuner skips it)."""
+    nr, mr = VARIANTS[name][0]
+
+    def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        lib = _state.get("lib")
+        if lib is None:
+            raise TypeError(f"{name}: native kernels not available: {why()}")
+        if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous() or x.dtype != w.dtype:
+            raise TypeError(f"{name}: float32 CPU weights stored as rows only")
+        x = x.contiguous()
+        if b is not None:
+            b = b.contiguous()
+        m, k = x.shape
+        n = w.shape[0]
+        if w.shape[1] != k or (b is not None and b.shape != (n,)):
+            raise RuntimeError(
+                f"{name}: x has {k} columns, the weight {tuple(w.shape)}, the bias {None if b is None else tuple(b.shape)}"
+            )
+        y = torch.empty((m, n), dtype=x.dtype)
+        lib.racer_linear(
+            nr,
+            mr,
+            x.data_ptr(),
+            w.data_ptr(),
+            None if b is None else b.data_ptr(),
+            y.data_ptr(),
+            m,
+            n,
+            k,
+            torch.get_num_threads(),
+        )
+        return y
+
+    run.__name__ = name
+    return run
