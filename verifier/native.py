@@ -158,9 +158,8 @@ def linear(name: str):
         m, k = x.shape
         n = w.shape[0]
         if w.shape[1] != k or (b is not None and b.shape != (n,)):
-            raise RuntimeError(
-                f"{name}: x has {k} columns, the weight {tuple(w.shape)}, the bias {None if b is None else tuple(b.shape)}"
-            )
+            bias = None if b is None else tuple(b.shape)
+            raise RuntimeError(f"{name}: x has {k} columns, the weight {tuple(w.shape)}, the bias {bias}")
         y = torch.empty((m, n), dtype=x.dtype)
         lib.racer_linear(
             nr,
