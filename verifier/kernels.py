@@ -328,9 +328,13 @@ def all_projections(model) -> list[torch.nn.Parameter]:
 
 def apply_layouts(model, plan: "Plan") -> None:
     """Stores every projection weight as its shape's plan says (in place; same values). Outside
-    inference mode, whoever calls: the parameters must stay ordinary tensors."""
+    inference mode, whoever calls: the parameters must stay ordinary tensors. Parameters created in
+    inference mode keep their storage (swapping an inference tensor's data leaves it unusable); every
+    kernel computes the same values on either layout, only the speed differs."""
     with torch.inference_mode(False), torch.no_grad():
         for p in all_projections(model):
+            if p.is_inference():
+                continue
             sp = plan.shapes.get(tuple(p.shape))
             set_layout(p, sp.layout if sp is not None else "row")
 
@@ -470,7 +474,7 @@ def compose(model, shapes: dict[tuple[int, int], ShapePlan], buckets=BUCKETS, re
     ``F.linear``, run for every shape that can take it; the options are interleaved, and the fastest
     one's kernels replace the bucket's choices. The model's weights must be in the shapes' layouts.
     Returns bucket -> the option kept (``per-shape`` or a kernel's name), for the record."""
-    params = all_projections(model)
+    params = [p.detach() for p in all_projections(model)]  # the weights as the forward reads them
     w0 = params[0]
     gen = torch.Generator(device="cpu").manual_seed(2)
     kept = {}

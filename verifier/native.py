@@ -66,6 +66,8 @@ def _openmp_runtimes() -> set[str]:
 
 def _build(cc: str, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
+    if not os.access(out.parent, os.W_OK):  # e.g. an image's baked cache: the next place, not an error
+        raise PermissionError(f"{out.parent} is not writable")
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], check=True, capture_output=True, text=True, timeout=120)
     tmp.replace(out)  # atomic: another process building the same key reads a whole file or none

@@ -257,3 +257,47 @@ def test_numpy_blas_runs_on_the_calling_thread_and_torch_keeps_its_threads(cache
     numpy_blas = [i for i in threadpool_info() if i["user_api"] == "blas" and "numpy" in i["filepath"]]
     assert numpy_blas and all(i["num_threads"] == 1 for i in numpy_blas)
     assert torch.get_num_threads() == threads
+
+
+def _slow(x, w, b):
+    """A kernel with the right result at many times the cost."""
+    for _ in range(40):
+        y = F.linear(x, w, b)
+    return y
+
+
+def test_the_whole_forward_check_replaces_a_choice_that_loses_there(cache, monkeypatch):
+    monkeypatch.setitem(CANDIDATES, "slow", _slow)
+    model = make_tiny_llama()
+    shapes = {s: kernels.ShapePlan(by_bucket={1: "slow", 4: "slow"}) for s in kernels.projection_weights(model)}
+    kept = kernels.compose(model, shapes, buckets=(1, 4), reps=1)
+    assert kept == {1: "linear", 4: "linear"}
+    assert all(sp.by_bucket == {1: "linear", 4: "linear"} for sp in shapes.values())
+    assert all("forward:linear@4" in sp.ms for sp in shapes.values())
+    # A winning per-shape choice stays: F.linear used everywhere is the slow one this time.
+    monkeypatch.setattr(kernels, "_linear", _slow)
+    monkeypatch.setitem(CANDIDATES, "linear", _slow)
+    shapes = {s: kernels.ShapePlan(by_bucket={1: "wxt", 4: "wxt"}) for s in kernels.projection_weights(model)}
+    assert kernels.compose(model, shapes, buckets=(1, 4), reps=1) == {1: "per-shape", 4: "per-shape"}
+
+
+def test_the_whole_forward_check_runs_a_row_only_kernel_on_rows_only(cache, monkeypatch):
+    model = make_tiny_llama()
+    weights = kernels.projection_weights(model)
+    (col, *rows) = list(weights)
+    name = next(n for n in native.VARIANTS if native.usable(n))
+    calls = []
+
+    def counted(x, w, b):
+        calls.append(kernels.stored_as(w))
+        return CANDIDATES[name](x, w, b)
+
+    monkeypatch.setitem(CANDIDATES, "counted", counted)
+    monkeypatch.setitem(CANDIDATES, "slow", _slow)
+    monkeypatch.setattr(kernels, "_row_only", lambda k: k in native.VARIANTS or k == "counted")
+    # The shape stored transposed keeps its own (slow) choice when the row-only kernel is tried for all.
+    shapes = {s: kernels.ShapePlan(by_bucket={2: "slow" if s == col else "counted"}) for s in weights}
+    shapes[col].layout = "col"
+    kernels.apply_layouts(model, kernels.Plan(shapes, False, "tuned"))
+    assert kernels.compose(model, shapes, buckets=(2,), reps=1) == {2: "linear"}
+    assert calls and set(calls) == {"row"}
