@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # row counts timed; a call of n rows uses the smallest bucket >= n
 _TUNE_SECONDS = 30.0  # soft bound on the whole tuning (few reps, interleaved, medians)
 _SLOW_CALL_S = 0.1  # a candidate's call slower than this is not timed at larger buckets
-_VERSION = 2
+_VERSION = 3  # 3: native kernels among the candidates, choices checked over a whole forward
 LAYOUTS = ("row", "col")  # a weight stored as is ([out, in] rows), or transposed ([in, out] storage)
 
 
@@ -464,49 +464,104 @@ def tune_shape(
     raise AssertionError("unreachable: one-row chunks are invariant")
 
 
-def compose(model, shapes: dict[tuple[int, int], ShapePlan], buckets=BUCKETS, reps: int = 3) -> dict[int, str]:
-    """Checks the per-shape choices as a whole, per row bucket, and keeps what a forward runs fastest.
+def _best_in(sp: ShapePlan, layout: str, m: int) -> str | None:
+    """The fastest kernel of a shape's own timings at ``m`` rows with its weight stored as ``layout``."""
+    tag = "" if layout == "row" else "/" + layout
+    times = {k[: -len(f"{tag}@{m}")]: v for k, v in sp.ms.items() if k.endswith(f"{tag}@{m}") and ":" not in k}
+    times = {k: v for k, v in times.items() if "/" not in k}
+    return min(times, key=times.__getitem__) if times else None
+
+
+def _fits(sp: ShapePlan, kernel: str, layout: str, m: int) -> bool:
+    """Whether a uniform option may run ``kernel`` on this shape: it can read the layout, and the
+    shape's own timing (where there is one) was not far off its best (some kernels are pathological
+    on one layout: ``W @ x.T`` over a transposed output layer takes seconds)."""
+    if layout == "col" and _row_only(kernel):
+        return False
+    tag = "" if layout == "row" else "/" + layout
+    own = sp.ms.get(f"{kernel}{tag}@{m}")
+    best = _best_in(sp, layout, m)
+    return own is None if best is None else own is not None and own <= 2 * sp.ms[f"{best}{tag}@{m}"]
+
+
+def _forward_times(params, choices: dict[str, dict], m: int, reps: int, gen) -> dict[str, float]:
+    """Median seconds of one forward's projections at ``m`` rows per option (shape -> kernel)."""
+    w0 = params[0]
+    xs = {d: torch.randn((m, d), generator=gen).to(w0.dtype).to(w0.device) for d in {p.shape[1] for p in params}}
+    runs = {
+        name: [(CANDIDATES[choice[tuple(p.shape)]], p, xs[p.shape[1]]) for p in params if tuple(p.shape) in choice]
+        for name, choice in choices.items()
+    }
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for rep in range(reps + 1):  # the first pass warms up
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            for fn, w, x in run:
+                fn(x, w, None)
+            if rep:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def compose(
+    model, shapes: dict[tuple[int, int], ShapePlan], buckets=BUCKETS, reps: int = 2, relayout: bool = True
+) -> dict[int, str]:
+    """Checks the per-shape choices as a whole and keeps what a forward runs fastest.
 
     A shape tuned alone runs with its weight hot in the caches, while a forward streams every
     layer's weights from memory, where a kernel that reads a weight once gains over one that packs
-    it. So for each bucket one forward's projections (every weight of the model in layer order, in
-    the layouts chosen) are timed with the per-shape choices and with each kernel among them, and
-    ``F.linear``, run for every shape that can take it; the options are interleaved, and the fastest
-    one's kernels replace the bucket's choices. The model's weights must be in the shapes' layouts.
-    Returns bucket -> the option kept (``per-shape`` or a kernel's name), for the record."""
-    params = [p.detach() for p in all_projections(model)]  # the weights as the forward reads them
-    w0 = params[0]
+    it. So for each bucket one forward's projections (every weight of the model in layer order) are
+    timed with the per-shape choices and with each kernel that won anywhere, and ``F.linear``, run
+    for every shape that can take it; the options are interleaved and the fastest one's kernels
+    become the bucket's. With ``relayout`` this is done twice when some shape was stored transposed:
+    with the layouts chosen per shape and with every weight as loaded (rows); the layouts whose
+    bucket bests lose least to the other's, summed over buckets, are kept (and applied). Returns
+    bucket -> the option kept (``per-shape`` or a kernel's name; ``rows:`` when all rows won)."""
+    chosen = {s: sp.layout for s, sp in shapes.items()}
+    configs = {"": chosen}
+    if relayout and any(lay != "row" for lay in chosen.values()):
+        configs["rows:"] = {s: "row" for s in shapes}
+    kernels_won = {k for sp in shapes.values() for k in sp.by_bucket.values()} | {"linear"}
+    kernels_won |= {k for sp in shapes.values() for lay in LAYOUTS for m in buckets if (k := _best_in(sp, lay, m))}
     gen = torch.Generator(device="cpu").manual_seed(2)
+    results: dict[str, dict[int, tuple[float, str, dict]]] = {}
+    for tag, layouts in configs.items():
+        _store(model, layouts)
+        params = [p.detach() for p in all_projections(model)]  # the weights as the forward reads them
+        results[tag] = {}
+        for m in buckets:
+            per_shape = {
+                s: (sp.by_bucket[m] if layouts[s] == sp.layout else None) or _best_in(sp, layouts[s], m) or "linear"
+                for s, sp in shapes.items()
+            }
+            options: dict[str, dict] = {"per-shape": per_shape}
+            for k in sorted(kernels_won):
+                if not _usable(k, params[0].device, params[0].dtype):
+                    continue
+                uniform = {s: k if _fits(shapes[s], k, layouts[s], m) else per_shape[s] for s in shapes}
+                if uniform not in options.values():
+                    options[k] = uniform
+            times = _forward_times(params, options, m, reps, gen) if len(options) > 1 else {"per-shape": 0.0}
+            best = min(times, key=lambda name: (times[name], name != "per-shape"))
+            results[tag][m] = (times[best], best, options[best])
+    top = {m: min(r[m][0] for r in results.values()) for m in buckets}
+    regret = {tag: sum(r[m][0] / top[m] if top[m] > 0 else 1.0 for m in buckets) for tag, r in results.items()}
+    win = min(results, key=lambda tag: (regret[tag], tag != ""))
+    _store(model, configs[win])
     kept = {}
     for m in buckets:
-        xs = {d: torch.randn((m, d), generator=gen).to(w0.dtype).to(w0.device) for d in {p.shape[1] for p in params}}
-        per_shape = {s: sp.by_bucket[m] for s, sp in shapes.items()}
-        options: dict[str, dict] = {"per-shape": per_shape}
-        for k in sorted({*per_shape.values(), "linear"}):
-            uniform = {s: k if not (sp.layout == "col" and _row_only(k)) else per_shape[s] for s, sp in shapes.items()}
-            if uniform not in options.values():
-                options[k] = uniform
-        if len(options) == 1:
-            kept[m] = "per-shape"
-            continue
-        runs = {
-            name: [(CANDIDATES[choice[tuple(p.shape)]], p, xs[p.shape[1]]) for p in params if tuple(p.shape) in choice]
-            for name, choice in options.items()
-        }
-        times: dict[str, list[float]] = {name: [] for name in runs}
-        for rep in range(reps + 1):  # the first pass warms up
-            for name, run in runs.items():
-                t0 = time.perf_counter()
-                for fn, w, x in run:
-                    fn(x, w, None)
-                if rep:
-                    times[name].append(time.perf_counter() - t0)
-        best = min(times, key=lambda name: (statistics.median(times[name]), name != "per-shape"))
+        t, best, choice = results[win][m]
         for s, sp in shapes.items():
-            sp.by_bucket[m] = options[best][s]
-            sp.ms[f"forward:{best}@{m}"] = round(statistics.median(times[best]) * 1e3, 3)
-        kept[m] = best
+            sp.layout = configs[win][s]
+            sp.by_bucket[m] = choice[s]
+            sp.ms[f"forward:{win}{best}@{m}"] = round(t * 1e3, 3)
+        kept[m] = win + best
     return kept
+
+
+def _store(model, layouts: dict[tuple[int, int], str]) -> None:
+    """Every projection weight of ``model`` stored as its shape's entry says (rows if absent)."""
+    apply_layouts(model, Plan({s: ShapePlan(layout=lay) for s, lay in layouts.items()}, True, "layouts"))
 
 
 def position_invariant(fn, w: torch.Tensor, rows: int, trials: int = 2, positions: int = 6) -> bool:
@@ -627,9 +682,8 @@ def _tuned(model, weights, dtype, device, invariant, use_cache: bool, keep: dict
             s: tune_shape(w, invariant=invariant, layouts=None if keep is None else (keep[s],))
             for s, w in weights.items()
         }
-        if not invariant:  # the weights in the chosen layouts, then the choices checked as a whole
-            apply_layouts(model, Plan(shapes, invariant, "tuned"))
-            kept = compose(model, shapes)
+        if not invariant:  # the choices checked as a whole (their layouts applied to the model)
+            kept = compose(model, shapes, relayout=keep is None)
             log.info("kernels per bucket after a whole forward's projections: %s", kept)
     plan = Plan(shapes, invariant, "tuned")
     log.info("kernels tuned in %.1f s: %s", time.perf_counter() - t0, plan.describe())

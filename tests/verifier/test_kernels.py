@@ -299,5 +299,21 @@ def test_the_whole_forward_check_runs_a_row_only_kernel_on_rows_only(cache, monk
     shapes = {s: kernels.ShapePlan(by_bucket={2: "slow" if s == col else "counted"}) for s in weights}
     shapes[col].layout = "col"
     kernels.apply_layouts(model, kernels.Plan(shapes, False, "tuned"))
-    assert kernels.compose(model, shapes, buckets=(2,), reps=1) == {2: "linear"}
+    assert kernels.compose(model, shapes, buckets=(2,), reps=1, relayout=False) == {2: "linear"}
     assert calls and set(calls) == {"row"}
+    assert kernels.stored_as(weights[col]) == "col"
+
+
+def test_the_whole_forward_check_leaves_the_model_in_the_layouts_it_keeps(cache):
+    model = make_tiny_llama()
+    plan = plan_for(model, spec="tune")
+    for p in kernels.all_projections(model):
+        assert kernels.stored_as(p) == plan.shapes[tuple(p.shape)].layout
+    for sp in plan.shapes.values():
+        kept = [k for k in sp.ms if k.startswith("forward:")]
+        assert len(kept) == len(BUCKETS) and all(k.split("@")[0].removeprefix("forward:") for k in kept)
+    shapes = {s: kernels.ShapePlan(by_bucket={1: "linear"}, layout="col") for s in plan.shapes}
+    kept = kernels.compose(model, shapes, buckets=(1,), reps=1)
+    assert set(kept) == {1} and kept[1].removeprefix("rows:") in {*CANDIDATES, "per-shape"}
+    for p in kernels.all_projections(model):
+        assert kernels.stored_as(p) == shapes[tuple(p.shape)].layout
