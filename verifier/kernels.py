@@ -604,10 +604,18 @@ def _forced(spec: str, weights, invariant: bool) -> Plan:
     return Plan(shapes, invariant, "forced")
 
 
-def plan_for(model, invariant: bool | None = None, spec: str | None = None, cache: bool = True) -> Plan:
+def plan_for(
+    model, invariant: bool | None = None, spec: str | None = None, cache: bool = True, held_ok: bool = False
+) -> Plan:
     """The model's kernel plan: forced by ``RACER_KERNELS``, read from the cache, or tuned now (and
     cached). Kept on the model, so every session of it shares one plan. ``invariant`` defaults to
     True for reduced precision.
+
+    ``held_ok`` (a backend opening a session): a plan the model holds for the same spec serves
+    whatever the calling thread's thread count says. Measuring belongs to whoever loads the model
+    (the verifier does it before serving); a session opened on an event loop must never tune there
+    (30-60 s), and a thread's OpenMP count can be stale (an executor thread keeps the count it
+    started with).
 
     The first plan of a model may store weights transposed; a later measured one (another thread
     count) keeps the layouts as they are and chooses kernels for them, since a forward may be
@@ -620,7 +628,7 @@ def plan_for(model, invariant: bool | None = None, spec: str | None = None, cach
     spec = spec if spec is not None else os.environ.get("RACER_KERNELS", "auto")
     held = getattr(model, "_racer_kernels", None)
     threads = torch.get_num_threads()
-    if held is not None and held[0] == (spec, invariant, threads):
+    if held is not None and (held[0] == (spec, invariant, threads) or (held_ok and held[0][:2] == (spec, invariant))):
         return held[1]
     if device.type == "cpu":
         single_thread_blas()

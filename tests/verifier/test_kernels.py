@@ -317,3 +317,18 @@ def test_the_whole_forward_check_leaves_the_model_in_the_layouts_it_keeps(cache)
     assert set(kept) == {1} and kept[1].removeprefix("rows:") in {*CANDIDATES, "per-shape"}
     for p in kernels.all_projections(model):
         assert kernels.stored_as(p) == shapes[tuple(p.shape)].layout
+
+
+def test_a_session_reuses_the_held_plan_whatever_its_threads_count_says(cache):
+    from verifier.engine import VerifierSession
+
+    model = make_tiny_llama()
+    plan = plan_for(model)
+    files = sorted((cache / "kernels").glob("*.json"))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)  # e.g. an executor thread that kept another count
+        assert VerifierSession(model).backend.plan is plan
+    finally:
+        torch.set_num_threads(threads)
+    assert sorted((cache / "kernels").glob("*.json")) == files  # nothing measured again
