@@ -488,19 +488,19 @@ def _forward_times(params, choices: dict[str, dict], m: int, reps: int, gen) -> 
     """Median seconds of one forward's projections at ``m`` rows per option (shape -> kernel)."""
     w0 = params[0]
     xs = {d: torch.randn((m, d), generator=gen).to(w0.dtype).to(w0.device) for d in {p.shape[1] for p in params}}
+
     runs = {
         name: [(CANDIDATES[choice[tuple(p.shape)]], p, xs[p.shape[1]]) for p in params if tuple(p.shape) in choice]
         for name, choice in choices.items()
     }
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for rep in range(reps + 1):  # the first pass warms up
-        for name, run in runs.items():
-            t0 = time.perf_counter()
-            for fn, w, x in run:
-                fn(x, w, None)
-            if rep:
-                times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(v) for name, v in times.items()}
+
+    def forward(run):
+        for fn, w, x in run:
+            fn(x, w, None)
+
+    fns = {(name, m): lambda _, run=run: forward(run) for name, run in runs.items()}
+    _time(fns, {m: None}, 1)  # warm-up
+    return {name: t for (name, _), t in _time(fns, {m: None}, reps).items()}
 
 
 def compose(

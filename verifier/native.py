@@ -163,7 +163,7 @@ def linear(name: str):
             bias = None if b is None else tuple(b.shape)
             raise RuntimeError(f"{name}: x has {k} columns, the weight {tuple(w.shape)}, the bias {bias}")
         y = torch.empty((m, n), dtype=x.dtype)
-        lib.racer_linear(
+        rc = lib.racer_linear(
             nr,
             mr,
             x.data_ptr(),
@@ -175,6 +175,8 @@ def linear(name: str):
             k,
             torch.get_num_threads(),
         )
+        if rc:
+            raise RuntimeError(f"{name}: the built library has no {nr}x{mr} tile")
         return y
 
     run.__name__ = name
