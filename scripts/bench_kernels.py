@@ -11,7 +11,8 @@ forward, logits, top-k, acceptance), with each curve's ratio to its one-node ste
 A plan is ``tune`` (measured now, not read from the cache), ``auto`` (the cached choice, else
 measured) or a forced ``RACER_KERNELS`` spec (``linear``, ``wxt``, ``onednn``, ``blas@col``,
 ``native6x2``, ...); ``/no-native`` after a plan leaves the native kernels out of its candidates
-(``tune/no-native``: the choice a machine without a C compiler makes).
+(``tune/no-native``: the choice a machine without a C compiler makes); ``/unpacked`` leaves the
+weights where the loader put them (``verifier/arena.py``); both may follow one plan.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def main() -> None:
     for name in plans:
         spec, _, option = name.partition("/")
         os.environ["RACER_KERNELS"] = spec  # what the session's backend asks for, too
-        os.environ["RACER_NATIVE"] = "off" if option == "no-native" else "on"
+        os.environ["RACER_NATIVE"] = "off" if "no-native" in option.split("/") else "on"
+        os.environ["RACER_PACK"] = "off" if "unpacked" in option.split("/") else "on"
         model = load(args.model, dtype=args.dtype, tokenizer=False).model
         t0 = time.perf_counter()
         plan = plan_for(model)

@@ -53,14 +53,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import native
+from . import arena, native
 
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # row counts timed; a call of n rows uses the smallest bucket >= n
 _TUNE_SECONDS = 30.0  # soft bound on the whole tuning (few reps, interleaved, medians)
 _SLOW_CALL_S = 0.1  # a candidate's call slower than this is not timed at larger buckets
-_VERSION = 3  # 3: native kernels among the candidates, choices checked over a whole forward
+_VERSION = 4  # 3: native kernels, choices checked over a whole forward; 4: measured on packed weights
 LAYOUTS = ("row", "col")  # a weight stored as is ([out, in] rows), or transposed ([in, out] storage)
 
 
@@ -145,9 +145,15 @@ def in_layout(w: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def set_layout(param: torch.Tensor, layout: str) -> None:
-    """Stores a weight (in place: its ``data``, so tied modules follow) as ``layout``; same values."""
+    """Stores a weight (in place: its ``data``, so tied modules follow) as ``layout``; same values. A
+    packed weight (``verifier/arena.py``) is written back into its own slot."""
     if stored_as(param.data) != layout:
-        param.data = in_layout(param.data, layout)
+        value = in_layout(param.data, layout)
+        flat = arena.slot(param)
+        if flat is None:
+            param.data = value
+        else:
+            arena.place(param, flat, value)
 
 
 # -- plans -----------------------------------------------------------------------------------------
@@ -354,6 +360,7 @@ def _key(model, weights, dtype, threads, device, invariant) -> tuple[dict, str]:
         "invariant": invariant,
         "buckets": list(BUCKETS),
         "native": [n for n in native.VARIANTS if _usable(n, device, dtype)],
+        "packed": bool(getattr(model, "_racer_packed", False)),
     }
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]
     return ident, digest
@@ -632,6 +639,7 @@ def plan_for(
         return held[1]
     if device.type == "cpu":
         single_thread_blas()
+        arena.pack(model)  # before anything is measured: the weights as every forward will read them
     if spec not in ("auto", "tune", ""):
         plan = _forced(spec, weights, invariant)
     else:
