@@ -360,6 +360,7 @@ def _key(model, weights, dtype, threads, device, invariant) -> tuple[dict, str]:
         "invariant": invariant,
         "buckets": list(BUCKETS),
         "native": [n for n in native.VARIANTS if _usable(n, device, dtype)],
+        "native_source": native.source_digest(),
         "packed": bool(getattr(model, "_racer_packed", False)),
     }
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]

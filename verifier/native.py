@@ -129,6 +129,11 @@ def library(machine: str = "") -> ctypes.CDLL | None:
         return _state["lib"]
 
 
+def source_digest() -> str:
+    """Identifies the kernels' source: a choice measured on other kernels is measured again."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+
+
 def why() -> str | None:
     """Why the library is not available (None when it is, or was not tried)."""
     return None if _state.get("lib") is not None else _state.get("why")

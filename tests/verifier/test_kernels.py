@@ -332,3 +332,15 @@ def test_a_session_reuses_the_held_plan_whatever_its_threads_count_says(cache):
     finally:
         torch.set_num_threads(threads)
     assert sorted((cache / "kernels").glob("*.json")) == files  # nothing measured again
+
+
+def test_a_choice_measured_on_other_native_kernels_is_measured_again(cache, monkeypatch, tmp_path):
+    model = make_tiny_llama()
+    weights = kernels.projection_weights(model)
+    args = (model, weights, torch.float32, 2, torch.device("cpu"), False)
+    ident, digest = kernels._key(*args)
+    assert ident["native_source"] == native.source_digest()
+    edited = tmp_path / "native_linear.c"
+    edited.write_text(native.SOURCE.read_text() + "\n/* another version of the kernels */\n")
+    monkeypatch.setattr(native, "SOURCE", edited)
+    assert kernels._key(*args)[1] != digest
