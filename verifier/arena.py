@@ -64,11 +64,13 @@ def pack(model) -> bool:
             block.madvise(mmap.MADV_HUGEPAGE)
         except OSError as e:  # a kernel without transparent huge pages: 4 KiB pages, still aligned
             log.debug("no huge pages for the weights: %s", e)
-    raw = torch.frombuffer(block, dtype=torch.uint8)  # holds the mapping alive as long as any view
-    base = -raw.data_ptr() % _HUGE
+    base = -torch.frombuffer(block, dtype=torch.uint8, count=1).data_ptr() % _HUGE
     with torch.inference_mode(False), torch.no_grad():
         for p, off in zip(params, offsets):
-            flat = raw[base + off : base + off + p.numel() * p.element_size()].view(p.dtype)
+            # A storage of its own per tensor (each holds the mapping alive): code that groups
+            # tensors by storage (tied-weight detection on save, safetensors) sees what it saw
+            # before packing.
+            flat = torch.frombuffer(block, dtype=p.dtype, count=p.numel(), offset=base + off)
             place(p, flat, p.data)
     model._racer_packed = True
     return True
