@@ -50,10 +50,10 @@ def main() -> None:
     rng = random.Random(0)
     sessions = {}
     for name in plans:
-        spec, _, option = name.partition("/")
+        spec, *options = name.split("/")
         os.environ["RACER_KERNELS"] = spec  # what the session's backend asks for, too
-        os.environ["RACER_NATIVE"] = "off" if "no-native" in option.split("/") else "on"
-        os.environ["RACER_PACK"] = "off" if "unpacked" in option.split("/") else "on"
+        os.environ["RACER_NATIVE"] = "off" if "no-native" in options else "on"
+        os.environ["RACER_PACK"] = "off" if "unpacked" in options else "on"
         model = load(args.model, dtype=args.dtype, tokenizer=False).model
         t0 = time.perf_counter()
         plan = plan_for(model)

@@ -34,6 +34,15 @@ def enabled() -> bool:
     return os.environ.get("RACER_PACK", "on").lower() not in ("off", "0", "no", "false")
 
 
+def transposed(w: torch.Tensor) -> bool:
+    """Whether a 2-D tensor is a transposed view of contiguous storage (``kernels.stored_as`` "col")."""
+    return w.dim() == 2 and not w.is_contiguous() and w.t().is_contiguous()
+
+
+def packed(model) -> bool:
+    return bool(getattr(model, "_racer_packed", False))
+
+
 def slot(param: torch.Tensor) -> torch.Tensor | None:
     """The flat arena slot a packed parameter lives in (None if it is not packed)."""
     return getattr(param, "_racer_slot", None)
@@ -43,7 +52,7 @@ def pack(model) -> bool:
     """Moves every parameter of a CPU model into one arena (in place: each parameter's ``data``, so
     tied modules follow). Once per model; not for parameters created in inference mode (their data
     cannot be swapped) nor off a CPU. Returns whether the model is packed."""
-    if getattr(model, "_racer_packed", False):
+    if packed(model):
         return True
     params = list(dict.fromkeys(model.parameters()))  # tied weights once
     if (
@@ -81,7 +90,7 @@ def place(param: torch.Tensor, flat: torch.Tensor, value: torch.Tensor) -> None:
     storage order and makes it the parameter's data: rows, or (a transposed view of contiguous
     storage) columns."""
     value = value.detach()
-    if value.dim() == 2 and not value.is_contiguous() and value.t().is_contiguous():
+    if transposed(value):
         stored = flat.view(value.shape[1], value.shape[0])
         stored.copy_(value.t())
         param.data = stored.t()

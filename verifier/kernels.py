@@ -134,7 +134,7 @@ def _transposable(w: torch.Tensor) -> bool:
 
 def stored_as(w: torch.Tensor) -> str:
     """``col`` when a 2-D weight is a transposed view of contiguous storage, else ``row``."""
-    return "col" if w.dim() == 2 and w.shape[0] > 1 and w.shape[1] > 1 and w.t().is_contiguous() else "row"
+    return "col" if arena.transposed(w) else "row"
 
 
 def in_layout(w: torch.Tensor, layout: str) -> torch.Tensor:
@@ -361,7 +361,7 @@ def _key(model, weights, dtype, threads, device, invariant) -> tuple[dict, str]:
         "buckets": list(BUCKETS),
         "native": [n for n in native.VARIANTS if _usable(n, device, dtype)],
         "native_source": native.source_digest(),
-        "packed": bool(getattr(model, "_racer_packed", False)),
+        "packed": arena.packed(model),
     }
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]
     return ident, digest
