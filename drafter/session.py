@@ -12,7 +12,7 @@ from common.params import MODES
 from .adaptive import BudgetChooser
 from .automaton import Automaton
 from .copy_logits import CopyLogitTable
-from .tree import DraftTree, _Trie, add_logits, add_logits_best_first, add_retrieval
+from .tree import DraftTree, _Trie, add_corpus, add_logits, add_logits_best_first, add_retrieval, corpus_candidates
 
 AUTO = 0  # budget: chosen per round from the verifier's cost curve (``DraftSession.set_costs``)
 
@@ -28,6 +28,10 @@ class DrafterConfig:
     # Logits-tree shape: "halving" (RACER: breadth-first, breadth halves per level and sibling) or
     # "best-first" (spend the budget on the nodes most likely to be accepted, by rank prior).
     logits_tree: str = "halving"
+    # Tenant corpus: the shortest match (root included) it drafts from, and the least value
+    # (frequency x per-token confidence ** depth, see ``tree.corpus_candidates``) of a node it adds.
+    corpus_min_match: int = 4
+    corpus_min_prob: float = 0.25
 
     def __post_init__(self):
         if self.topk < 1 or self.min_depth < 1 or self.pld_ngram < 1:
@@ -49,6 +53,7 @@ class DraftSession:
         # n-gram -> end indices of its last two occurrences (the last may have no continuation yet)
         self._ngram_last: dict[tuple[int, ...], tuple[int, int]] = {}
         self.chooser: BudgetChooser | None = None
+        self.corpus = None  # the tenant's ``corpus.Corpus`` to draft from, if any (read only here)
 
     def set_costs(self, cost_ms: dict[int, float], overhead_ms: float = 1.0) -> None:
         """The verifier's cost curve (ms per forward by tree size): enables ``budget=AUTO``."""
@@ -120,6 +125,9 @@ class DraftSession:
         n_retrieval = 0
         if mode in ("racer", "retrieval"):
             n_retrieval = add_retrieval(trie, self.automaton, root, cfg.min_depth, cfg.retrieval_min_prob)
+            if self.corpus is not None and mode == "racer" and not trie.full():
+                found = corpus_candidates(self.corpus, self.history, root, budget - 1, cfg.corpus_min_match)
+                add_corpus(trie, found, cfg.corpus_min_prob)
         if mode in ("racer", "logits", "last-logit"):
             get = self.table.get
             if mode == "last-logit":

@@ -21,6 +21,7 @@ class DraftTree:
     # Insertion order of each node (0 = root): retrieval best-first, then the logits tree. The
     # nodes ranked below C form the tree this drafter builds with budget C (see ``prefix``).
     ranks: tuple[int, ...] = ()
+    corpus_nodes: tuple[int, ...] = ()  # nodes that came from the tenant corpus (first), ascending
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -36,11 +37,12 @@ class DraftTree:
             tuple(-1 if self.parents[i] < 0 else new_of[self.parents[i]] for i in keep),
             min(self.n_retrieval, budget - 1),
             tuple(self.ranks[i] for i in keep),
+            tuple(new_of[i] for i in self.corpus_nodes if i in new_of),
         )
 
 
 class _Trie:
-    __slots__ = ("tokens", "parents", "depth", "index", "budget")
+    __slots__ = ("tokens", "parents", "depth", "index", "budget", "corpus")
 
     def __init__(self, root: int, budget: int):
         self.tokens = [root]
@@ -48,6 +50,7 @@ class _Trie:
         self.depth = [0]
         self.index: dict[tuple[int, int], int] = {}
         self.budget = budget
+        self.corpus: list[int] = []  # nodes first added by the tenant corpus
 
     def full(self) -> bool:
         return len(self.tokens) >= self.budget
@@ -70,13 +73,14 @@ class _Trie:
     def flatten(self, n_retrieval: int) -> DraftTree:
         order = sorted(range(len(self.tokens)), key=self.depth.__getitem__)  # stable: BFS
         if order == list(range(len(order))):
-            return DraftTree(tuple(self.tokens), tuple(self.parents), n_retrieval, tuple(order))
+            return DraftTree(tuple(self.tokens), tuple(self.parents), n_retrieval, tuple(order), tuple(self.corpus))
         new_of = {old: new for new, old in enumerate(order)}
         return DraftTree(
             tuple(self.tokens[i] for i in order),
             tuple(-1 if self.parents[i] < 0 else new_of[self.parents[i]] for i in order),
             n_retrieval,
             tuple(order),
+            tuple(sorted(new_of[i] for i in self.corpus)),
         )
 
 
@@ -201,3 +205,49 @@ def add_logits_best_first(trie: _Trie, table_get, rank_prob=RANK_PRIOR) -> None:
         if len(trie.tokens) > before or child not in expanded:
             expanded.add(child)
             push(child, -negp)
+
+
+def corpus_candidates(
+    corpus, context, root: int, depth: int, min_match: int = 4
+) -> list[tuple[float, tuple[int, ...]]]:
+    """Continuation paths from a tenant corpus, each with its estimated chance of acceptance.
+
+    The longest match of (context + root) gives the candidates; a path's value is the share of them
+    that continue with it (its frequency) times ``q ** depth``, where ``q = L / (L + 2)`` is the
+    per-token confidence a match of L tokens earns: a long match of a repeated answer keeps a deep
+    chain, a short or ambiguous one keeps a few nodes or none.
+    """
+    length, conts = corpus.lookup(context, root, depth)
+    if length < min_match or not conts:
+        return []
+    q = length / (length + 2)
+    counts: dict[tuple[int, ...], int] = {}
+    for c in conts:
+        for d in range(1, len(c) + 1):
+            path = tuple(c[:d])
+            counts[path] = counts.get(path, 0) + 1
+    n = len(conts)
+    return [(cnt / n * q ** len(path), path) for path, cnt in counts.items()]
+
+
+def add_corpus(trie: _Trie, candidates, min_prob: float = 0.25) -> int:
+    """Adds corpus paths best-first while their value is at least ``min_prob``; returns the nodes
+    added (nodes already in the trie are free). A parent's value is never below its child's, so
+    best-first order inserts a parent before its children."""
+    added = 0
+    node_of: dict[tuple[int, ...], int] = {(): 0}
+    for value, path in sorted(candidates, key=lambda c: (-c[0], len(c[1]))):
+        if value < min_prob or trie.full():
+            break
+        parent = node_of.get(path[:-1])
+        if parent is None:
+            continue
+        before = len(trie.tokens)
+        node = trie.add(parent, path[-1])
+        if node < 0:
+            break
+        if len(trie.tokens) > before:
+            trie.corpus.append(node)
+            added += 1
+        node_of[path] = node
+    return added

@@ -1,0 +1,184 @@
+"""The tenant corpus against a brute-force reference written over the plain list of responses.
+
+The reference numbers every token in the order the chunks were appended (so streams interleave),
+keeps only the last ``capacity`` positions alive, and finds the longest match by comparing the
+context backwards with each live occurrence of the root in its own response.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from drafter.corpus import Corpus, CorpusConfig
+from drafter.session import DrafterConfig, DraftSession
+from drafter.tree import _Trie, add_corpus, corpus_candidates
+
+
+class Reference:
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.total = 0
+        self.where: dict[int, tuple[int, int]] = {}  # position -> (response, index in it)
+        self.responses: list[list[tuple[int, int]]] = []  # per response: (position, token)
+
+    def writer(self) -> int:
+        self.responses.append([])
+        return len(self.responses) - 1
+
+    def append(self, w: int, tokens) -> None:
+        tokens = list(tokens)[-self.capacity :]
+        if len(tokens) == self.capacity:
+            self.responses[w] = []  # a chunk that fills the ring starts the response over
+        for t in tokens:
+            self.where[self.total] = (w, len(self.responses[w]))
+            self.responses[w].append((self.total, t))
+            self.total += 1
+
+    def live(self, pos: int) -> bool:
+        return pos >= self.total - self.capacity
+
+    def match(self, cfg: CorpusConfig, context, root) -> tuple[int, list[int]]:
+        if len(context) < cfg.key_len - 1:
+            return 0, []
+        want = [*context, root]
+        best, found = 0, []
+        for pos in sorted(self.where, reverse=True):
+            if not self.live(pos):
+                continue
+            w, i = self.where[pos]
+            resp = self.responses[w]
+            length = 0
+            while length < cfg.max_match and i - length >= 0 and length < len(want):
+                p, t = resp[i - length]
+                if not self.live(p) or t != want[-1 - length]:
+                    break
+                length += 1
+            if length < cfg.key_len:
+                continue
+            if length > best:
+                best, found = length, [pos]
+            elif length == best:
+                found.append(pos)
+        return best, found
+
+    def continuation(self, pos: int, depth: int) -> list[int]:
+        w, i = self.where[pos]
+        return [t for _, t in self.responses[w][i + 1 : i + 1 + depth]]
+
+
+ops_st = st.lists(
+    st.tuples(st.integers(0, 2), st.lists(st.integers(0, 3), min_size=0, max_size=12)), min_size=1, max_size=14
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    capacity=st.integers(1, 40),
+    key_len=st.integers(1, 3),
+    ops=ops_st,
+    context=st.lists(st.integers(0, 3), max_size=10),
+    root=st.integers(0, 3),
+)
+def test_match_and_continuations_equal_brute_force(capacity, key_len, ops, context, root):
+    cfg = CorpusConfig(max_tokens=capacity, key_len=key_len, max_match=8, max_scan=10_000, max_candidates=10_000)
+    corpus, ref = Corpus(cfg), Reference(capacity)
+    writers: dict[int, tuple] = {}
+    for w, chunk in ops:
+        if w not in writers:
+            writers[w] = (corpus.writer(), ref.writer())
+        cw, rw = writers[w]
+        corpus.append(cw, chunk)
+        ref.append(rw, chunk)
+    assert len(corpus) == min(ref.total, capacity)
+    got = corpus.match(context, root)
+    want = ref.match(cfg, context, root)
+    assert got == want
+    for p in got[1]:
+        assert corpus.continuation(p, 6) == ref.continuation(p, 6)
+
+
+def test_eviction_at_the_bound_drops_the_oldest_response_first():
+    corpus = Corpus(CorpusConfig(max_tokens=20, key_len=2))
+    old, new = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    corpus.add(old)
+    corpus.add(new)
+    assert len(corpus) == 20
+    assert corpus.match([1, 2], 3)[0] == 3  # both still held
+    corpus.add([30, 31, 32, 33, 34])  # five over the bound: the oldest response's first five go
+    assert len(corpus) == 20
+    assert corpus.match([2, 3], 4) == (0, [])
+    assert corpus.match([5, 6], 7)[0] == 2  # the old response's newer part stays, cut where it was evicted
+    assert corpus.match([12, 13], 14)[0] == 3
+    # a response longer than the bound keeps its newest tokens
+    corpus.add(list(range(100, 150)))
+    assert len(corpus) == 20
+    assert corpus.match([12], 13) == (0, [])
+    assert corpus.match([128, 129], 130)[0] == 0  # key 129,130 is older than the bound
+    assert corpus.match([147, 148], 149)[0] == 3
+    assert corpus.continuation(corpus.match([146], 147)[1][0], 5) == [148, 149]
+
+
+def test_a_response_streamed_in_chunks_between_others_reads_as_one():
+    corpus = Corpus(CorpusConfig(max_tokens=100, key_len=2))
+    a, b = corpus.writer(), corpus.writer()
+    corpus.append(a, [1, 2, 3])
+    corpus.append(b, [7, 7, 7])
+    corpus.append(a, [4, 5, 6])
+    length, positions = corpus.match([0, 1, 2], 3)
+    assert length == 3  # 0 is not in the corpus: 1 2 3
+    assert corpus.continuation(positions[0], 10) == [4, 5, 6]
+    assert corpus.match([3], 4)[0] == 2  # the key across the chunk boundary is indexed
+
+
+def test_frequency_ranks_the_continuation_most_occurrences_share():
+    corpus = Corpus(CorpusConfig(max_tokens=1000, key_len=3))
+    for _ in range(3):
+        corpus.add([1, 2, 3, 4, 5, 6, 7])
+    corpus.add([1, 2, 3, 4, 9, 9, 9])
+    cands = dict((path, v) for v, path in corpus_candidates(corpus, [1, 2, 3], 4, depth=3, min_match=4))
+    assert cands[(5,)] > cands[(9,)]
+    trie = _Trie(4, 64)
+    # values 0.75 x (4/6) ** depth: 5 and 6 are worth their place, the rarer 9 and the deeper 7 are not
+    assert add_corpus(trie, corpus_candidates(corpus, [1, 2, 3], 4, 63, 4), 0.25) == 2
+    assert trie.tokens == [4, 5, 6] and trie.corpus == [1, 2]
+
+
+def _draft(session, root=7, budget=24):
+    t = session.draft(root, budget)
+    return t.tokens, t.parents
+
+
+def test_an_empty_or_unmatched_corpus_leaves_the_tree_as_it_was():
+    ctx = [5, 6, 7, 8, 5, 6, 9, 1, 2, 5, 6]
+    plain, with_empty, with_other = (DraftSession(DrafterConfig(window=4)) for _ in range(3))
+    with_empty.corpus = Corpus(CorpusConfig(max_tokens=1000))
+    with_other.corpus = Corpus(CorpusConfig(max_tokens=1000))
+    with_other.corpus.add([40, 41, 42, 43, 44, 45, 46] * 5)
+    for s in (plain, with_empty, with_other):
+        s.extend(ctx, [[(t + 1) % 50, (t + 2) % 50] for t in ctx])
+    assert _draft(plain) == _draft(with_empty) == _draft(with_other)
+    assert not with_other.draft(7, 24).corpus_nodes
+
+
+def test_a_repeated_answer_drafts_a_deep_chain_from_the_corpus():
+    answer = list(range(20, 50))
+    s = DraftSession(DrafterConfig(window=4))
+    s.corpus = Corpus(CorpusConfig(max_tokens=1000))
+    s.corpus.add(list(range(1, 12)) + answer)
+    s.extend([0, *range(1, 12), 20, 21])  # a 14-token match with the root: confidence 14/16 a token
+    tree = s.draft(22, 32)
+    chain = [22]
+    node = 0
+    while True:
+        kids = [i for i, p in enumerate(tree.parents) if p == node and tree.tokens[i] == answer[len(chain) + 2]]
+        if not kids or len(chain) >= len(answer) - 2:
+            break
+        node = kids[0]
+        chain.append(tree.tokens[node])
+    assert chain == answer[2 : 2 + len(chain)] and len(chain) == 11  # 0.875 ** 10 >= 0.25 > 0.875 ** 11
+    assert len(tree.corpus_nodes) == 10
+    assert all(tree.tokens[i] in answer for i in tree.corpus_nodes)
+    # a prefix of the tree (adaptive budget) keeps the corpus nodes it holds, renumbered
+    small = tree.prefix(6)
+    assert all(small.tokens[i] in answer for i in small.corpus_nodes) and small.corpus_nodes
