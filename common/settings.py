@@ -146,6 +146,21 @@ SERVICE = {
             "leave memory and restore from their snapshot at their next turn (0: bounded only by the TTL)",
             int,
         ),
+        Setting(
+            "--corpus-tokens",
+            "RACER_CORPUS_TOKENS",
+            1 << 20,
+            "default bound of a tenant corpus in tokens (the tenant limits file may set another per tenant; "
+            "0: no tenant corpora on this drafter)",
+            int,
+        ),
+        Setting(
+            "--corpus-idle",
+            "RACER_CORPUS_IDLE",
+            600.0,
+            "seconds without a session of a tenant before this drafter drops its corpus from memory",
+            float,
+        ),
     ],
     "verifier": [
         Setting(

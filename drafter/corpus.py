@@ -68,18 +68,41 @@ class Writer:
 
 
 class Corpus:
-    def __init__(self, config: CorpusConfig = CorpusConfig()):
+    def __init__(self, config: CorpusConfig = CorpusConfig(), initial: int = 4096):
         self.config = config
-        cap = config.max_tokens
-        self.capacity = cap
-        self.tok = np.full(cap, -1, dtype=np.int32)
-        self.back = np.full(cap, -1, dtype=np.int64)
-        self.fwd = np.full(cap, -1, dtype=np.int64)
-        self.chain = np.full(cap, -1, dtype=np.int64)
-        self.bits = max(4, (2 * cap - 1).bit_length())  # buckets: a power of two >= 2 x capacity
-        self.head = np.full(1 << self.bits, -1, dtype=np.int64)
+        self.capacity = config.max_tokens
+        # The arrays grow (doubling, index rebuilt) until they hold the capacity: a small tenant's
+        # corpus stays small. Until then no position has wrapped, so slot = position holds too.
+        self._alloc(min(self.capacity, max(1, initial)))
         self.total = 0  # positions ever written
         self.responses = 0
+
+    def _alloc(self, size: int) -> None:
+        self.size = size
+        self.tok = np.full(size, -1, dtype=np.int32)
+        self.back = np.full(size, -1, dtype=np.int64)
+        self.fwd = np.full(size, -1, dtype=np.int64)
+        self.chain = np.full(size, -1, dtype=np.int64)
+        self.bits = max(4, (2 * size - 1).bit_length())  # buckets: a power of two >= 2 x size
+        self.head = np.full(1 << self.bits, -1, dtype=np.int64)
+
+    def _grow(self, need: int) -> None:
+        """Room for ``need`` positions (at most the capacity): copies the arrays, re-indexes."""
+        old = (self.tok, self.back, self.fwd)
+        n = self.total
+        self._alloc(min(self.capacity, max(need, 2 * self.size)))
+        for a, b in zip((self.tok, self.back, self.fwd), old):
+            a[:n] = b[:n]
+        k = self.config.key_len
+        pos = np.arange(n, dtype=np.int64)
+        ok = np.ones(n, dtype=bool)
+        x = self.tok[:n].astype(np.uint64)
+        q = pos
+        for i in range(1, k):  # the key's earlier tokens, along the back links
+            q = np.where(ok, self.back[np.maximum(q, 0)], -1)
+            ok &= q >= 0
+            x = x + np.uint64(_BASE**i) * self.tok[np.maximum(q, 0)].astype(np.uint64)
+        self._index(pos[ok], x[ok])
 
     def __len__(self) -> int:
         """Live tokens."""
@@ -116,6 +139,8 @@ class Corpus:
             w.last = -1
         n = toks.size
         p0 = self.total
+        if p0 + n > self.size and self.size < cap:
+            self._grow(p0 + n)
         self.total += n
         if w.last < self.start:
             w.last = -1  # the response's earlier part has been evicted (by this chunk or before)
@@ -135,22 +160,27 @@ class Corpus:
         j = np.arange(off, ext.size)
         ok = j >= k - 1
         j, kp = j[ok], pos[ok]
-        if kp.size:
-            x = np.zeros(kp.size, dtype=np.uint64)
-            for i in range(k - 1, -1, -1):
-                x = x * np.uint64(_BASE) + ext[j - i].astype(np.uint64)
-            h = (x * np.uint64(_GOLDEN)) >> np.uint64(64 - self.bits)  # wraps mod 2**64, as _hash does
-            h = h.astype(np.int64)
-            order = np.argsort(h, kind="stable")  # by bucket, oldest first within one
-            hs, ps = h[order], kp[order]
-            new_bucket = np.r_[True, hs[1:] != hs[:-1]]
-            prev = np.r_[np.int64(-1), ps[:-1]]
-            prev[new_bucket] = self.head[hs[new_bucket]]
-            self.chain[ps % cap] = prev
-            last_in_bucket = np.r_[hs[1:] != hs[:-1], True]
-            self.head[hs[last_in_bucket]] = ps[last_in_bucket]
+        x = np.zeros(kp.size, dtype=np.uint64)
+        for i in range(k - 1, -1, -1):
+            x = x * np.uint64(_BASE) + ext[j - i].astype(np.uint64)
+        self._index(kp, x)
         w.last = p0 + n - 1
         w.tail = ext[ext.size - (k - 1) :].tolist() if k > 1 else []
+
+    def _index(self, kp, x) -> None:
+        """Puts positions ``kp`` (ascending) with folded keys ``x`` at the head of their buckets' chains."""
+        if kp.size == 0:
+            return
+        cap = self.capacity
+        h = ((x * np.uint64(_GOLDEN)) >> np.uint64(64 - self.bits)).astype(np.int64)  # wraps as _hash does
+        order = np.argsort(h, kind="stable")  # by bucket, oldest first within one
+        hs, ps = h[order], kp[order]
+        new_bucket = np.r_[True, hs[1:] != hs[:-1]]
+        prev = np.r_[np.int64(-1), ps[:-1]]
+        prev[new_bucket] = self.head[hs[new_bucket]]
+        self.chain[ps % cap] = prev
+        last_in_bucket = np.r_[hs[1:] != hs[:-1], True]
+        self.head[hs[last_in_bucket]] = ps[last_in_bucket]
 
     # -- reading ------------------------------------------------------------------------------
     def _hash(self, key) -> int:

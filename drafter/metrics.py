@@ -21,3 +21,12 @@ DRAFTER_BYTES = Gauge("racer_drafter_session_bytes", "Estimated bytes of the ses
 EVICTIONS = Counter(
     "racer_drafter_evictions", "Idle sessions dropped from memory to stay within --max-memory-bytes (snapshot kept)"
 )
+# The tenant corpus (drafter/corpora.py).
+CORPUS_TOKENS = Gauge("racer_corpus_tokens", "Tokens held in a tenant's corpus on this drafter", ["tenant"])
+CORPUS_TENANTS = Gauge("racer_corpus_tenants", "Tenant corpora held by this drafter")
+CORPUS_INDEX_SECONDS = Histogram(
+    "racer_corpus_index_latency_seconds", "Adding a streamed chunk to a tenant corpus", buckets=FAST_SECONDS_BUCKETS
+)
+# Exported with _total: racer_draft_nodes_total{source}, racer_draft_accepted_total{source}.
+DRAFT_NODES = Counter("racer_draft_nodes", "Draft tree nodes (root excluded) by source", ["source"])
+DRAFT_ACCEPTED = Counter("racer_draft_accepted", "Accepted draft tree nodes by source", ["source"])

@@ -73,6 +73,9 @@ class DrafterService(pb_grpc.DrafterServicer):
     async def Drop(self, request, context):
         return pb.DropResponse(existed=await self.drafter.drop(request.tenant, request.session_id))
 
+    async def EraseCorpus(self, request, context):
+        return pb.EraseCorpusResponse(existed=self.drafter.erase_corpus(request.tenant))
+
     async def Stats(self, request, context):
         return pb.DrafterStatsResponse(
             sessions=[
@@ -96,4 +99,15 @@ def _open(op: pb.DrafterOpen) -> Open:
             len(op.cost.sizes) == len(op.cost.ms), Status.INVALID_ARGUMENT, "open.cost: sizes and ms differ in length"
         )
         cost = dict(zip(op.cost.sizes, op.cost.ms))
-    return Open(op.tenant, op.session_id, list(op.history), list(op.history_topk), op.topk, cost, op.overhead_ms)
+    return Open(
+        op.tenant,
+        op.session_id,
+        list(op.history),
+        list(op.history_topk),
+        op.topk,
+        cost,
+        op.overhead_ms,
+        share=not op.no_share,
+        corpus=not op.no_corpus,
+        corpus_tokens=op.corpus_tokens,
+    )

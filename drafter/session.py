@@ -54,6 +54,11 @@ class DraftSession:
         self._ngram_last: dict[tuple[int, ...], tuple[int, int]] = {}
         self.chooser: BudgetChooser | None = None
         self.corpus = None  # the tenant's ``corpus.Corpus`` to draft from, if any (read only here)
+        # Tree nodes (root excluded) drafted and accepted, by source: "session" (automaton and
+        # copy-logit table) or "corpus". ``_corpus_nodes``: the last tree's corpus nodes.
+        self.drafted = {"session": 0, "corpus": 0}
+        self.accepted = {"session": 0, "corpus": 0}
+        self._corpus_nodes: frozenset[int] = frozenset()
 
     def set_costs(self, cost_ms: dict[int, float], overhead_ms: float = 1.0) -> None:
         """The verifier's cost curve (ms per forward by tree size): enables ``budget=AUTO``."""
@@ -93,6 +98,10 @@ class DraftSession:
         with the accepted tokens afterwards.
         """
         acc = set(accepted)
+        from_corpus = len(acc & self._corpus_nodes)
+        self.accepted["corpus"] += from_corpus
+        self.accepted["session"] += max(0, len(acc) - 1 - from_corpus)
+        self._corpus_nodes = frozenset()
         put = self.table.put
         for i, (t, row) in enumerate(zip(tree_tokens, tree_topk)):
             if i not in acc:
@@ -108,12 +117,20 @@ class DraftSession:
 
         ``batch_rows``: with the adaptive budget, rows of other sessions verified in the same
         forward (their presence changes what a bigger tree costs)."""
+        tree = self._draft(root, budget, mode, batch_rows)
+        n_corpus = len(tree.corpus_nodes)
+        self.drafted["corpus"] += n_corpus
+        self.drafted["session"] += len(tree) - 1 - n_corpus
+        self._corpus_nodes = frozenset(tree.corpus_nodes)
+        return tree
+
+    def _draft(self, root: int, budget: int, mode: str, batch_rows: int) -> DraftTree:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
         if budget == AUTO and mode != "off":
             if self.chooser is None:
                 raise ValueError("budget=0 (adaptive) needs the verifier's cost curve (set_costs)")
-            full = self.draft(root, self.chooser.largest, mode)
+            full = self._draft(root, self.chooser.largest, mode, 0)
             self.chooser.drafted(len(self.history), full)
             return full.prefix(self.chooser.choose(batch_rows))
         if budget < 0:  # (0 reaches here only with mode "off", which drafts nothing)

@@ -26,6 +26,8 @@ from common.sessions import Entry as _Entry
 from common.sessions import Holder, SessionTable
 
 from . import metrics as M
+from .corpora import Corpora
+from .corpus import Writer
 from .session import DrafterConfig, DraftSession
 from .snapshot import SnapshotError, dumps, loads
 from .tree import DraftTree
@@ -44,6 +46,7 @@ class Entry(_Entry):
     saved_length: int = -1
     bytes: int = 0  # the session's memory estimate when it last opened or was released
     dropped: bool = False  # closed (``drop``) while a stream still held it: nothing more is saved
+    writer: Writer | None = None  # this turn's response going into the tenant corpus (None: not shared)
 
     @property
     def snapshot_key(self) -> str:
@@ -65,6 +68,9 @@ class Open:
     topk: int = 0  # 0: this drafter's
     cost: dict[int, float] | None = None  # the verifier's ms by tree size (adaptive budget)
     overhead_ms: float = 0.0
+    share: bool = True  # this turn's response goes into the tenant corpus
+    corpus: bool = True  # the tenant drafts from (and adds to) a corpus at all
+    corpus_tokens: int = 0  # the tenant's corpus bound (0: this drafter's default)
 
 
 @dataclass(frozen=True)
@@ -101,8 +107,10 @@ class Drafter(Holder):
         ttl: float = 1800.0,
         max_tokens: int = 65_536,
         max_bytes: int = 0,
+        corpora: Corpora | None = None,
     ):
         self.config = config
+        self.corpora = corpora or Corpora(0)  # tenant corpora (the default: none)
         self.max_tokens = max_tokens
         self.max_bytes = max_bytes  # sessions in memory, estimated; 0: bounded only by the TTL
         self.store = store
@@ -161,6 +169,10 @@ class Drafter(Holder):
         s.extend(history[have:plain_end])
         if plain_end < len(history):
             s.extend(history[plain_end:], rows[plain_end - first_row :])
+        _check(req.corpus_tokens >= 0, Status.INVALID_ARGUMENT, f"open.corpus_tokens: {req.corpus_tokens}")
+        corpus = self.corpora.get(req.tenant, req.corpus_tokens) if req.corpus else None
+        s.corpus = corpus  # set at every open: an erased corpus is never drafted from again
+        entry.writer = corpus.writer() if corpus is not None and req.share else None
         self.sessions.claim(entry)  # only once the open succeeded: a failed one leaves no stream behind
         self._bound(entry, estimate=source != "memory")  # (~5 ms for a full session: not before every turn)
         return entry, source
@@ -190,8 +202,18 @@ class Drafter(Holder):
             )
             _check(all(t >= 0 for t in st.tree_topk), Status.INVALID_ARGUMENT, "step.tree_topk: negative token id")
             rows = np.asarray(st.tree_topk, dtype=np.int64).reshape(n, k).tolist()
+            before = dict(s.accepted)
             s.observe_tree(entry.tree, rows, acc)
-            s.extend([entry.tree[i] for i in acc[: st.commit]])
+            for source, count in s.accepted.items():
+                if count > before[source]:
+                    M.DRAFT_ACCEPTED.labels(source).inc(count - before[source])
+            committed = [entry.tree[i] for i in acc[: st.commit]]
+            s.extend(committed)
+            if entry.writer is not None:
+                if s.corpus is not None and self.corpora.holds(entry.tenant, s.corpus):
+                    self.corpora.append(entry.tenant, entry.writer, committed)
+                else:  # erased (or dropped) while this turn ran
+                    entry.writer, s.corpus = None, None
             entry.rounds_since_save += 1
         else:
             _check(
@@ -213,7 +235,13 @@ class Drafter(Holder):
         mode = st.mode or "racer"
         _check(mode in MODES, Status.INVALID_ARGUMENT, f"step.mode: {mode!r}, expected one of {', '.join(MODES)}")
         _check(st.batch_rows >= 0, Status.INVALID_ARGUMENT, f"step.batch_rows: {st.batch_rows}")
+        if s.corpus is not None and not self.corpora.holds(entry.tenant, s.corpus):
+            entry.writer, s.corpus = None, None  # erased while this turn ran: never drafted from again
         tree = s.draft(st.root, st.budget, mode, st.batch_rows)
+        n_corpus = len(tree.corpus_nodes)
+        if n_corpus:
+            M.DRAFT_NODES.labels("corpus").inc(n_corpus)
+        M.DRAFT_NODES.labels("session").inc(len(tree) - 1 - n_corpus)
         entry.tree = list(tree.tokens)
         entry.parents = list(tree.parents)
         entry.touch()
@@ -327,10 +355,21 @@ class Drafter(Holder):
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     async def expire(self) -> int:
-        """Drops sessions idle longer than the TTL (their snapshots expire in the store on their own)."""
+        """Drops sessions idle longer than the TTL (their snapshots expire in the store on their own),
+        and the corpora of tenants idle longer than theirs."""
         gone = self.sessions.expire()
         M.DRAFTER_SESSIONS.set(len(self.sessions))
+        self.corpora.expire(busy={e.tenant for e in self.sessions if e.streaming})
         return len(gone)
+
+    def erase_corpus(self, tenant: str) -> bool:
+        """Forgets the tenant's corpus here: no session drafts from it or adds to it again."""
+        _check(bool(tenant), Status.INVALID_ARGUMENT, "erase.tenant: required")
+        existed = self.corpora.erase(tenant)
+        for e in self.sessions:
+            if e.tenant == tenant:
+                e.session.corpus, e.writer = None, None
+        return existed
 
     async def drop(self, tenant: str, session_id: str) -> bool:
         """Forgets a session here and in the store; whether there was one."""

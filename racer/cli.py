@@ -419,6 +419,22 @@ def main(argv=None) -> int:
         )
     )
 
+    bc = sub.add_parser(
+        "bench-corpus", help="fresh sessions one after another: MAT and tok/s with the tenant corpus on and off"
+    )
+    common(bc)
+    bc.add_argument("--prompts", default=None, help="Spec-Bench JSONL (default: the shared copy)")
+    bc.add_argument(
+        "--runs", type=_csv(str), default=["category", "repeat"], help="category and/or repeat (comma-separated)"
+    )
+    bc.add_argument("--sessions", type=int, default=16, help="sessions per category; prompts of the repeat run")
+    bc.add_argument("--categories", type=_csv(str), default=None, help="only these Spec-Bench categories")
+    bc.add_argument("--budget", type=_csv(int), default=[16, 64], help="tree sizes C (comma-separated)")
+    bc.add_argument("--corpus-tokens", type=int, default=1 << 20, help="the tenant corpus bound")
+    bc.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's, all cores)")
+    bc.add_argument("--hf", action="store_true", help="also compare every output with Hugging Face greedy decoding")
+    bc.set_defaults(func=lambda a: __import__("racer.bench_corpus", fromlist=["x"]).main(a))
+
     bn = sub.add_parser("bench-snapshot", help="size and save/restore time of a full drafter session snapshot")
     bn.add_argument("--store", default="memory://", help="memory:// or redis://host:port/db")
     bn.add_argument("--tokens", type=int, default=4000, help="context tokens at least")

@@ -43,6 +43,7 @@ class Client:
         mode: str = "",
         budget: int = 0,
         system: str = "",
+        share: bool | None = None,
         request: pb.GenerateRequest | None = None,
     ) -> Iterator[pb.GenerateResponse]:
         """Streams responses; the last one has ``finish_reason``, ``usage`` and ``stats``.
@@ -63,6 +64,8 @@ class Client:
             )
             if seed is not None:
                 request.seed = seed
+            if share is not None:  # unset: the turn is added to the tenant corpus
+                request.share = share
             if isinstance(prompt, str):
                 request.prompt = prompt
             elif prompt and isinstance(prompt[0], dict):

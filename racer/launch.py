@@ -55,6 +55,7 @@ async def start_drafter(args) -> tuple[Server, object]:
     from common.sessions import janitor
     from common.store import open_store
     from common.v1 import drafter_pb2_grpc
+    from drafter.corpora import Corpora
     from drafter.service import DrafterService
     from drafter.session import DrafterConfig
     from drafter.sessions import Drafter
@@ -70,6 +71,7 @@ async def start_drafter(args) -> tuple[Server, object]:
         args.session_ttl,
         max_tokens=args.max_session_tokens,
         max_bytes=getattr(args, "max_memory_bytes", 0),
+        corpora=Corpora(getattr(args, "corpus_tokens", 0), getattr(args, "corpus_idle", 600.0)),
     )
     svc = DrafterService(core)
     tasks = []

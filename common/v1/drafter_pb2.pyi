@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DrafterOpen(_message.Message):
-    __slots__ = ("session_id", "tenant", "history", "history_topk", "topk", "cost", "overhead_ms")
+    __slots__ = ("session_id", "tenant", "history", "history_topk", "topk", "cost", "overhead_ms", "no_share", "no_corpus", "corpus_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,9 @@ class DrafterOpen(_message.Message):
     TOPK_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
     OVERHEAD_MS_FIELD_NUMBER: _ClassVar[int]
+    NO_SHARE_FIELD_NUMBER: _ClassVar[int]
+    NO_CORPUS_FIELD_NUMBER: _ClassVar[int]
+    CORPUS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     history: _containers.RepeatedScalarFieldContainer[int]
@@ -23,7 +26,10 @@ class DrafterOpen(_message.Message):
     topk: int
     cost: _common_pb2.CostCurve
     overhead_ms: float
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., history: _Optional[_Iterable[int]] = ..., history_topk: _Optional[_Iterable[int]] = ..., topk: _Optional[int] = ..., cost: _Optional[_Union[_common_pb2.CostCurve, _Mapping]] = ..., overhead_ms: _Optional[float] = ...) -> None: ...
+    no_share: bool
+    no_corpus: bool
+    corpus_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., history: _Optional[_Iterable[int]] = ..., history_topk: _Optional[_Iterable[int]] = ..., topk: _Optional[int] = ..., cost: _Optional[_Union[_common_pb2.CostCurve, _Mapping]] = ..., overhead_ms: _Optional[float] = ..., no_share: _Optional[bool] = ..., no_corpus: _Optional[bool] = ..., corpus_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("open", "step", "end_turn")
@@ -118,3 +124,15 @@ class DrafterStatsResponse(_message.Message):
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     sessions: _containers.RepeatedCompositeFieldContainer[DrafterSessionStats]
     def __init__(self, sessions: _Optional[_Iterable[_Union[DrafterSessionStats, _Mapping]]] = ...) -> None: ...
+
+class EraseCorpusRequest(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    def __init__(self, tenant: _Optional[str] = ...) -> None: ...
+
+class EraseCorpusResponse(_message.Message):
+    __slots__ = ("existed",)
+    EXISTED_FIELD_NUMBER: _ClassVar[int]
+    existed: bool
+    def __init__(self, existed: _Optional[bool] = ...) -> None: ...

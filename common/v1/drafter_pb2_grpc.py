@@ -50,6 +50,11 @@ class DrafterStub:
                 request_serializer=racer_dot_v1_dot_drafter__pb2.DrafterStatsRequest.SerializeToString,
                 response_deserializer=racer_dot_v1_dot_drafter__pb2.DrafterStatsResponse.FromString,
                 _registered_method=True)
+        self.EraseCorpus = channel.unary_unary(
+                '/racer.v1.Drafter/EraseCorpus',
+                request_serializer=racer_dot_v1_dot_drafter__pb2.EraseCorpusRequest.SerializeToString,
+                response_deserializer=racer_dot_v1_dot_drafter__pb2.EraseCorpusResponse.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -76,6 +81,13 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EraseCorpus(self, request, context):
+        """Forgets a tenant's corpus on this drafter (idempotent).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +105,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=racer_dot_v1_dot_drafter__pb2.DrafterStatsRequest.FromString,
                     response_serializer=racer_dot_v1_dot_drafter__pb2.DrafterStatsResponse.SerializeToString,
+            ),
+            'EraseCorpus': grpc.unary_unary_rpc_method_handler(
+                    servicer.EraseCorpus,
+                    request_deserializer=racer_dot_v1_dot_drafter__pb2.EraseCorpusRequest.FromString,
+                    response_serializer=racer_dot_v1_dot_drafter__pb2.EraseCorpusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +194,33 @@ class Drafter:
             '/racer.v1.Drafter/Stats',
             racer_dot_v1_dot_drafter__pb2.DrafterStatsRequest.SerializeToString,
             racer_dot_v1_dot_drafter__pb2.DrafterStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EraseCorpus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/racer.v1.Drafter/EraseCorpus',
+            racer_dot_v1_dot_drafter__pb2.EraseCorpusRequest.SerializeToString,
+            racer_dot_v1_dot_drafter__pb2.EraseCorpusResponse.FromString,
             options,
             channel_credentials,
             insecure,

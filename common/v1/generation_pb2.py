@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19racer/v1/generation.proto\x12\x08racer.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.racer.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"+\n\x0bSpeculation\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0e\n\x06\x62udget\x18\x02 \x01(\x05\"\xd5\x02\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x16.racer.v1.ChatMessagesH\x00\x12(\n\nprompt_ids\x18\x04 \x01(\x0b\x32\x12.racer.v1.TokenIdsH\x00\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x13\n\x0btemperature\x18\x06 \x01(\x02\x12\r\n\x05top_p\x18\x07 \x01(\x02\x12\r\n\x05top_k\x18\x08 \x01(\x05\x12\x11\n\x04seed\x18\t \x01(\x03H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x10\n\x08stop_ids\x18\x0b \x03(\x05\x12*\n\x0bspeculation\x18\x0c \x01(\x0b\x32\x15.racer.v1.Speculation\x12\x0e\n\x06system\x18\r \x01(\tB\x07\n\x05inputB\x07\n\x05_seed\"Q\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x16\n\x0esession_tokens\x18\x03 \x01(\x05\"\xb8\x01\n\x10SpeculationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x05\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x05\x12\x0b\n\x03mat\x18\x04 \x01(\x01\x12\x12\n\nprefill_ms\x18\x05 \x01(\x01\x12\x10\n\x08\x64raft_ms\x18\x06 \x01(\x01\x12\x11\n\tverify_ms\x18\x07 \x01(\x01\x12\x10\n\x08total_ms\x18\x08 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\t \x01(\x01\"\xa9\x01\n\x10GenerateResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.racer.v1.Usage\x12)\n\x05stats\x18\x06 \x01(\x0b\x32\x1a.racer.v1.SpeculationStats\" \n\nSessionRef\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xa9\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05turns\x18\x02 \x01(\x05\x12\x0e\n\x06tokens\x18\x03 \x01(\x05\x12\x13\n\x07\x64rafter\x18\x04 \x01(\tB\x02\x18\x01\x12\x14\n\x08verifier\x18\x05 \x01(\tB\x02\x18\x01\x12\x14\n\x0c\x63reated_unix\x18\x06 \x01(\x01\x12\x16\n\x0elast_used_unix\x18\x07 \x01(\x01\x12\x0e\n\x06\x63losed\x18\x08 \x01(\x08\"\x15\n\x13ListSessionsRequest\"?\n\x14ListSessionsResponse\x12\'\n\x08sessions\x18\x01 \x03(\x0b\x32\x15.racer.v1.SessionInfo2\x98\x02\n\nGeneration\x12\x43\n\x08Generate\x12\x19.racer.v1.GenerateRequest\x1a\x1a.racer.v1.GenerateResponse0\x01\x12;\n\x0c\x43loseSession\x12\x14.racer.v1.SessionRef\x1a\x15.racer.v1.SessionInfo\x12\x39\n\nGetSession\x12\x14.racer.v1.SessionRef\x1a\x15.racer.v1.SessionInfo\x12M\n\x0cListSessions\x12\x1d.racer.v1.ListSessionsRequest\x1a\x1e.racer.v1.ListSessionsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19racer/v1/generation.proto\x12\x08racer.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.racer.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"+\n\x0bSpeculation\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0e\n\x06\x62udget\x18\x02 \x01(\x05\"\xf3\x02\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x16.racer.v1.ChatMessagesH\x00\x12(\n\nprompt_ids\x18\x04 \x01(\x0b\x32\x12.racer.v1.TokenIdsH\x00\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x13\n\x0btemperature\x18\x06 \x01(\x02\x12\r\n\x05top_p\x18\x07 \x01(\x02\x12\r\n\x05top_k\x18\x08 \x01(\x05\x12\x11\n\x04seed\x18\t \x01(\x03H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x10\n\x08stop_ids\x18\x0b \x03(\x05\x12*\n\x0bspeculation\x18\x0c \x01(\x0b\x32\x15.racer.v1.Speculation\x12\x0e\n\x06system\x18\r \x01(\t\x12\x12\n\x05share\x18\x0e \x01(\x08H\x02\x88\x01\x01\x42\x07\n\x05inputB\x07\n\x05_seedB\x08\n\x06_share\"Q\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x16\n\x0esession_tokens\x18\x03 \x01(\x05\"\xb8\x01\n\x10SpeculationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x05\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x05\x12\x0b\n\x03mat\x18\x04 \x01(\x01\x12\x12\n\nprefill_ms\x18\x05 \x01(\x01\x12\x10\n\x08\x64raft_ms\x18\x06 \x01(\x01\x12\x11\n\tverify_ms\x18\x07 \x01(\x01\x12\x10\n\x08total_ms\x18\x08 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\t \x01(\x01\"\xa9\x01\n\x10GenerateResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.racer.v1.Usage\x12)\n\x05stats\x18\x06 \x01(\x0b\x32\x1a.racer.v1.SpeculationStats\" \n\nSessionRef\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xa9\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05turns\x18\x02 \x01(\x05\x12\x0e\n\x06tokens\x18\x03 \x01(\x05\x12\x13\n\x07\x64rafter\x18\x04 \x01(\tB\x02\x18\x01\x12\x14\n\x08verifier\x18\x05 \x01(\tB\x02\x18\x01\x12\x14\n\x0c\x63reated_unix\x18\x06 \x01(\x01\x12\x16\n\x0elast_used_unix\x18\x07 \x01(\x01\x12\x0e\n\x06\x63losed\x18\x08 \x01(\x08\"\x15\n\x13ListSessionsRequest\"?\n\x14ListSessionsResponse\x12\'\n\x08sessions\x18\x01 \x03(\x0b\x32\x15.racer.v1.SessionInfo2\x98\x02\n\nGeneration\x12\x43\n\x08Generate\x12\x19.racer.v1.GenerateRequest\x1a\x1a.racer.v1.GenerateResponse0\x01\x12;\n\x0c\x43loseSession\x12\x14.racer.v1.SessionRef\x1a\x15.racer.v1.SessionInfo\x12\x39\n\nGetSession\x12\x14.racer.v1.SessionRef\x1a\x15.racer.v1.SessionInfo\x12M\n\x0cListSessions\x12\x1d.racer.v1.ListSessionsRequest\x1a\x1e.racer.v1.ListSessionsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,21 +44,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPECULATION']._serialized_start=167
   _globals['_SPECULATION']._serialized_end=210
   _globals['_GENERATEREQUEST']._serialized_start=213
-  _globals['_GENERATEREQUEST']._serialized_end=554
-  _globals['_USAGE']._serialized_start=556
-  _globals['_USAGE']._serialized_end=637
-  _globals['_SPECULATIONSTATS']._serialized_start=640
-  _globals['_SPECULATIONSTATS']._serialized_end=824
-  _globals['_GENERATERESPONSE']._serialized_start=827
-  _globals['_GENERATERESPONSE']._serialized_end=996
-  _globals['_SESSIONREF']._serialized_start=998
-  _globals['_SESSIONREF']._serialized_end=1030
-  _globals['_SESSIONINFO']._serialized_start=1033
-  _globals['_SESSIONINFO']._serialized_end=1202
-  _globals['_LISTSESSIONSREQUEST']._serialized_start=1204
-  _globals['_LISTSESSIONSREQUEST']._serialized_end=1225
-  _globals['_LISTSESSIONSRESPONSE']._serialized_start=1227
-  _globals['_LISTSESSIONSRESPONSE']._serialized_end=1290
-  _globals['_GENERATION']._serialized_start=1293
-  _globals['_GENERATION']._serialized_end=1573
+  _globals['_GENERATEREQUEST']._serialized_end=584
+  _globals['_USAGE']._serialized_start=586
+  _globals['_USAGE']._serialized_end=667
+  _globals['_SPECULATIONSTATS']._serialized_start=670
+  _globals['_SPECULATIONSTATS']._serialized_end=854
+  _globals['_GENERATERESPONSE']._serialized_start=857
+  _globals['_GENERATERESPONSE']._serialized_end=1026
+  _globals['_SESSIONREF']._serialized_start=1028
+  _globals['_SESSIONREF']._serialized_end=1060
+  _globals['_SESSIONINFO']._serialized_start=1063
+  _globals['_SESSIONINFO']._serialized_end=1232
+  _globals['_LISTSESSIONSREQUEST']._serialized_start=1234
+  _globals['_LISTSESSIONSREQUEST']._serialized_end=1255
+  _globals['_LISTSESSIONSRESPONSE']._serialized_start=1257
+  _globals['_LISTSESSIONSRESPONSE']._serialized_end=1320
+  _globals['_GENERATION']._serialized_start=1323
+  _globals['_GENERATION']._serialized_end=1603
 # @@protoc_insertion_point(module_scope)

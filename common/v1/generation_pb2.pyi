@@ -35,7 +35,7 @@ class Speculation(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., budget: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("session_id", "prompt", "chat", "prompt_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_ids", "speculation", "system")
+    __slots__ = ("session_id", "prompt", "chat", "prompt_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_ids", "speculation", "system", "share")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class GenerateRequest(_message.Message):
     STOP_IDS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     SYSTEM_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt: str
     chat: ChatMessages
@@ -62,7 +63,8 @@ class GenerateRequest(_message.Message):
     stop_ids: _containers.RepeatedScalarFieldContainer[int]
     speculation: Speculation
     system: str
-    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., system: _Optional[str] = ...) -> None: ...
+    share: bool
+    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., system: _Optional[str] = ..., share: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "session_tokens")

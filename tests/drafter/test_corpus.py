@@ -79,10 +79,12 @@ ops_st = st.lists(
     ops=ops_st,
     context=st.lists(st.integers(0, 3), max_size=10),
     root=st.integers(0, 3),
+    initial=st.integers(1, 8),
 )
-def test_match_and_continuations_equal_brute_force(capacity, key_len, ops, context, root):
+def test_match_and_continuations_equal_brute_force(capacity, key_len, ops, context, root, initial):
+    """``initial``: the arrays start that small and grow (re-indexed) on the way to the capacity."""
     cfg = CorpusConfig(max_tokens=capacity, key_len=key_len, max_match=8, max_scan=10_000, max_candidates=10_000)
-    corpus, ref = Corpus(cfg), Reference(capacity)
+    corpus, ref = Corpus(cfg, initial), Reference(capacity)
     writers: dict[int, tuple] = {}
     for w, chunk in ops:
         if w not in writers:
@@ -91,6 +93,7 @@ def test_match_and_continuations_equal_brute_force(capacity, key_len, ops, conte
         corpus.append(cw, chunk)
         ref.append(rw, chunk)
     assert len(corpus) == min(ref.total, capacity)
+    assert corpus.size <= capacity
     got = corpus.match(context, root)
     want = ref.match(cfg, context, root)
     assert got == want
