@@ -44,6 +44,7 @@ class TurnLinks:
         self.abort: str | None = None  # set by a draining gateway: end the turn with UNAVAILABLE
         self.abort_code = Status.UNAVAILABLE  # ABORTED when the session's lease was lost
         self.waiting: dict[str, float] = {}  # kind -> when to stop waiting for one to come back
+        self.corpus: dict = {}  # the tenant corpus for the drafter's open: share, corpus, corpus_tokens
 
     def check_abort(self) -> None:
         if self.abort:
@@ -137,6 +138,7 @@ class TurnLinks:
                     topk_width,
                     self.cost if adaptive else None,
                     ROUND_OVERHEAD_MS,
+                    **self.corpus,
                 )
             except (Lost, Abort) as e:
                 await link.close(cancel=True)

@@ -165,6 +165,9 @@ class DrafterLink(_Link):
         topk_width: int,
         cost: Cost | None,
         overhead_ms: float,
+        share: bool = True,
+        corpus: bool = True,
+        corpus_tokens: int = 0,
     ) -> tuple[str, float]:
         """Where the drafter found the session ("memory", "snapshot", "history", "new") and its ms."""
         resp = await self.ask(
@@ -177,6 +180,9 @@ class DrafterLink(_Link):
                     topk=topk_width,
                     cost=cpb.CostCurve(sizes=cost[0], ms=cost[1]) if cost is not None else None,
                     overhead_ms=overhead_ms,
+                    no_share=not share,
+                    no_corpus=not corpus,
+                    corpus_tokens=corpus_tokens,
                 )
             )
         )

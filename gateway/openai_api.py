@@ -280,6 +280,7 @@ def parse(body, chat: bool, session_header: str = "") -> Call:
         top_k=top_k,
         seed=seed,
         stop=tuple(stop),
+        share=bool(_get(body, "share", bool, True)),
     )
     return Call(
         request,

@@ -30,6 +30,10 @@ class Quota:
     sessions: int = 0  # sessions kept (records in the store); 0: no limit
     tokens: int = 0  # tokens of all the tenant's session histories, reservations of running turns included
     turns: int = 0  # turns running at once, on all gateways
+    # The tenant corpus (drafters): its bound in tokens (0: the drafters' default) and whether the
+    # tenant shares at all (false: its sessions neither draft from nor add to a corpus).
+    corpus_tokens: int = 0
+    share: bool = True
 
 
 _KEYS = tuple(f.name for f in fields(Quota))
@@ -51,7 +55,10 @@ def _quota(d: object, base: Quota, where: str) -> Quota:
     if bad:
         raise ValueError(f"{where}: unknown key(s) {', '.join(sorted(bad))}; expected {', '.join(_KEYS)}")
     for k, v in d.items():
-        if type(v) is not int or v < 0:
+        if k == "share":
+            if type(v) is not bool:
+                raise ValueError(f"{where}.share: {v!r}, expected true or false")
+        elif type(v) is not int or v < 0:
             raise ValueError(f"{where}.{k}: {v!r}, expected an integer >= 0 (0: no limit)")
     return replace(base, **d)
 

@@ -54,6 +54,7 @@ class Request:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_ids: tuple[int, ...] = ()
+    share: bool = True  # False: this turn is not added to the tenant corpus
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class TurnRequest:
     sampling: SamplingParams
     stop: tuple[str, ...]  # stop strings
     stop_ids: tuple[int, ...]  # the request's own; the turn adds the model's end-of-sequence ids
+    share: bool = True  # this turn's response goes into the tenant corpus (if the tenant shares)
 
 
 def check(r: Request, limits: Limits, vocab_size: int | None) -> TurnRequest:
@@ -99,7 +101,7 @@ def check(r: Request, limits: Limits, vocab_size: int | None) -> TurnRequest:
         raise Abort(Status.INVALID_ARGUMENT, "stop_ids: token id outside the vocabulary")
     if r.system and r.input != "prompt":
         raise Abort(Status.INVALID_ARGUMENT, "system: only with a prompt input (chat carries its own)")
-    return TurnRequest(r.session_id, max_new, mode, r.budget, sampling, r.stop, r.stop_ids)
+    return TurnRequest(r.session_id, max_new, mode, r.budget, sampling, r.stop, r.stop_ids, r.share)
 
 
 def input_ids(r: Request, history: list[int], tokenizer, eos_ids, limits: Limits, vocab_size: int | None) -> list[int]:

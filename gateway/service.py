@@ -74,6 +74,7 @@ def _request(r: pb.GenerateRequest) -> Request:
         seed=r.seed if r.HasField("seed") else None,
         stop=tuple(r.stop),
         stop_ids=tuple(r.stop_ids),
+        share=r.share if r.HasField("share") else True,
     )
 
 

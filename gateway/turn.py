@@ -64,6 +64,8 @@ class Turn:
         self.rounds = Rounds(history, GenerationParams(req.max_new, tuple(self.stop_ids), req.mode, req.budget))
         self.stats = self.rounds.stats
         self.links = TurnLinks(gw, record, req.sampling, self.rounds)
+        q = gw.quotas.limits.of(record.tenant)  # the tenant's corpus switch and bound
+        self.links.corpus = dict(share=req.share and q.share, corpus=q.share, corpus_tokens=q.corpus_tokens)
         self.lease = None  # leases.Lease: the record is saved only while it holds
         self.saved_tokens: int | None = None  # the saved record's length, once saved
         self._generated = M.GENERATED_TOKENS.labels(record.tenant)
