@@ -208,19 +208,21 @@ def add_logits_best_first(trie: _Trie, table_get, rank_prob=RANK_PRIOR) -> None:
 
 
 def corpus_candidates(
-    corpus, context, root: int, depth: int, min_match: int = 4
+    corpus, context, root: int, depth: int, min_match: int = 4, observed: tuple[int, int] = (0, 0)
 ) -> list[tuple[float, tuple[int, ...]]]:
     """Continuation paths from a tenant corpus, each with its estimated chance of acceptance.
 
     The longest match of (context + root) gives the candidates; a path's value is the share of them
-    that continue with it (its frequency) times ``q ** depth``, where ``q = L / (L + 2)`` is the
-    per-token confidence a match of L tokens earns: a long match of a repeated answer keeps a deep
-    chain, a short or ambiguous one keeps a few nodes or none.
+    that continue with it (its frequency) times ``q ** depth``, where ``q`` is a per-token
+    confidence: a prior ``L / (L + 2)`` from the match length L, moved towards what the session saw
+    (``observed``: corpus nodes it accepted, drafted), the prior counting as 4 nodes. A long match of
+    a repeated answer keeps a deep chain; a short, ambiguous or often wrong one a few nodes or none.
     """
     length, conts = corpus.lookup(context, root, depth)
     if length < min_match or not conts:
         return []
-    q = length / (length + 2)
+    accepted, drafted = observed
+    q = (accepted + 4 * length / (length + 2)) / (drafted + 4)
     counts: dict[tuple[int, ...], int] = {}
     for c in conts:
         for d in range(1, len(c) + 1):

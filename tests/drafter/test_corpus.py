@@ -185,3 +185,17 @@ def test_a_repeated_answer_drafts_a_deep_chain_from_the_corpus():
     # a prefix of the tree (adaptive budget) keeps the corpus nodes it holds, renumbered
     small = tree.prefix(6)
     assert all(small.tokens[i] in answer for i in small.corpus_nodes) and small.corpus_nodes
+
+
+def test_the_sessions_own_corpus_acceptance_sets_how_deep_corpus_paths_go():
+    corpus = Corpus(CorpusConfig(max_tokens=1000, key_len=3))
+    corpus.add(list(range(1, 40)))
+    ctx, root = [1, 2, 3, 4], 5  # a 5-token match: prior confidence 5/7 a token
+
+    def depth(observed):
+        return max((len(p) for v, p in corpus_candidates(corpus, ctx, root, 30, 4, observed) if v >= 0.25), default=0)
+
+    prior = depth((0, 0))
+    assert depth((40, 40)) > prior + 10  # every corpus node it drafted was accepted: go deep
+    assert depth((0, 40)) < prior  # none was: a short path at most
+    assert not [v for v, _ in corpus_candidates(corpus, ctx, root, 30, 4, (0, 400)) if v >= 0.25]
