@@ -8,6 +8,9 @@ a lease (a random token under a key with a TTL: ``acquire``, ``renew``, ``releas
 compare-and-set (``fenced_set``: writes only while the lease holds the caller's token and the value
 is still the one the caller read), so a writer whose lease expired or was taken cannot overwrite.
 The Redis store runs them as Lua scripts; extra scripts (``script``) serve other atomic counters.
+
+Capped streams (``xadd``, ``xread``) carry what every replica must see in order, such as a
+tenant corpus; ``incr`` counts epochs.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ class MemoryStore:
 
     def __init__(self):
         self._data: dict[str, tuple[bytes, float]] = {}
+        self._streams: dict[str, list[tuple[int, bytes]]] = {}
+        self._seq = 0
 
     async def get(self, key: str) -> bytes | None:
         item = self._data.get(key)
@@ -71,6 +76,32 @@ class MemoryStore:
         await self.set(key, value, ttl)
         return True
 
+    async def xadd(self, key: str, data: bytes, maxlen: int) -> str:
+        """Appends ``data`` to the stream ``key``, keeping about its last ``maxlen`` entries; the entry id."""
+        self._seq += 1
+        entries = self._streams.setdefault(key, [])
+        entries.append((self._seq, bytes(data)))
+        del entries[: max(0, len(entries) - maxlen)]
+        return f"{self._seq}-0"
+
+    async def xread(self, after: dict[str, str], count: int) -> dict[str, list[tuple[str, bytes]]]:
+        """Up to ``count`` entries per stream after the given ids ("0": from the start), oldest first."""
+        out = {}
+        for key, last in after.items():
+            n = int(last.split("-")[0])
+            got = [(f"{i}-0", d) for i, d in self._streams.get(key, []) if i > n][:count]
+            if got:
+                out[key] = got
+        return out
+
+    async def xdelete(self, key: str) -> bool:
+        return self._streams.pop(key, None) is not None
+
+    async def incr(self, key: str) -> int:
+        n = int((await self.get(key)) or 0) + 1
+        await self.set(key, str(n).encode(), 10 * 365 * 86400)
+        return n
+
     async def close(self) -> None:
         pass
 
@@ -119,6 +150,23 @@ class RedisStore:
     async def fenced_set(self, lease: str, token: str, key: str, old: bytes | None, value: bytes, ttl: float) -> bool:
         args = [token, "1" if old is None else "0", old or b"", value, _ms(ttl)]
         return bool(await self._fenced_set(keys=[lease, key], args=args))
+
+    async def xadd(self, key: str, data: bytes, maxlen: int) -> str:
+        return (await self._r.xadd(key, {"d": data}, maxlen=maxlen, approximate=True)).decode()
+
+    async def xread(self, after: dict[str, str], count: int) -> dict[str, list[tuple[str, bytes]]]:
+        if not after:
+            return {}
+        out = {}
+        for key, entries in await self._r.xread(after, count=count) or []:
+            out[key.decode()] = [(i.decode(), f.get(b"d", b"")) for i, f in entries]
+        return out
+
+    async def xdelete(self, key: str) -> bool:
+        return bool(await self._r.delete(key))
+
+    async def incr(self, key: str) -> int:
+        return int(await self._r.incr(key))
 
     def script(self, lua: str):
         """A Lua script registered with this Redis: ``await s(keys=[...], args=[...])``."""

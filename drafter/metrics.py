@@ -25,7 +25,21 @@ EVICTIONS = Counter(
 CORPUS_TOKENS = Gauge("racer_corpus_tokens", "Tokens held in a tenant's corpus on this drafter", ["tenant"])
 CORPUS_TENANTS = Gauge("racer_corpus_tenants", "Tenant corpora held by this drafter")
 CORPUS_INDEX_SECONDS = Histogram(
-    "racer_corpus_index_latency_seconds", "Adding a streamed chunk to a tenant corpus", buckets=FAST_SECONDS_BUCKETS
+    "racer_corpus_index_latency_seconds", "Indexing what one sync read of a tenant stream", buckets=FAST_SECONDS_BUCKETS
+)
+CORPUS_LOAD_SECONDS = Histogram(
+    "racer_corpus_load_seconds",
+    "Loading a tenant corpus from the store (read + index)",
+    buckets=(0.01, 0.1, 0.5, 1, 2, 5, 10, 30),
+)
+CORPUS_LAG_SECONDS = Histogram(
+    "racer_corpus_replication_lag_seconds",
+    "From a chunk's write to the store to its indexing on this replica",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10),
+)
+# Exported with _total (racer_corpus_record_failures_total).
+CORPUS_RECORD_FAILURES = Counter(
+    "racer_corpus_record_failures", "Corpus records that could not be written or were unusable when read"
 )
 # Exported with _total: racer_draft_nodes_total{source}, racer_draft_accepted_total{source}.
 DRAFT_NODES = Counter("racer_draft_nodes", "Draft tree nodes (root excluded) by source", ["source"])

@@ -74,7 +74,7 @@ class DrafterService(pb_grpc.DrafterServicer):
         return pb.DropResponse(existed=await self.drafter.drop(request.tenant, request.session_id))
 
     async def EraseCorpus(self, request, context):
-        return pb.EraseCorpusResponse(existed=self.drafter.erase_corpus(request.tenant))
+        return pb.EraseCorpusResponse(existed=await self.drafter.erase_corpus(request.tenant))
 
     async def Stats(self, request, context):
         return pb.DrafterStatsResponse(

@@ -26,8 +26,7 @@ from common.sessions import Entry as _Entry
 from common.sessions import Holder, SessionTable
 
 from . import metrics as M
-from .corpora import Corpora
-from .corpus import Writer
+from .corpora import Corpora, Response
 from .session import DrafterConfig, DraftSession
 from .snapshot import SnapshotError, dumps, loads
 from .tree import DraftTree
@@ -46,7 +45,8 @@ class Entry(_Entry):
     saved_length: int = -1
     bytes: int = 0  # the session's memory estimate when it last opened or was released
     dropped: bool = False  # closed (``drop``) while a stream still held it: nothing more is saved
-    writer: Writer | None = None  # this turn's response going into the tenant corpus (None: not shared)
+    corpus_on: bool = False  # this turn drafts from the tenant corpus
+    response: Response | None = None  # this turn's response going into the tenant corpus (None: not shared)
 
     @property
     def snapshot_key(self) -> str:
@@ -170,9 +170,11 @@ class Drafter(Holder):
         if plain_end < len(history):
             s.extend(history[plain_end:], rows[plain_end - first_row :])
         _check(req.corpus_tokens >= 0, Status.INVALID_ARGUMENT, f"open.corpus_tokens: {req.corpus_tokens}")
-        corpus = self.corpora.get(req.tenant, req.corpus_tokens) if req.corpus else None
-        s.corpus = corpus  # set at every open: an erased corpus is never drafted from again
-        entry.writer = corpus.writer() if corpus is not None and req.share else None
+        if entry.response is not None:
+            self.corpora.finish(entry.response)
+        entry.corpus_on = req.corpus and self.corpora.enabled
+        entry.response = await self.corpora.open(req.tenant, req.corpus_tokens, req.share) if req.corpus else None
+        s.corpus = self.corpora.current(req.tenant) if entry.corpus_on else None
         self.sessions.claim(entry)  # only once the open succeeded: a failed one leaves no stream behind
         self._bound(entry, estimate=source != "memory")  # (~5 ms for a full session: not before every turn)
         return entry, source
@@ -209,11 +211,8 @@ class Drafter(Holder):
                     M.DRAFT_ACCEPTED.labels(source).inc(count - before[source])
             committed = [entry.tree[i] for i in acc[: st.commit]]
             s.extend(committed)
-            if entry.writer is not None:
-                if s.corpus is not None and self.corpora.holds(entry.tenant, s.corpus):
-                    self.corpora.append(entry.tenant, entry.writer, committed)
-                else:  # erased (or dropped) while this turn ran
-                    entry.writer, s.corpus = None, None
+            if entry.response is not None:
+                self.corpora.append(entry.response, committed)
             entry.rounds_since_save += 1
         else:
             _check(
@@ -235,8 +234,8 @@ class Drafter(Holder):
         mode = st.mode or "racer"
         _check(mode in MODES, Status.INVALID_ARGUMENT, f"step.mode: {mode!r}, expected one of {', '.join(MODES)}")
         _check(st.batch_rows >= 0, Status.INVALID_ARGUMENT, f"step.batch_rows: {st.batch_rows}")
-        if s.corpus is not None and not self.corpora.holds(entry.tenant, s.corpus):
-            entry.writer, s.corpus = None, None  # erased while this turn ran: never drafted from again
+        # the corpus as it is now: loaded meanwhile, replaced when erased, gone when dropped
+        s.corpus = self.corpora.current(entry.tenant) if entry.corpus_on else None
         tree = s.draft(st.root, st.budget, mode, st.batch_rows)
         n_corpus = len(tree.corpus_nodes)
         if n_corpus:
@@ -258,6 +257,9 @@ class Drafter(Holder):
     def release(self, entry: Entry) -> None:
         """The stream ended: the session stays for the next one, and what changed is saved."""
         self.sessions.release(entry)
+        if entry.response is not None:
+            self.corpora.finish(entry.response)  # its last tokens go out at the next sync
+            entry.response = None
         if entry.dropped or self.sessions.get(entry.key) is not entry:
             return  # closed or evicted meanwhile
         if len(entry.session.history) != entry.saved_length:
@@ -347,7 +349,15 @@ class Drafter(Holder):
         return session
 
     async def flush(self) -> None:
-        """Saves every session that changed since its last snapshot and waits for the writes."""
+        """Saves every session that changed since its last snapshot and waits for the writes; publishes
+        what the tenant corpora still hold back."""
+        for entry in self.sessions:
+            if entry.response is not None:
+                self.corpora.finish(entry.response)
+        try:
+            await self.corpora.sync()
+        except Exception as e:  # noqa: BLE001 - the store is down: those chunks are lost, output is not
+            log.warning("corpus sync failed", extra={"error": repr(e)})
         for entry in self.sessions:
             if len(entry.session.history) != entry.saved_length:
                 self._save_later(entry)
@@ -362,13 +372,14 @@ class Drafter(Holder):
         self.corpora.expire(busy={e.tenant for e in self.sessions if e.streaming})
         return len(gone)
 
-    def erase_corpus(self, tenant: str) -> bool:
-        """Forgets the tenant's corpus here: no session drafts from it or adds to it again."""
+    async def erase_corpus(self, tenant: str) -> bool:
+        """Erases the tenant's corpus here, in the store and on every replica (at their next sync):
+        no session drafts from what it held or adds to it again (running turns add nothing more)."""
         _check(bool(tenant), Status.INVALID_ARGUMENT, "erase.tenant: required")
-        existed = self.corpora.erase(tenant)
+        existed = await self.corpora.erase(tenant)
         for e in self.sessions:
             if e.tenant == tenant:
-                e.session.corpus, e.writer = None, None
+                e.session.corpus, e.response = None, None
         return existed
 
     async def drop(self, tenant: str, session_id: str) -> bool:

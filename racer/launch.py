@@ -71,7 +71,7 @@ async def start_drafter(args) -> tuple[Server, object]:
         args.session_ttl,
         max_tokens=args.max_session_tokens,
         max_bytes=getattr(args, "max_memory_bytes", 0),
-        corpora=Corpora(getattr(args, "corpus_tokens", 0), getattr(args, "corpus_idle", 600.0)),
+        corpora=Corpora(getattr(args, "corpus_tokens", 0), getattr(args, "corpus_idle", 600.0), store),
     )
     svc = DrafterService(core)
     tasks = []
@@ -96,6 +96,7 @@ async def start_drafter(args) -> tuple[Server, object]:
         **server_kw,
     )
     tasks.append(asyncio.ensure_future(janitor(core.expire, min(30.0, args.session_ttl))))
+    tasks.append(asyncio.ensure_future(core.corpora.run()))
     return srv, core
 
 

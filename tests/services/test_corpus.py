@@ -3,19 +3,17 @@ never another tenant's; opting out, the tenant switch and erasing all hold; outp
 
 from __future__ import annotations
 
-import queue
-
 import pytest
 
 from common.v1 import drafter_pb2 as dpb
 from common.v1 import drafter_pb2_grpc as dgrpc
 from racer import launch as services
 from racer.client import Client
+from tests.support.corpus import drafts_after
 from tests.support.engine import hf_greedy
 from tests.support.stack import INTERNAL_TOKEN, backend_channel, prompt, start_stack
 
 N = 40
-TOPK = 8
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +56,12 @@ def test_a_turn_that_opts_out_adds_nothing(stack):
     p = prompt(12, 16)
     with Client(stack.gateway, api_key="key-b", timeout=60) as b:
         first = b.complete(p, max_new_tokens=N, budget=16, share=False)
-        again = b.complete(p, max_new_tokens=N, budget=16, share=False)
-        third = b.complete(p, max_new_tokens=N, budget=16)  # still drafts as the first (nothing was added)
-        fourth = b.complete(p, max_new_tokens=N, budget=16)  # ...but the third's answer was added
-    assert first[0] == again[0] == third[0] == fourth[0]
-    assert _stats(first[2]) == _stats(again[2]) == _stats(third[2])
-    assert fourth[2].stats.rounds < third[2].stats.rounds
+        again = b.complete(p, max_new_tokens=N, budget=16, share=False)  # nothing was added: drafts as the first
+        b.complete(p, max_new_tokens=N, budget=16)  # this answer is added...
+        fourth = b.complete(p, max_new_tokens=N, budget=16, share=False)  # ...and drafted from
+    assert first[0] == again[0] == fourth[0]
+    assert _stats(first[2]) == _stats(again[2])
+    assert fourth[2].stats.rounds < first[2].stats.rounds
 
 
 def test_a_tenant_that_does_not_share_has_no_corpus(stack):
@@ -82,33 +80,12 @@ def _erase(target: str, tenant: str) -> bool:
 def test_an_erased_corpus_drafts_nothing_it_held(stack):
     p = prompt(14, 16)
     with Client(stack.gateway, api_key="key-e", timeout=60) as c:
-        first = c.complete(p, max_new_tokens=N, budget=16)
-        assert c.complete(p, max_new_tokens=N, budget=16)[2].stats.rounds < first[2].stats.rounds
+        first = c.complete(p, max_new_tokens=N, budget=16, share=False)
+        c.complete(p, max_new_tokens=N, budget=16)
+        assert c.complete(p, max_new_tokens=N, budget=16, share=False)[2].stats.rounds < first[2].stats.rounds
         assert _erase(stack.drafter_target(0), "erased")
-        after = c.complete(p, max_new_tokens=N, budget=16)  # from an empty corpus again, as the first
+        after = c.complete(p, max_new_tokens=N, budget=16, share=False)
     assert after[0] == first[0] and _stats(after[2]) == _stats(first[2])
-
-
-def _session(target: str, tenant: str, sid: str, history: list[int], steps: list[int] = ()) -> list[tuple]:
-    """Opens (tenant, sid) with ``history`` and drafts a tree for each token of ``steps``, accepting
-    only its root each time (so each token is committed and, when the tenant shares, added to its
-    corpus); the trees, as (tokens, parents)."""
-    q: queue.Queue = queue.Queue()
-    trees = []
-    with backend_channel(target) as ch:
-        responses = dgrpc.DrafterStub(ch).Session(iter(q.get, None), timeout=30)
-        q.put(dpb.DraftRequest(open=dpb.DrafterOpen(session_id=sid, tenant=tenant, history=history)))
-        next(responses)
-        n = 0
-        for i, root in enumerate(steps):
-            fb = dict(tree_topk=[0] * (n * TOPK), accepted=[0], commit=1) if i else {}
-            q.put(dpb.DraftRequest(step=dpb.DraftStep(root=root, budget=32, mode="racer", **fb)))
-            tree = next(responses).tree
-            n = len(tree.tokens)
-            trees.append((tuple(tree.tokens), tuple(tree.parents)))
-        q.put(None)
-        responses.cancel()
-    return trees
 
 
 def test_b_drafts_on_a_drafter_that_saw_a_canary_as_on_one_that_never_did(stack, fresh_drafter):
@@ -117,10 +94,10 @@ def test_b_drafts_on_a_drafter_that_saw_a_canary_as_on_one_that_never_did(stack,
     roots = canary[8:20]
     seen, fresh = stack.drafter_target(0), fresh_drafter
     for i in range(3):  # tenant A repeats the canary on drafter 0
-        _session(seen, "acme", f"canary-{i}", prompt(17 + i, 4), canary)
-    mine = _session(seen, "acme", "probe-a", probe, roots)
-    theirs_seen = _session(seen, "globex", "probe-b", probe, roots)
-    theirs_fresh = _session(fresh, "globex", "probe-b", probe, roots)
+        drafts_after(seen, "acme", f"canary-{i}", prompt(17 + i, 4), canary)
+    mine = drafts_after(seen, "acme", "probe-a", probe, roots)
+    theirs_seen = drafts_after(seen, "globex", "probe-b", probe, roots)
+    theirs_fresh = drafts_after(fresh, "globex", "probe-b", probe, roots)
     assert theirs_seen == theirs_fresh, "tenant A's canary shaped tenant B's drafts"
     # the test could fail: the same probe as A drafts the canary from A's corpus
     assert mine != theirs_seen
