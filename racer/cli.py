@@ -187,6 +187,24 @@ def cmd_health(args) -> int:
     return main(args.target, args.service, channel_credentials(args.tls_ca, args.tls_cert, args.tls_key))
 
 
+def cmd_erase_corpus(args) -> int:
+    """Erases a tenant's corpus through one drafter: in Redis, and on every replica at its next sync."""
+    import grpc
+
+    from common import identity
+    from common.tls import channel_credentials
+    from common.v1 import drafter_pb2, drafter_pb2_grpc
+
+    tokens = identity.load_tokens(os.environ.get("RACER_INTERNAL_TOKEN", ""), args.token_file)
+    creds = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)
+    with grpc.secure_channel(args.target, creds) if creds else grpc.insecure_channel(args.target) as ch:
+        resp = drafter_pb2_grpc.DrafterStub(ch).EraseCorpus(
+            drafter_pb2.EraseCorpusRequest(tenant=args.tenant), timeout=30, metadata=identity.metadata(tokens)
+        )
+    print(f"tenant {args.tenant}: corpus {'erased' if resp.existed else 'was empty (erased anyway)'}")
+    return 0
+
+
 def cmd_stack(args) -> int:
     from . import stack
 
@@ -440,6 +458,19 @@ def main(argv=None) -> int:
     bn.add_argument("--tokens", type=int, default=4000, help="context tokens at least")
     bn.add_argument("--repeat", type=int, default=20)
     bn.set_defaults(func=lambda a: __import__("racer.bench_services", fromlist=["x"]).bench_snapshot(a))
+
+    ec = sub.add_parser(
+        "erase-corpus", help="erase a tenant's corpus on every drafter and in Redis (needs the internal token)"
+    )
+    ec.add_argument("tenant")
+    ec.add_argument("--target", default="localhost:50061", help="any drafter of the deployment")
+    ec.add_argument(
+        "--token-file",
+        default=os.environ.get("RACER_INTERNAL_TOKEN_FILE", ""),
+        help="file holding the internal token (or env RACER_INTERNAL_TOKEN)",
+    )
+    tls_flags(ec)
+    ec.set_defaults(func=cmd_erase_corpus)
 
     pr = sub.add_parser("prior", help="compute a model's copy-logit prior (cached; shipped for the default model)")
     pr.add_argument("--model", default="default")

@@ -4,14 +4,18 @@ Fills a corpus with real text (the Spec-Bench questions, tokenized with the defa
 tokenizer, repeated until ``--tokens``: repetition is the worst case for a lookup, every key has a
 long chain) and times, interleaved, a full draft step (``DraftSession.draft``: automaton, corpus,
 copy-logit tree) with and without the corpus, from contexts cut out of the same text (so that the
-corpus always matches). Prints one table.
+corpus always matches). Prints one table. With ``--store redis://...``, also publishes the same
+tokens to a tenant stream in 64-token records and times a drafter replica loading it (read and
+index, ``drafter.corpora``).
 
-    PYTHONPATH=. python scripts/bench_corpus.py --tokens 1000000 --steps 2000 --budget 64
+    PYTHONPATH=. python scripts/bench_corpus.py --tokens 1000000 --steps 2000 --budget 64 \
+        --store redis://127.0.0.1:6379/0
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import statistics
@@ -41,6 +45,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--budget", type=int, default=64)
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
+    ap.add_argument("--store", default="", help="redis://... : also time loading the corpus from a tenant stream")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -92,12 +97,46 @@ def main() -> None:
         f"({corpus.nbytes() / len(corpus):.1f} B/token), indexed in {index_s:.2f} s "
         f"({index_s / len(corpus) * 1e6:.2f} us/token); streamed 4-token chunks: {chunk_us:.1f} us each"
     )
+    if args.store:
+        print(asyncio.run(load_time(args.store, docs, args.tokens)))
     print(f"draft step, budget {args.budget}, {args.steps} steps interleaved (ms):")
     print("| | p50 | p99 | max | corpus nodes (median) |")
     print("|---|---|---|---|---|")
     for name, xs in times.items():
         nodes = statistics.median(corpus_nodes) if name == "with corpus" else 0
         print(f"| {name} | {percentile(xs, 0.5):.3f} | {percentile(xs, 0.99):.3f} | {max(xs):.3f} | {nodes:g} |")
+
+
+async def load_time(url: str, docs, tokens: int, chunk: int = 64) -> str:
+    from common.store import open_store
+    from drafter.corpora import Corpora, encode, epoch_key, stream_key
+
+    store = open_store(url)
+    tenant = "bench-corpus-load"
+    await store.xdelete(stream_key(tenant))
+    await store.delete(epoch_key(tenant))
+    t0 = time.perf_counter()
+    added, i, n = 0, 0, 0
+    while added < tokens:
+        d = docs[i % len(docs)]
+        i += 1
+        for j in range(0, len(d), chunk):
+            await store.xadd(stream_key(tenant), encode(0, 1, i, d[j : j + chunk]), tokens)
+            n += 1
+        added += len(d)
+    write_s = time.perf_counter() - t0
+    corpora = Corpora(tokens, store=store)
+    t0 = time.perf_counter()
+    await corpora.open(tenant, share=False)
+    await corpora.tenants[tenant].loading
+    load_s = time.perf_counter() - t0
+    held = len(corpora.current(tenant))
+    await store.xdelete(stream_key(tenant))
+    await store.close()
+    return (
+        f"store: {n:,} records ({added:,} tokens) written in {write_s:.1f} s; a replica loaded them "
+        f"({held:,} tokens) in {load_s:.2f} s (read + decode + index, in a worker thread)"
+    )
 
 
 if __name__ == "__main__":

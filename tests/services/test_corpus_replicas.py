@@ -8,9 +8,10 @@ import pytest
 
 from common.v1 import drafter_pb2 as dpb
 from common.v1 import drafter_pb2_grpc as dgrpc
+from racer.cli import main as racer_cli
 from tests.support.corpus import drafts_after
 from tests.support.procs import Proc, reap
-from tests.support.stack import BACKEND_METADATA, prompt, wait_until
+from tests.support.stack import INTERNAL_TOKEN, prompt, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -26,12 +27,6 @@ def drafters(redis_url, tmp_path_factory):
 
 def _tokens(p: Proc, tenant: str) -> float:
     return p.metric("racer_corpus_tokens", tenant=tenant)
-
-
-def _erase(p: Proc, tenant: str) -> bool:
-    with grpc.insecure_channel(p.target) as ch:
-        req = dpb.EraseCorpusRequest(tenant=tenant)
-        return dgrpc.DrafterStub(ch).EraseCorpus(req, timeout=10, metadata=BACKEND_METADATA).existed
 
 
 CANARY = prompt(40, 60)
@@ -63,7 +58,7 @@ def test_a_response_through_one_replica_is_drafted_from_on_the_other_and_survive
     assert two.metric("racer_corpus_load_seconds_count") >= 1
 
 
-def test_opt_out_and_erase_hold_on_every_replica_and_after_a_restart(drafters):
+def test_opt_out_and_erase_hold_on_every_replica_and_after_a_restart(drafters, monkeypatch, capsys):
     one, two = drafters
     t = "erase-tenant"
     drafts_after(two.target, t, "warm", prompt(45, 4), [5])
@@ -77,7 +72,12 @@ def test_opt_out_and_erase_hold_on_every_replica_and_after_a_restart(drafters):
     drafts_after(one.target, t, "writer", prompt(49, 4), CANARY)
     wait_until(lambda: _tokens(two, t) >= len(marker) + len(CANARY) - 2, 20, "the canary on replica two")
     assert _probe(two, t, "shared") != fresh
-    assert _erase(one, t)
+    with pytest.raises(grpc.RpcError) as refused, grpc.insecure_channel(one.target) as ch:
+        dgrpc.DrafterStub(ch).EraseCorpus(dpb.EraseCorpusRequest(tenant=t), timeout=10)  # no internal token
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    monkeypatch.setenv("RACER_INTERNAL_TOKEN", INTERNAL_TOKEN)
+    assert racer_cli(["erase-corpus", t, "--target", one.target]) == 0  # the operator's command
+    assert "erased" in capsys.readouterr().out
     wait_until(lambda: _tokens(two, t) == 0, 20, "the erase on replica two")
     assert _probe(two, t, "erased") == fresh
     two.kill()
