@@ -16,6 +16,7 @@ Two runs:
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -229,6 +230,12 @@ def main(args) -> int:
                 p1 = next(r for r in rows if r["group"] == "pass 1" and r["budget"] == b)
                 p2 = next(r for r in rows if r["group"] == "pass 2" and r["budget"] == b)
                 print(f"C={b}: pass 2 / pass 1 MAT with the corpus: {p2['mat_on'] / p1['mat_on']:.2f}")
+        if args.json:
+            with open(f"{args.json}.{run}.jsonl", "w") as f:
+                for i, r in enumerate(results):
+                    rec = dict(r.__dict__, tokens=r.tokens)
+                    del rec["output"]
+                    f.write(json.dumps(dict(rec, order=i)) + "\n")
         if not all(r.identical for r in results):
             print("outputs differ with the corpus on and off", file=sys.stderr)
             status = 1

@@ -451,6 +451,7 @@ def main(argv=None) -> int:
     bc.add_argument("--corpus-tokens", type=int, default=1 << 20, help="the tenant corpus bound")
     bc.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's, all cores)")
     bc.add_argument("--hf", action="store_true", help="also compare every output with Hugging Face greedy decoding")
+    bc.add_argument("--json", default=None, help="also write one record per session to JSON.RUN.jsonl")
     bc.set_defaults(func=lambda a: __import__("racer.bench_corpus", fromlist=["x"]).main(a))
 
     bn = sub.add_parser("bench-snapshot", help="size and save/restore time of a full drafter session snapshot")
