@@ -34,6 +34,7 @@ from .tree import DraftTree
 log = logging.getLogger("racer.drafter")
 
 MAX_BUDGET = 4096
+MAX_CORPUS_TOKENS = 1 << 26  # a tenant corpus bound (~3 GB at 45 bytes a token)
 
 
 @dataclass
@@ -169,7 +170,11 @@ class Drafter(Holder):
         s.extend(history[have:plain_end])
         if plain_end < len(history):
             s.extend(history[plain_end:], rows[plain_end - first_row :])
-        _check(req.corpus_tokens >= 0, Status.INVALID_ARGUMENT, f"open.corpus_tokens: {req.corpus_tokens}")
+        _check(
+            0 <= req.corpus_tokens <= MAX_CORPUS_TOKENS,
+            Status.INVALID_ARGUMENT,
+            f"open.corpus_tokens: {req.corpus_tokens}, expected 0 (the default) .. {MAX_CORPUS_TOKENS}",
+        )
         if entry.response is not None:
             self.corpora.finish(entry.response)
         entry.corpus_on = req.corpus and self.corpora.enabled

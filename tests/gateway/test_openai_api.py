@@ -80,6 +80,11 @@ def test_fields_map_to_the_request():
     assert new.request.session_id == "" and new.keep_session and new.request.input == "text"
     ids = api.parse({"model": "m", "prompt": [[1, 2, 3]]}, chat=False)
     assert ids.request.input == "prompt_ids" and ids.request.prompt_ids == (1, 2, 3)
+    assert ids.request.share  # a turn goes into the tenant corpus unless it says otherwise
+    assert not api.parse({"model": "m", "prompt": "hi", "share": False}, chat=False).request.share
+    with pytest.raises(api.ApiError) as e:
+        api.parse({"model": "m", "prompt": "hi", "share": "no"}, chat=False)
+    assert e.value.status == 400 and e.value.body["error"]["param"] == "share"
 
 
 ALPHABET = "ab c"

@@ -198,3 +198,14 @@ def test_tenant_limits_file(tmp_path):
         f.write_text(bad)
         with pytest.raises(ValueError, match=msg):
             load_tenant_limits(str(f))
+
+
+def test_the_limits_file_sets_a_tenants_corpus(tmp_path):
+    f = tmp_path / "limits.toml"
+    f.write_text("[default]\ncorpus_tokens = 5000\n[tenants.quiet]\nshare = false\n")
+    limits = load_tenant_limits(str(f))
+    assert limits.of("quiet").share is False and limits.of("quiet").corpus_tokens == 5000
+    assert limits.of("other").share is True
+    f.write_text("[tenants.quiet]\nshare = 0\n")
+    with pytest.raises(ValueError, match="share"):
+        load_tenant_limits(str(f))
