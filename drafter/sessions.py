@@ -143,6 +143,11 @@ class Drafter(Holder):
         _check(all(t >= 0 for t in req.history_topk), Status.INVALID_ARGUMENT, "open.history_topk: negative token id")
         n_rows = len(req.history_topk) // k
         _check(n_rows <= len(history), Status.INVALID_ARGUMENT, "open.history_topk: more rows than history tokens")
+        _check(
+            0 <= req.corpus_tokens <= MAX_CORPUS_TOKENS,
+            Status.INVALID_ARGUMENT,
+            f"open.corpus_tokens: {req.corpus_tokens}, expected 0 (the default) .. {MAX_CORPUS_TOKENS}",
+        )
         entry = self.sessions.get((req.tenant, req.session_id))
         if entry is not None:
             _check(not entry.streaming, Status.ABORTED, f"session {req.session_id}: another stream is open on it")
@@ -170,11 +175,6 @@ class Drafter(Holder):
         s.extend(history[have:plain_end])
         if plain_end < len(history):
             s.extend(history[plain_end:], rows[plain_end - first_row :])
-        _check(
-            0 <= req.corpus_tokens <= MAX_CORPUS_TOKENS,
-            Status.INVALID_ARGUMENT,
-            f"open.corpus_tokens: {req.corpus_tokens}, expected 0 (the default) .. {MAX_CORPUS_TOKENS}",
-        )
         if entry.response is not None:
             self.corpora.finish(entry.response)
         entry.corpus_on = req.corpus and self.corpora.enabled
