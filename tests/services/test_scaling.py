@@ -105,11 +105,13 @@ def _pcts(values: list[float]) -> str:
 
 
 def report(turns: list[Turn], window: tuple[float, float], moved: dict, reprefilled: float) -> str:
-    """The figures: turns by phase (overlapping the scaling events or not), TTFT and TPOT p50/p99."""
+    """The figures: turns by phase (before, overlapping and after the scaling events), TTFT and
+    time per output token p50/p99."""
     rows = []
     for phase, sel in (
-        ("steady", [t for t in turns if t.end and (t.end < window[0] or t.start > window[1])]),
-        ("scaling", [t for t in turns if t.end and not (t.end < window[0] or t.start > window[1])]),
+        ("steady before (2 verifiers, 2 drafters)", [t for t in turns if t.end and t.end < window[0]]),
+        ("during the events", [t for t in turns if t.end and not (t.end < window[0] or t.start > window[1])]),
+        ("steady after (1 verifier, 1 drafter)", [t for t in turns if t.end and t.start > window[1]]),
     ):
         ttft = [t.first - t.start for t in sel]
         tpot = [(t.end - t.first) / (len(t.ids) - 1) for t in sel if len(t.ids) > 1]
