@@ -28,6 +28,11 @@ class Status(enum.Enum):
     UNKNOWN = "UNKNOWN"
 
 
+# The first word of the UNAVAILABLE a drafter or verifier answers while it shuts down: the caller
+# moves the session to another replica (nothing failed), and does not count it as a lost stream.
+DRAINING = "draining"
+
+
 class Abort(Exception):
     """Ends the call with ``code`` and ``message``."""
 
@@ -40,3 +45,8 @@ def check(cond: bool, code: Status, message: str) -> None:
     """``Abort(code, message)`` unless ``cond``."""
     if not cond:
         raise Abort(code, message)
+
+
+def draining(kind: str) -> Abort:
+    """What a backend shutting down answers to a request it will not serve."""
+    return Abort(Status.UNAVAILABLE, f"{DRAINING}: this {kind} is shutting down; continue on another one")

@@ -6,7 +6,7 @@ import time
 
 from opentelemetry import trace
 
-from common.errors import Abort, Status
+from common.errors import Abort, Status, draining
 from common.errors import check as _check
 from common.v1 import drafter_pb2 as pb
 from common.v1 import drafter_pb2_grpc as pb_grpc
@@ -20,12 +20,18 @@ tracer = trace.get_tracer("racer.drafter")
 class DrafterService(pb_grpc.DrafterServicer):
     def __init__(self, drafter: Drafter):
         self.drafter = drafter
+        # Set on SIGTERM: a request that arrives from then on is refused (UNAVAILABLE, draining)
+        # once the session's snapshot is in the store, so the next drafter restores it from there.
+        self.draining = False
 
     async def Session(self, request_iterator, context):
         d = self.drafter
         entry: Entry | None = None
         try:
             async for req in request_iterator:
+                if self.draining:
+                    await d.flush()  # this session's snapshot written before the gateway moves it
+                    raise draining("drafter")
                 t0 = time.perf_counter()
                 kind = req.WhichOneof("kind")
                 if kind == "open":

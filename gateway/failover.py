@@ -3,6 +3,13 @@
 A stream lost mid-turn is reopened on the next endpoint with the committed tokens (``FAILOVERS``
 times per kind and turn at most); when every endpoint of a kind has failed, the turn waits up to
 ``reconnect`` seconds for one to come back (a restarted pod) before it fails with UNAVAILABLE.
+
+A backend that shuts down ends its streams on purpose (UNAVAILABLE, ``draining``) after the round
+in flight: the session moves at its next round (a verifier re-prefills it from the history, a
+drafter restores its snapshot), which is no failure and does not count against ``FAILOVERS``.
+A session stays on its verifier while that one is up and not draining; a new session (or one whose
+verifier is gone) goes to the least saturated verifier, as the verifiers report it to every gateway
+(``Backends.refresh_loads``).
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from common.errors import Abort, Status
 from common.loop import Rounds
 
 from . import metrics as M
-from .links import DrafterLink, Feedback, Lost, Opened, Tree, Verified, VerifierLink
+from .links import DrafterLink, Feedback, Load, Lost, Opened, Tree, Verified, VerifierLink
 from .records import Record
 
 log = logging.getLogger("racer.gateway")
@@ -45,6 +52,8 @@ class TurnLinks:
         self.abort_code = Status.UNAVAILABLE  # ABORTED when the session's lease was lost
         self.waiting: dict[str, float] = {}  # kind -> when to stop waiting for one to come back
         self.corpus: dict = {}  # the tenant corpus for the drafter's open: share, corpus, corpus_tokens
+        # kind -> why the session is leaving its backend (drain, lost, full, unreachable); None: it is not
+        self.leaving: dict[str, str | None] = {"drafter": None, "verifier": None}
 
     def check_abort(self) -> None:
         if self.abort:
@@ -63,9 +72,7 @@ class TurnLinks:
             if kind == "drafter":
                 ranked = eps.ranked(self.record.session_id, exclude=self.failed[kind])
             else:
-                live = [e for e in eps.live() if e not in self.failed[kind] and e not in self.full]
-                sticky = self.record.verifier
-                ranked = sorted(live, key=lambda e: (e != sticky, gw.backends.verifier_load.get(e, 0)))
+                ranked = await self._verifiers([e for e in eps.live() if e not in self.failed[kind] | self.full])
             if ranked:
                 return ranked
             if kind == "verifier" and self.full and not self.failed[kind]:
@@ -89,6 +96,21 @@ class TurnLinks:
             self.failed[kind].clear()
             await eps.refresh(force=True)
 
+    async def _verifiers(self, live: list[str]) -> list[str]:
+        """The session's own verifier while it is up and not draining; else every live verifier,
+        least saturated first (by their reports, which count every gateway's sessions)."""
+        backends = self.gw.backends
+        sticky = self.record.verifier
+        if sticky in live and not backends.loads.get(sticky, Load()).draining:
+            return [sticky]
+        loads = await backends.refresh_loads(backends.verifiers.live())
+
+        def key(e: str):
+            load = loads.get(e) or Load()  # not asked yet (it just appeared): nothing on it
+            return (load.silent, load.draining, load.rank(), backends.verifier_load.get(e, 0))
+
+        return sorted(live, key=key)
+
     async def open_verifier(self) -> Opened:
         """A verifier stream holding the committed tokens; its next token is the root again (greedy)."""
         gw, rec = self.gw, self.record
@@ -103,18 +125,35 @@ class TurnLinks:
                 if isinstance(e, Abort) and e.code == Status.RESOURCE_EXHAUSTED:
                     self.full.add(ep)  # that verifier has no room: another may
                     self.last_error["verifier"] = f"{ep}: {e.message}"
+                    if ep == rec.verifier:
+                        self.leaving["verifier"] = "full"
                     continue
                 if isinstance(e, Abort):
                     raise
+                if ep == rec.verifier:
+                    self.leaving["verifier"] = "drain" if e.draining else "unreachable"
                 self._unreachable("verifier", e)
                 continue
             self.verifier = link
             self.waiting.pop("verifier", None)
+            if rec.verifier != ep:
+                gw.backends.placed(ep)
             if rec.verifier and rec.verifier != ep:
+                reason = self.leaving["verifier"] or "gone"  # gone: not among the verifiers when the turn began
+                reprefilled = len(self.rounds.committed) - opened.reused_tokens
+                M.SESSIONS_MOVED.labels("verifier", reason).inc()
+                M.REPREFILLED_TOKENS.inc(reprefilled)
                 log.info(
                     "session moved to another verifier",
-                    extra={"session_id": rec.session_id, "from": rec.verifier, "to": ep},
+                    extra={
+                        "session_id": rec.session_id,
+                        "from": rec.verifier,
+                        "to": ep,
+                        "reason": reason,
+                        "reprefilled_tokens": reprefilled,
+                    },
                 )
+            self.leaving["verifier"] = None
             rec.verifier = ep
             if opened.cost is not None:
                 self.cost = opened.cost
@@ -148,6 +187,9 @@ class TurnLinks:
                 continue
             self.drafter = link
             self.waiting.pop("drafter", None)
+            if self.leaving["drafter"] is not None:
+                M.SESSIONS_MOVED.labels("drafter", self.leaving["drafter"]).inc()
+                self.leaving["drafter"] = None
             self.draft_ms += elapsed_ms
             if rounds.budget == 0 and not adaptive:
                 rounds.budget = DEFAULT_BUDGET
@@ -171,14 +213,22 @@ class TurnLinks:
         (self.gw.backends.drafters if kind == "drafter" else self.gw.backends.verifiers).mark_down(e.endpoint)
 
     def _lost(self, kind: str, e: Lost) -> None:
-        """A stream broke mid-turn: fail over (a few times per turn at most)."""
+        """A stream broke mid-turn: fail over (a few times per turn at most). One its backend ended
+        because it is draining moves the session, with no limit (each drain excludes one backend)."""
         self.check_abort()
+        self._exclude(kind, e)
+        self.leaving[kind] = "drain" if e.draining else "lost"
+        if e.draining:
+            log.info(
+                f"{kind} draining; moving the session",
+                extra={"session_id": self.record.session_id, "endpoint": e.endpoint},
+            )
+            return
         log.warning(
             f"{kind} lost; failing over",
             extra={"session_id": self.record.session_id, "endpoint": e.endpoint, "error": e.error},
         )
         M.FAILOVERS.labels(kind).inc()
-        self._exclude(kind, e)
         self.lost[kind] += 1
         if self.lost[kind] > FAILOVERS:
             raise Abort(

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
 import grpc
 
 from common import tracing
-from common.errors import Abort, Status
+from common.errors import DRAINING, Abort, Status
 from common.v1 import common_pb2 as cpb
 from common.v1 import drafter_pb2 as dpb
 from common.v1 import drafter_pb2_grpc as dgrpc
@@ -42,10 +43,11 @@ Cost = tuple[tuple[int, ...], tuple[float, ...]]  # a verifier's cost curve: tre
 
 
 class Lost(Exception):
-    """A drafter or verifier stream broke in a way another replica can repair."""
+    """A drafter or verifier stream broke in a way another replica can repair. ``draining``: the
+    backend is shutting down and ended the stream on purpose (the session moves; nothing failed)."""
 
-    def __init__(self, endpoint: str, error: str):
-        self.endpoint, self.error = endpoint, error
+    def __init__(self, endpoint: str, error: str, draining: bool = False):
+        self.endpoint, self.error, self.draining = endpoint, error, draining
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class Opened:
     topk_width: int
     cost: Cost | None  # None: not measured
     elapsed_ms: float
+    reused_tokens: int = 0  # of the history, found in the verifier's cache (the rest was prefilled)
 
 
 @dataclass(frozen=True)
@@ -137,7 +140,8 @@ class _Link:
                 extra={"endpoint": self.endpoint, "code": code.name, "details": details},
             )
             return Abort(Status.INTERNAL, "the gateway could not authenticate to its backends; see the gateway log")
-        return Lost(self.endpoint, f"{code}: {details}")
+        draining = code == grpc.StatusCode.UNAVAILABLE and (details or "").startswith(DRAINING)
+        return Lost(self.endpoint, f"{code}: {details}", draining)
 
     async def close(self, cancel: bool = False) -> None:
         if cancel:
@@ -225,21 +229,40 @@ class VerifierLink(_Link):
         )
         resp = await self.ask(vpb.VerifyRequest(open=op))
         cost = (tuple(resp.cost.sizes), tuple(resp.cost.ms)) if resp.cost.sizes else None
-        return Opened(resp.next_token, list(resp.topk), resp.topk_width, cost, resp.elapsed_ms)
+        return Opened(resp.next_token, list(resp.topk), resp.topk_width, cost, resp.elapsed_ms, resp.reused_tokens)
 
     async def verify(self, tokens: list[int], parents: list[int]) -> Verified:
         resp = await self.ask(vpb.VerifyRequest(tree=vpb.VerifyTree(tokens=tokens, parents=parents)))
         return Verified(list(resp.accepted), resp.next_token, list(resp.topk), resp.batch_rows, resp.elapsed_ms)
 
 
+@dataclass
+class Load:
+    """What a verifier last said of its load (``Stats``), and the sessions placed on it since."""
+
+    saturation: float = 0.0  # verifier/load.py: 1 = saturated
+    streaming: int = 0  # streams open on it, from every gateway
+    draining: bool = False
+    placed: int = 0  # sessions this gateway opened on it since that report
+    silent: bool = False  # did not answer the last poll (not up yet, or going): tried after the others
+
+    def rank(self) -> tuple[float, int]:
+        """Lower is better: saturation in steps of 0.1, then streams (those placed since included)."""
+        return (int(self.saturation * 10) / 10, self.streaming + self.placed)
+
+
 class Backends:
     """The drafters and verifiers of one gateway, and how to reach them."""
 
-    def __init__(self, drafters: Endpoints, verifiers: Endpoints, timeout_s: float):
+    def __init__(self, drafters: Endpoints, verifiers: Endpoints, timeout_s: float, load_every: float = 1.0):
         self.drafters = drafters
         self.verifiers = verifiers
         self.timeout_s = timeout_s  # a message without an answer this long: the stream is lost
         self.verifier_load: dict[str, int] = {}  # endpoint -> turns streaming to it from this gateway
+        self.load_every = load_every  # seconds a verifier's load report is used before it is asked again
+        self.loads: dict[str, Load] = {}  # endpoint -> its last report (every gateway's sessions counted)
+        self._loads_at = float("-inf")
+        self._polling: asyncio.Task | None = None
 
     def opened(self, verifier: str) -> None:
         """A turn's stream to ``verifier`` is open: new sessions prefer the verifiers with fewer."""
@@ -247,6 +270,37 @@ class Backends:
 
     def closed(self, verifier: str) -> None:
         self.verifier_load[verifier] -= 1
+
+    def placed(self, verifier: str) -> None:
+        """A new session went to ``verifier``: counted until its next report, so that sessions
+        placed between two reports spread out instead of all taking the same one."""
+        self.loads.setdefault(verifier, Load()).placed += 1
+
+    async def refresh_loads(self, endpoints: list[str]) -> dict[str, Load]:
+        """Every verifier's load as it reports it, asked again after ``load_every`` seconds (one
+        poll at a time; a verifier that does not answer within a second ranks after those that
+        did). The reports count all gateways' sessions, not only this one's."""
+        if time.monotonic() - self._loads_at >= self.load_every:
+            if self._polling is None or self._polling.done():
+                self._polling = asyncio.ensure_future(self._poll(list(endpoints)))
+            await asyncio.shield(self._polling)
+        return self.loads
+
+    async def _poll(self, endpoints: list[str]) -> None:
+        async def ask(ep: str):
+            stub = vgrpc.VerifierStub(self.verifiers.channel(ep))
+            return await stub.Stats(vpb.VerifierStatsRequest(), timeout=1.0, metadata=self.verifiers.metadata)
+
+        results = await asyncio.gather(*(ask(ep) for ep in endpoints), return_exceptions=True)
+        self._loads_at = time.monotonic()
+        for ep, res in zip(endpoints, results):
+            if isinstance(res, Exception):
+                self.loads.setdefault(ep, Load()).silent = True  # its last report stays, for a tie
+                continue
+            self.loads[ep] = Load(res.saturation, res.streaming, res.draining)
+        for ep in list(self.loads):
+            if ep not in endpoints:
+                del self.loads[ep]
 
     def drafter(self, endpoint: str) -> DrafterLink:
         call = dgrpc.DrafterStub(self.drafters.channel(endpoint)).Session(metadata=self.drafters.metadata)

@@ -40,6 +40,15 @@ ENDPOINTS = Gauge(
 )
 ACTIVE_STREAMS = Gauge("racer_active_streams", "Generate streams in flight")
 FAILOVERS = Counter("racer_failovers", "Drafter or verifier streams lost mid-turn and reopened elsewhere", ["kind"])
+SESSIONS_MOVED = Counter(
+    "racer_sessions_moved",
+    "Sessions that continued on another drafter or verifier, by why they left: drain (it shut down), "
+    "lost (its stream broke), full, unreachable (at open), gone (no longer among the endpoints)",
+    ["kind", "reason"],
+)
+REPREFILLED_TOKENS = Counter(
+    "racer_reprefilled_tokens", "History tokens prefilled again on the verifier a session moved to"
+)
 CORRUPT_RECORDS = Counter(
     "racer_session_records_corrupt", "Session records read from the store that failed validation (each read counts)"
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from types import SimpleNamespace
 
 from common.identity import PeerAuthInterceptor, load_tokens, require_peer_auth
@@ -79,6 +80,8 @@ async def start_drafter(args) -> tuple[Server, object]:
     async def drain(grace: float):
         for t in tasks:
             t.cancel()
+        svc.draining = True  # streams end at their next step, each after its snapshot is written
+        await _streams_ended(core.sessions.streaming, grace)
         await core.flush()
 
     async def closed():
@@ -155,6 +158,10 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
     async def drain(grace: float):
         for t in tasks:
             t.cancel()
+        svc.draining = True  # no new session; streams end after their round in flight (they move)
+        t0 = time.monotonic()
+        left = await _streams_ended(core.streaming, grace)
+        log.info("drained", extra={"seconds": round(time.monotonic() - t0, 3), "streams_left": left})
 
     async def closed():  # after the last RPC: the model thread finishes its job and ends
         await asyncio.to_thread(core.model_thread.close)
@@ -171,7 +178,19 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
     )
     tasks.append(asyncio.ensure_future(janitor(core.expire, min(30.0, args.session_ttl))))
     tasks.append(asyncio.ensure_future(watch_model_thread(core, srv)))
+    from verifier import load
+    from verifier import metrics as VM
+
+    VM.SATURATION.set_function(lambda: load.of(core))
     return srv, core
+
+
+async def _streams_ended(streaming, grace: float) -> int:
+    """Waits (at most ``grace`` seconds) until ``streaming()`` is 0; returns what is left."""
+    deadline = time.monotonic() + grace
+    while streaming() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    return streaming()
 
 
 async def watch_model_thread(core, srv: Server) -> None:

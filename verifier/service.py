@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from opentelemetry import trace
 
-from common.errors import Abort, Status
+from common.errors import Abort, Status, draining
 from common.v1 import common_pb2 as cpb
 from common.v1 import verifier_pb2 as pb
 from common.v1 import verifier_pb2_grpc as pb_grpc
 
+from . import load
 from .sessions import Entry, Open, Verifier
 
 tracer = trace.get_tracer("racer.verifier")
@@ -17,12 +18,18 @@ tracer = trace.get_tracer("racer.verifier")
 class VerifierService(pb_grpc.VerifierServicer):
     def __init__(self, verifier: Verifier):
         self.verifier = verifier
+        # Set on SIGTERM: every request that arrives from then on is refused (UNAVAILABLE, draining),
+        # while those already being served finish: a stream ends after its round in flight and the
+        # gateway re-opens the session on another verifier (re-prefill from the history).
+        self.draining = False
 
     async def Session(self, request_iterator, context):
         v = self.verifier
         entry: Entry | None = None
         try:
             async for req in request_iterator:
+                if self.draining:
+                    raise draining("verifier")
                 kind = req.WhichOneof("kind")
                 if kind == "open":
                     if entry is not None:
@@ -92,4 +99,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             ],
             cache_tokens=self.verifier.cache_tokens,
             cost=self._cost_curve(),
+            saturation=load.of(self.verifier),
+            streaming=self.verifier.streaming(),
+            draining=self.draining,
         )

@@ -104,11 +104,17 @@ class VerifierSessionStats(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., cache_tokens: _Optional[int] = ..., streaming: _Optional[bool] = ..., idle_seconds: _Optional[float] = ...) -> None: ...
 
 class VerifierStatsResponse(_message.Message):
-    __slots__ = ("sessions", "cache_tokens", "cost")
+    __slots__ = ("sessions", "cache_tokens", "cost", "saturation", "streaming", "draining")
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
+    SATURATION_FIELD_NUMBER: _ClassVar[int]
+    STREAMING_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     sessions: _containers.RepeatedCompositeFieldContainer[VerifierSessionStats]
     cache_tokens: int
     cost: _common_pb2.CostCurve
-    def __init__(self, sessions: _Optional[_Iterable[_Union[VerifierSessionStats, _Mapping]]] = ..., cache_tokens: _Optional[int] = ..., cost: _Optional[_Union[_common_pb2.CostCurve, _Mapping]] = ...) -> None: ...
+    saturation: float
+    streaming: int
+    draining: bool
+    def __init__(self, sessions: _Optional[_Iterable[_Union[VerifierSessionStats, _Mapping]]] = ..., cache_tokens: _Optional[int] = ..., cost: _Optional[_Union[_common_pb2.CostCurve, _Mapping]] = ..., saturation: _Optional[float] = ..., streaming: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...

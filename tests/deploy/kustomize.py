@@ -18,10 +18,11 @@ Supported (kustomize v5 semantics):
   suffix follows the content and that every reference points at the generated object.
 - `patches` given by `path`: strategic-merge patches (the object to patch named by the patch's kind
   and metadata.name), with the Kubernetes merge keys of pod templates (containers by name, env by
-  name, volumes by name, volumeMounts by mountPath, ports by containerPort); other lists replace.
+  name, volumes by name, volumeMounts by mountPath, ports by containerPort); other lists replace;
+  a null value removes the field; `$patch: delete` at the top of a patch removes the object.
 
-Anything else in a kustomization (a new field, `target:` patches, `$patch` directives, ...) raises
-`Unsupported`, so a kustomization can never use a feature this renderer would silently ignore.
+Anything else in a kustomization (a new field, `target:` patches, other `$patch` directives, ...)
+raises `Unsupported`, so a kustomization can never use a feature this renderer would silently ignore.
 """
 
 from __future__ import annotations
@@ -205,6 +206,9 @@ def _apply_patch(resources: list[_Resource], patch: dict, where: str) -> None:
     matches = [r for r in resources if r.key == (kind, name)]
     if len(matches) != 1:
         raise Unsupported(f"{where}: patch for {kind}/{name} matches {len(matches)} objects")
+    if patch.get("$patch") == "delete":
+        resources.remove(matches[0])
+        return
     matches[0].obj = strategic_merge(matches[0].obj, patch)
 
 
