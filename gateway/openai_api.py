@@ -73,10 +73,20 @@ ROLES = ("system", "user", "assistant")
 class ApiError(Exception):
     """An error this API answers with: its HTTP status and the OpenAI error object."""
 
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+        # Retry-After in whole seconds (RFC 9110); the openai clients honour it on a 429
+        self.headers = {"Retry-After": str(math.ceil(retry_after))} if retry_after is not None else {}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -88,7 +98,7 @@ def from_abort(e: Abort) -> ApiError:
     head = re.match(r"[a-z_.]*", e.message).group()
     param = _PARAM.get(head, head)
     param = param if param in _PARAMS else None
-    return ApiError(status, e.message, type_, param, _CODE.get(e.code, e.code.name.lower()))
+    return ApiError(status, e.message, type_, param, _CODE.get(e.code, e.code.name.lower()), e.retry_after)
 
 
 def model_not_found(model: str, served: str) -> ApiError:

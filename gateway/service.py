@@ -12,6 +12,7 @@ from common.v1 import generation_pb2 as pb
 from common.v1 import generation_pb2_grpc as pb_grpc
 
 from . import metrics as M
+from .admission import Queued
 from .core import Gateway
 from .records import Record
 from .requests import Request
@@ -28,8 +29,9 @@ class GatewayService(pb_grpc.GenerationServicer):
             tenant = gw.tenant(context.invocation_metadata())
             # a large request (up to the message limit) is copied out of protobuf off the event loop
             req = _request(request) if request.ByteSize() <= 64 * 1024 else await asyncio.to_thread(_request, request)
-            async for item in gw.generate(tenant, req):
-                yield _response(item)
+            async for item in gw.generate(tenant, req, context.time_remaining()):
+                if not isinstance(item, Queued):  # a gRPC stream needs no keep-alive of its own
+                    yield _response(item)
 
     async def GetSession(self, request, context):
         gw = self.gateway
