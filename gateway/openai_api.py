@@ -153,9 +153,17 @@ def _kind_names(kinds) -> str:
 
 def _number(body: dict, name: str, lo: float, hi: float) -> float | None:
     v = _get(body, name, (int, float))
-    if v is not None and not (math.isfinite(v) and lo <= v <= hi):
-        raise bad_request(f"{name}: {v}, expected {lo}..{hi}", name)
+    # compared, not converted: an integer too large for a float is out of range too (nan and
+    # infinities compare false)
+    if v is not None and not (lo <= v <= hi):
+        raise bad_request(f"{name}: {_short(v)}, expected {lo}..{hi}", name)
     return v
+
+
+def _short(v) -> str:
+    """A number as the caller sent it, cut to 32 characters (it may have thousands of digits)."""
+    text = repr(v)
+    return text if len(text) <= 32 else f"{text[:29]}..."
 
 
 def _unsupported(body: dict, **defaults) -> None:

@@ -135,7 +135,14 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
 def _json(raw: bytes):
     """The body as JSON (RFC 8259: UTF-8); whatever it holds, a 400 if it is not JSON this server reads."""
     try:
-        return json.loads(raw.decode("utf-8"))
+        body = json.loads(raw.decode("utf-8"))
+        if b"\\u" in raw:  # an escape may be a lone surrogate: no text to tokenize
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        return body
+    except UnicodeEncodeError:
+        raise api.bad_request(
+            "the request body is not valid JSON text: it holds a lone surrogate (\\ud800-\\udfff)"
+        ) from None
     except UnicodeDecodeError as e:
         raise api.bad_request(f"the request body is not valid UTF-8 (byte {e.start})") from None
     except RecursionError:
