@@ -226,6 +226,14 @@ SERVICE = {
             int,
         ),
         Setting(
+            "--prefill-batch",
+            "RACER_PREFILL_BATCH",
+            16,
+            "prompts of waiting sessions prefilled together in one forward (of at most --prefill-chunk tokens "
+            "in all); 1: one prompt per forward",
+            int,
+        ),
+        Setting(
             "--stall-seconds",
             "RACER_STALL_SECONDS",
             60.0,

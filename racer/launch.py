@@ -141,6 +141,7 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
         max_waiting=args.admission_queue,
         wait_seconds=args.admission_wait_seconds,
         stall_seconds=args.stall_seconds,
+        prefill_batch=args.prefill_batch,
     )
     log.info(
         "KV budget",
