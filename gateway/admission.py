@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
@@ -56,6 +57,7 @@ class Queued:
     session_id: str
     ahead: int
     waited_s: float
+    since: float = 0.0  # time.monotonic() when the wait began
 
 
 class TurnsFull(Abort):
@@ -111,14 +113,14 @@ class TurnQueue:
             raise refusal
         bound = self.cfg.wait_s if deadline_s is None else min(self.cfg.wait_s, deadline_s)
         loop_time = asyncio.get_running_loop().time
-        start = loop_time()
+        start, began = loop_time(), time.monotonic()
         w = _Waiter()
         q.append(w)
         M.QUEUE_WAITERS.labels(tenant).set(len(q))
         self._listen()
         admitted = False
         try:
-            yield Queued(session_id, len(q) - 1, 0.0)
+            yield Queued(session_id, len(q) - 1, 0.0, began)
             next_report = start + self.cfg.keepalive_s
             while True:
                 if self.stopping:
@@ -142,7 +144,7 @@ class TurnQueue:
                     await asyncio.wait_for(w.wake.wait(), timeout)
                 if loop_time() >= next_report:
                     next_report = loop_time() + self.cfg.keepalive_s
-                    yield Queued(session_id, q.index(w), loop_time() - start)
+                    yield Queued(session_id, q.index(w), loop_time() - start, began)
         finally:
             M.QUEUE_WAIT_SECONDS.observe(loop_time() - start)
             q.remove(w)

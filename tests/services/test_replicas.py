@@ -285,6 +285,10 @@ def test_load_with_two_tenants_through_two_gateways(env, tiny_llama):
     # acme (tenant1: sessions=3, turns=1) meets its quotas; globex (tenant2) is never refused
     assert set(report.errors) <= {"RESOURCE_EXHAUSTED"} and set(report.tenant_errors) <= {"tenant1"}
     assert report.tenant_errors.get("tenant1"), "acme's quota was never reached: the test could not fail"
+    # acme's turns=1: its concurrent turns waited for the slot rather than being refused, and said so
+    assert report.queued_turns > 0 and report.queue_ms["p50"] > 0 and "queued" in report.format()
+    assert report.refused == report.errors.get("RESOURCE_EXHAUSTED", 0)
+    assert all("turns=1" not in t.error for run in report.runs for t in run.turns)
     prompts = make_prompts(sessions, turns, 3, 96, plen)
     done = 0
     for i, run in enumerate(report.runs):
