@@ -518,3 +518,14 @@ def test_six_turns_over_a_quota_of_two_all_finish_as_alone_and_another_tenant_go
     finally:
         h.release()
         h.st.stop()
+
+
+def test_without_api_keys_no_per_tenant_cap_limits_the_service(stack, loop_thread, tiny_llama, tok):
+    """One local tenant: its caps would be the whole service's. With keys they stay as set."""
+    gw = stack.gateway_pair[1]
+    assert gw.limits.max_sessions_per_tenant == 32 and gw.quotas.limits.of(TENANT).turns == 32
+    h = Held(loop_thread, tiny_llama, tok)
+    try:
+        assert h.gw.limits.max_sessions_per_tenant == 0 and h.gw.quotas.limits.of("local").turns == 0
+    finally:
+        h.st.stop()
