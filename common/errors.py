@@ -34,11 +34,13 @@ DRAINING = "draining"
 
 
 class Abort(Exception):
-    """Ends the call with ``code`` and ``message``."""
+    """Ends the call with ``code`` and ``message``; ``retry_after``: seconds after which a retry may
+    succeed (an HTTP ``Retry-After``; on gRPC, trailing metadata and a ``google.rpc.RetryInfo`` detail)."""
 
-    def __init__(self, code: Status, message: str):
+    def __init__(self, code: Status, message: str, retry_after: float | None = None):
         super().__init__(f"{code.name}: {message}")
         self.code, self.message = code, message
+        self.retry_after = retry_after
 
 
 def check(cond: bool, code: Status, message: str) -> None:

@@ -20,6 +20,8 @@ import time
 from typing import Awaitable, Callable
 
 import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -56,7 +58,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                         async for response in responses:
                             yield response
                 except Abort as e:
-                    await context.abort(grpc.StatusCode[e.code.name], e.message)
+                    await _abort(context, e)
                 except grpc.aio.AbortError:  # the handler aborted the call itself
                     raise
                 except Exception:  # noqa: BLE001 - a bug: logged here, generic to the caller
@@ -68,7 +70,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     return await behavior(request, context)
                 except Abort as e:
-                    await context.abort(grpc.StatusCode[e.code.name], e.message)
+                    await _abort(context, e)
                 except grpc.aio.AbortError:
                     raise
                 except Exception:  # noqa: BLE001
@@ -80,6 +82,27 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return make(
             call, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
         )
+
+
+async def _abort(context, e: Abort) -> None:
+    """Ends the call with ``e``'s status; a retry hint travels as trailing metadata (``retry-after``
+    in seconds, as in HTTP, and ``grpc-retry-pushback-ms``, which gRPC's own retry policy honours)
+    and as a ``google.rpc.RetryInfo`` in the status details (``grpc-status-details-bin``)."""
+    code = grpc.StatusCode[e.code.name]
+    if e.retry_after is None:
+        await context.abort(code, e.message)
+        return
+    ms = max(1, round(e.retry_after * 1000))
+    info = error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(seconds=ms // 1000, nanos=ms % 1000 * 10**6))
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    details = status_pb2.Status(code=code.value[0], message=e.message, details=[detail]).SerializeToString()
+    md = (
+        ("retry-after", str(-(-ms // 1000))),
+        ("grpc-retry-pushback-ms", str(ms)),
+        ("grpc-status-details-bin", details),
+    )
+    await context.abort(code, e.message, md)
 
 
 def _internal(method: str) -> str:

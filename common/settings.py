@@ -241,6 +241,14 @@ SERVICE = {
             int,
         ),
         Setting(
+            "--prefill-batch",
+            "RACER_PREFILL_BATCH",
+            16,
+            "prompts of waiting sessions prefilled together in one forward (of at most --prefill-chunk tokens "
+            "in all); 1: one prompt per forward",
+            int,
+        ),
+        Setting(
             "--stall-seconds",
             "RACER_STALL_SECONDS",
             60.0,
@@ -295,9 +303,36 @@ SERVICE = {
             "--max-sessions-per-tenant",
             "RACER_MAX_SESSIONS_PER_TENANT",
             32,
-            "sessions of one tenant generating at once on one gateway; more get RESOURCE_EXHAUSTED (0: no limit); "
-            "also the default of the tenant's turns quota across all gateways (--tenant-limits)",
+            "sessions of one tenant generating at once on one gateway, and the default of the tenant's turns "
+            "quota across all gateways (--tenant-limits); more wait in the tenant's queue (0: no limit). Without "
+            "--api-keys (one local tenant) neither applies unless --tenant-limits sets turns: KV memory and the "
+            "verifiers' batch are the limits",
             int,
+        ),
+        Setting(
+            "--queue-max-waiters",
+            "RACER_QUEUE_MAX_WAITERS",
+            256,
+            "turns of one tenant that may wait on one gateway for a slot of its turns limit; more get "
+            "RESOURCE_EXHAUSTED with a retry hint at once (0: no queue)",
+            int,
+        ),
+        Setting(
+            "--queue-wait-seconds",
+            "RACER_QUEUE_WAIT_SECONDS",
+            120.0,
+            "longest wait of a turn for a slot of its tenant (sooner if the client's deadline is sooner); then "
+            "RESOURCE_EXHAUSTED with a retry hint",
+            float,
+        ),
+        Setting(
+            "--queue-poll-seconds",
+            "RACER_QUEUE_POLL_SECONDS",
+            1.0,
+            "a waiting turn at the head of its tenant's queue tries for a slot this often even without a "
+            "notice that one freed (notices come through the session store's pub/sub): the longest delay "
+            "between a freed slot and its next turn",
+            float,
         ),
         Setting(
             "--tenant-limits",

@@ -8,6 +8,7 @@ a lease (a random token under a key with a TTL: ``acquire``, ``renew``, ``releas
 compare-and-set (``fenced_set``: writes only while the lease holds the caller's token and the value
 is still the one the caller read), so a writer whose lease expired or was taken cannot overwrite.
 The Redis store runs them as Lua scripts; extra scripts (``script``) serve other atomic counters.
+Both also carry notices between their users (``publish`` and ``listen``: Redis pub/sub, at most once).
 
 Capped streams (``xadd``, ``xread``) carry what every replica must see in order, such as a
 tenant corpus; ``incr`` counts epochs.
@@ -15,6 +16,8 @@ tenant corpus; ``incr`` counts epochs.
 
 from __future__ import annotations
 
+import asyncio
+import fnmatch
 import time
 
 
@@ -26,6 +29,23 @@ class MemoryStore:
         self._data: dict[str, tuple[bytes, float]] = {}
         self._streams: dict[str, list[tuple[int, bytes]]] = {}
         self._seq = 0
+        self._listeners: list[tuple[str, asyncio.Queue]] = []  # (channel pattern, its listener's channels)
+
+    async def publish(self, channel: str) -> None:
+        for pattern, q in self._listeners:
+            if fnmatch.fnmatchcase(channel, pattern):
+                q.put_nowait(channel)
+
+    async def listen(self, pattern: str):
+        """The channels published on that match ``pattern`` (glob), as they are published."""
+        q: asyncio.Queue = asyncio.Queue()
+        entry = (pattern, q)
+        self._listeners.append(entry)
+        try:
+            while True:
+                yield await q.get()
+        finally:
+            self._listeners.remove(entry)
 
     async def get(self, key: str) -> bytes | None:
         item = self._data.get(key)
@@ -167,6 +187,23 @@ class RedisStore:
 
     async def incr(self, key: str) -> int:
         return int(await self._r.incr(key))
+
+    async def publish(self, channel: str) -> None:
+        await self._r.publish(channel, b"")
+
+    async def listen(self, pattern: str):
+        """The channels published on that match ``pattern`` (glob), on a connection of its own; a
+        notice published while it reconnects is lost."""
+        ps = self._r.pubsub(ignore_subscribe_messages=True)
+        try:
+            await ps.psubscribe(pattern)
+            while True:
+                # a bounded read: the connection's socket timeout would end a blocking one
+                m = await ps.get_message(timeout=1.0)
+                if m is not None and m["type"] == "pmessage":
+                    yield m["channel"].decode()
+        finally:
+            await ps.aclose()
 
     def script(self, lua: str):
         """A Lua script registered with this Redis: ``await s(keys=[...], args=[...])``."""

@@ -18,6 +18,7 @@ from typing import AsyncIterator, Iterable
 
 from common.errors import Abort, Status
 
+from .admission import Queued, Queueing, TurnQueue, TurnsFull
 from .auth import ApiKeys, tenant_of
 from .leases import Lease, break_lease, lease_key
 from .links import Backends
@@ -67,6 +68,7 @@ class Gateway:
         timeouts: Timeouts = Timeouts(),
         tenant_limits: TenantLimits = TenantLimits(),
         lease_s: float = 10.0,
+        queueing: Queueing = Queueing(),
     ):
         self.tokenizer = tokenizer
         self.eos_ids = tuple(eos_ids)
@@ -78,6 +80,7 @@ class Gateway:
         self.records = Records(store, ttl, timeouts.store_retry, self.vocab_size)
         self.quotas = Quotas(store, tenant_limits, ttl, self.records.call)  # in the store: shared by replicas
         self.lease_s = lease_s  # a turn's lease on its session: renewed every third of this while it runs
+        self.queue = TurnQueue(queueing, store)  # turns waiting for a slot of their tenant
         self._turns: dict[tuple[str, str], Turn] = {}  # (tenant, session id) -> its turn running on this gateway
         self.stopping: str | None = None  # set when the gateway drains: why new turns are refused
 
@@ -88,6 +91,7 @@ class Gateway:
         """Refuses new turns; lets running ones finish for ``seconds``, then ends the rest with
         UNAVAILABLE (their sessions stay as they were before the turn)."""
         self.stopping = "the gateway is shutting down; retry on another gateway"
+        self.queue.stop(self.stopping)
         deadline = time.monotonic() + seconds
         while self._turns and time.monotonic() < deadline - min(1.0, seconds / 2):
             await asyncio.sleep(0.05)
@@ -100,8 +104,12 @@ class Gateway:
         if self._turns:
             log.warning("turns still running at shutdown", extra={"turns": len(self._turns)})
 
-    async def generate(self, tenant: str, r: Request) -> AsyncIterator[Chunk | Finished]:
-        """One turn: checks, admits and runs it; ``Chunk`` messages, then one ``Finished``."""
+    async def generate(
+        self, tenant: str, r: Request, deadline_s: float | None = None
+    ) -> AsyncIterator[Queued | Chunk | Finished]:
+        """One turn: checks, admits and runs it. ``Queued`` while it waits for a slot of its tenant
+        (``admission``: at once, then every few seconds), then ``Chunk`` messages, then one
+        ``Finished``. ``deadline_s``: how long the client still waits, if it said (a wait ends sooner)."""
         if self.stopping:
             raise Abort(Status.UNAVAILABLE, self.stopping)
         req = check(r, self.limits, self.vocab_size)
@@ -113,13 +121,6 @@ class Gateway:
         if key in self._turns:
             raise Abort(Status.ABORTED, f"session_id {record.session_id!r}: a turn is already running")
         lim = self.limits
-        running = sum(1 for t, _ in self._turns if t == tenant)
-        if lim.max_sessions_per_tenant and running >= lim.max_sessions_per_tenant:
-            raise Abort(
-                Status.RESOURCE_EXHAUSTED,
-                f"tenant {tenant!r}: {running} sessions are generating, the limit is "
-                f"max_sessions_per_tenant={lim.max_sessions_per_tenant}; retry when one ends",
-            )
         turn = await self._input_ids(r, record.history)
         history = record.history + turn
         if len(history) > lim.max_prompt_tokens:
@@ -130,11 +131,33 @@ class Gateway:
                 "start a new session",
             )
         kept = len(record.history)  # what the session holds if this turn is not saved
-        lease = Lease(self.records, self.quotas, tenant, record.session_id, self.lease_s)
-        await lease.take(len(history) + req.max_new, new=not r.session_id)  # ABORTED if a turn runs anywhere
-        if key in self._turns:  # a turn of this gateway whose lease expired: never overwrite it
-            await lease.end(None, kept)
-            raise Abort(Status.ABORTED, f"session_id {record.session_id!r}: a turn is already running")
+
+        async def attempt() -> Lease:
+            """The turn's lease and its place in the quotas; ``TurnsFull`` while the tenant's turns are."""
+            if key in self._turns:
+                raise Abort(Status.ABORTED, f"session_id {record.session_id!r}: a turn is already running")
+            cap = lim.max_sessions_per_tenant
+            running = sum(1 for t, _ in self._turns if t == tenant)
+            if cap and running >= cap:
+                raise TurnsFull(
+                    f"tenant {tenant!r}: {running} sessions are generating on this gateway, the limit is "
+                    f"max_sessions_per_tenant={cap}",
+                    cap,
+                )
+            lease = Lease(self.records, self.quotas, tenant, record.session_id, self.lease_s)
+            await lease.take(len(history) + req.max_new, new=not r.session_id)  # ABORTED if a turn runs anywhere
+            if key in self._turns:  # a turn of this gateway whose lease expired: never overwrite it
+                await lease.end(None, kept)
+                raise Abort(Status.ABORTED, f"session_id {record.session_id!r}: a turn is already running")
+            return lease
+
+        async with contextlib.aclosing(self.queue.enter(tenant, record.session_id, attempt, deadline_s)) as admission:
+            async for item in admission:
+                if isinstance(item, Queued):
+                    yield item
+                else:
+                    lease = item
+        t_start = time.monotonic()
         run = self._turns[key] = Turn(self, record, history, len(turn), req)
         run.lease = lease
         lease.keep(lambda reason: run.stop(reason, Status.ABORTED))
@@ -157,9 +180,15 @@ class Gateway:
             await asyncio.gather(rounds, return_exceptions=True)
             # Shielded: a second cancel (the server stopping after the drain) does not cut the quota
             # update and the lease release short, and the turn stays listed (the drain waits) until done.
-            end = asyncio.ensure_future(lease.end(run.saved_tokens, kept))
-            end.add_done_callback(lambda _: self._turns.pop(key, None))
-            await asyncio.shield(end)
+            await asyncio.shield(asyncio.ensure_future(self._ended(key, lease, run.saved_tokens, kept, t_start)))
+
+    async def _ended(self, key: tuple[str, str], lease: Lease, saved: int | None, kept: int, t_start: float) -> None:
+        """Settles the ended turn's lease and quotas, then hands its slot to a waiting turn of the tenant."""
+        try:
+            await lease.end(saved, kept)
+        finally:
+            self._turns.pop(key, None)
+        await self.queue.ended(key[0], time.monotonic() - t_start)
 
     async def _input_ids(self, r: Request, history: list[int]) -> list[int]:
         """The turn's input tokens: text is tokenized, and a large ``prompt_ids`` scanned, off the event

@@ -56,6 +56,17 @@ STORE_FAILURES = Counter("racer_store_failures", "Session-store calls that faile
 QUOTA_REFUSALS = Counter(
     "racer_quota_refusals", "Turns refused because a tenant quota was full", ["quota"]
 )  # no tenant label: tenants are unbounded
+QUEUE_WAITERS = Gauge(
+    "racer_queue_waiters", "Turns waiting for a slot of their tenant on this gateway", ["tenant"]
+)  # a tenant's label is removed when its queue empties
+QUEUE_WAIT_SECONDS = Histogram(
+    "racer_queue_wait_seconds", "Time a turn waited for a slot of its tenant", buckets=REQUEST_SECONDS_BUCKETS
+)
+QUEUE_REFUSALS = Counter(
+    "racer_queue_refusals",
+    "Turns refused after or instead of waiting: the queue was full or the wait too long",
+    ["reason"],
+)
 LEASE_LOST = Counter("racer_session_leases_lost", "Running turns that lost their session's lease (closed or expired)")
 
 

@@ -73,10 +73,20 @@ ROLES = ("system", "user", "assistant")
 class ApiError(Exception):
     """An error this API answers with: its HTTP status and the OpenAI error object."""
 
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+        # Retry-After in whole seconds (RFC 9110); the openai clients honour it on a 429
+        self.headers = {"Retry-After": str(math.ceil(retry_after))} if retry_after is not None else {}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -88,7 +98,7 @@ def from_abort(e: Abort) -> ApiError:
     head = re.match(r"[a-z_.]*", e.message).group()
     param = _PARAM.get(head, head)
     param = param if param in _PARAMS else None
-    return ApiError(status, e.message, type_, param, _CODE.get(e.code, e.code.name.lower()))
+    return ApiError(status, e.message, type_, param, _CODE.get(e.code, e.code.name.lower()), e.retry_after)
 
 
 def model_not_found(model: str, served: str) -> ApiError:
@@ -143,9 +153,17 @@ def _kind_names(kinds) -> str:
 
 def _number(body: dict, name: str, lo: float, hi: float) -> float | None:
     v = _get(body, name, (int, float))
-    if v is not None and not (math.isfinite(v) and lo <= v <= hi):
-        raise bad_request(f"{name}: {v}, expected {lo}..{hi}", name)
+    # compared, not converted: an integer too large for a float is out of range too (nan and
+    # infinities compare false)
+    if v is not None and not (lo <= v <= hi):
+        raise bad_request(f"{name}: {_short(v)}, expected {lo}..{hi}", name)
     return v
+
+
+def _short(v) -> str:
+    """A number as the caller sent it, cut to 32 characters (it may have thousands of digits)."""
+    text = repr(v)
+    return text if len(text) <= 32 else f"{text[:29]}..."
 
 
 def _unsupported(body: dict, **defaults) -> None:

@@ -24,6 +24,7 @@ from common.errors import Abort, Status
 
 from . import metrics as M
 from . import openai_api as api
+from .admission import Queued
 from .core import Gateway
 from .turn import Chunk, Finished
 
@@ -36,7 +37,7 @@ _CREATED = web.AppKey("created", int)
 
 
 def _error(e: api.ApiError) -> web.Response:
-    return web.json_response(e.body, status=e.status)
+    return web.json_response(e.body, status=e.status, headers=e.headers)
 
 
 @web.middleware
@@ -99,10 +100,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     gw = request.app[_GATEWAY]
     tenant = _tenant(request)
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise api.bad_request("the request body is not valid JSON") from None
+    body = _json(await request.read())
     call = api.parse(body, chat, request.headers.get(SESSION_HEADER, ""))
     if call.model != request.app[_MODEL]:
         raise api.model_not_found(call.model, request.app[_MODEL])
@@ -119,7 +117,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         with M.generate_call() as outcome:
             async with contextlib.aclosing(gw.generate(tenant, call.request)) as items:
                 # The first item (or the error before it) decides the status line: errors a turn
-                # meets at its start are plain HTTP errors, for streams too.
+                # meets at its start are plain HTTP errors, for streams too. A stream whose turn
+                # waits for a slot (``Queued``) starts at once, to keep the connection alive.
                 first = await anext(items)
                 started.append(first.session_id)
                 if call.stream:
@@ -131,6 +130,25 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             # An error or a client gone after the turn began (its record may have been saved just
             # before): the one-call session still goes, in a task of its own, whatever cancelled this.
             closing.append(asyncio.ensure_future(_close(gw, tenant, started[0])))
+
+
+def _json(raw: bytes):
+    """The body as JSON (RFC 8259: UTF-8); whatever it holds, a 400 if it is not JSON this server reads."""
+    try:
+        body = json.loads(raw.decode("utf-8"))
+        if b"\\u" in raw:  # an escape may be a lone surrogate: no text to tokenize
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        return body
+    except UnicodeEncodeError:
+        raise api.bad_request(
+            "the request body is not valid JSON text: it holds a lone surrogate (\\ud800-\\udfff)"
+        ) from None
+    except UnicodeDecodeError as e:
+        raise api.bad_request(f"the request body is not valid UTF-8 (byte {e.start})") from None
+    except RecursionError:
+        raise api.bad_request("the request body is not valid JSON: it is nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, and an integer of more digits than Python converts
+        raise api.bad_request(f"the request body is not valid JSON: {e}") from None
 
 
 async def _close(gw: Gateway, tenant: str, session_id: str) -> None:
@@ -154,6 +172,8 @@ async def _whole(call: api.Call, first, items, done) -> web.Response:
     parts: list[str] = []
     ids: list[int] = []
     item = first
+    while isinstance(item, Queued):  # no keep-alive without a stream: the status line waits for the turn
+        item = await anext(items)
     while isinstance(item, Chunk):
         parts.append(text.push(item.text))
         ids.extend(item.token_ids)
@@ -185,9 +205,14 @@ async def _stream(request: web.Request, call: api.Call, first, items, done) -> t
     text = api.StopText(call.stop)
     code = "OK"
     try:
+        item = first
+        while isinstance(item, Queued):
+            # An SSE comment while the turn waits for a slot: clients ignore it, and proxies and
+            # clients with read timeouts see a live stream.
+            await resp.write(f": queued, {item.ahead} ahead, waited {item.waited_s:.0f} s\n\n".encode())
+            item = await anext(items)
         if call.chat:
             await resp.write(_event(api.chunk(call, sid, None, [])))
-        item = first
         while isinstance(item, Chunk):
             delta = text.push(item.text)
             if delta or call.return_token_ids:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, fields, replace
 from common.errors import Abort, Status
 
 from . import metrics as M
+from .admission import TurnsFull
 from .auth import TENANT
 
 
@@ -215,8 +216,9 @@ class Quotas:
         self, tenant: str, session_id: str, need: int, turn_id: str, lease_s: float, new: bool = True, record: str = ""
     ) -> None:
         """Counts a starting turn that may grow the session to ``need`` tokens; RESOURCE_EXHAUSTED
-        (nothing counted) when a quota of the tenant is full, NOT_FOUND when an existing session's
-        ``record`` (its store key) is gone: closed since the turn read it.
+        (nothing counted) when a quota of the tenant is full (``TurnsFull`` for the turns quota: the
+        turn may wait), NOT_FOUND when an existing session's ``record`` (its store key) is gone:
+        closed since the turn read it.
 
         A new session counts as long as its turn's lease (renewed with it) until a save gives it the
         record's TTL: a turn whose gateway died leaves nothing counted past its lease."""
@@ -235,13 +237,11 @@ class Quotas:
                 code, n = self._admit_memory(self._t(tenant), q, now, session_id, need, turn_id, lease_s, expiry)
         if code == 4:
             raise Abort(Status.NOT_FOUND, f"session_id {session_id!r}: no such session (it was closed)")
-        if code:
+        if code > 1:  # a full turns quota is counted by the queue, if it refuses the turn
             M.QUOTA_REFUSALS.labels(("turns", "sessions", "tokens")[code - 1]).inc()
-        if code == 1:
-            raise Abort(
-                Status.RESOURCE_EXHAUSTED,
-                f"tenant {tenant!r}: {n} turns are running on the gateways, the quota is turns={q.turns}; "
-                "retry when one ends",
+        if code == 1:  # the turn may wait for a slot (admission.TurnQueue)
+            raise TurnsFull(
+                f"tenant {tenant!r}: {n} turns are running on the gateways, the quota is turns={q.turns}", q.turns
             )
         if code == 2:
             raise Abort(

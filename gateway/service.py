@@ -7,15 +7,19 @@ Every RPC copies its request into plain values, calls the core, and copies the a
 from __future__ import annotations
 
 import asyncio
+import time
 
 from common.v1 import generation_pb2 as pb
 from common.v1 import generation_pb2_grpc as pb_grpc
 
 from . import metrics as M
+from .admission import Queued
 from .core import Gateway
 from .records import Record
 from .requests import Request
 from .turn import Chunk, Finished
+
+QUEUE_WAIT_HEADER = "racer-queue-wait-ms"  # initial metadata of a turn that waited for a slot
 
 
 class GatewayService(pb_grpc.GenerationServicer):
@@ -28,7 +32,15 @@ class GatewayService(pb_grpc.GenerationServicer):
             tenant = gw.tenant(context.invocation_metadata())
             # a large request (up to the message limit) is copied out of protobuf off the event loop
             req = _request(request) if request.ByteSize() <= 64 * 1024 else await asyncio.to_thread(_request, request)
-            async for item in gw.generate(tenant, req):
+            waited = None
+            async for item in gw.generate(tenant, req, context.time_remaining()):
+                if isinstance(item, Queued):  # a gRPC stream needs no keep-alive of its own
+                    waited = item
+                    continue
+                if waited is not None:  # the first answer of a turn that waited: how long, for clients
+                    wait_ms = (time.monotonic() - waited.since) * 1e3
+                    await context.send_initial_metadata(((QUEUE_WAIT_HEADER, f"{wait_ms:.0f}"),))
+                    waited = None
                 yield _response(item)
 
     async def GetSession(self, request, context):

@@ -402,6 +402,21 @@ def main(argv=None) -> int:
     pin_flag(bb)
     bb.set_defaults(func=lambda a: __import__("racer.bench_services", fromlist=["x"]).bench_batch(a))
 
+    bu = sub.add_parser(
+        "bench-burst",
+        help="a burst of streaming chat requests through the OpenAI API, prefills batched vs one at a time",
+    )
+    bu.add_argument("--model", default="default")
+    bu.add_argument("--requests", type=int, default=64)
+    bu.add_argument("--max-new-tokens", type=int, default=48)
+    bu.add_argument("--reps", type=int, default=1, help="bursts per configuration (interleaved)")
+    bu.add_argument("--seed", type=int, default=0)
+    bu.add_argument("--port-base", type=int, default=50251)
+    bu.add_argument("--metrics-base", type=int, default=9300)
+    bu.add_argument("--http-port", type=int, default=8250, help="the first stack's; the second uses the next")
+    pin_flag(bu)
+    bu.set_defaults(func=lambda a: __import__("racer.bench_burst", fromlist=["x"]).bench_burst(a))
+
     ld = sub.add_parser("load", help="N concurrent sessions x T turns through a gateway on this machine (bounded)")
     ld.add_argument(
         "--target",

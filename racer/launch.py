@@ -147,6 +147,7 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
         max_waiting=args.admission_queue,
         wait_seconds=args.admission_wait_seconds,
         stall_seconds=args.stall_seconds,
+        prefill_batch=args.prefill_batch,
     )
     log.info(
         "KV budget",
@@ -227,6 +228,7 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
     from common.store import open_store
     from common.tls import channel_credentials
     from common.v1 import generation_pb2_grpc
+    from gateway.admission import Queueing
     from gateway.auth import ApiKeys
     from gateway.core import Gateway, Timeouts
     from gateway.requests import Limits, request_bytes
@@ -253,8 +255,12 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
     keys = ApiKeys(args.api_keys) if args.api_keys else None  # a bad file stops the start here
     _gauge_endpoints(drafters, verifiers)
     store = open_store(args.session_url)
-    limits = Limits(args.max_prompt_tokens, args.max_new_tokens, args.max_budget, args.max_sessions_per_tenant)
-    tenant_limits = _tenant_limits(args)
+    # Without API keys every turn is the one local tenant's: a per-tenant cap would be the whole
+    # service's, below what the verifiers admit (they queue on KV memory and batch what runs).
+    per_tenant = args.max_sessions_per_tenant if keys is not None else 0
+    limits = Limits(args.max_prompt_tokens, args.max_new_tokens, args.max_budget, per_tenant)
+    tenant_limits = _tenant_limits(args, per_tenant)
+    queueing = Queueing(args.queue_max_waiters, args.queue_wait_seconds, args.queue_poll_seconds)
     timeouts = Timeouts(args.backend_timeout, args.reconnect_seconds, args.store_retry_seconds)
     core = Gateway(
         tokenizer,
@@ -269,6 +275,7 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
         timeouts,
         tenant_limits,
         getattr(args, "lease_seconds", 10.0),
+        queueing,
     )
 
     tasks = []
@@ -341,9 +348,10 @@ def _gauge_endpoints(drafters, verifiers) -> None:
     M.ENDPOINTS.labels("verifier").set_function(verifiers.healthy)
 
 
-def _tenant_limits(args):
-    """The per-tenant quotas: the settings' defaults, then the tenant-limits file if one is named."""
+def _tenant_limits(args, turns: int):
+    """The per-tenant quotas: the settings' defaults (``turns``: the default turns quota), then the
+    tenant-limits file if one is named."""
     from gateway.quotas import Quota, TenantLimits, load_tenant_limits
 
-    default = Quota(args.max_sessions_kept, args.max_tokens_stored, args.max_sessions_per_tenant)
+    default = Quota(args.max_sessions_kept, args.max_tokens_stored, turns)
     return load_tenant_limits(args.tenant_limits, default) if args.tenant_limits else TenantLimits(default)

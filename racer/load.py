@@ -4,7 +4,8 @@ Bounded on purpose: loopback targets only, at most ``MAX_SESSIONS`` sessions, ``
 ``MAX_SECONDS`` seconds (a turn still running then is cancelled and counted as an error). Prompts come
 from a fixed seed, so two runs send the same requests. Reports time to first token, inter-token
 latency (a chunk of k tokens that came g ms after the previous one counts k gaps of g/k ms), turn
-latency, aggregate tokens/s and errors by status; sessions are closed at the end unless asked not to.
+latency, aggregate tokens/s, errors by status, refusals (RESOURCE_EXHAUSTED) and the turns that waited
+for a slot of their tenant on the gateway, with their waits; sessions are closed at the end unless asked not to.
 
 Several gateways (``--target a,b``): turn t of session i goes to gateway (i + t) mod n, so every
 session moves between replicas. Several API keys (``--api-key k1,k2``): session i belongs to tenant
@@ -25,6 +26,7 @@ import grpc
 
 from common.v1 import generation_pb2 as pb
 from common.v1 import generation_pb2_grpc as pb_grpc
+from gateway.service import QUEUE_WAIT_HEADER
 
 from .stats import percentile
 
@@ -68,6 +70,7 @@ class Turn:
     error: str = ""  # "" when the turn completed: otherwise "CODE: details"
     ttft_ms: float = 0.0
     total_ms: float = 0.0
+    queue_ms: float = 0.0  # how long it waited for a slot of its tenant (the gateway says)
 
 
 @dataclass
@@ -89,6 +92,9 @@ class Report:
     ttft_ms: dict[str, float]
     itl_ms: dict[str, float]
     turn_ms: dict[str, float]
+    refused: int = 0  # turns refused for want of room: RESOURCE_EXHAUSTED
+    queued_turns: int = 0  # turns that waited for a slot of their tenant
+    queue_ms: dict[str, float] = field(default_factory=dict)  # those waits
     runs: list[SessionRun] = field(default_factory=list, repr=False)
     tenant_errors: dict[str, dict[str, int]] = field(default_factory=dict)  # with several API keys
 
@@ -109,7 +115,13 @@ class Report:
             + f"tokens {self.tokens} in {self.wall_s:.2f} s: {self.tokens_per_s:.1f} tok/s aggregate\n"
             f"time to first token  p50 {self.ttft_ms['p50']:.1f} ms  p99 {self.ttft_ms['p99']:.1f} ms\n"
             f"inter-token latency  p50 {self.itl_ms['p50']:.2f} ms  p99 {self.itl_ms['p99']:.2f} ms\n"
-            f"turn latency         p50 {self.turn_ms['p50']:.1f} ms  p99 {self.turn_ms['p99']:.1f} ms"
+            f"turn latency         p50 {self.turn_ms['p50']:.1f} ms  p99 {self.turn_ms['p99']:.1f} ms\n"
+            f"refused {self.refused}, queued {self.queued_turns}"
+            + (
+                f": queue wait p50 {self.queue_ms['p50']:.1f} ms  p99 {self.queue_ms['p99']:.1f} ms"
+                if self.queued_turns
+                else ""
+            )
         )
 
 
@@ -183,6 +195,7 @@ async def run_load(
     ttft: list[float] = []
     itl: list[float] = []
     turn_ms: list[float] = []
+    queue_ms: list[float] = []
     opts = [("grpc.max_receive_message_length", 64 << 20)]
     channels = [
         grpc.aio.secure_channel(t, credentials, opts) if credentials else grpc.aio.insecure_channel(t, opts)
@@ -209,7 +222,8 @@ async def run_load(
                 req.prompt_ids.ids.extend(p)
             t0 = prev = time.perf_counter()
             try:
-                async for r in stub.Generate(req, metadata=md):
+                call = stub.Generate(req, metadata=md)
+                async for r in call:
                     now = time.perf_counter()
                     run.session_id = run.session_id or r.session_id
                     if r.token_ids:
@@ -223,6 +237,10 @@ async def run_load(
                         turn.ids.extend(r.token_ids)
                 turn.total_ms = (time.perf_counter() - t0) * 1e3
                 turn_ms.append(turn.total_ms)
+                waited = dict(await call.initial_metadata()).get(QUEUE_WAIT_HEADER)
+                if waited is not None:  # the turn waited for a slot of its tenant on the gateway
+                    turn.queue_ms = float(waited)
+                    queue_ms.append(turn.queue_ms)
             except grpc.aio.AioRpcError as e:
                 turn.error = f"{e.code().name}: {e.details()}"
                 return  # the session's later turns would build on a turn that did not happen
@@ -274,6 +292,9 @@ async def run_load(
         ttft_ms=percentiles(ttft),
         itl_ms=percentiles(itl),
         turn_ms=percentiles(turn_ms),
+        refused=errors.get("RESOURCE_EXHAUSTED", 0),
+        queued_turns=len(queue_ms),
+        queue_ms=percentiles(queue_ms),
         runs=runs,
         tenant_errors=tenant_errors,
     )

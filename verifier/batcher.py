@@ -1,13 +1,17 @@
-"""Batching concurrent sessions' trees into one forward."""
+"""Batching concurrent sessions' trees, and their prompts, into one forward."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from typing import TYPE_CHECKING
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 from . import metrics as M
-from .engine import verify_batch
+from .engine import prefill_batch, verify_batch
 
 if TYPE_CHECKING:
     from .sessions import Verifier
@@ -110,3 +114,124 @@ class Batcher:
             for (item, fut), res in zip(batch, results):
                 if not fut.done():
                     fut.set_result((res, ms, rows - len(item[1])))
+
+
+@dataclass(eq=False)
+class _Prompt:
+    """A chunk of one session's prompt waiting for the model thread."""
+
+    tenant: str
+    session: object  # engine.VerifierSession
+    tokens: list[int]
+    choose: bool
+    prepare: Callable[[], None] | None  # run on the model thread just before the forward
+    future: Future = field(default_factory=Future)
+
+
+class PrefillBatcher:
+    """Prompts waiting on the model thread are prefilled together (``prefill_batch``: one pass over
+    the weights, each prompt with its own positions, mask and cache).
+
+    Every chunk is still its own job in its tenant's fair turn on the model thread (``fair.py``).
+    When one runs, it takes along the chunks of other sessions that wait, round robin across
+    tenants, up to ``max_sessions`` prompts and ``max_rows`` tokens in all (the prefill chunk: a
+    batch costs the model no more than one chunk did, so running sessions' tree batches still pass
+    between prefills). A chunk taken along makes its own job a no-op when that job's turn comes,
+    which charges its tenant for the work then. ``max_sessions=1``: one prompt per forward.
+    """
+
+    def __init__(self, service: Verifier, max_sessions: int = 16, max_rows: int = 512):
+        self.service = service
+        self.max_sessions = max(1, max_sessions)
+        self.max_rows = max(1, max_rows)
+        self._lock = threading.Lock()
+        self._waiting: dict[str, deque[_Prompt]] = {}  # tenant -> its waiting chunks, in order
+        self.sizes: list[int] = []  # prompts per forward, for inspection
+
+    async def prefill(self, tenant: str, session, tokens: list[int], choose: bool, prepare=None):
+        """``session.prefill(tokens, choose)``, maybe with other sessions' prompts in the forward
+        (``prepare`` first, on the model thread)."""
+        item = _Prompt(tenant, session, tokens, choose, prepare)
+        with self._lock:
+            self._waiting.setdefault(tenant, deque()).append(item)
+        job = self.service.model_thread.submit(tenant, len(tokens), "prefill", self._run, item)
+        job.add_done_callback(lambda job: self._settle(item, job))
+        try:
+            return await asyncio.wrap_future(item.future)
+        except asyncio.CancelledError:
+            with self._lock:
+                self._drop(item)  # not taken yet: it never runs (taken: it runs, like a started job)
+            job.cancel()
+            raise
+
+    def _drop(self, item: _Prompt) -> bool:
+        q = self._waiting.get(item.tenant)
+        if q is None or item not in q:
+            return False
+        q.remove(item)
+        if not q:
+            del self._waiting[item.tenant]
+        return True
+
+    def _take(self, own: _Prompt) -> list[_Prompt]:
+        """``own`` and the waiting chunks that join it (under the lock); empty if ``own`` was taken."""
+        if not self._drop(own) or not own.future.set_running_or_notify_cancel():
+            return []
+        batch, rows = [own], len(own.tokens)
+        tenants = list(self._waiting)
+        if own.tenant in tenants:  # the others' turn first, then own's tenant again
+            i = tenants.index(own.tenant)
+            tenants = tenants[i + 1 :] + tenants[: i + 1]
+        while len(batch) < self.max_sessions and tenants:
+            for tenant in list(tenants):
+                q = self._waiting.get(tenant)
+                if not q or len(batch) >= self.max_sessions or rows + len(q[0].tokens) > self.max_rows:
+                    tenants.remove(tenant)  # this tenant's next chunk does not fit: it waits its turn
+                    continue
+                item = q[0]
+                self._drop(item)
+                if item.future.set_running_or_notify_cancel():
+                    batch.append(item)
+                    rows += len(item.tokens)
+        return batch
+
+    def _run(self, own: _Prompt) -> list[tuple[_Prompt, object]]:
+        """On the model thread: ``own``'s job. Returns each chunk it prefilled with its result (or
+        error), which ``_settle`` hands over once the job is done: a waiter that wakes then finds
+        the model thread no longer busy with it, as after any job."""
+        with self._lock:
+            batch = self._take(own)
+        out: list[tuple[_Prompt, object]] = []
+        ready = []
+        for item in batch:
+            try:
+                if item.prepare is not None:
+                    item.prepare()
+                ready.append(item)
+            except BaseException as e:  # noqa: BLE001 - its waiter gets it
+                out.append((item, e))
+        if not ready:
+            return out
+        try:
+            results = prefill_batch([(item.session, item.tokens, item.choose) for item in ready])
+        except BaseException as e:  # noqa: BLE001 - every waiter of the forward gets it
+            return out + [(item, e) for item in ready]
+        self.sizes.append(len(ready))
+        M.PREFILL_BATCH_SIZE.observe(len(ready))
+        return out + list(zip(ready, results))
+
+    def _settle(self, own: _Prompt, job: Future) -> None:
+        if job.cancelled():  # never ran (a cancelled stream, a closed model thread): nor does ``own``
+            with self._lock:
+                self._drop(own)
+            own.future.cancel()  # (a chunk another job took along is running: that job settles it)
+            return
+        if job.exception() is not None:
+            if not own.future.done():
+                own.future.set_exception(job.exception())
+            return
+        for item, res in job.result():
+            if isinstance(res, BaseException):
+                item.future.set_exception(res)
+            else:
+                item.future.set_result(res)

@@ -80,6 +80,14 @@ class VerifierSession:
         """Appends ``tokens`` to the cache (a first prompt, or a later turn's new tokens).
         ``choose=False`` (a chunk before the last of a long prompt): ``next_token`` is -1 and a
         sampler draws nothing, so a chunked prefill draws what an unchunked one does."""
+        inputs = self._prefill_inputs(tokens)
+        # A prompt is one fused forward even in invariant mode: every run of the same prompt gets the
+        # same bits; only tree rows must match what a one-token step computes.
+        exact = {"rows_exact": False} if getattr(self.backend, "invariant", False) else {}
+        return self._prefilled(self.backend.forward(*inputs, **exact), choose)
+
+    def _prefill_inputs(self, tokens: list[int]):
+        """(ids [n], positions [n], causal mask [n, length + n] or None) of a prompt continuing the cache."""
         if not tokens:
             raise ValueError("prefill: no tokens")
         validate(tokens, [-1, *range(len(tokens) - 1)], self.vocab_size)
@@ -91,10 +99,12 @@ class VerifierSession:
         if n > 1:
             mask = torch.ones((n, past + n), dtype=torch.bool)
             mask[:, past:] = torch.ones((n, n), dtype=torch.bool).tril()
-        # A prompt is one fused forward even in invariant mode: every run of the same prompt gets the
-        # same bits; only tree rows must match what a one-token step computes.
-        exact = {"rows_exact": False} if getattr(self.backend, "invariant", False) else {}
-        hidden = self.backend.forward(ids, positions, mask, **exact)
+        return ids, positions, mask
+
+    def _prefilled(self, hidden: torch.Tensor, choose: bool) -> PrefillResult:
+        """Commits the prompt's ``hidden`` [n, hidden] rows; its top-k and next token, the output layer
+        run over this prompt's rows only (in chunks), as alone."""
+        n = hidden.shape[0]
         self.backend.commit(None, n)
         topk: list[list[int]] = []
         last_logits = None
@@ -190,6 +200,45 @@ def verify_batch(items: list[tuple["VerifierSession", list[int], list[int]]]) ->
             session, tokens, parents = items[j]
             results[j] = session._settle(tokens, parents, logits[start : start + h.shape[0]])
             start += h.shape[0]
+    return results
+
+
+@torch.inference_mode()
+def prefill_batch(items: list[tuple["VerifierSession", list[int], bool]]) -> list[PrefillResult | BaseException]:
+    """Prefills several sessions' prompts (``(session, tokens, choose)``); those on the lean backend of
+    one model share one pass over the weights (``forward_segments``), each with its own positions,
+    causal mask and cache, as tree batches do.
+
+    Each result is what ``session.prefill(tokens, choose)`` alone returns: attention runs per
+    session; in invariant mode (reduced precision) the projections' rows are bit-identical whatever
+    shares the call, as the prompt's attention is one fused call over the session's own rows, as
+    alone; the output layer runs per session. In float32 the projections of a larger call may pick
+    another kernel, as tree batches may: ~1e-7, not batch invariant, as float32 is allowed to be
+    (its contract is token identity with Hugging Face greedy). An invalid prompt gets its error and
+    leaves its session untouched; the others go on.
+    """
+    from .backends import FastLlamaBackend, forward_segments
+
+    results: list = [None] * len(items)
+    groups: dict[int, list] = {}
+    for j, (session, tokens, choose) in enumerate(items):
+        if not isinstance(session.backend, FastLlamaBackend):
+            try:
+                results[j] = session.prefill(tokens, choose)
+            except Exception as e:  # noqa: BLE001 - this prompt's caller gets it
+                results[j] = e
+            continue
+        try:
+            inputs = session._prefill_inputs(tokens)
+        except ValueError as e:
+            results[j] = e
+            continue
+        groups.setdefault(id(session.model), []).append((j, inputs))
+    for group in groups.values():
+        hidden = forward_segments([(items[j][0].backend, *inputs) for j, inputs in group], rows_exact=False)
+        for (j, _), h in zip(group, hidden):
+            session, _, choose = items[j]
+            results[j] = session._prefilled(h, choose)
     return results
 
 

@@ -15,6 +15,9 @@ PREFILL_SECONDS = Histogram(
 BATCH_SIZE = Histogram(
     "racer_verify_batch_size", "Trees verified together in one forward", buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 )
+PREFILL_BATCH_SIZE = Histogram(
+    "racer_prefill_batch_size", "Prompts prefilled together in one forward", buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+)
 VERIFIER_SESSIONS = Gauge("racer_verifier_sessions", "KV caches held")
 CACHE_TOKENS = Gauge("racer_verifier_cache_tokens", "Tokens held in all KV caches")
 # Exported with _total (racer_verifier_evictions_total, racer_verifier_reused_tokens_total).

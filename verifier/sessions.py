@@ -10,7 +10,8 @@ any of it is allocated, a cache grows only by a further reservation, and an idle
 spare rows back. The least recently used idle cache is evicted for room (an evicted session is
 simply re-prefilled when it comes back); what still does not fit waits in a bounded queue.
 The model thread (``fair.py``) serves tenants in fair turns; a long prefill runs in chunks of
-``prefill_chunk`` tokens, so other tenants' prefills and trees pass between them.
+``prefill_chunk`` tokens, so other tenants' prefills and trees pass between them, and prompts that
+wait together are prefilled in one forward of at most that many tokens (``PrefillBatcher``).
 No grpc: ``verifier/service.py`` converts its messages.
 """
 
@@ -28,7 +29,7 @@ from common.sessions import Entry as _Entry
 from common.sessions import Holder, SessionTable
 
 from . import metrics as M
-from .batcher import Batcher
+from .batcher import Batcher, PrefillBatcher
 from .budget import KVBudget, default_budget, kv_bytes_per_token
 from .engine import VerifierSession
 from .fair import ModelThread
@@ -99,6 +100,7 @@ class Verifier(Holder):
         max_waiting: int = 64,
         wait_seconds: float = 20.0,
         stall_seconds: float = 60.0,
+        prefill_batch: int = 16,
     ):
         self.model = model
         self.topk = topk
@@ -115,6 +117,7 @@ class Verifier(Holder):
         # ms per verification by tree size: measured at start-up, kept current by unbatched verifications
         self.cost: dict[int, float] = dict(cost or {})
         self.batcher = Batcher(self, max_batch, max_wait_ms)
+        self.prefills = PrefillBatcher(self, prefill_batch, self.prefill_chunk)
         # OpenMP thread settings are per thread: the worker takes the creating thread's count.
         self.model_thread = ModelThread(self.prefill_chunk, torch.get_num_threads())
 
@@ -230,17 +233,16 @@ class Verifier(Holder):
         chunks = [new[i : i + self.prefill_chunk] for i in range(0, len(new), self.prefill_chunk)]
         topk: list[int] = []
         res = None
+
+        def prepare():
+            session.truncate(reuse)
+            session.resize(rows)  # exactly the reservation: grows, or gives back spare rows
+
         for i, chunk in enumerate(chunks):
             last = i == len(chunks) - 1
-
-            def work(chunk=chunk, last=last, first=i == 0):
-                if first:
-                    session.truncate(reuse)
-                    session.resize(rows)  # exactly the reservation: grows, or gives back spare rows
-                return session.prefill(chunk, choose=last)
-
             try:
-                res = await self._run(work, tenant=entry.tenant, cost=len(chunk), kind="prefill")
+                # maybe in one forward with other sessions' waiting prompts (``PrefillBatcher``)
+                res = await self.prefills.prefill(entry.tenant, session, chunk, last, prepare if i == 0 else None)
             except asyncio.CancelledError:
                 raise
             except BaseException:

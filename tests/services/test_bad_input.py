@@ -11,11 +11,14 @@ import math
 import queue
 import random
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2, status_pb2
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from prometheus_client import REGISTRY
 
 from common.params import MODES
 from common.text import continue_ids, messages_ids
@@ -76,6 +79,7 @@ def env(loop_thread, tiny_llama, tok, tmp_path_factory):
         max_budget=MAX_BUDGET,
         max_message_bytes=MAX_MESSAGE,
         max_sessions_per_tenant=4,
+        queue_max_waiters=1,
     )
     a, b = Client(st_.gateway, api_key="key-a", timeout=30), Client(st_.gateway, api_key="key-b", timeout=30)
     own_p = prompt(1, 8)
@@ -90,6 +94,10 @@ def env(loop_thread, tiny_llama, tok, tmp_path_factory):
     a.close()
     b.close()
     st_.stop()
+
+
+def _waiters(tenant: str) -> float | None:
+    return REGISTRY.get_sample_value("racer_queue_waiters", {"tenant": tenant})
 
 
 # -- the public API ---------------------------------------------------------------------------------
@@ -302,15 +310,28 @@ def test_oversized_messages_and_limits(env, tiny_llama):
     calls = [a.generate(prompt(50 + i), max_new_tokens=MAX_NEW, budget=1, mode="off") for i in range(4)]
     for c in calls:
         next(c)
-    with pytest.raises(grpc.RpcError) as e:
-        a.complete(prompt(60), max_new_tokens=2)
-    assert e.value.code() == RE and "max_sessions_per_tenant" in e.value.details()
-    # ...another tenant is not limited by it
-    with Client(stack.gateway, api_key="key-b", timeout=30) as b:
-        assert len(b.complete(prompt(61), max_new_tokens=2)[0]) == 2
-    for c in calls:
-        list(c)
-    assert len(a.complete(prompt(62), max_new_tokens=2)[0]) == 2
+    with ThreadPoolExecutor(1) as pool:
+        fifth = pool.submit(a.complete, prompt(60), max_new_tokens=2)
+        wait_until(lambda: _waiters("acme") == 1, timeout=30, what="the fifth turn queued")
+        # ...past the queue's bound (queue_max_waiters=1) a sixth is refused at once, with a retry hint...
+        with pytest.raises(grpc.RpcError) as e:
+            a.complete(prompt(61), max_new_tokens=2)
+        assert e.value.code() == RE and "max_sessions_per_tenant=4" in e.value.details()
+        assert "queue_max_waiters=1" in e.value.details()
+        hints = dict(e.value.trailing_metadata())
+        assert int(hints["retry-after"]) >= 1 and int(hints["grpc-retry-pushback-ms"]) >= 1000
+        status = status_pb2.Status.FromString(hints["grpc-status-details-bin"])
+        info = error_details_pb2.RetryInfo()
+        assert status.details[0].Unpack(info) and info.retry_delay.seconds >= 1
+        # ...another tenant is not limited by it
+        with Client(stack.gateway, api_key="key-b", timeout=30) as b:
+            assert len(b.complete(prompt(62), max_new_tokens=2)[0]) == 2
+        assert not fifth.done() and _waiters("acme") == 1
+        for c in calls:
+            list(c)
+        assert len(fifth.result(60)[0]) == 2
+    assert _waiters("acme") is None  # the tenant's label goes with its queue
+    assert len(a.complete(prompt(63), max_new_tokens=2)[0]) == 2
     # a second turn of a session while one runs: ABORTED, the running one is unaffected
     p0 = prompt(65, 6)
     ids0, _, last = a.complete(p0, max_new_tokens=4)

@@ -43,6 +43,7 @@ def env(loop_thread, tiny_llama, redis_url, files):
         lease_seconds=LEASE_S,
         max_sessions_kept=100,
         max_tokens_stored=100_000,
+        queue_poll_seconds=300.0,
     )
     st = start_stack(loop_thread, tiny_llama, session_url=redis_url, snapshot_url=redis_url, **kw)
     second = st.another_gateway(tiny_llama.config.vocab_size, session_url=redis_url, **kw)
@@ -228,18 +229,21 @@ def test_quotas_are_counted_across_gateways(env, loop_thread):
             a1.complete(prompt(22, 8), session_id=sids[0], max_new_tokens=400)
         assert e.value.code() == RE and "tokens=400" in e.value.details()
         assert _record(r, "acme", sids[0])["turns"] == 1
-        # turns=1: while one acme turn runs on A, an acme turn on B is refused
-        with ThreadPoolExecutor(1) as pool, held_save(loop_thread, gws[0][1]) as (reached, release):
+        # turns=1: while one acme turn runs on A, an acme turn on B waits; the slot A frees admits it
+        # (the gateways poll every 300 s: the store's notice does it), and another tenant never waits
+        with ThreadPoolExecutor(2) as pool, held_save(loop_thread, gws[0][1]) as (reached, release):
             fut = pool.submit(a0.complete, prompt(23, 4), session_id=sids[0], max_new_tokens=3)
             assert reached.wait(60)
             assert usage[1]()[2] == 1
-            with pytest.raises(grpc.RpcError) as e:
-                a1.complete(prompt(24, 4), session_id=sids[1], max_new_tokens=2)
-            assert e.value.code() == RE and "turns=1" in e.value.details()
+            waiting = pool.submit(a1.complete, prompt(24, 4), session_id=sids[1], max_new_tokens=2)
+            wait_until(lambda: gws[1][1].queue.waiting("acme") == 1, timeout=30, what="B's acme turn queued")
             assert b.complete(prompt(25, 4), session_id=other, max_new_tokens=2)[0]
+            assert not waiting.done() and usage[1]()[2] == 1
             release()
             assert _status(fut) == grpc.StatusCode.OK
-        assert usage[1]() == (3, 3 * 10 + 4 + 3, 0)
+            assert _status(waiting) == grpc.StatusCode.OK
+        assert gws[1][1].queue.waiting("acme") == 0
+        assert usage[1]() == (3, 3 * 10 + 4 + 3 + 4 + 2, 0)
         # closing a session on one gateway frees its place on both
         assert a1.close_session(sids[1]).closed
         assert usage[0]() == (2, 2 * 10 + 4 + 3, 0)
@@ -249,7 +253,7 @@ def test_quotas_are_counted_across_gateways(env, loop_thread):
             assert a0.close_session(sid).closed
         assert b.close_session(other).closed
     assert usage[0]() == (0, 0, 0)
-    for q in QUOTAS:  # each refusal counted (4: two sessions, one tokens, one turns; both gateways in-process)
+    for q in ("sessions", "tokens"):  # each refusal counted (two sessions, one tokens; both gateways in-process)
         assert REGISTRY.get_sample_value("racer_quota_refusals_total", {"quota": q}) > refused[q]
     assert not r.keys("racer:quota:acme:*")  # emptied: the keys are gone
     for sid in sids:
@@ -281,6 +285,10 @@ def test_load_with_two_tenants_through_two_gateways(env, tiny_llama):
     # acme (tenant1: sessions=3, turns=1) meets its quotas; globex (tenant2) is never refused
     assert set(report.errors) <= {"RESOURCE_EXHAUSTED"} and set(report.tenant_errors) <= {"tenant1"}
     assert report.tenant_errors.get("tenant1"), "acme's quota was never reached: the test could not fail"
+    # acme's turns=1: its concurrent turns waited for the slot rather than being refused, and said so
+    assert report.queued_turns > 0 and report.queue_ms["p50"] > 0 and "queued" in report.format()
+    assert report.refused == report.errors.get("RESOURCE_EXHAUSTED", 0)
+    assert all("turns=1" not in t.error for run in report.runs for t in run.turns)
     prompts = make_prompts(sessions, turns, 3, 96, plen)
     done = 0
     for i, run in enumerate(report.runs):
