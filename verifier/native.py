@@ -33,6 +33,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_linear.c")
+ATTENTION_SOURCE = Path(__file__).with_name("native_attention.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 
 # name -> (weight rows, x rows) per tile, and the vector width (bits) the shape is meant for: a
@@ -69,7 +70,8 @@ def _build(cc: str, out: Path) -> None:
     if not os.access(out.parent, os.W_OK):  # e.g. an image's baked cache: the next place, not an error
         raise PermissionError(f"{out.parent} is not writable")
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-    subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], check=True, capture_output=True, text=True, timeout=120)
+    cmd = [cc, *FLAGS, str(SOURCE), str(ATTENTION_SOURCE), "-o", str(tmp)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
     tmp.replace(out)  # atomic: another process building the same key reads a whole file or none
 
 
@@ -87,7 +89,9 @@ def _load(machine: str) -> ctypes.CDLL | None:
         _state["why"] = f"{cc} --version failed: {e}"
         return None
     digest = hashlib.sha256(
-        b"\0".join(x.encode() for x in (SOURCE.read_text(), version, " ".join(FLAGS), machine))
+        b"\0".join(
+            x.encode() for x in (SOURCE.read_text(), ATTENTION_SOURCE.read_text(), version, " ".join(FLAGS), machine)
+        )
     ).hexdigest()[:20]
     from .model import cache_root
 
@@ -115,6 +119,10 @@ def _load(machine: str) -> ctypes.CDLL | None:
     lib.racer_linear.restype = ctypes.c_int
     lib.racer_linear.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
     lib.racer_linear.argtypes += [ctypes.c_int]
+    lib.racer_attention_block.restype = ctypes.c_int
+    lib.racer_attention.restype = ctypes.c_int
+    lib.racer_attention.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5
+    lib.racer_attention.argtypes += [ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_float, ctypes.c_int]
     return lib
 
 
@@ -131,7 +139,7 @@ def library(machine: str = "") -> ctypes.CDLL | None:
 
 def source_digest() -> str:
     """Identifies the kernels' source: a choice measured on other kernels is measured again."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    return hashlib.sha256(SOURCE.read_bytes() + ATTENTION_SOURCE.read_bytes()).hexdigest()[:16]
 
 
 def why() -> str | None:
@@ -186,3 +194,56 @@ def linear(name: str):
 
     run.__name__ = name
     return run
+
+
+_ATTENTION_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def attention_usable(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+    """Whether ``attention`` runs here for a cache of ``dtype`` (CPU, built library, not switched
+    off with ``RACER_NATIVE=off``, heads a whole number of vectors of at most 256)."""
+    if os.environ.get("RACER_NATIVE", "on").lower() in ("off", "0", "no", "false"):
+        return False
+    if device.type != "cpu" or dtype not in _ATTENTION_TYPES:
+        return False
+    lib = library()
+    return lib is not None and head_dim <= 256 and head_dim % (lib.racer_vector_bits() // 32) == 0
+
+
+def attention(
+    q: torch.Tensor, kv: torch.Tensor, counts: torch.Tensor, inplace: torch.Tensor, tail: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Invariant attention (``native_attention.c``) of query rows over one layer's cache, in place.
+
+    q [n, H, D]; kv [2, kv_heads, capacity, D] (contiguous); counts, inplace [n] int64: keys row r
+    sees, and how many of them are cache rows 0, 1, ...; tail [n, T] int64: the cache rows of its
+    other keys in position order. Returns [n, H, D] in q's dtype."""
+    lib = _state.get("lib")
+    if lib is None:
+        raise TypeError(f"native attention not available: {why()}")
+    n, h, d = q.shape
+    if kv.dtype not in _ATTENTION_TYPES or not kv.is_contiguous() or kv.device.type != "cpu":
+        raise TypeError("native attention: a contiguous float32, bfloat16 or float16 CPU cache only")
+    q32 = q.float().contiguous()
+    out = torch.empty((n, h, d), dtype=torch.float32)
+    rc = lib.racer_attention(
+        _ATTENTION_TYPES[kv.dtype],
+        q32.data_ptr(),
+        kv[0].data_ptr(),
+        kv[1].data_ptr(),
+        out.data_ptr(),
+        n,
+        h,
+        kv.shape[1],
+        d,
+        kv.shape[2],
+        counts.data_ptr(),
+        inplace.data_ptr(),
+        tail.data_ptr(),
+        tail.shape[1],
+        scale,
+        torch.get_num_threads(),
+    )
+    if rc:
+        raise RuntimeError(f"native attention: {h} heads over {kv.shape[1]} kv heads of {d} not supported")
+    return out.to(q.dtype)
