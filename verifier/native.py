@@ -1,4 +1,5 @@
-"""Hand-written float32 projection kernels for a few rows (``native_linear.c``), built for this CPU.
+"""Hand-written kernels for a few rows, built for this CPU: projections (``native_linear.c``) and
+invariant tree attention (``native_attention.c``).
 
 A verification step multiplies 1 to 64 rows with each weight. Every BLAS at hand packs the weight
 first, so with a handful of rows it reads the weight more than once and runs well below both the
@@ -43,7 +44,12 @@ VARIANTS = {
     "native6x2": ((6, 2), 256),
     "native6x4": ((6, 4), 512),
     "native8x3": ((8, 3), 512),
+    "native6x4bf": ((6, 4), 512),  # bfloat16 pairs multiplied by the CPU (AVX512-BF16), bfloat16 only
+    "native8x3bf": ((8, 3), 512),
 }
+PAIRS = {"native6x4bf", "native8x3bf"}
+
+WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _lock = threading.Lock()
 _state: dict = {}  # "lib": the loaded library or None, once tried; "why": why not
@@ -116,8 +122,9 @@ def _load(machine: str) -> ctypes.CDLL | None:
         _state["why"] = f"a second OpenMP runtime was loaded beside torch's ({sorted(after)})"
         return None
     lib.racer_vector_bits.restype = ctypes.c_int
+    lib.racer_bf16_pairs.restype = ctypes.c_int
     lib.racer_linear.restype = ctypes.c_int
-    lib.racer_linear.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
+    lib.racer_linear.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
     lib.racer_linear.argtypes += [ctypes.c_int]
     lib.racer_attention_block.restype = ctypes.c_int
     lib.racer_attention.restype = ctypes.c_int
@@ -153,32 +160,45 @@ def usable(name: str, machine: str = "") -> bool:
     if os.environ.get("RACER_NATIVE", "on").lower() in ("off", "0", "no", "false"):
         return False
     lib = library(machine)
-    return lib is not None and name in VARIANTS and VARIANTS[name][1] == lib.racer_vector_bits()
+    if lib is None or name not in VARIANTS or VARIANTS[name][1] != lib.racer_vector_bits():
+        return False
+    return name not in PAIRS or bool(lib.racer_bf16_pairs())
+
+
+def dtypes(name: str) -> tuple[torch.dtype, ...]:
+    """The weight dtypes the variant ``name`` takes."""
+    return (torch.bfloat16,) if name in PAIRS else tuple(WEIGHT_TYPES)
 
 
 def linear(name: str):
-    """The variant ``name`` as a kernel ``(x [M, K], w [N, K], b [N] or None) -> [M, N]``: float32 on a
-    CPU, ``w`` stored as rows (contiguous); anything else raises TypeError (the tuner skips it)."""
+    """The variant ``name`` as a kernel ``(x [M, K], w [N, K], b [N] or None) -> [M, N]`` on a CPU,
+    ``w`` stored as rows (contiguous) in float32, bfloat16 or float16 (read at that width, every
+    product and sum in float32, the result rounded once to ``x``'s dtype); anything else raises
+    TypeError (the tuner skips it)."""
     nr, mr = VARIANTS[name][0]
+    pairs = name in PAIRS
 
     def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         lib = _state.get("lib")
         if lib is None:
             raise TypeError(f"{name}: native kernels not available: {why()}")
-        if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous() or x.dtype != w.dtype:
-            raise TypeError(f"{name}: float32 CPU weights stored as rows only")
-        x = x.contiguous()
+        if w.dtype not in dtypes(name) or w.device.type != "cpu" or not w.is_contiguous() or x.dtype != w.dtype:
+            kinds = ", ".join(str(d).replace("torch.", "") for d in dtypes(name))
+            raise TypeError(f"{name}: {kinds} CPU weights stored as rows only")
+        half = w.dtype != torch.float32
+        x = x.contiguous() if pairs or not half else x.float().contiguous()
         if b is not None:
-            b = b.contiguous()
+            b = b.float().contiguous() if half else b.contiguous()
         m, k = x.shape
         n = w.shape[0]
         if w.shape[1] != k or (b is not None and b.shape != (n,)):
             bias = None if b is None else tuple(b.shape)
             raise RuntimeError(f"{name}: x has {k} columns, the weight {tuple(w.shape)}, the bias {bias}")
-        y = torch.empty((m, n), dtype=x.dtype)
+        y = torch.empty((m, n), dtype=torch.float32)
         rc = lib.racer_linear(
             nr,
             mr,
+            3 if pairs else WEIGHT_TYPES[w.dtype],
             x.data_ptr(),
             w.data_ptr(),
             None if b is None else b.data_ptr(),
@@ -190,7 +210,7 @@ def linear(name: str):
         )
         if rc:
             raise RuntimeError(f"{name}: the built library has no {nr}x{mr} tile")
-        return y
+        return y.to(w.dtype) if half else y
 
     run.__name__ = name
     return run
