@@ -14,11 +14,14 @@ Two kinds of plan:
 * ``fastest`` (float32): per row bucket the fastest kernel; a row's bits may depend on how many
   rows share the call (MKL's float32 GEMM is not batch invariant), which float32 does not need:
   its contract is token identity with Hugging Face greedy decoding.
-* ``invariant`` (reduced precision): every call runs over fixed chunks of ``rows`` rows (the last
-  one padded), so each row is computed by the identical kernel call whatever else shares the
-  forward. ``rows`` is chosen by measurement (the smallest worst-case slowdown over the tree sizes
-  the verifier uses) and the choice is checked at tuning: a row must come out bit-identical at any
-  position of its chunk, or a smaller chunk is taken (one row is invariant by construction).
+* ``invariant`` (reduced precision): a shape runs either a row-invariant kernel unchunked (the
+  native ones: each output the same float32 operations in a fixed order, whatever the other rows,
+  so a one-token step computes one row) or another kernel over fixed chunks of ``rows`` rows (the
+  last one padded), so each row is computed by the identical kernel call whatever else shares the
+  forward. The option is chosen by measurement (the smallest sum of slowdowns against the best
+  option at each tree size the verifier uses) and a chunked choice is checked at tuning: a row must
+  come out bit-identical at any position of its chunk, or the next option is taken (one row is
+  invariant by construction).
 
 Candidates come from two BLAS libraries, torch's (MKL, and oneDNN) and numpy's OpenBLAS, whose
 float32 GEMM with few rows streams the weight faster on some CPUs and slower on others, and from
