@@ -63,7 +63,8 @@ log = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # row counts timed; a call of n rows uses the smallest bucket >= n
 _TUNE_SECONDS = 30.0  # soft bound on the whole tuning (few reps, interleaved, medians)
 _SLOW_CALL_S = 0.1  # a candidate's call slower than this is not timed at larger buckets
-_VERSION = 4  # 3: native kernels, choices checked over a whole forward; 4: measured on packed weights
+_VERSION = 5  # 3: native kernels, choices checked over a whole forward; 4: measured on packed weights;
+# 5: numpy's BLAS held to one thread in a symlinked environment too (choices measured with it spinning)
 LAYOUTS = ("row", "col")  # a weight stored as is ([out, in] rows), or transposed ([in, out] storage)
 
 
@@ -277,11 +278,13 @@ def _numpy_blas() -> list:
     wheels), not of any other BLAS in the process (torch's own, where a build links one)."""
     from threadpoolctl import ThreadpoolController
 
-    home = os.path.dirname(np.__file__)  # numpy's wheels keep it in numpy.libs/ or numpy/.dylibs/
+    # numpy's wheels keep it in numpy.libs/ or numpy/.dylibs/. Real paths: through a symlinked
+    # environment numpy's module path and the loaded library's path name different directories.
+    home = os.path.realpath(os.path.dirname(np.__file__))
     return [
         lib
         for lib in ThreadpoolController().lib_controllers
-        if lib.user_api == "blas" and lib.filepath.startswith(home)
+        if lib.user_api == "blas" and os.path.realpath(lib.filepath).startswith(home)
     ]
 
 
