@@ -47,7 +47,7 @@ def run_hf(engine: Engine, prompt_ids: list[int], max_new_tokens: int, lookup: i
     import torch
 
     with engine.reference_model() as model:
-        ids = torch.tensor([prompt_ids])
+        ids = torch.tensor([prompt_ids], device=model.device)
         kw = dict(
             attention_mask=torch.ones_like(ids),
             max_new_tokens=max_new_tokens,

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import native
+
 # mask: [n, past_len + n] bool, True = may attend.
 
 
@@ -44,6 +46,9 @@ class FastLlamaBackend:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.dtype = self.lm_head_w.dtype
         self.device = self.lm_head_w.device
+        # Invariant attention over the cache in place (native_attention.c) where it is built; else
+        # each row's keys gathered and padded to whole blocks (any device).
+        self.native_attention = self.invariant and native.attention_usable(self.dtype, self.device, self.head_dim)
         # Zeroed: invariant attention reads masked keys past a row's own, which must be finite.
         self.cache = torch.zeros(
             (len(self.layers), 2, self.n_kv, capacity, self.head_dim), dtype=self.dtype, device=self.device
@@ -120,8 +125,9 @@ class FastLlamaBackend:
         return self.cache.shape[3]
 
     def pad_rows(self) -> int:
-        """Rows a forward writes past its tokens' own (invariant attention reads whole key blocks)."""
-        return _KEY_BLOCK if self.invariant else 0
+        """Rows a forward writes past its tokens' own (gathered invariant attention reads whole key
+        blocks; the native one reads exactly a row's keys)."""
+        return _KEY_BLOCK if self.invariant and not self.native_attention else 0
 
     def _ensure_capacity(self, needed: int) -> None:
         cap = self.capacity
@@ -185,10 +191,13 @@ def forward_segments(segments, rows_exact: bool = True) -> list[torch.Tensor]:
     so no row ever sees another session's tokens. Returns each segment's hidden states.
 
     In invariant mode (reduced precision) a row's bits do not depend on the other rows of the call:
-    projections run in fixed row chunks (``kernels.Plan``), rotary values come from a per-position
-    table, norms and elementwise ops are rowwise, and (``rows_exact``) each row attends alone, one
-    query over exactly the keys it may see in position order (a tree node's ancestors gathered after
-    the context), which is the very call a one-token step makes at that position.
+    projections run by row-invariant kernels (``kernels.Plan``), rotary values come from a
+    per-position table, norms and elementwise ops are rowwise, and (``rows_exact``) each row attends
+    over exactly the keys it may see in position order, by the same computation a one-token step at
+    its position makes. On a CPU with the native library that is ``native_attention.c``: keys
+    reduced in fixed blocks at absolute positions, block states merged in order, the committed
+    context read in place by every row and only a row's ancestors named by index (``_row_keys``);
+    elsewhere each row is one query over its keys gathered (``_row_groups``).
     """
     b0 = segments[0][0]
     dev = b0.device
@@ -198,8 +207,10 @@ def forward_segments(segments, rows_exact: bool = True) -> list[torch.Tensor]:
     n = sum(sizes)
     spans, start = [], 0
     for size, (b, _, _, mask) in zip(sizes, segments):
-        b._ensure_capacity(b.length + size + (_KEY_BLOCK if exact else 0))
-        if exact:
+        b._ensure_capacity(b.length + size + (b.pad_rows() if exact else 0))
+        if exact and b.native_attention:
+            how = _row_keys(mask, b.length, size)
+        elif exact:
             how = _row_groups(mask, b.length, size, dev, b.dtype)
         else:
             how = None if mask is None else _additive(mask, b.dtype, dev)
@@ -231,6 +242,10 @@ def forward_segments(segments, rows_exact: bool = True) -> list[torch.Tensor]:
             kv = b.cache[i]
             kv[0, :, past:total] = k[0, :, s:e]
             kv[1, :, past:total] = v[0, :, s:e]
+            if exact and b.native_attention:
+                o = native.attention(q[0, :, s:e].transpose(0, 1), kv, *how, attn.scaling)  # [n, H, D]
+                outs.append(o.transpose(0, 1)[None])
+                continue
             if exact:
                 outs.append(_rows_attention(q[:, :, s:e], kv, how, attn.scaling, gqa))
                 continue
@@ -258,6 +273,26 @@ def forward_segments(segments, rows_exact: bool = True) -> list[torch.Tensor]:
 
 
 _KEY_BLOCK = 64  # invariant attention: key counts padded to a multiple of this (masked), so rows share calls
+
+
+def _row_keys(mask: torch.Tensor | None, past: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The keys each row sees, for native invariant attention: ``counts`` [n] (how many),
+    ``inplace`` [n] (how many of them are the cache rows 0, 1, ...: the committed context, and a
+    chain's own rows) and ``tail`` [n, T] (the cache rows of the others in position order: a tree
+    node's ancestors past a branch). Nothing is copied but these indices."""
+    if mask is None:
+        mask = torch.ones((n, past + n), dtype=torch.bool)
+    mask = mask.cpu()
+    counts = mask.sum(1)
+    inplace = mask.to(torch.int32).cumprod(1).sum(1)
+    rest = mask & (torch.arange(mask.shape[1])[None] >= inplace[:, None])
+    lengths = rest.sum(1)
+    rows, cols = rest.nonzero(as_tuple=True)  # row-major: each row's cache rows ascending
+    tail = torch.zeros((n, int(lengths.max()) if n else 0), dtype=torch.long)
+    if rows.numel():
+        starts = lengths.cumsum(0) - lengths
+        tail[rows, torch.arange(rows.numel()) - starts[rows]] = cols
+    return counts.to(torch.long).contiguous(), inplace.to(torch.long).contiguous(), tail
 
 
 def _row_groups(mask: torch.Tensor | None, past: int, n: int, dev, dtype=torch.float32) -> list:

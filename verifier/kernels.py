@@ -14,11 +14,14 @@ Two kinds of plan:
 * ``fastest`` (float32): per row bucket the fastest kernel; a row's bits may depend on how many
   rows share the call (MKL's float32 GEMM is not batch invariant), which float32 does not need:
   its contract is token identity with Hugging Face greedy decoding.
-* ``invariant`` (reduced precision): every call runs over fixed chunks of ``rows`` rows (the last
-  one padded), so each row is computed by the identical kernel call whatever else shares the
-  forward. ``rows`` is chosen by measurement (the smallest worst-case slowdown over the tree sizes
-  the verifier uses) and the choice is checked at tuning: a row must come out bit-identical at any
-  position of its chunk, or a smaller chunk is taken (one row is invariant by construction).
+* ``invariant`` (reduced precision): a shape runs either a row-invariant kernel unchunked (the
+  native ones: each output the same float32 operations in a fixed order, whatever the other rows,
+  so a one-token step computes one row) or another kernel over fixed chunks of ``rows`` rows (the
+  last one padded), so each row is computed by the identical kernel call whatever else shares the
+  forward. The option is chosen by measurement (the smallest sum of slowdowns against the best
+  option at each tree size the verifier uses) and a chunked choice is checked at tuning: a row must
+  come out bit-identical at any position of its chunk, or the next option is taken (one row is
+  invariant by construction).
 
 Candidates come from two BLAS libraries, torch's (MKL, and oneDNN) and numpy's OpenBLAS, whose
 float32 GEMM with few rows streams the weight faster on some CPUs and slower on others, and from
@@ -60,7 +63,8 @@ log = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # row counts timed; a call of n rows uses the smallest bucket >= n
 _TUNE_SECONDS = 30.0  # soft bound on the whole tuning (few reps, interleaved, medians)
 _SLOW_CALL_S = 0.1  # a candidate's call slower than this is not timed at larger buckets
-_VERSION = 4  # 3: native kernels, choices checked over a whole forward; 4: measured on packed weights
+_VERSION = 5  # 3: native kernels, choices checked over a whole forward; 4: measured on packed weights;
+# 5: numpy's BLAS held to one thread in a symlinked environment too (choices measured with it spinning)
 LAYOUTS = ("row", "col")  # a weight stored as is ([out, in] rows), or transposed ([in, out] storage)
 
 
@@ -116,9 +120,15 @@ CANDIDATES.update({name: native.linear(name) for name in native.VARIANTS})
 def _usable(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
     if name.startswith("blas"):  # numpy: CPU float32 only (it has no bfloat16)
         return device.type == "cpu" and dtype == torch.float32
-    if name in native.VARIANTS:  # built for this CPU at first use, float32 only
-        return device.type == "cpu" and dtype == torch.float32 and native.usable(name, _cpu_identity())
+    if name in native.VARIANTS:  # built for this CPU at first use; float32, bfloat16 or float16 weights
+        return device.type == "cpu" and dtype in native.dtypes(name) and native.usable(name, _cpu_identity())
     return device.type == "cpu" or name == "linear"
+
+
+def row_invariant(name: str) -> bool:
+    """Kernels whose row results never depend on the other rows of the call, by construction (each
+    output the same float32 operations in a fixed order): an invariant plan runs them unchunked."""
+    return name in native.VARIANTS
 
 
 def _row_only(name: str) -> bool:
@@ -165,7 +175,7 @@ class ShapePlan:
 
     by_bucket: dict[int, str] = field(default_factory=dict)  # fastest: bucket -> kernel
     kernel: str = "linear"  # invariant: the kernel of every chunk
-    rows: int = 0  # invariant: rows per chunk (0: fastest plan)
+    rows: int = 0  # invariant: rows per chunk (0: unchunked, a row-invariant kernel; or a fastest plan)
     layout: str = "row"  # how the shape's weights are stored (see the module docstring)
     ms: dict = field(default_factory=dict)  # measured medians, for the record: "kernel@rows" -> ms
 
@@ -191,7 +201,7 @@ class Plan:
             return F.linear(x, w, b)
         if self.invariant:
             fn, rows = entry
-            return chunked(fn, x, w, b, rows)
+            return fn(x, w, b) if rows == 0 else chunked(fn, x, w, b, rows)
         n = x.shape[0]
         for bucket, fn in entry:
             if n <= bucket:
@@ -202,7 +212,7 @@ class Plan:
         parts = []
         for (o, i), sp in self.shapes.items():
             if self.invariant:
-                parts.append(f"{o}x{i}: {sp.kernel} x{sp.rows} rows")
+                parts.append(f"{o}x{i}: {sp.kernel} " + (f"x{sp.rows} rows" if sp.rows else "unchunked"))
             else:
                 runs, prev = [], None
                 for bucket in sorted(sp.by_bucket):
@@ -268,11 +278,13 @@ def _numpy_blas() -> list:
     wheels), not of any other BLAS in the process (torch's own, where a build links one)."""
     from threadpoolctl import ThreadpoolController
 
-    home = os.path.dirname(np.__file__)  # numpy's wheels keep it in numpy.libs/ or numpy/.dylibs/
+    # numpy's wheels keep it in numpy.libs/ or numpy/.dylibs/. Real paths: through a symlinked
+    # environment numpy's module path and the loaded library's path name different directories.
+    home = os.path.realpath(os.path.dirname(np.__file__))
     return [
         lib
         for lib in ThreadpoolController().lib_controllers
-        if lib.user_api == "blas" and lib.filepath.startswith(home)
+        if lib.user_api == "blas" and os.path.realpath(lib.filepath).startswith(home)
     ]
 
 
@@ -459,15 +471,23 @@ def tune_shape(
         plan.by_bucket = {m: best[m][1] for m in buckets}
         return plan
 
-    # Fixed chunks: the chunk size whose worst slowdown over the tree sizes is smallest, checked to be
-    # position invariant (else the next; one row always is).
+    # Invariant options: fixed chunks of r rows (the fastest kernel at r, checked to be position
+    # invariant, else the next option; one row always is), or a row-invariant kernel unchunked. Kept:
+    # the option whose slowdowns against the best option at each tree size sum least (a ratio, so a
+    # one-token step weighs as much as a 64-node tree: a kernel that reads half-width weights once
+    # can win the small trees by more than it loses the large ones).
     def cost(n, r):
         return math.ceil(n / r) * best[r][0]
 
-    regret = {r: max(cost(n, r) / min(cost(n, q) for q in buckets) for n in buckets) for r in buckets}
-    for r in sorted(buckets, key=lambda r: (regret[r], r)):
-        if r == 1 or position_invariant(cands[best[r][1]], w, r):
-            plan.kernel, plan.rows = best[r][1], r
+    options = {("chunks", r, best[r][1]): [cost(n, r) for n in buckets] for r in buckets}
+    for name in cands:
+        if row_invariant(name) and all((name, "row", n) in ms for n in buckets):
+            options[("whole", 0, name)] = [ms[(name, "row", n)] for n in buckets]
+    low = [min(costs[i] for costs in options.values()) for i in range(len(buckets))]
+    slowdown = {opt: sum(c / lo for c, lo in zip(costs, low)) for opt, costs in options.items()}
+    for how, r, name in sorted(options, key=lambda o: (slowdown[o], o[1])):
+        if how == "whole" or r == 1 or position_invariant(cands[name], w, r):
+            plan.kernel, plan.rows = name, r
             return plan
     raise AssertionError("unreachable: one-row chunks are invariant")
 
@@ -600,8 +620,8 @@ def _forced(spec: str, weights, invariant: bool) -> Plan:
     w0 = next(iter(weights.values()))
     if not _usable(name, w0.device, w0.dtype) or (layout == "col" and not _transposable(w0)):
         raise ValueError(f"RACER_KERNELS={spec!r}: not available for {w0.dtype} on {w0.device}")
-    r = int(rows) if rows else 1
-    if r < 1:
+    r = int(rows) if rows else (0 if row_invariant(name) else 1)  # a row-invariant kernel: unchunked
+    if rows and r < 1:
         raise ValueError(f"RACER_KERNELS={spec!r}: chunk rows must be >= 1")
     shapes = {
         s: ShapePlan(
@@ -675,7 +695,7 @@ def _read_cached(path, weights, invariant) -> dict | None:
             or (p.layout == "col" and (invariant or not _transposable(w0) or any(map(_row_only, kernels))))
             or not kernels
             or not all(k in CANDIDATES and _usable(k, w0.device, w0.dtype) for k in kernels)
-            or (invariant and p.rows < 1)
+            or (invariant and (p.rows < 0 or (p.rows == 0 and not row_invariant(p.kernel))))
         ):
             return None
     return shapes if set(shapes) == set(weights) else None

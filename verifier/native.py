@@ -1,4 +1,5 @@
-"""Hand-written float32 projection kernels for a few rows (``native_linear.c``), built for this CPU.
+"""Hand-written kernels for a few rows, built for this CPU: projections (``native_linear.c``) and
+invariant tree attention (``native_attention.c``).
 
 A verification step multiplies 1 to 64 rows with each weight. Every BLAS at hand packs the weight
 first, so with a handful of rows it reads the weight more than once and runs well below both the
@@ -33,6 +34,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_linear.c")
+ATTENTION_SOURCE = Path(__file__).with_name("native_attention.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 
 # name -> (weight rows, x rows) per tile, and the vector width (bits) the shape is meant for: a
@@ -42,7 +44,12 @@ VARIANTS = {
     "native6x2": ((6, 2), 256),
     "native6x4": ((6, 4), 512),
     "native8x3": ((8, 3), 512),
+    "native6x4bf": ((6, 4), 512),  # bfloat16 pairs multiplied by the CPU (AVX512-BF16), bfloat16 only
+    "native8x3bf": ((8, 3), 512),
 }
+PAIRS = {"native6x4bf", "native8x3bf"}
+
+WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _lock = threading.Lock()
 _state: dict = {}  # "lib": the loaded library or None, once tried; "why": why not
@@ -69,7 +76,8 @@ def _build(cc: str, out: Path) -> None:
     if not os.access(out.parent, os.W_OK):  # e.g. an image's baked cache: the next place, not an error
         raise PermissionError(f"{out.parent} is not writable")
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-    subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], check=True, capture_output=True, text=True, timeout=120)
+    cmd = [cc, *FLAGS, str(SOURCE), str(ATTENTION_SOURCE), "-o", str(tmp)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
     tmp.replace(out)  # atomic: another process building the same key reads a whole file or none
 
 
@@ -87,7 +95,9 @@ def _load(machine: str) -> ctypes.CDLL | None:
         _state["why"] = f"{cc} --version failed: {e}"
         return None
     digest = hashlib.sha256(
-        b"\0".join(x.encode() for x in (SOURCE.read_text(), version, " ".join(FLAGS), machine))
+        b"\0".join(
+            x.encode() for x in (SOURCE.read_text(), ATTENTION_SOURCE.read_text(), version, " ".join(FLAGS), machine)
+        )
     ).hexdigest()[:20]
     from .model import cache_root
 
@@ -112,9 +122,14 @@ def _load(machine: str) -> ctypes.CDLL | None:
         _state["why"] = f"a second OpenMP runtime was loaded beside torch's ({sorted(after)})"
         return None
     lib.racer_vector_bits.restype = ctypes.c_int
+    lib.racer_bf16_pairs.restype = ctypes.c_int
     lib.racer_linear.restype = ctypes.c_int
-    lib.racer_linear.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
+    lib.racer_linear.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
     lib.racer_linear.argtypes += [ctypes.c_int]
+    lib.racer_attention_block.restype = ctypes.c_int
+    lib.racer_attention.restype = ctypes.c_int
+    lib.racer_attention.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5
+    lib.racer_attention.argtypes += [ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_float, ctypes.c_int]
     return lib
 
 
@@ -131,7 +146,7 @@ def library(machine: str = "") -> ctypes.CDLL | None:
 
 def source_digest() -> str:
     """Identifies the kernels' source: a choice measured on other kernels is measured again."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    return hashlib.sha256(SOURCE.read_bytes() + ATTENTION_SOURCE.read_bytes()).hexdigest()[:16]
 
 
 def why() -> str | None:
@@ -145,32 +160,45 @@ def usable(name: str, machine: str = "") -> bool:
     if os.environ.get("RACER_NATIVE", "on").lower() in ("off", "0", "no", "false"):
         return False
     lib = library(machine)
-    return lib is not None and name in VARIANTS and VARIANTS[name][1] == lib.racer_vector_bits()
+    if lib is None or name not in VARIANTS or VARIANTS[name][1] != lib.racer_vector_bits():
+        return False
+    return name not in PAIRS or bool(lib.racer_bf16_pairs())
+
+
+def dtypes(name: str) -> tuple[torch.dtype, ...]:
+    """The weight dtypes the variant ``name`` takes."""
+    return (torch.bfloat16,) if name in PAIRS else tuple(WEIGHT_TYPES)
 
 
 def linear(name: str):
-    """The variant ``name`` as a kernel ``(x [M, K], w [N, K], b [N] or None) -> [M, N]``: float32 on a
-    CPU, ``w`` stored as rows (contiguous); anything else raises TypeError (the tuner skips it)."""
+    """The variant ``name`` as a kernel ``(x [M, K], w [N, K], b [N] or None) -> [M, N]`` on a CPU,
+    ``w`` stored as rows (contiguous) in float32, bfloat16 or float16 (read at that width, every
+    product and sum in float32, the result rounded once to ``x``'s dtype); anything else raises
+    TypeError (the tuner skips it)."""
     nr, mr = VARIANTS[name][0]
+    pairs = name in PAIRS
 
     def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         lib = _state.get("lib")
         if lib is None:
             raise TypeError(f"{name}: native kernels not available: {why()}")
-        if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous() or x.dtype != w.dtype:
-            raise TypeError(f"{name}: float32 CPU weights stored as rows only")
-        x = x.contiguous()
+        if w.dtype not in dtypes(name) or w.device.type != "cpu" or not w.is_contiguous() or x.dtype != w.dtype:
+            kinds = ", ".join(str(d).replace("torch.", "") for d in dtypes(name))
+            raise TypeError(f"{name}: {kinds} CPU weights stored as rows only")
+        half = w.dtype != torch.float32
+        x = x.contiguous() if pairs or not half else x.float().contiguous()
         if b is not None:
-            b = b.contiguous()
+            b = b.float().contiguous() if half else b.contiguous()
         m, k = x.shape
         n = w.shape[0]
         if w.shape[1] != k or (b is not None and b.shape != (n,)):
             bias = None if b is None else tuple(b.shape)
             raise RuntimeError(f"{name}: x has {k} columns, the weight {tuple(w.shape)}, the bias {bias}")
-        y = torch.empty((m, n), dtype=x.dtype)
+        y = torch.empty((m, n), dtype=torch.float32)
         rc = lib.racer_linear(
             nr,
             mr,
+            3 if pairs else WEIGHT_TYPES[w.dtype],
             x.data_ptr(),
             w.data_ptr(),
             None if b is None else b.data_ptr(),
@@ -182,7 +210,60 @@ def linear(name: str):
         )
         if rc:
             raise RuntimeError(f"{name}: the built library has no {nr}x{mr} tile")
-        return y
+        return y.to(w.dtype) if half else y
 
     run.__name__ = name
     return run
+
+
+_ATTENTION_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def attention_usable(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+    """Whether ``attention`` runs here for a cache of ``dtype`` (CPU, built library, not switched
+    off with ``RACER_NATIVE=off``, heads a whole number of vectors of at most 256)."""
+    if os.environ.get("RACER_NATIVE", "on").lower() in ("off", "0", "no", "false"):
+        return False
+    if device.type != "cpu" or dtype not in _ATTENTION_TYPES:
+        return False
+    lib = library()
+    return lib is not None and head_dim <= 256 and head_dim % (lib.racer_vector_bits() // 32) == 0
+
+
+def attention(
+    q: torch.Tensor, kv: torch.Tensor, counts: torch.Tensor, inplace: torch.Tensor, tail: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Invariant attention (``native_attention.c``) of query rows over one layer's cache, in place.
+
+    q [n, H, D]; kv [2, kv_heads, capacity, D] (contiguous); counts, inplace [n] int64: keys row r
+    sees, and how many of them are cache rows 0, 1, ...; tail [n, T] int64: the cache rows of its
+    other keys in position order. Returns [n, H, D] in q's dtype."""
+    lib = _state.get("lib")
+    if lib is None:
+        raise TypeError(f"native attention not available: {why()}")
+    n, h, d = q.shape
+    if kv.dtype not in _ATTENTION_TYPES or not kv.is_contiguous() or kv.device.type != "cpu":
+        raise TypeError("native attention: a contiguous float32, bfloat16 or float16 CPU cache only")
+    q32 = q.float().contiguous()
+    out = torch.empty((n, h, d), dtype=torch.float32)
+    rc = lib.racer_attention(
+        _ATTENTION_TYPES[kv.dtype],
+        q32.data_ptr(),
+        kv[0].data_ptr(),
+        kv[1].data_ptr(),
+        out.data_ptr(),
+        n,
+        h,
+        kv.shape[1],
+        d,
+        kv.shape[2],
+        counts.data_ptr(),
+        inplace.data_ptr(),
+        tail.data_ptr(),
+        tail.shape[1],
+        scale,
+        torch.get_num_threads(),
+    )
+    if rc:
+        raise RuntimeError(f"native attention: {h} heads over {kv.shape[1]} kv heads of {d} not supported")
+    return out.to(q.dtype)

@@ -1,4 +1,5 @@
-"""bfloat16 exactness contract: speculation never changes what the engine itself produces.
+"""Reduced-precision exactness contract (bfloat16, and float16 alike): speculation never changes what
+the engine itself produces.
 
 Every drafting mode and budget, alone and with sessions batched together, emits token for token
 what ``off`` (one token per forward, no drafts) emits in the same dtype.
@@ -21,12 +22,14 @@ from verifier.engine import VerifierSession
 N = 40
 
 
-@pytest.fixture(scope="module", params=["tiny", "wide"])
+@pytest.fixture(scope="module", params=[("tiny", "bfloat16"), ("wide", "bfloat16"), ("wide", "float16")])
 def bf16_llama(request, tmp_path_factory):
+    size, dtype = request.param
     mp = pytest.MonkeyPatch()
     mp.setenv("RACER_KERNELS", "linear:4")  # 4-row chunks: a 1-row step pads, trees span chunks
     mp.setenv("RACER_CACHE", str(tmp_path_factory.mktemp("cache")))
-    yield make_tiny_llama().to(torch.bfloat16) if request.param == "tiny" else make_wide_llama()
+    dtype = getattr(torch, dtype)
+    yield make_tiny_llama().to(dtype) if size == "tiny" else make_wide_llama(dtype=dtype)
     mp.undo()
 
 

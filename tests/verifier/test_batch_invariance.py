@@ -13,26 +13,39 @@ import pytest
 import torch
 
 from tests.support.models import make_tiny_llama
+from verifier import native
 from verifier.backends import forward_segments
 from verifier.engine import VerifierSession
+from verifier.kernels import plan_for
 
 VOCAB = 96
 
 
-def make_wide_llama(seed: int = 0):
+def make_wide_llama(seed: int = 0, dtype: torch.dtype = torch.bfloat16):
     """A small random Llama with SmolLM2's head size (64) in bfloat16. With the tiny model's 16-wide
     heads the fused forward happens to be invariant on a CPU too; with these it is not (CPU SDPA's
-    row results depend on the query count and key length), so these tests can tell the difference."""
-    return make_tiny_llama(seed, VOCAB, hidden=256).to(torch.bfloat16)
+    row results depend on the query count and key length), so these tests can tell the difference
+    (``test_the_identity_fails_with_invariance_switched_off``)."""
+    return make_tiny_llama(seed, VOCAB, hidden=256).to(dtype)
 
 
-@pytest.fixture(scope="module", params=["linear:4", "auto"])
+def _native_spec() -> str:
+    """A native kernel unchunked (row-invariant by construction), or chunks where none is built."""
+    usable = [n for n in native.VARIANTS if n not in native.PAIRS and native.usable(n)]
+    return usable[0] if usable else "linear:4"
+
+
+@pytest.fixture(
+    scope="module", params=[(s, d) for d in ("bfloat16", "float16") for s in ("linear:4", "native", "auto")]
+)
 def bf16_model(request, tmp_path_factory):
-    """A bfloat16 model with 4-row chunks forced, and with the tuned choice."""
+    """A reduced-precision model (bfloat16, float16) with 4-row chunks forced, a native kernel
+    forced (unchunked), and the tuned choice."""
+    spec, dtype = request.param
     mp = pytest.MonkeyPatch()
-    mp.setenv("RACER_KERNELS", request.param)
+    mp.setenv("RACER_KERNELS", _native_spec() if spec == "native" else spec)
     mp.setenv("RACER_CACHE", str(tmp_path_factory.mktemp("cache")))
-    yield make_wide_llama()
+    yield make_wide_llama(dtype=getattr(torch, dtype))
     mp.undo()
 
 
@@ -41,8 +54,13 @@ def _tree(rng, n):
     return [rng.randrange(3, VOCAB) for _ in range(n)], parents
 
 
-def _session(model, prompt):
+def _session(model, prompt, invariant: bool = True):
+    """``invariant=False``: the same backend with invariance switched off (the fastest kernels per row
+    count, fused attention over all rows): the negative control."""
     s = VerifierSession(model, backend="fast")
+    if not invariant:
+        s.backend.plan = plan_for(model, invariant=False, spec="linear")
+        s.backend.invariant = s.backend.native_attention = False
     s.prefill(prompt)
     return s
 
@@ -55,9 +73,9 @@ def _path(parents, i):
     return out[::-1]
 
 
-def _stepwise(model, prompt, tokens):
+def _stepwise(model, prompt, tokens, invariant: bool = True):
     """Hidden state and logits of the last of ``tokens`` fed one by one (each step committed)."""
-    s = _session(model, prompt)
+    s = _session(model, prompt, invariant)
     for t in tokens:
         ids, positions, mask = s._inputs([t], [-1])
         hidden = s.backend.forward(ids, positions, mask)
@@ -120,3 +138,55 @@ def test_kv_rows_kept_from_a_tree_equal_those_of_one_token_steps(bf16_model):
 def test_float32_keeps_the_fastest_kernels_and_no_row_chunks():
     s = VerifierSession(make_tiny_llama(), backend="fast")
     assert not s.backend.invariant and not s.backend.plan.invariant
+
+
+def _differing_nodes(model, invariant: bool) -> list[int]:
+    """Tree nodes whose hidden state differs from their one-token step's (the identity checked above)."""
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, VOCAB) for _ in range(70)]
+    tokens, parents = _tree(rng, 48)
+    tree = _tree_hidden(_session(model, prompt, invariant), tokens, parents)
+    out = []
+    for i in range(0, 48, 3):
+        path = _path(parents, i)
+        alone, _ = _stepwise(model, prompt, [tokens[j] for j in path], invariant)
+        if not torch.equal(alone, tree[i]):
+            out.append(i)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_identity_fails_with_invariance_switched_off(monkeypatch, tmp_path, dtype):
+    """Negative control: on this model the bit-identity does not come for free. With the invariant
+    kernels and attention it holds; switched off (fused attention, fastest kernels) it fails."""
+    monkeypatch.setenv("RACER_KERNELS", "linear:4")
+    monkeypatch.setenv("RACER_CACHE", str(tmp_path))
+    model = make_wide_llama(dtype=dtype)
+    assert _differing_nodes(model, invariant=True) == []
+    assert _differing_nodes(model, invariant=False), "invariance off, yet every node equals its one-token step"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_precision_logits_agree_with_a_float32_hf_forward(monkeypatch, tmp_path, dtype):
+    """A reference outside the engine: a tree's logits (and a one-token step's) in reduced precision
+    against Hugging Face's own float32 forward of the same weights over each node's path. Stated
+    tolerance: every logit within 2% of the largest logit's magnitude, and the same top token
+    wherever the float32 top two are apart by more than that."""
+    monkeypatch.setenv("RACER_KERNELS", "auto")
+    monkeypatch.setenv("RACER_CACHE", str(tmp_path))
+    model = make_wide_llama(dtype=dtype)
+    ref_model = make_wide_llama(dtype=dtype).float()  # the same rounded weights, computed in float32
+    rng = random.Random(7)
+    prompt = [rng.randrange(3, VOCAB) for _ in range(90)]
+    tokens, parents = _tree(rng, 32)
+    s = _session(model, prompt)
+    logits = s.backend.logits(_tree_hidden(s, tokens, parents)).float()
+    with torch.inference_mode():
+        for i in range(32):
+            seq = prompt + [tokens[j] for j in _path(parents, i)]
+            ref = ref_model(torch.tensor([seq])).logits[0, -1]
+            tol = 0.02 * ref.abs().max().item()
+            assert (logits[i] - ref).abs().max().item() <= tol, f"node {i}"
+            top2 = torch.topk(ref, 2).values
+            if top2[0] - top2[1] > tol:
+                assert int(logits[i].argmax()) == int(ref.argmax()), f"node {i}"

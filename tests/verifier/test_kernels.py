@@ -239,14 +239,18 @@ def test_a_cached_plan_unusable_here_is_measured_again(cache):
     assert plan_for(model).source == "tuned"
     (path,) = (cache / "kernels").glob("*.json")
     record = json.loads(path.read_text())
-    for bad in ({"layout": "col"}, {"kernel": "blas"}, {"rows": 0}, {"by_bucket": "nope"}):
+    # unchunked: only for a kernel invariant by construction (native), never for F.linear
+    for bad in ({"layout": "col"}, {"kernel": "blas"}, {"kernel": "linear", "rows": 0}, {"by_bucket": "nope"}):
         broken = json.loads(json.dumps(record))
         for shape in broken["shapes"].values():
             shape.update(bad)
         path.write_text(json.dumps(broken))
         plan = plan_for(make_tiny_llama().to(torch.bfloat16))
         assert plan.source == "tuned", bad
-        assert all(sp.layout == "row" and sp.kernel != "blas" and sp.rows >= 1 for sp in plan.shapes.values())
+        assert all(
+            sp.layout == "row" and sp.kernel != "blas" and (sp.rows >= 1 or kernels.row_invariant(sp.kernel))
+            for sp in plan.shapes.values()
+        )
 
 
 def test_numpy_blas_runs_on_the_calling_thread_and_torch_keeps_its_threads(cache):

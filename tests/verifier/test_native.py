@@ -1,9 +1,11 @@
-"""The native float32 kernels (verifier/native_linear.c): built here, equal to F.linear for every row
-count and tail, a row's bits independent of the other rows and of the thread count, and offered
-only where they can run."""
+"""The native projection kernels (verifier/native_linear.c): built here, equal to F.linear for every
+row count and tail (float32 within float32 rounding; bfloat16 and float16 weights within one
+rounding of the result), a row's bits independent of the other rows and of the thread count, and
+offered only where they can run."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -12,17 +14,24 @@ from verifier import kernels, native
 SHAPES = [(96, 64), (37, 19), (1536, 576), (576, 1536), (13, 40)]  # tails: rows % tile, K % vector
 
 
-def _variants() -> list[str]:
-    return [name for name in native.VARIANTS if native.usable(name)]
+def _variants(dtype=torch.float32) -> list[str]:
+    return [name for name in native.VARIANTS if native.usable(name) and dtype in native.dtypes(name)]
 
 
 def test_the_library_is_built_here_with_tiles_for_this_vector_width():
     assert native.library() is not None, native.why()
     bits = native.library().racer_vector_bits()
     assert bits in (256, 512)
-    assert _variants() == [n for n, (_, b) in native.VARIANTS.items() if b == bits] and len(_variants()) == 2
-    assert all(kernels._usable(n, torch.device("cpu"), torch.float32) for n in _variants())
-    assert not any(kernels._usable(n, torch.device("cpu"), torch.bfloat16) for n in native.VARIANTS)
+    assert _variants() == [n for n, (_, b) in native.VARIANTS.items() if b == bits and n not in native.PAIRS]
+    assert len(_variants()) == 2
+    cpu = torch.device("cpu")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert all(kernels._usable(n, cpu, dtype) for n in _variants())
+    # bfloat16 pairs multiplied natively: only where the compiler and the CPU have AVX512-BF16
+    pairs = bool(native.library().racer_bf16_pairs())
+    assert pairs == (bits == 512 and "avx512_bf16" in kernels.machine_fingerprint()["flags"])
+    assert all(kernels._usable(n, cpu, torch.bfloat16) == pairs for n in native.PAIRS)
+    assert not any(kernels._usable(n, cpu, d) for n in native.PAIRS for d in (torch.float32, torch.float16))
 
 
 def test_every_variant_equals_linear_for_every_shape_and_row_count():
@@ -40,12 +49,32 @@ def test_every_variant_equals_linear_for_every_shape_and_row_count():
                     torch.testing.assert_close(y, F.linear(x, w, bias), atol=1e-5, rtol=1e-5, msg=msg)
 
 
-def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_threads():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_width_weights_equal_a_float32_product_within_one_rounding(dtype):
+    gen = torch.Generator().manual_seed(2)
+    names = _variants(dtype)
+    assert names
+    for out, inp in SHAPES:
+        w = (torch.randn((out, inp), generator=gen) / inp**0.5).to(dtype)
+        b = torch.randn(out, generator=gen).to(dtype)
+        for n in (1, 2, 4, 7, 16, 64):
+            x = torch.randn((n, inp), generator=gen).to(dtype)
+            ref = F.linear(x.float(), w.float(), b.float())  # the exact products, summed in float32
+            for name in names:
+                y = kernels.CANDIDATES[name](x, w, b)
+                assert y.dtype == dtype and y.shape == (n, out) and y.is_contiguous()
+                # one rounding of the float32 result to the half type: half an ulp, plus float32 sums
+                ulp = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+                assert ((y.float() - ref).abs() <= ref.abs() * ulp + 1e-4).all(), f"{name} {dtype} {out}x{inp} {n}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_threads(dtype):
     gen = torch.Generator().manual_seed(1)
-    w = torch.randn((1536, 576), generator=gen)
-    x = torch.randn((64, 576), generator=gen)
+    w = torch.randn((1536, 576), generator=gen).to(dtype)
+    x = torch.randn((64, 576), generator=gen).to(dtype)
     threads = torch.get_num_threads()
-    for name in _variants():
+    for name in _variants(dtype):
         fn = kernels.CANDIDATES[name]
         try:
             torch.set_num_threads(2)
@@ -63,12 +92,15 @@ def test_a_transposed_view_or_another_dtype_is_refused_not_misread():
     w = torch.randn(64, 32)
     x = torch.randn(4, 32)
     for name in _variants():
-        for bad_w, bad_x in ((w.t().contiguous().t(), x), (w.bfloat16(), x.bfloat16())):
+        for bad_w, bad_x in ((w.t().contiguous().t(), x), (w.bfloat16(), x), (w.half(), x.bfloat16())):
             try:
                 kernels.CANDIDATES[name](bad_x, bad_w, None)
             except TypeError:
                 continue
             raise AssertionError(f"{name} ran on a weight it cannot read")
+    for name in native.PAIRS & set(_variants(torch.bfloat16)):
+        with pytest.raises(TypeError):
+            kernels.CANDIDATES[name](x, w, None)  # float32: the pairs kernels take bfloat16 only
 
 
 def test_one_openmp_runtime_in_the_process():
