@@ -148,9 +148,12 @@ def replicas(
     dtype: str | None = None,
     log_level: str = "WARNING",
     pin: bool = True,
+    gateway_model: str | None = None,
+    env: dict[str, str] | None = None,
 ):
     """Redis, a verifier, ``drafters`` drafters and a gateway per drafter, as processes; yields
-    ``Replicas``, then stops them (SIGTERM, drain) and Redis."""
+    ``Replicas``, then stops them (SIGTERM, drain) and Redis. ``gateway_model``: the gateways'
+    ``RACER_MODEL`` (``none``: token ids only), else ``model``; ``env``: more settings for all."""
     from common import cpus
     from common.health import wait_serving
     from verifier.model import resolve_model_dir
@@ -168,6 +171,7 @@ def replicas(
             RACER_HOST="127.0.0.1",
             RACER_LOG_LEVEL=log_level,
             RACER_INTERNAL_TOKEN=os.environ.get("RACER_INTERNAL_TOKEN") or _TOKEN,
+            **(env or {}),
         )
         if dtype:
             base["RACER_DTYPE"] = dtype
@@ -204,6 +208,7 @@ def replicas(
                     RACER_VERIFIERS=verifier,
                     RACER_API_KEYS=os.path.join(tmp, "keys"),
                     RACER_TENANT_LIMITS=os.path.join(tmp, "limits.toml"),
+                    **({"RACER_MODEL": gateway_model} if gateway_model else {}),
                 )
                 start("gateway", genv, gateway)
                 gateways.append(gateway)
@@ -238,11 +243,12 @@ class StackRun:
 
 def run_stack(
     st: Replicas,
-    prompts: list[tuple[Prompt, str]],  # (prompt, its text)
+    prompts: list[tuple[Prompt, str | list[int]]],  # (prompt, its text or token ids)
     budgets: list[int],
     max_new_tokens: int,
     system: str,
     progress: bool = True,
+    warm: str | list[int] = "Hello",
 ) -> StackRun:
     from tqdm import tqdm
 
@@ -250,7 +256,7 @@ def run_stack(
     tenants = [corpus_tenant(b) for b in budgets]
     for r in range(n):  # every replica loads each tenant's (empty) corpus, and the verifier warms up
         for t in tenants + [OFF]:
-            st.client(r, t).complete("Hello", max_new_tokens=4, mode="racer", budget=max(budgets), share=False)
+            st.client(r, t).complete(warm, max_new_tokens=4, mode="racer", budget=max(budgets), share=False)
     wait_for(
         lambda: all(metric(s, "racer_corpus_load_seconds_count") >= len(tenants) for s in st.scrape()),
         120,
@@ -261,7 +267,7 @@ def run_stack(
     served = {g: [0] * n for g in ("pass 1", "pass 2")}
     first: dict[str, int] = {}
     crossed = 0
-    published = {b: 0 for b in budgets}
+    published = {b: 0 for b in budgets}  # pass-1 responses with the corpus on
     replication: dict[int, float] = {}
     held: dict[int, list[float]] = {}
     bar = tqdm(total=2 * len(prompts) * len(budgets) * 2, disable=not progress, file=sys.stderr, unit="session")
@@ -271,17 +277,16 @@ def run_stack(
                 t = corpus_tenant(b)
 
                 def caught_up(b=b, t=t) -> bool:
-                    # every pass-1 response in the stream, at least all but its last 3 tokens
-                    # (the bonus token and the final chunk), and every replica holding all of it
+                    # every pass-1 response in the stream, and every replica holding all of the stream
                     responses, tokens = st.published(t)
                     held[b] = [metric(s, "racer_corpus_tokens", tenant=t) for s in st.scrape()]
-                    return responses >= len(prompts) and tokens >= published[b] and set(held[b]) == {tokens}
+                    return responses >= published[b] and set(held[b]) == {tokens}
 
                 replication[b] = wait_for(
                     caught_up,
                     120,
                     lambda b=b, t=t: (
-                        f"every replica holding the {published[b]} tokens of pass 1 of {t} (held: {held[b]})"
+                        f"every replica holding the {published[b]} responses of pass 1 of {t} (tokens held: {held[b]})"
                     ),
                 )
         for i, (p, text) in enumerate(prompts):
@@ -308,7 +313,7 @@ def run_stack(
                         key = f"{p.question_id}/{b}"
                         if group == "pass 1":
                             first[key] = replica
-                            published[b] += max(len(out) - 3, 0)
+                            published[b] += 1
                         elif first[key] != replica:
                             crossed += 1
                     drafted, accepted = (
