@@ -11,7 +11,9 @@ Face greedy decoding too).
 Two runs:
 - ``category``: per Spec-Bench category, one tenant, ``--sessions`` prompts of that category;
 - ``repeat``: ``--sessions`` prompts (round robin over the categories) answered once, then asked
-  again by new sessions of the same tenant (pass 1, pass 2).
+  again by new sessions of the same tenant (pass 1, pass 2). With ``--through stack`` it runs again
+  through real services with ``--drafters`` replicas, the sessions alternating between them
+  (``bench_corpus_stack.py``), and the two gains are compared.
 """
 
 from __future__ import annotations
@@ -181,7 +183,9 @@ def round_robin(by_category: dict[str, list[Prompt]], n: int) -> list[Prompt]:
     return out
 
 
-def main(args) -> int:
+def main(args, after_repeat=None) -> int:
+    """``after_repeat(args, prompts, results)``: run after the repeat run (``--through stack``);
+    its exit status joins this one's."""
     import torch
 
     from .prompts import DEFAULT_PROMPTS, load_spec_bench
@@ -230,6 +234,8 @@ def main(args) -> int:
                 p1 = next(r for r in rows if r["group"] == "pass 1" and r["budget"] == b)
                 p2 = next(r for r in rows if r["group"] == "pass 2" and r["budget"] == b)
                 print(f"C={b}: pass 2 / pass 1 MAT with the corpus: {p2['mat_on'] / p1['mat_on']:.2f}")
+            if after_repeat is not None:
+                status |= after_repeat(args, groups[0][1], results)
         if args.json:
             with open(f"{args.json}.{run}.jsonl", "w") as f:
                 for i, r in enumerate(results):

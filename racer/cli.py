@@ -467,7 +467,19 @@ def main(argv=None) -> int:
     bc.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's, all cores)")
     bc.add_argument("--hf", action="store_true", help="also compare every output with Hugging Face greedy decoding")
     bc.add_argument("--json", default=None, help="also write one record per session to JSON.RUN.jsonl")
-    bc.set_defaults(func=lambda a: __import__("racer.bench_corpus", fromlist=["x"]).main(a))
+    bc.add_argument(
+        "--through",
+        default="process",
+        choices=("process", "stack"),
+        help="stack: the repeat run also through real services (Redis, a verifier, drafter replicas), "
+        "sessions alternating between the replicas",
+    )
+    bc.add_argument("--drafters", type=int, default=2, help="drafter replicas with --through stack (2 or more)")
+    bc.set_defaults(
+        func=lambda a: __import__(
+            "racer.bench_corpus_stack" if a.through == "stack" else "racer.bench_corpus", fromlist=["x"]
+        ).main(a)
+    )
 
     bn = sub.add_parser("bench-snapshot", help="size and save/restore time of a full drafter session snapshot")
     bn.add_argument("--store", default="memory://", help="memory:// or redis://host:port/db")

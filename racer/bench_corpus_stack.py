@@ -1,0 +1,437 @@
+"""``racer bench-corpus --through stack``: the repeat run through real services, drafter replicas apart.
+
+Starts a ``redis-server`` on a free loopback port, one verifier, ``--drafters`` drafter processes
+(all on that Redis, so the tenant corpus replicates between them through its capped stream) and one
+gateway per drafter, each sending its sessions to its own drafter only: the client picks the
+replica by picking the gateway. (One gateway over all drafters would pick by rendezvous hashing of
+the session id, which the gateway draws at random for a new session.) Every session is fresh and
+runs one prompt. Pass 1 sends prompt ``i`` to replica ``i mod n``, pass 2 to replica ``i + 1 mod n``,
+so consecutive sessions alternate and every repeat is answered by another replica than the first
+answer: its corpus hits come from what replication brought over. Before pass 2 starts, the command
+waits until every replica holds the whole of pass 1 (on ``racer_corpus_tokens``) and reports how
+long that took. Which replica served each session is read from the drafters' metrics
+(``racer_drafter_restores_total{source="new"}``), never assumed.
+
+Tenants: one per budget with the corpus on (``corpus-c<C>``), and one with sharing off in the
+tenant limits file (``no-corpus``) for the corpus off, each with an API key of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+
+from common.settings import HEALTH_SERVICES
+from drafter.corpora import decode, stream_key
+
+from . import bench_corpus
+from .bench_corpus import Result, format_table, summarize
+from .client import Client
+from .prompts import Prompt
+from .stack import _TOKEN, _spawn
+
+OFF = "no-corpus"
+LAG = "racer_corpus_replication_lag_seconds"
+
+
+def corpus_tenant(budget: int) -> str:
+    return f"corpus-c{budget}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(cond, timeout: float, what, every: float = 0.05) -> float:
+    """Polls ``cond`` until true; the seconds it took. ``TimeoutError`` naming ``what`` (or what it
+    returns, if a callable) past ``timeout``."""
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"{what() if callable(what) else what}: not reached in {timeout:.0f} s")
+        time.sleep(every)
+    return time.monotonic() - t0
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """A process's Prometheus samples: (name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def metric(samples: dict, name: str, **labels) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels`` (0 when absent)."""
+    return sum(
+        v for (n, ls), v in samples.items() if n == name and all(dict(ls).get(k) == x for k, x in labels.items())
+    )
+
+
+@contextlib.contextmanager
+def redis_server(workdir: str):
+    """A ``redis-server`` on a free loopback port, without persistence; yields its URL."""
+    import redis
+
+    exe = shutil.which("redis-server")
+    if not exe:
+        raise RuntimeError("no redis-server on PATH (scripts/setup.sh installs it)")
+    port = free_port()
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        client = redis.Redis(port=port)
+        wait_for(lambda: proc.poll() is None and _pings(client), 30, "redis-server answering PING")
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _pings(client) -> bool:
+    import redis
+
+    try:
+        return bool(client.ping())
+    except (redis.ConnectionError, redis.exceptions.BusyLoadingError):
+        return False
+
+
+@dataclass
+class Replicas:
+    gateways: list[str]  # gateway i sends every session to drafter i
+    drafter_metrics: list[int]  # the drafters' metrics ports
+    keys: dict[str, str]  # tenant -> API key
+    redis_url: str
+
+    def client(self, replica: int, tenant: str) -> Client:
+        return Client(self.gateways[replica], api_key=self.keys[tenant], timeout=600)
+
+    def scrape(self) -> list[dict]:
+        return [scrape(p) for p in self.drafter_metrics]
+
+    def published(self, tenant: str) -> tuple[int, int]:
+        """(responses, tokens) in the tenant's corpus stream in Redis: what the replicas published."""
+        import redis
+
+        with redis.Redis.from_url(self.redis_url) as r:
+            records = [decode(f[b"d"]) for _, f in r.xrange(stream_key(tenant))]
+        return len({(rep, num) for _, rep, num, _ in records}), sum(len(t) for *_, t in records)
+
+
+@contextlib.contextmanager
+def replicas(
+    model: str,
+    drafters: int,
+    tenants: list[str],
+    prior: bool = True,
+    dtype: str | None = None,
+    log_level: str = "WARNING",
+    pin: bool = True,
+    gateway_model: str | None = None,
+    env: dict[str, str] | None = None,
+):
+    """Redis, a verifier, ``drafters`` drafters and a gateway per drafter, as processes; yields
+    ``Replicas``, then stops them (SIGTERM, drain) and Redis. ``gateway_model``: the gateways'
+    ``RACER_MODEL`` (``none``: token ids only), else ``model``; ``env``: more settings for all."""
+    from common import cpus
+    from common.health import wait_serving
+    from verifier.model import resolve_model_dir
+
+    resolve_model_dir(model)
+    with tempfile.TemporaryDirectory(prefix="racer-corpus-stack-") as tmp, redis_server(tmp) as url:
+        keys = {t: secrets.token_urlsafe(16) for t in tenants}
+        with open(os.path.join(tmp, "keys"), "w") as f:
+            f.write("".join(f"{k} {t}\n" for t, k in keys.items()))
+        with open(os.path.join(tmp, "limits.toml"), "w") as f:
+            f.write(f"[tenants.{OFF}]\nshare = false\n")
+        base = {k: v for k, v in os.environ.items() if not k.startswith("RACER_")}
+        base.update(
+            RACER_MODEL=model,
+            RACER_HOST="127.0.0.1",
+            RACER_LOG_LEVEL=log_level,
+            RACER_INTERNAL_TOKEN=os.environ.get("RACER_INTERNAL_TOKEN") or _TOKEN,
+            **(env or {}),
+        )
+        if dtype:
+            base["RACER_DTYPE"] = dtype
+        split = cpus.split_for_verifier(cpus.available()) if pin else None
+
+        def env(kind: str, **kw) -> tuple[dict, str, int]:
+            port, mport = free_port(), free_port()
+            e = dict(base, RACER_PORT=str(port), RACER_METRICS_PORT=str(mport), **kw)
+            if split:
+                e["RACER_CPUS"] = cpus.format_list(split[0] if kind == "verifier" else split[1])
+            return e, f"127.0.0.1:{port}", mport
+
+        procs: list[tuple[str, str, subprocess.Popen]] = []
+
+        def start(kind: str, e: dict, target: str) -> None:
+            procs.append((kind, target, _spawn(kind, e)))
+
+        def healthy() -> None:
+            for kind, target, p in procs:
+                wait_serving(target, HEALTH_SERVICES[kind], timeout=300, alive=lambda p=p: p.poll() is None, what=kind)
+
+        try:
+            # the verifier measures its cost curve at start-up: the others start once it is up
+            venv, verifier, _ = env("verifier")
+            start("verifier", venv, verifier)
+            healthy()
+            gateways, dmetrics = [], []
+            for _ in range(drafters):
+                denv, drafter, dm = env("drafter", RACER_SNAPSHOT_URL=url, **({} if prior else {"RACER_PRIOR": "none"}))
+                start("drafter", denv, drafter)
+                genv, gateway, _ = env(
+                    "gateway",
+                    RACER_DRAFTERS=drafter,
+                    RACER_VERIFIERS=verifier,
+                    RACER_API_KEYS=os.path.join(tmp, "keys"),
+                    RACER_TENANT_LIMITS=os.path.join(tmp, "limits.toml"),
+                    **({"RACER_MODEL": gateway_model} if gateway_model else {}),
+                )
+                start("gateway", genv, gateway)
+                gateways.append(gateway)
+                dmetrics.append(dm)
+            healthy()
+            yield Replicas(gateways, dmetrics, keys, url)
+        finally:
+            for _, _, p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for kind, _, p in procs:
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    print(f"{kind} did not stop in 30 s; killing it", file=sys.stderr)
+                    p.kill()
+
+
+def _new_sessions(samples: list[dict]) -> list[float]:
+    return [metric(s, "racer_drafter_restores_total", source="new") for s in samples]
+
+
+@dataclass
+class StackRun:
+    results: list[Result]
+    sessions: dict[str, list[int]]  # pass -> sessions served by each replica (from the drafters' metrics)
+    crossed: int  # pass-2 sessions served by another replica than their prompt's pass-1 session
+    replication_s: dict[int, float]  # budget -> seconds from the end of pass 1 until every replica held it
+    corpus_tokens: dict[int, list[float]]  # budget -> racer_corpus_tokens on each replica before pass 2
+    lag: list[tuple[float, float]]  # per replica: (mean, count) of racer_corpus_replication_lag_seconds
+
+
+def run_stack(
+    st: Replicas,
+    prompts: list[tuple[Prompt, str | list[int]]],  # (prompt, its text or token ids)
+    budgets: list[int],
+    max_new_tokens: int,
+    system: str,
+    progress: bool = True,
+    warm: str | list[int] = "Hello",
+) -> StackRun:
+    from tqdm import tqdm
+
+    n = len(st.gateways)
+    tenants = [corpus_tenant(b) for b in budgets]
+    for r in range(n):  # every replica loads each tenant's (empty) corpus, and the verifier warms up
+        for t in tenants + [OFF]:
+            st.client(r, t).complete(warm, max_new_tokens=4, mode="racer", budget=max(budgets), share=False)
+    wait_for(
+        lambda: all(metric(s, "racer_corpus_load_seconds_count") >= len(tenants) for s in st.scrape()),
+        120,
+        "every replica loading the tenants' corpora",
+    )
+    lag_t0 = [(metric(s, f"{LAG}_sum"), metric(s, f"{LAG}_count")) for s in st.scrape()]
+    results: list[Result] = []
+    served = {g: [0] * n for g in ("pass 1", "pass 2")}
+    first: dict[str, int] = {}
+    crossed = 0
+    published = {b: 0 for b in budgets}  # pass-1 responses with the corpus on
+    replication: dict[int, float] = {}
+    held: dict[int, list[float]] = {}
+    bar = tqdm(total=2 * len(prompts) * len(budgets) * 2, disable=not progress, file=sys.stderr, unit="session")
+    for p_no, group in enumerate(("pass 1", "pass 2")):
+        if p_no == 1:  # every replica holds the whole of pass 1 before pass 2 starts
+            for b in budgets:
+                t = corpus_tenant(b)
+
+                def caught_up(b=b, t=t) -> bool:
+                    # every pass-1 response in the stream, and every replica holding all of the stream
+                    responses, tokens = st.published(t)
+                    held[b] = [metric(s, "racer_corpus_tokens", tenant=t) for s in st.scrape()]
+                    return responses >= published[b] and set(held[b]) == {tokens}
+
+                replication[b] = wait_for(
+                    caught_up,
+                    120,
+                    lambda b=b, t=t: (
+                        f"every replica holding the {published[b]} responses of pass 1 of {t} (tokens held: {held[b]})"
+                    ),
+                )
+        for i, (p, text) in enumerate(prompts):
+            replica = (i + p_no) % n
+            for b in budgets:
+                off = None
+                for use in (False, True):
+                    bar.set_description(f"stack {group} C={b} corpus {'on' if use else 'off'} replica {replica}")
+                    before = st.scrape()
+                    t = time.perf_counter()
+                    with st.client(replica, corpus_tenant(b) if use else OFF) as c:
+                        out, _, last = c.complete(
+                            text, max_new_tokens=max_new_tokens, mode="racer", budget=b, system=system
+                        )
+                    secs = time.perf_counter() - t
+                    samples = st.scrape()
+                    landed = [j for j, (a, z) in enumerate(zip(_new_sessions(before), _new_sessions(samples))) if z > a]
+                    if landed != [replica]:
+                        raise RuntimeError(
+                            f"session {last.session_id}: served by replicas {landed}, expected [{replica}]"
+                        )
+                    served[group][replica] += 1
+                    if use:
+                        key = f"{p.question_id}/{b}"
+                        if group == "pass 1":
+                            first[key] = replica
+                            published[b] += 1
+                        elif first[key] != replica:
+                            crossed += 1
+                    drafted, accepted = (
+                        _by_source(before[replica], samples[replica], k) for k in ("nodes", "accepted")
+                    )
+                    r = Result(group, p.question_id, use, b, list(out), last.stats.rounds, secs, drafted, accepted)
+                    if use:
+                        r.identical = r.output == off.output
+                        off.identical = r.identical
+                    else:
+                        off = r
+                    results.append(r)
+                    bar.update()
+    bar.close()
+    lag = []
+    for s, (s0, c0) in zip(st.scrape(), lag_t0):
+        c = metric(s, f"{LAG}_count") - c0
+        total = metric(s, f"{LAG}_sum") - s0
+        lag.append((total / c if c else 0.0, c))
+    return StackRun(results, served, crossed, replication, held, lag)
+
+
+def _by_source(before: dict, after: dict, what: str) -> dict:
+    """Draft nodes (``what`` = nodes) or accepted nodes by source, the difference of two scrapes."""
+    name = f"racer_draft_{what}_total"
+    return {
+        src: int(metric(after, name, source=src) - metric(before, name, source=src)) for src in ("session", "corpus")
+    }
+
+
+def gains(rows: list[dict], budget: int) -> dict:
+    p1 = next(r for r in rows if r["group"] == "pass 1" and r["budget"] == budget)
+    p2 = next(r for r in rows if r["group"] == "pass 2" and r["budget"] == budget)
+    return dict(
+        p1_off=p1["mat_off"],
+        p1_on=p1["mat_on"],
+        p2_off=p2["mat_off"],
+        p2_on=p2["mat_on"],
+        gain=p2["mat_on"] / p1["mat_on"],
+    )
+
+
+def format_comparison(single: list[dict], stack: list[dict], budgets: list[int], n: int, identical: dict) -> str:
+    head = [
+        "run",
+        "C",
+        "pass 1 MAT off",
+        "pass 1 MAT on",
+        "pass 2 MAT off",
+        "pass 2 MAT on",
+        "gain (pass 2 / pass 1, on)",
+        "identical on/off",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for b in budgets:
+        g1, g2 = gains(single, b), gains(stack, b)
+        for name, g, ident in (
+            ("one replica, in process", g1, identical["single"]),
+            (f"stack, {n} drafters", g2, identical["stack"]),
+        ):
+            cells = [name, str(b)] + [f"{g[k]:.2f}" for k in ("p1_off", "p1_on", "p2_off", "p2_on")]
+            lines.append("| " + " | ".join(cells + [f"{g['gain']:.2f}", ident]) + " |")
+    return "\n".join(lines)
+
+
+def report(single_results: list[Result], run: StackRun, budgets: list[int], n: int) -> str:
+    single, stack = summarize(single_results), summarize(run.results)
+
+    def pairs(rs: list[Result]) -> str:  # on/off pairs with equal outputs
+        on = [r for r in rs if r.corpus]
+        return f"{sum(1 for r in on if r.identical)}/{len(on)}"
+
+    ident = {"single": pairs(single_results), "stack": pairs(run.results)}
+    same = {(r.group, r.question_id, r.budget, r.corpus): r.output for r in single_results}
+    equal = sum(1 for r in run.results if same.get((r.group, r.question_id, r.budget, r.corpus)) == r.output)
+    lines = [format_comparison(single, stack, budgets, n, ident), ""]
+    for b in budgets:
+        g1, g2 = gains(single, b)["gain"], gains(stack, b)["gain"]
+        lines.append(
+            f"C={b}: the stack keeps {g2 / g1:.0%} of the single-replica gain ({g2:.2f} / {g1:.2f}; target >= 90%)"
+        )
+    lines.append(f"stack outputs equal to the in-process ones: {equal}/{len(run.results)}")
+    lines.append(
+        "sessions per replica (drafters' metrics): "
+        + "; ".join(f"{g} {v}" for g, v in run.sessions.items())
+        + f"; pass-2 sessions with the corpus answered by another replica than their first answer: "
+        f"{run.crossed}/{sum(1 for r in run.results if r.corpus and r.group == 'pass 2')}"
+    )
+    for b in budgets:
+        lines.append(
+            f"C={b}: every replica held pass 1 ({', '.join(f'{x:.0f}' for x in run.corpus_tokens[b])} corpus tokens) "
+            f"{run.replication_s[b]:.2f} s after it ended"
+        )
+    lines.append(
+        "replication lag over the run (racer_corpus_replication_lag_seconds, mean over records): "
+        + ", ".join(f"replica {i} {m * 1000:.0f} ms over {c:.0f}" for i, (m, c) in enumerate(run.lag))
+    )
+    return "\n".join(lines)
+
+
+def through_stack(args, prompts: list[Prompt], single: list[Result]) -> int:
+    """The repeat run again through the services, ``--drafters`` replicas; beside the in-process one."""
+    tenants = [corpus_tenant(b) for b in args.budget] + [OFF]
+    with replicas(args.model, args.drafters, tenants, prior=args.prior, dtype=args.dtype) as st:
+        run = run_stack(st, [(p, p.text) for p in prompts], args.budget, args.max_new_tokens, args.system or "")
+    print(f"\nrepeat run through the stack: {args.drafters} drafter replicas, a gateway each, one verifier, Redis")
+    print(format_table(summarize(run.results)))
+    print()
+    print(report(single, run, args.budget, args.drafters))
+    if not all(r.identical for r in run.results):
+        print("outputs through the stack differ with the corpus on and off", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(args) -> int:
+    if args.drafters < 2:
+        raise ValueError(f"--drafters: {args.drafters}; --through stack needs 2 or more")
+    if "repeat" not in args.runs:
+        raise ValueError("--through stack runs the repeat run: add repeat to --runs")
+    return bench_corpus.main(args, after_repeat=through_stack)
