@@ -1,14 +1,50 @@
-"""Every service setting in one place: its flag, its environment variable and its default.
+"""Every service setting in one place: its flag, its environment variable, its type, its default
+and its help. ``racer serve``, ``racer stack``, ``racer.launch.defaults`` and the tests read them
+through this table only.
 
 Deployment files (docker-compose.yml, k8s/) name these variables and ports; tests compare them with
 this table, so the files cannot drift from what the services read.
+
+Values are checked by pydantic's ``TypeAdapter`` for the setting's type (a boolean takes
+1/0/true/false/yes/no/on/off and is a real ``bool``). A value that does not parse is a
+``SettingError`` that names the flag or the variable and the type expected. Environment variables
+are read when a command's settings are resolved (``resolve``), not when its parser is built, so a
+malformed ``RACER_*`` variable stops only the commands that read it, with one line.
+
+A renamed setting keeps its old flag (``old_flags``), variable (``old_envs``) and values
+(``old_values``): they keep working and warn (a ``DeprecationWarning`` and a log line).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import logging
 import os
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from pydantic import TypeAdapter, ValidationError
+
+log = logging.getLogger("racer.settings")
+
+TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean (1/0, true/false, yes/no)"}
+
+
+class SettingError(ValueError):
+    """A flag or variable whose value does not parse; the message names it and the type expected."""
+
+
+def deprecated(message: str) -> None:
+    """An old name or value was used: a ``DeprecationWarning`` and a log line, both saying what to use."""
+    warnings.warn(message, DeprecationWarning, stacklevel=3)
+    log.warning(message)
+
+
+@functools.cache
+def _adapter(kind: type) -> TypeAdapter:
+    return TypeAdapter(kind)
 
 
 @dataclass(frozen=True)
@@ -18,7 +54,46 @@ class Setting:
     default: object
     help: str
     type: type = str
+    choices: tuple[str, ...] = ()
+    old_flags: tuple[str, ...] = ()  # earlier names of the flag: accepted, with a deprecation warning
+    old_envs: tuple[str, ...] = ()  # earlier names of the variable: read when the new one is unset, with a warning
+    old_values: tuple[tuple[str, str], ...] = ()  # (earlier value, the value it now is): accepted, with a warning
 
+    @property
+    def dest(self) -> str:
+        """The attribute that holds its value: ``--max-batch`` -> ``max_batch``."""
+        return self.flag.removeprefix("--").replace("-", "_")
+
+    def parse(self, raw: str, source: str) -> object:
+        """``raw`` (from the flag or variable ``source``) as this setting's type."""
+        renamed = dict(self.old_values).get(raw)
+        if renamed is not None:
+            deprecated(f"{source} {raw!r} is deprecated: use {renamed!r}")
+            raw = renamed
+        try:
+            value = _adapter(self.type).validate_python(raw)
+        except ValidationError:
+            raise SettingError(f"{source}={raw!r}: expected {TYPE_NAMES[self.type]}") from None
+        if self.choices and value not in self.choices:
+            raise SettingError(f"{source}={raw!r}: expected one of {', '.join(self.choices)}")
+        return value
+
+    def from_env(self, environ: Mapping[str, str]) -> object:
+        """Its value from ``environ`` (the variable, else a deprecated one), else the table's default."""
+        if self.env in environ:
+            return self.parse(environ[self.env], self.env)
+        for old in self.old_envs:
+            if old in environ:
+                deprecated(f"{old} is deprecated: use {self.env}")
+                return self.parse(environ[old], old)
+        return self.default
+
+
+# The verifier's forward implementations (verifier/): "llama" is the hand-written Llama-family
+# forward, "hf" the model's own forward with tree masks; "auto" picks llama where it applies.
+BACKENDS = ("auto", "llama", "hf")
+# Model and KV cache dtypes; "auto" is bfloat16 where the machine computes it fast, else float32.
+DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 # Ports each service listens on by default: gRPC (health and reflection on the same port) and the
 # Prometheus metrics HTTP port.
@@ -108,10 +183,10 @@ COMMON = [
 ALLOW_UNAUTHENTICATED = Setting(
     "--allow-unauthenticated",
     "RACER_ALLOW_UNAUTHENTICATED",
-    0,
-    "1: serve without an internal token or mutual TLS, so anyone who reaches the port can read and drop "
+    False,
+    "serve without an internal token or mutual TLS, so anyone who reaches the port can read and drop "
     "every tenant's sessions (a trusted single-host setup only)",
-    int,
+    bool,
 )
 
 SERVICE = {
@@ -169,7 +244,16 @@ SERVICE = {
             "default",
             "target model: 'default' or a Hugging Face causal-LM directory (tokenizer files not needed)",
         ),
-        Setting("--backend", "RACER_BACKEND", "auto", "forward implementation: auto, fast or hf"),
+        Setting(
+            "--backend",
+            "RACER_BACKEND",
+            "auto",
+            "forward implementation: llama (the hand-written Llama-family forward), hf (the model's own "
+            "forward with tree masks) or auto (llama where it implements the model, else hf); 'fast' is the "
+            "old name of llama",
+            choices=BACKENDS,
+            old_values=(("fast", "llama"),),
+        ),
         Setting("--device", "RACER_DEVICE", "auto", "torch device: auto, cpu or cuda"),
         Setting(
             "--dtype",
@@ -178,6 +262,7 @@ SERVICE = {
             "model and KV cache dtype: float32 (output equals Hugging Face greedy), bfloat16 or float16 (output "
             "equals the engine's own decoding without drafts; Llama-family models only), or auto (bfloat16 on "
             "CUDA or a CPU with AMX/AVX512-BF16, else float32)",
+            choices=DTYPES,
         ),
         Setting("--threads", "RACER_THREADS", 0, "torch CPU threads (0: torch's default, one per core)", int),
         Setting(
@@ -193,9 +278,9 @@ SERVICE = {
         Setting(
             "--measure-cost",
             "RACER_MEASURE_COST",
-            1,
+            True,
             "measure the cost curve at start-up for the adaptive budget (0: off)",
-            int,
+            bool,
         ),
         Setting("--topk", "RACER_TOPK", 8, "top-k ids returned per position", int),
         Setting("--session-ttl", "RACER_SESSION_TTL", 1800.0, "seconds an idle KV cache is kept", float),
@@ -203,12 +288,14 @@ SERVICE = {
         Setting("--max-cache-tokens", "RACER_MAX_CACHE_TOKENS", 262_144, "tokens held in all KV caches together", int),
         ALLOW_UNAUTHENTICATED,
         Setting(
-            "--kv-budget-bytes",
-            "RACER_KV_BUDGET_BYTES",
+            "--kv-memory-bytes",
+            "RACER_KV_MEMORY_BYTES",
             0,
             "bytes all KV caches may hold together (0: 60 percent of the cgroup memory limit left after the model's "
             "weights, or --max-cache-tokens tokens' worth without a limit)",
             int,
+            old_flags=("--kv-budget-bytes",),
+            old_envs=("RACER_KV_BUDGET_BYTES",),
         ),
         Setting(
             "--kv-headroom-tokens",
@@ -422,22 +509,101 @@ SERVICE = {
 }
 
 
+def port_settings(service: str) -> list[Setting]:
+    port, metrics = PORTS[service]
+    return [
+        Setting("--port", "RACER_PORT", port, "gRPC port", int),
+        Setting("--metrics-port", "RACER_METRICS_PORT", metrics, "Prometheus metrics HTTP port (0: off)", int),
+    ]
+
+
+def settings_of(service: str) -> list[Setting]:
+    """Every setting ``racer serve <service>`` takes."""
+    return COMMON + SERVICE[service] + port_settings(service)
+
+
 def env_names(service: str) -> set[str]:
-    return {s.env for s in COMMON + SERVICE[service]}
+    return {s.env for s in settings_of(service)}
+
+
+def lookup(service: str, flag: str) -> Setting:
+    for s in settings_of(service):
+        if s.flag == flag:
+            return s
+    raise KeyError(f"{service}: no setting {flag}")
+
+
+def default(service: str, flag: str) -> object:
+    """The table's default of ``flag`` for ``service`` (commands that share a setting show the same default)."""
+    return lookup(service, flag).default
+
+
+class _Store(argparse.Action):
+    """Stores a flag's value; an old name of the flag warns."""
+
+    def __init__(self, option_strings, dest, setting: Setting, **kw):
+        super().__init__(option_strings, dest, **kw)
+        self.setting = setting
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string in self.setting.old_flags:
+            deprecated(f"{option_string} is deprecated: use {self.setting.flag}")
+        setattr(namespace, self.dest, values)
+
+
+def _flag_type(s: Setting):
+    def parse(raw: str) -> object:
+        try:
+            return s.parse(raw, s.flag)
+        except SettingError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{s.flag}=")) from None
+
+    parse.__name__ = s.type.__name__
+    return parse
+
+
+def _add(parser: argparse.ArgumentParser, s: Setting, default: object, where: str) -> None:
+    kw: dict = {"nargs": "?", "const": True} if s.type is bool else {}  # --flag alone, or --flag 0/1
+    parser.add_argument(
+        s.flag,
+        *s.old_flags,
+        dest=s.dest,
+        type=_flag_type(s),
+        default=default,
+        action=_Store,
+        setting=s,
+        metavar="|".join(s.choices) if s.choices else s.type.__name__.upper(),
+        help=f"{s.help} ({where}default {s.default})",
+        **kw,
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser, service: str) -> None:
-    """Flags for ``service``; each defaults to its environment variable, then to the table."""
-    port, metrics = PORTS[service]
-    settings = (
-        COMMON
-        + SERVICE[service]
-        + [
-            Setting("--port", "RACER_PORT", port, "gRPC port", int),
-            Setting("--metrics-port", "RACER_METRICS_PORT", metrics, "Prometheus metrics HTTP port (0: off)", int),
-        ]
-    )
-    for s in settings:
-        raw = os.environ.get(s.env)
-        default = s.type(raw) if raw is not None else s.default
-        parser.add_argument(s.flag, type=s.type, default=default, help=f"{s.help} (env {s.env}; default {s.default})")
+    """Flags for ``service``. A flag not given stays unset in the parsed namespace: ``resolve`` fills it
+    from its environment variable, then from the table."""
+    for s in settings_of(service):
+        _add(parser, s, argparse.SUPPRESS, f"env {s.env}; ")
+
+
+def add_flag(parser: argparse.ArgumentParser, service: str, flag: str) -> None:
+    """A command's own flag for a setting of ``service`` (``racer generate --backend``): the table's type,
+    choices, old names and default; no environment variable."""
+    s = lookup(service, flag)
+    _add(parser, s, s.default, "")
+
+
+def resolve(args: argparse.Namespace, service: str, environ: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """Fills every setting of ``service`` the command line left unset: from ``environ`` (the process's
+    environment by default), else the table's default. ``SettingError`` on a malformed variable."""
+    environ = os.environ if environ is None else environ
+    for s in settings_of(service):
+        if not hasattr(args, s.dest):
+            setattr(args, s.dest, s.from_env(environ))
+    return args
+
+
+def parse(service: str, argv: list[str] = (), environ: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """The settings of ``service`` as ``racer serve <service> ARGV`` would read them."""
+    parser = argparse.ArgumentParser(prog=f"racer serve {service}")
+    add_arguments(parser, service)
+    return resolve(parser.parse_args(list(argv)), service, environ)

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from common.loop import Stats
 from common.text import chat_ids
 
-from .inprocess import Engine
+from .inprocess import InProcessStack
 from .prompts import Prompt
 from .stats import percentile
 
@@ -43,7 +43,9 @@ class Record:
     drafter_bytes: int = 0
 
 
-def run_hf(engine: Engine, prompt_ids: list[int], max_new_tokens: int, lookup: int = 0) -> tuple[list[int], float]:
+def run_hf(
+    engine: InProcessStack, prompt_ids: list[int], max_new_tokens: int, lookup: int = 0
+) -> tuple[list[int], float]:
     import torch
 
     with engine.reference_model() as model:
@@ -64,7 +66,7 @@ def run_hf(engine: Engine, prompt_ids: list[int], max_new_tokens: int, lookup: i
     return out[0, len(prompt_ids) :].tolist(), secs
 
 
-def run_engine(engine: Engine, prompt_ids: list[int], mode: str, budget: int, max_new_tokens: int):
+def run_engine(engine: InProcessStack, prompt_ids: list[int], mode: str, budget: int, max_new_tokens: int):
     drafter = engine.new_drafter()
     stats = Stats()
     params = engine.default_params(max_new_tokens=max_new_tokens, mode=mode, budget=budget)
@@ -76,7 +78,7 @@ def run_engine(engine: Engine, prompt_ids: list[int], mode: str, budget: int, ma
 
 
 def run(
-    engine: Engine,
+    engine: InProcessStack,
     prompts: list[Prompt],
     modes: list[str],
     budgets: list[int],

@@ -27,7 +27,7 @@ from common.loop import Stats
 from common.text import chat_ids
 from drafter.corpus import Corpus, CorpusConfig
 
-from .inprocess import Engine
+from .inprocess import InProcessStack
 from .prompts import Prompt
 
 
@@ -50,7 +50,7 @@ class Result:
         return len(self.output)
 
 
-def run_one(engine: Engine, ids: list[int], budget: int, max_new_tokens: int, corpus: Corpus | None) -> tuple:
+def run_one(engine: InProcessStack, ids: list[int], budget: int, max_new_tokens: int, corpus: Corpus | None) -> tuple:
     drafter = engine.new_drafter()
     drafter.corpus = corpus
     writer = corpus.writer() if corpus is not None else None
@@ -66,7 +66,7 @@ def run_one(engine: Engine, ids: list[int], budget: int, max_new_tokens: int, co
 
 
 def run_sessions(
-    engine: Engine,
+    engine: InProcessStack,
     groups: list[tuple[str, list[Prompt]]],
     budgets: list[int],
     max_new_tokens: int,
@@ -199,7 +199,7 @@ def main(args, after_repeat=None) -> int:
         if unknown:
             raise ValueError(f"--categories: unknown {sorted(unknown)}; have {sorted(by_category)}")
         by_category = {c: by_category[c] for c in args.categories}
-    engine = Engine.load(
+    engine = InProcessStack.load(
         args.model, backend=args.backend, prior=args.prior, threads=args.threads or None, dtype=args.dtype
     )
     print(f"torch threads: {torch.get_num_threads()}; dtype: {engine.dtype}; greedy", file=sys.stderr)

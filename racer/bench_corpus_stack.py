@@ -22,7 +22,6 @@ import contextlib
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -38,7 +37,7 @@ from . import bench_corpus
 from .bench_corpus import Result, format_table, summarize
 from .client import Client
 from .prompts import Prompt
-from .stack import _TOKEN, _spawn
+from .stack import _TOKEN, _spawn, stop
 
 OFF = "no-corpus"
 LAG = "racer_corpus_replication_lag_seconds"
@@ -139,6 +138,46 @@ class Replicas:
         return len({(rep, num) for _, rep, num, _ in records}), sum(len(t) for *_, t in records)
 
 
+def _tenant_files(tmp: str, tenants: list[str]) -> dict[str, str]:
+    """An API key per tenant, written to ``tmp/keys``, and ``tmp/limits.toml`` that turns sharing off
+    for ``OFF``; the keys by tenant."""
+    keys = {t: secrets.token_urlsafe(16) for t in tenants}
+    with open(os.path.join(tmp, "keys"), "w") as f:
+        f.write("".join(f"{k} {t}\n" for t, k in keys.items()))
+    with open(os.path.join(tmp, "limits.toml"), "w") as f:
+        f.write(f"[tenants.{OFF}]\nshare = false\n")
+    return keys
+
+
+class _Procs:
+    """The replicas' processes, each on free loopback ports, with the environment they share."""
+
+    def __init__(self, base: dict[str, str], split):
+        self.base, self.split = base, split
+        self.procs: list[tuple[str, str, subprocess.Popen]] = []
+
+    def start(self, kind: str, **env) -> tuple[str, int]:
+        """Starts a ``kind`` process; its (target, metrics port)."""
+        from common import cpus
+
+        port, mport = free_port(), free_port()
+        e = dict(self.base, RACER_PORT=str(port), RACER_METRICS_PORT=str(mport), **env)
+        if self.split:
+            e["RACER_CPUS"] = cpus.format_list(self.split[0] if kind == "verifier" else self.split[1])
+        target = f"127.0.0.1:{port}"
+        self.procs.append((kind, target, _spawn(kind, e)))
+        return target, mport
+
+    def healthy(self) -> None:
+        from common.health import wait_serving
+
+        for kind, target, p in self.procs:
+            wait_serving(target, HEALTH_SERVICES[kind], timeout=300, alive=lambda p=p: p.poll() is None, what=kind)
+
+    def stop(self) -> None:
+        stop([(kind, p) for kind, _, p in self.procs])
+
+
 @contextlib.contextmanager
 def replicas(
     model: str,
@@ -155,16 +194,11 @@ def replicas(
     ``Replicas``, then stops them (SIGTERM, drain) and Redis. ``gateway_model``: the gateways'
     ``RACER_MODEL`` (``none``: token ids only), else ``model``; ``env``: more settings for all."""
     from common import cpus
-    from common.health import wait_serving
     from verifier.model import resolve_model_dir
 
     resolve_model_dir(model)
     with tempfile.TemporaryDirectory(prefix="racer-corpus-stack-") as tmp, redis_server(tmp) as url:
-        keys = {t: secrets.token_urlsafe(16) for t in tenants}
-        with open(os.path.join(tmp, "keys"), "w") as f:
-            f.write("".join(f"{k} {t}\n" for t, k in keys.items()))
-        with open(os.path.join(tmp, "limits.toml"), "w") as f:
-            f.write(f"[tenants.{OFF}]\nshare = false\n")
+        keys = _tenant_files(tmp, tenants)
         base = {k: v for k, v in os.environ.items() if not k.startswith("RACER_")}
         base.update(
             RACER_MODEL=model,
@@ -175,34 +209,17 @@ def replicas(
         )
         if dtype:
             base["RACER_DTYPE"] = dtype
-        split = cpus.split_for_verifier(cpus.available()) if pin else None
-
-        def env(kind: str, **kw) -> tuple[dict, str, int]:
-            port, mport = free_port(), free_port()
-            e = dict(base, RACER_PORT=str(port), RACER_METRICS_PORT=str(mport), **kw)
-            if split:
-                e["RACER_CPUS"] = cpus.format_list(split[0] if kind == "verifier" else split[1])
-            return e, f"127.0.0.1:{port}", mport
-
-        procs: list[tuple[str, str, subprocess.Popen]] = []
-
-        def start(kind: str, e: dict, target: str) -> None:
-            procs.append((kind, target, _spawn(kind, e)))
-
-        def healthy() -> None:
-            for kind, target, p in procs:
-                wait_serving(target, HEALTH_SERVICES[kind], timeout=300, alive=lambda p=p: p.poll() is None, what=kind)
-
+        procs = _Procs(base, cpus.split_for_verifier(cpus.available()) if pin else None)
         try:
             # the verifier measures its cost curve at start-up: the others start once it is up
-            venv, verifier, _ = env("verifier")
-            start("verifier", venv, verifier)
-            healthy()
+            verifier, _ = procs.start("verifier")
+            procs.healthy()
             gateways, dmetrics = [], []
             for _ in range(drafters):
-                denv, drafter, dm = env("drafter", RACER_SNAPSHOT_URL=url, **({} if prior else {"RACER_PRIOR": "none"}))
-                start("drafter", denv, drafter)
-                genv, gateway, _ = env(
+                drafter, dm = procs.start(
+                    "drafter", RACER_SNAPSHOT_URL=url, **({} if prior else {"RACER_PRIOR": "none"})
+                )
+                gateway, _ = procs.start(
                     "gateway",
                     RACER_DRAFTERS=drafter,
                     RACER_VERIFIERS=verifier,
@@ -210,21 +227,12 @@ def replicas(
                     RACER_TENANT_LIMITS=os.path.join(tmp, "limits.toml"),
                     **({"RACER_MODEL": gateway_model} if gateway_model else {}),
                 )
-                start("gateway", genv, gateway)
                 gateways.append(gateway)
                 dmetrics.append(dm)
-            healthy()
+            procs.healthy()
             yield Replicas(gateways, dmetrics, keys, url)
         finally:
-            for _, _, p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            for kind, _, p in procs:
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    print(f"{kind} did not stop in 30 s; killing it", file=sys.stderr)
-                    p.kill()
+            procs.stop()
 
 
 def _new_sessions(samples: list[dict]) -> list[float]:
@@ -241,6 +249,57 @@ class StackRun:
     lag: list[tuple[float, float]]  # per replica: (mean, count) of racer_corpus_replication_lag_seconds
 
 
+def _warm(st: Replicas, tenants: list[str], budget: int, warm: str | list[int]) -> None:
+    """Every replica loads each tenant's (empty) corpus, and the verifier warms up."""
+    for r in range(len(st.gateways)):
+        for t in tenants + [OFF]:
+            st.client(r, t).complete(warm, max_new_tokens=4, mode="racer", budget=budget, share=False)
+    wait_for(
+        lambda: all(metric(s, "racer_corpus_load_seconds_count") >= len(tenants) for s in st.scrape()),
+        120,
+        "every replica loading the tenants' corpora",
+    )
+
+
+def _wait_replicated(st: Replicas, budgets: list[int], published: dict[int, int], held: dict[int, list[float]]):
+    """Seconds, per budget, until every replica holds the whole of pass 1 (``published`` responses of
+    its tenant); ``held`` gets each replica's ``racer_corpus_tokens``."""
+    replication: dict[int, float] = {}
+    for b in budgets:
+        t = corpus_tenant(b)
+
+        def caught_up(b=b, t=t) -> bool:
+            # every pass-1 response in the stream, and every replica holding all of the stream
+            responses, tokens = st.published(t)
+            held[b] = [metric(s, "racer_corpus_tokens", tenant=t) for s in st.scrape()]
+            return responses >= published[b] and set(held[b]) == {tokens}
+
+        replication[b] = wait_for(
+            caught_up,
+            120,
+            lambda b=b, t=t: (
+                f"every replica holding the {published[b]} responses of pass 1 of {t} (tokens held: {held[b]})"
+            ),
+        )
+    return replication
+
+
+def _one_session(st: Replicas, replica: int, tenant: str, text, budget: int, max_new_tokens: int, system: str):
+    """A fresh session of ``tenant`` through ``replica``'s gateway, checked to have landed on that
+    replica's drafter: (output, its last answer, seconds, draft nodes by source, accepted by source)."""
+    before = st.scrape()
+    t = time.perf_counter()
+    with st.client(replica, tenant) as c:
+        out, _, last = c.complete(text, max_new_tokens=max_new_tokens, mode="racer", budget=budget, system=system)
+    secs = time.perf_counter() - t
+    after = st.scrape()
+    landed = [j for j, (a, z) in enumerate(zip(_new_sessions(before), _new_sessions(after))) if z > a]
+    if landed != [replica]:
+        raise RuntimeError(f"session {last.session_id}: served by replicas {landed}, expected [{replica}]")
+    drafted, accepted = (_by_source(before[replica], after[replica], k) for k in ("nodes", "accepted"))
+    return out, last, secs, drafted, accepted
+
+
 def run_stack(
     st: Replicas,
     prompts: list[tuple[Prompt, str | list[int]]],  # (prompt, its text or token ids)
@@ -253,19 +312,11 @@ def run_stack(
     from tqdm import tqdm
 
     n = len(st.gateways)
-    tenants = [corpus_tenant(b) for b in budgets]
-    for r in range(n):  # every replica loads each tenant's (empty) corpus, and the verifier warms up
-        for t in tenants + [OFF]:
-            st.client(r, t).complete(warm, max_new_tokens=4, mode="racer", budget=max(budgets), share=False)
-    wait_for(
-        lambda: all(metric(s, "racer_corpus_load_seconds_count") >= len(tenants) for s in st.scrape()),
-        120,
-        "every replica loading the tenants' corpora",
-    )
+    _warm(st, [corpus_tenant(b) for b in budgets], max(budgets), warm)
     lag_t0 = [(metric(s, f"{LAG}_sum"), metric(s, f"{LAG}_count")) for s in st.scrape()]
     results: list[Result] = []
     served = {g: [0] * n for g in ("pass 1", "pass 2")}
-    first: dict[str, int] = {}
+    first: dict[str, int] = {}  # prompt/budget -> the replica of its pass-1 session with the corpus
     crossed = 0
     published = {b: 0 for b in budgets}  # pass-1 responses with the corpus on
     replication: dict[int, float] = {}
@@ -273,42 +324,19 @@ def run_stack(
     bar = tqdm(total=2 * len(prompts) * len(budgets) * 2, disable=not progress, file=sys.stderr, unit="session")
     for p_no, group in enumerate(("pass 1", "pass 2")):
         if p_no == 1:  # every replica holds the whole of pass 1 before pass 2 starts
-            for b in budgets:
-                t = corpus_tenant(b)
-
-                def caught_up(b=b, t=t) -> bool:
-                    # every pass-1 response in the stream, and every replica holding all of the stream
-                    responses, tokens = st.published(t)
-                    held[b] = [metric(s, "racer_corpus_tokens", tenant=t) for s in st.scrape()]
-                    return responses >= published[b] and set(held[b]) == {tokens}
-
-                replication[b] = wait_for(
-                    caught_up,
-                    120,
-                    lambda b=b, t=t: (
-                        f"every replica holding the {published[b]} responses of pass 1 of {t} (tokens held: {held[b]})"
-                    ),
-                )
+            replication = _wait_replicated(st, budgets, published, held)
         for i, (p, text) in enumerate(prompts):
             replica = (i + p_no) % n
             for b in budgets:
                 off = None
                 for use in (False, True):
                     bar.set_description(f"stack {group} C={b} corpus {'on' if use else 'off'} replica {replica}")
-                    before = st.scrape()
-                    t = time.perf_counter()
-                    with st.client(replica, corpus_tenant(b) if use else OFF) as c:
-                        out, _, last = c.complete(
-                            text, max_new_tokens=max_new_tokens, mode="racer", budget=b, system=system
-                        )
-                    secs = time.perf_counter() - t
-                    samples = st.scrape()
-                    landed = [j for j, (a, z) in enumerate(zip(_new_sessions(before), _new_sessions(samples))) if z > a]
-                    if landed != [replica]:
-                        raise RuntimeError(
-                            f"session {last.session_id}: served by replicas {landed}, expected [{replica}]"
-                        )
+                    tenant = corpus_tenant(b) if use else OFF
+                    out, last, secs, drafted, accepted = _one_session(
+                        st, replica, tenant, text, b, max_new_tokens, system
+                    )
                     served[group][replica] += 1
+                    r = Result(group, p.question_id, use, b, list(out), last.stats.rounds, secs, drafted, accepted)
                     if use:
                         key = f"{p.question_id}/{b}"
                         if group == "pass 1":
@@ -316,24 +344,23 @@ def run_stack(
                             published[b] += 1
                         elif first[key] != replica:
                             crossed += 1
-                    drafted, accepted = (
-                        _by_source(before[replica], samples[replica], k) for k in ("nodes", "accepted")
-                    )
-                    r = Result(group, p.question_id, use, b, list(out), last.stats.rounds, secs, drafted, accepted)
-                    if use:
-                        r.identical = r.output == off.output
-                        off.identical = r.identical
+                        r.identical = off.identical = r.output == off.output
                     else:
                         off = r
                     results.append(r)
                     bar.update()
     bar.close()
+    return StackRun(results, served, crossed, replication, held, _lag(st, lag_t0))
+
+
+def _lag(st: Replicas, lag_t0: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Per replica: (mean, count) of the replication lag recorded since ``lag_t0``."""
     lag = []
     for s, (s0, c0) in zip(st.scrape(), lag_t0):
         c = metric(s, f"{LAG}_count") - c0
         total = metric(s, f"{LAG}_sum") - s0
         lag.append((total / c if c else 0.0, c))
-    return StackRun(results, served, crossed, replication, held, lag)
+    return lag
 
 
 def _by_source(before: dict, after: dict, what: str) -> dict:

@@ -16,8 +16,90 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 from .stats import percentile
+
+
+@dataclass
+class Side:
+    """One prompt's answer on one side of ``bench-stack``; times per round in ms."""
+
+    out: list[int]
+    secs: float
+    rounds: int
+    verify_ms: float  # in process: the engine's verify calls; through the gateway: the verifier's own time
+    draft_ms: float  # likewise, the drafter's
+    overhead_ms: float | None = None  # through the gateway: round wall time minus the drafter's and verifier's
+
+    @property
+    def tps(self) -> float:
+        return len(self.out) / self.secs
+
+
+def _in_process(engine, ids: list[int], args) -> Side:
+    from .bench import run_engine
+
+    out, secs, st, _ = run_engine(engine, ids, args.mode, args.budget, args.max_new_tokens)
+    rounds = max(1, st.rounds)
+    return Side(out, secs, st.rounds, st.verify_s * 1e3 / rounds, st.draft_s * 1e3 / rounds)
+
+
+def _through_gateway(c, ids: list[int], args) -> Side:
+    t0 = time.perf_counter()
+    out, _, last = c.complete(ids, max_new_tokens=args.max_new_tokens, mode=args.mode, budget=args.budget)
+    secs = time.perf_counter() - t0
+    c.close_session(last.session_id)
+    s = last.stats
+    rounds = max(1, s.rounds)
+    overhead = (s.total_ms - s.prefill_ms - s.draft_ms - s.verify_ms) / rounds
+    return Side(out, secs, s.rounds, s.verify_ms / rounds, s.draft_ms / rounds, overhead)
+
+
+@dataclass
+class StackRow:
+    category: str
+    local: Side
+    stack: Side
+
+    @property
+    def ratio(self) -> float:
+        return self.stack.tps / self.local.tps
+
+    @property
+    def same(self) -> bool:
+        return self.local.out == self.stack.out
+
+
+def _stack_table(rows: list[StackRow], args, engine_threads: int) -> str:
+    lines = [
+        f"mode={args.mode} C={args.budget} prompts={len(rows)} max_new_tokens={args.max_new_tokens} "
+        f"in-process threads={engine_threads}",
+        # verify and draft: ms per round on each side (in process: the engine's calls; through the
+        # gateway: what the verifier and the drafter report as their own time for the round).
+        "| prompt | category | tokens | rounds in-process / gateway | in-process tok/s | gateway tok/s | ratio | "
+        "verify ms/round in-process / verifier | draft ms/round in-process / drafter | overhead/round ms | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for i, r in enumerate(rows):
+        lo, st = r.local, r.stack
+        lines.append(
+            f"| {i} | {r.category} | {len(st.out)} | {lo.rounds} / {st.rounds} | {lo.tps:.2f} | {st.tps:.2f} "
+            f"| {r.ratio:.3f} | {lo.verify_ms:.1f} / {st.verify_ms:.1f} | {lo.draft_ms:.2f} / {st.draft_ms:.2f} | "
+            f"{st.overhead_ms:.2f} | {'yes' if r.same else 'NO'} |"
+        )
+
+    def med(f) -> float:
+        return statistics.median(f(r) for r in rows)
+
+    lines.append(
+        f"| median | | | | {med(lambda r: r.local.tps):.2f} | {med(lambda r: r.stack.tps):.2f} "
+        f"| {med(lambda r: r.ratio):.3f} | {med(lambda r: r.local.verify_ms):.1f} / "
+        f"{med(lambda r: r.stack.verify_ms):.1f} | {med(lambda r: r.local.draft_ms):.2f} / "
+        f"{med(lambda r: r.stack.draft_ms):.2f} | {med(lambda r: r.stack.overhead_ms):.2f} "
+        f"| {sum(r.same for r in rows)}/{len(rows)} |"
+    )
+    return "\n".join(lines)
 
 
 def bench_stack(args) -> int:
@@ -34,13 +116,13 @@ def bench_stack(args) -> int:
     from . import stack
     from .bench import run_engine
     from .client import Client
-    from .inprocess import Engine
+    from .inprocess import InProcessStack
     from .prompts import DEFAULT_PROMPTS, load_spec_bench
 
     prompts = load_spec_bench(args.prompts or DEFAULT_PROMPTS, args.per_category)
-    engine = Engine.load(args.model, dtype=getattr(args, "dtype", "auto"))
+    engine = InProcessStack.load(args.model, dtype=args.dtype)
     engine.overhead_ms = ROUND_OVERHEAD_MS  # what the gateway tells its drafters: the same budget choices
-    rows = []
+    rows: list[StackRow] = []
 
     def same_costs(stub) -> None:
         # Both sides choose their budgets from the verifier's current cost curve, so they draft the
@@ -50,10 +132,8 @@ def bench_stack(args) -> int:
             engine.costs = dict(zip(curve.sizes, curve.ms))
 
     with (
-        stack.running(
-            args.model, args.port_base, args.metrics_base, pin=args.pin, dtype=getattr(args, "dtype", None)
-        ) as gateway,
-        Client(gateway, timeout=600) as c,
+        stack.running(args.model, args.port_base, args.metrics_base, pin=args.pin, dtype=args.dtype) as gateway,
+        Client(gateway, api_key=stack.client_key(), timeout=600) as c,
         grpc.insecure_channel(stack.target("verifier", args.port_base)) as vch,
     ):
         verifier = vpb_grpc.VerifierStub(vch)
@@ -67,81 +147,15 @@ def bench_stack(args) -> int:
         c.complete(warm, max_new_tokens=4, mode=args.mode, budget=args.budget)
         for p in tqdm(prompts, file=sys.stderr, unit="prompt"):
             ids = chat_ids(engine.tokenizer, p.text, args.system)
-            order = ("local", "stack") if len(rows) % 2 == 0 else ("stack", "local")
             same_costs(verifier)
-            got = {}
-            for where in order:
-                if where == "local":
-                    out, secs, st, _ = run_engine(engine, ids, args.mode, args.budget, args.max_new_tokens)
-                    got[where] = (
-                        out,
-                        secs,
-                        st.rounds,
-                        None,
-                        st.verify_s * 1e3 / max(1, st.rounds),
-                        st.draft_s * 1e3 / max(1, st.rounds),
-                    )
-                else:
-                    t0 = time.perf_counter()
-                    out, _, last = c.complete(
-                        ids, max_new_tokens=args.max_new_tokens, mode=args.mode, budget=args.budget
-                    )
-                    secs = time.perf_counter() - t0
-                    s = last.stats
-                    overhead = (s.total_ms - s.prefill_ms - s.draft_ms - s.verify_ms) / max(1, s.rounds)
-                    got[where] = (
-                        out,
-                        secs,
-                        s.rounds,
-                        overhead,
-                        s.verify_ms / max(1, s.rounds),
-                        s.draft_ms / max(1, s.rounds),
-                    )
-                    c.close_session(last.session_id)
-            (lo, ls, lr, _, lv, ld), (so, ss, sr, oh, sv, sd) = got["local"], got["stack"]
-            rows.append(
-                dict(
-                    category=p.category,
-                    tokens=len(so),
-                    local_tps=len(lo) / ls,
-                    stack_tps=len(so) / ss,
-                    ratio=(len(so) / ss) / (len(lo) / ls),
-                    overhead_ms=oh,
-                    rounds=sr,
-                    local_rounds=lr,
-                    verify=(lv, sv),
-                    draft=(ld, sd),
-                    same=lo == so,
-                )
-            )
-    print(
-        f"mode={args.mode} C={args.budget} prompts={len(rows)} max_new_tokens={args.max_new_tokens} "
-        f"in-process threads={engine_threads}"
-    )
-    # verify and draft: ms per round on each side (in process: the engine's calls; through the
-    # gateway: what the verifier and the drafter report as their own time for the round).
-    print(
-        "| prompt | category | tokens | rounds in-process / gateway | in-process tok/s | gateway tok/s | ratio | "
-        "verify ms/round in-process / verifier | draft ms/round in-process / drafter | overhead/round ms | identical |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for i, r in enumerate(rows):
-        print(
-            f"| {i} | {r['category']} | {r['tokens']} | {r['local_rounds']} / {r['rounds']} | {r['local_tps']:.2f} "
-            f"| {r['stack_tps']:.2f} | {r['ratio']:.3f} | {r['verify'][0]:.1f} / {r['verify'][1]:.1f} "
-            f"| {r['draft'][0]:.2f} / {r['draft'][1]:.2f} | "
-            f"{r['overhead_ms']:.2f} | {'yes' if r['same'] else 'NO'} |"
-        )
-
-    def med(key, i=None):
-        return statistics.median(r[key] if i is None else r[key][i] for r in rows)
-
-    print(
-        f"| median | | | | {med('local_tps'):.2f} | {med('stack_tps'):.2f} | {med('ratio'):.3f} | "
-        f"{med('verify', 0):.1f} / {med('verify', 1):.1f} | {med('draft', 0):.2f} / {med('draft', 1):.2f} | "
-        f"{med('overhead_ms'):.2f} | {sum(r['same'] for r in rows)}/{len(rows)} |"
-    )
-    return 0 if all(r["same"] for r in rows) else 1
+            if len(rows) % 2 == 0:  # interleaved: each side goes first every other prompt
+                local, through = _in_process(engine, ids, args), _through_gateway(c, ids, args)
+            else:
+                through = _through_gateway(c, ids, args)
+                local = _in_process(engine, ids, args)
+            rows.append(StackRow(p.category, local, through))
+    print(_stack_table(rows, args, engine_threads))
+    return 0 if all(r.same for r in rows) else 1
 
 
 def bench_snapshot(args) -> int:
@@ -205,85 +219,105 @@ def bench_snapshot(args) -> int:
     return 0
 
 
-def bench_batch(args) -> int:
-    """N concurrent sessions through two local stacks, batching on and off, same prompts, one run."""
+@dataclass
+class BatchRow:
+    n: int  # concurrent sessions
+    name: str  # batched or unbatched
+    tps: float  # aggregate
+    latencies: list[float]  # seconds per session
+    same: int  # sessions whose output equals the first output of their prompt
+    done: int
+    errors: int
+
+
+def _concurrent(target: str, n: int, prompts: list[str], args, reference: dict[int, list[int]]) -> BatchRow:
+    """``n`` sessions at once through ``target``, one thread each; their outputs against ``reference``
+    (the first output seen for each prompt, filled here)."""
     import threading
 
     from . import stack
     from .client import Client
+
+    outs: dict[int, list[int]] = {}
+    lat: list[float] = []
+    errors: list[str] = []
+
+    def one(i: int) -> None:
+        try:
+            with Client(target, api_key=stack.client_key(), timeout=1800) as c:
+                t0 = time.perf_counter()
+                ids, _, last = c.complete(
+                    prompts[i % len(prompts)],
+                    max_new_tokens=args.max_new_tokens,
+                    mode=args.mode,
+                    budget=args.budget,
+                    system=args.system,
+                )
+                lat.append(time.perf_counter() - t0)
+                outs[i] = ids
+                c.close_session(last.session_id)
+        except Exception as e:  # noqa: BLE001 - counted and shown
+            errors.append(repr(e))
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    for i, ids in outs.items():
+        reference.setdefault(i % len(prompts), ids)
+    same = sum(1 for i, ids in outs.items() if ids == reference[i % len(prompts)])
+    tokens = sum(len(v) for v in outs.values())
+    return BatchRow(n, "", tokens / wall, lat, same, len(outs), len(errors))
+
+
+def _batch_table(rows: list[BatchRow], args) -> str:
+    lines = [
+        f"mode={args.mode} budget={'auto' if args.budget == 0 else args.budget} max_new_tokens={args.max_new_tokens}",
+        "| sessions | batching | aggregate tok/s | session latency p50 s | slowest s | identical | errors |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (r.n, r.name)):
+        p50 = statistics.median(r.latencies) if r.latencies else float("nan")
+        slowest = max(r.latencies) if r.latencies else float("nan")
+        lines.append(f"| {r.n} | {r.name} | {r.tps:.1f} | {p50:.1f} | {slowest:.1f} | {r.same}/{r.done} | {r.errors} |")
+    one = {r.name: r.tps for r in rows if r.n == 1}
+    for r in rows:
+        if r.n > 1 and r.name == "batched" and "batched" in one:
+            lines.append(f"{r.n} sessions batched: {r.tps / one['batched']:.2f}x one session's tok/s")
+    return "\n".join(lines)
+
+
+def bench_batch(args) -> int:
+    """N concurrent sessions through two local stacks, batching on and off, same prompts, one run."""
+    from . import stack
     from .prompts import DEFAULT_PROMPTS, load_spec_bench
 
     prompts = [p.text for p in load_spec_bench(args.prompts or DEFAULT_PROMPTS, 4)]
     configs = {"batched": {"RACER_MAX_BATCH": "16"}, "unbatched": {"RACER_MAX_BATCH": "1"}}
     reference: dict[int, list[int]] = {}
-    rows = []
-    dtype = getattr(args, "dtype", None)
+    rows: list[BatchRow] = []
     with (
         stack.running(
-            args.model, args.port_base, args.metrics_base, env=configs["batched"], pin=args.pin, dtype=dtype
+            args.model, args.port_base, args.metrics_base, env=configs["batched"], pin=args.pin, dtype=args.dtype
         ) as g_on,
         stack.running(
-            args.model, args.port_base + 10, args.metrics_base + 10, env=configs["unbatched"], pin=args.pin, dtype=dtype
+            args.model,
+            args.port_base + 10,
+            args.metrics_base + 10,
+            env=configs["unbatched"],
+            pin=args.pin,
+            dtype=args.dtype,
         ) as g_off,
     ):
         targets = {"batched": g_on, "unbatched": g_off}
         for n in args.sessions:
             for name in ("batched", "unbatched") if len(rows) % 2 == 0 else ("unbatched", "batched"):
-                outs: dict[int, list[int]] = {}
-                lat: list[float] = []
-                errors: list[str] = []
-
-                def one(i, target=targets[name], outs=outs, lat=lat, errors=errors):
-                    try:
-                        with Client(target, timeout=1800) as c:
-                            t0 = time.perf_counter()
-                            ids, _, last = c.complete(
-                                prompts[i % len(prompts)],
-                                max_new_tokens=args.max_new_tokens,
-                                mode=args.mode,
-                                budget=args.budget,
-                                system=args.system,
-                            )
-                            lat.append(time.perf_counter() - t0)
-                            outs[i] = ids
-                            c.close_session(last.session_id)
-                    except Exception as e:  # noqa: BLE001 - counted and shown
-                        errors.append(repr(e))
-
-                t0 = time.perf_counter()
-                threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-                wall = time.perf_counter() - t0
-                for i, ids in outs.items():
-                    reference.setdefault(i % len(prompts), ids)
-                same = sum(1 for i, ids in outs.items() if ids == reference[i % len(prompts)])
-                tokens = sum(len(v) for v in outs.values())
-                rows.append(
-                    dict(
-                        n=n,
-                        name=name,
-                        tps=tokens / wall,
-                        p50=statistics.median(lat) if lat else float("nan"),
-                        p_max=max(lat) if lat else float("nan"),
-                        same=same,
-                        done=len(outs),
-                        errors=len(errors),
-                    )
-                )
-                print(f"{name:9s} sessions={n:2d} tok/s={tokens / wall:6.1f} errors={len(errors)}", file=sys.stderr)
-    print(f"mode={args.mode} budget={'auto' if args.budget == 0 else args.budget} max_new_tokens={args.max_new_tokens}")
-    print("| sessions | batching | aggregate tok/s | session latency p50 s | slowest s | identical | errors |")
-    print("|---|---|---|---|---|---|---|")
-    for r in sorted(rows, key=lambda r: (r["n"], r["name"])):
-        print(
-            f"| {r['n']} | {r['name']} | {r['tps']:.1f} | {r['p50']:.1f} | {r['p_max']:.1f} "
-            f"| {r['same']}/{r['done']} | {r['errors']} |"
-        )
-    one = {r["name"]: r["tps"] for r in rows if r["n"] == 1}
-    for r in rows:
-        if r["n"] > 1 and r["name"] == "batched" and "batched" in one:
-            print(f"{r['n']} sessions batched: {r['tps'] / one['batched']:.2f}x one session's tok/s")
+                row = _concurrent(targets[name], n, prompts, args, reference)
+                row.name = name
+                rows.append(row)
+                print(f"{name:9s} sessions={n:2d} tok/s={row.tps:6.1f} errors={row.errors}", file=sys.stderr)
+    print(_batch_table(rows, args))
     return 0

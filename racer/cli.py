@@ -1,11 +1,28 @@
-"""The ``racer`` command: ``racer generate`` (the main job) and ``racer bench``."""
+"""The ``racer`` command: one subcommand per job, each a row of ``COMMANDS``.
+
+- Serving: ``serve drafter|verifier|gateway`` (one service, settings from flags or ``RACER_*``
+  variables, common/settings.py), ``stack`` (the three on localhost, an answer streamed through
+  them), ``health`` (a service's grpc.health.v1), ``erase-corpus`` (a tenant's corpus, everywhere).
+- Clients: ``client generate|chat|sessions|close`` and ``load`` (concurrent sessions, bounded),
+  against a running gateway.
+- In this process, no services: ``generate`` (stream an answer), ``prior`` (a model's copy-logit
+  prior).
+- Benchmarks that print tables: ``bench`` (against HF greedy and prompt lookup), ``bench-stack``,
+  ``bench-batch``, ``bench-burst``, ``bench-corpus``, ``bench-snapshot``.
+
+A command runs as ``module:function`` (or a function of this module), imported when it runs: a
+container's ``racer health`` probe, run every few seconds, never imports torch.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 # gRPC's legacy I/O manager instead of its EventEngine for channels and listeners: one message
 # crosses fewer threads. Measured here (loopback bidi round trip, p50): 0.16-0.20 ms against
@@ -13,13 +30,13 @@ import sys
 # is set before anything imports it; an explicit GRPC_EXPERIMENTS wins.
 os.environ.setdefault("GRPC_EXPERIMENTS", "-event_engine_client,-event_engine_listener")
 
+from common import settings  # noqa: E402
 from common.params import MODES  # noqa: E402
+from common.settings import PORTS, SettingError  # noqa: E402
 
 DEFAULT_SYSTEM = "You are a helpful assistant."  # the system prompt of every command that chats
-
-
-def system_flag(parser) -> None:
-    parser.add_argument("--system", default=DEFAULT_SYSTEM, help="system prompt ('' for none)")
+DEFAULT_PROMPT = "Explain speculative decoding in three sentences."
+DEFAULT_MODEL = settings.default("verifier", "--model")
 
 
 def _csv(kind):
@@ -32,6 +49,17 @@ def _csv(kind):
     return parse
 
 
+def _budget(s: str) -> int:
+    return 0 if s == "auto" else int(s)
+
+
+# -- flags several commands share ------------------------------------------------------------------
+
+
+def system_flag(parser) -> None:
+    parser.add_argument("--system", default=DEFAULT_SYSTEM, help="system prompt ('' for none)")
+
+
 def pin_flag(parser) -> None:
     parser.add_argument(
         "--no-pin",
@@ -41,20 +69,64 @@ def pin_flag(parser) -> None:
     )
 
 
-def dtype_flag(parser) -> None:
-    from verifier.model import DTYPES
-
+def model_flag(parser) -> None:
     parser.add_argument(
-        "--dtype",
-        default="float32",
-        choices=DTYPES,
-        help="model and KV cache dtype (default float32; auto: bfloat16 on CUDA or a CPU with AMX/AVX512-BF16, "
-        "else float32); float32 output equals HF greedy, reduced precision equals --mode off",
+        "--model",
+        default=DEFAULT_MODEL,
+        help="Hugging Face model directory (default: the bundled SmolLM2-135M-Instruct)",
     )
 
 
-def _budget(s: str) -> int:
-    return 0 if s == "auto" else int(s)
+def dtype_flag(parser) -> None:
+    settings.add_flag(parser, "verifier", "--dtype")
+
+
+def tls_flags(parser) -> None:
+    parser.add_argument("--tls-ca", default="", help="TLS to the gateway: PEM CA that signed its certificate")
+    parser.add_argument("--tls-cert", default="", help="this client's PEM certificate, when the gateway requires one")
+    parser.add_argument("--tls-key", default="", help="the PEM private key of --tls-cert")
+
+
+def engine_flags(parser) -> None:
+    """The in-process commands' model, backend and drafting flags."""
+    model_flag(parser)
+    settings.add_flag(parser, "verifier", "--backend")
+    dtype_flag(parser)
+    system_flag(parser)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument(
+        "--no-prior",
+        dest="prior",
+        action="store_false",
+        help="no model-derived copy-logit prior for tokens a session has not seen yet",
+    )
+    parser.add_argument(
+        "--logits-tree", default="halving", choices=("halving", "best-first"), help="shape of the copy-logit tree"
+    )
+
+
+def answer_flags(parser, budget_default: int = 0) -> None:
+    """The prompt-through-a-stack commands' flags: a model, a system prompt, a mode and a budget."""
+    model_flag(parser)
+    system_flag(parser)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--mode", default="racer", choices=MODES)
+    parser.add_argument(
+        "--budget",
+        type=_budget,
+        default=budget_default,
+        help="draft tree nodes per round (C); auto (0): cost-aware adaptive (default %(default)s)",
+    )
+
+
+def stack_flags(parser, port_base: int = 0, metrics_base: int = PORTS["gateway"][1]) -> None:
+    """Where a local stack serves: its ports, and whether the verifier gets CPUs of its own."""
+    dtype_flag(parser)
+    parser.add_argument(
+        "--port-base", type=int, default=port_base, help="gateway, drafter, verifier on this port and the next two"
+    )
+    parser.add_argument("--metrics-base", type=int, default=metrics_base)
+    pin_flag(parser)
 
 
 def cmd_generate(args) -> int:
@@ -62,9 +134,9 @@ def cmd_generate(args) -> int:
     from common.params import SamplingParams
     from common.text import Detokenizer, chat_ids
 
-    from .inprocess import Engine
+    from .inprocess import InProcessStack
 
-    engine = Engine.load(
+    engine = InProcessStack.load(
         args.model, backend=args.backend, prior=args.prior, dtype=args.dtype, logits_tree=args.logits_tree
     )
     if args.budget == 0:
@@ -89,7 +161,7 @@ def cmd_generate(args) -> int:
 
 def cmd_bench(args) -> int:
     from . import bench
-    from .inprocess import Engine
+    from .inprocess import InProcessStack
     from .prompts import DEFAULT_PROMPTS, load_humaneval, load_spec_bench
 
     prompts = []
@@ -106,7 +178,7 @@ def cmd_bench(args) -> int:
             return 2
     import torch
 
-    engine = Engine.load(
+    engine = InProcessStack.load(
         args.model,
         backend=args.backend,
         prior=args.prior,
@@ -159,6 +231,7 @@ def cmd_serve(args) -> int:
 
     from . import launch as services
 
+    settings.resolve(args, args.service)  # the flags not given, from RACER_* variables: SettingError names one
     setup_logging(args.log_level)
     try:
         confine(args.cpus)  # first: every thread started from here on inherits it
@@ -205,10 +278,9 @@ def cmd_erase_corpus(args) -> int:
     return 0
 
 
-def cmd_stack(args) -> int:
-    from . import stack
-
-    return stack.run(args)
+def cmd_bench_corpus(args) -> int:
+    module = "racer.bench_corpus_stack" if args.through == "stack" else "racer.bench_corpus"
+    return importlib.import_module(module).main(args)
 
 
 def cmd_client(args) -> int:
@@ -259,12 +331,6 @@ def cmd_client(args) -> int:
             return 1
 
 
-def tls_flags(parser) -> None:
-    parser.add_argument("--tls-ca", default="", help="TLS to the gateway: PEM CA that signed its certificate")
-    parser.add_argument("--tls-cert", default="", help="this client's PEM certificate, when the gateway requires one")
-    parser.add_argument("--tls-key", default="", help="the PEM private key of --tls-cert")
-
-
 def _read_turn():
     try:
         line = input("> ")
@@ -273,36 +339,12 @@ def _read_turn():
     return line if line.strip() else _read_turn()
 
 
-def main(argv=None) -> int:
-    logging.basicConfig(
-        level=os.environ.get("RACER_LOG", "WARNING"), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
-    p = argparse.ArgumentParser(prog="racer", description="RACER speculative decoding")
-    sub = p.add_subparsers(dest="cmd", required=True)
+# -- each command's arguments ------------------------------------------------------------------------
 
-    def common(sp):
-        sp.add_argument(
-            "--model", default="default", help="Hugging Face model directory (default: bundled SmolLM2-135M-Instruct)"
-        )
-        sp.add_argument(
-            "--backend", default="auto", choices=("auto", "fast", "hf"), help="verifier forward implementation"
-        )
-        dtype_flag(sp)
-        system_flag(sp)
-        sp.add_argument("--max-new-tokens", type=int, default=256)
-        sp.add_argument(
-            "--no-prior",
-            dest="prior",
-            action="store_false",
-            help="no model-derived copy-logit prior for tokens a session has not seen yet",
-        )
-        sp.add_argument(
-            "--logits-tree", default="halving", choices=("halving", "best-first"), help="shape of the copy-logit tree"
-        )
 
-    g = sub.add_parser("generate", help="stream an answer to a prompt (the engine in this process, no services)")
-    common(g)
-    g.add_argument("prompt", nargs="?", default="Explain speculative decoding in three sentences.")
+def generate_arguments(g) -> None:
+    engine_flags(g)
+    g.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     g.add_argument("--mode", default="racer", choices=MODES)
     g.add_argument(
         "--budget", type=_budget, default=16, help="draft tree nodes per round (C); 'auto': cost-aware adaptive"
@@ -311,10 +353,10 @@ def main(argv=None) -> int:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
-    g.set_defaults(func=cmd_generate)
 
-    b = sub.add_parser("bench", help="benchmark against HF greedy and prompt lookup")
-    common(b)
+
+def bench_arguments(b) -> None:
+    engine_flags(b)
     b.add_argument(
         "--prompts", default=None, help="Spec-Bench-format JSONL (default: ../shared/data/spec_bench/question.jsonl)"
     )
@@ -331,38 +373,29 @@ def main(argv=None) -> int:
     b.add_argument("--threads", type=int, default=0, help="torch threads for every mode (default: torch's, all cores)")
     b.add_argument("--json", default=None, help="write one record per prompt x mode x budget")
     b.add_argument("--plot", default=None, help="write a PNG chart")
-    b.set_defaults(func=cmd_bench)
 
-    from common.settings import add_arguments
 
-    sv = sub.add_parser("serve", help="run one service (settings from flags or RACER_* environment variables)")
-    svsub = sv.add_subparsers(dest="service", required=True)
-    for name in ("drafter", "verifier", "gateway"):
-        add_arguments(svsub.add_parser(name, help=f"the {name} service"), name)
-    sv.set_defaults(func=cmd_serve)
+def serve_arguments(sv) -> None:
+    services = sv.add_subparsers(dest="service", required=True)
+    for name in PORTS:
+        settings.add_arguments(services.add_parser(name, help=f"the {name} service"), name)
 
-    st = sub.add_parser("stack", help="drafter, verifier and gateway on localhost; stream an answer through them")
-    st.add_argument("prompt", nargs="?", default="Explain speculative decoding in three sentences.")
-    st.add_argument("--model", default="default")
-    dtype_flag(st)
-    system_flag(st)
-    st.add_argument("--max-new-tokens", type=int, default=256)
-    st.add_argument("--mode", default="racer", choices=MODES)
-    st.add_argument("--budget", type=_budget, default=0, help="tree nodes per round; auto (0, default): adaptive")
+
+def stack_arguments(st) -> None:
+    st.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
+    answer_flags(st)
+    stack_flags(st)
     st.add_argument("--keep", action="store_true", help="keep the stack up for other clients until Ctrl-C")
-    st.add_argument("--port-base", type=int, default=0, help="gateway, drafter, verifier on this port and the next two")
-    st.add_argument("--metrics-base", type=int, default=9100)
     st.add_argument(
         "--http-port", type=int, default=8000, help="the gateway's OpenAI-compatible HTTP API (0: off; default 8000)"
     )
     st.add_argument("--log-level", default="WARNING")
-    pin_flag(st)
-    st.set_defaults(func=cmd_stack)
 
-    cl = sub.add_parser("client", help="talk to a running gateway")
+
+def client_arguments(cl) -> None:
     cl.add_argument("action", choices=("generate", "chat", "sessions", "close"))
-    cl.add_argument("prompt", nargs="?", default="Explain speculative decoding in three sentences.")
-    cl.add_argument("--target", default="localhost:50051")
+    cl.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
+    cl.add_argument("--target", default=f"localhost:{PORTS['gateway'][0]}")
     cl.add_argument("--api-key", default=None, help="tenant API key (or env RACER_API_KEY)")
     cl.add_argument("--session", default=None, help="continue (or, with close, close) this session")
     system_flag(cl)
@@ -372,41 +405,26 @@ def main(argv=None) -> int:
     cl.add_argument("--temperature", type=float, default=0.0)
     cl.add_argument("--seed", type=int, default=None)
     tls_flags(cl)
-    cl.set_defaults(func=cmd_client)
 
-    bs = sub.add_parser("bench-stack", help="tokens/s through the gateway vs in process, side by side")
-    bs.add_argument("--model", default="default")
-    dtype_flag(bs)
+
+def bench_stack_arguments(bs) -> None:
+    answer_flags(bs)
+    bs.set_defaults(max_new_tokens=128)
+    stack_flags(bs)
     bs.add_argument("--prompts", default=None)
     bs.add_argument("--per-category", type=int, default=1)
-    system_flag(bs)
-    bs.add_argument("--max-new-tokens", type=int, default=128)
-    bs.add_argument("--mode", default="racer", choices=MODES)
-    bs.add_argument("--budget", type=_budget, default=0, help="tree size; auto (0): adaptive")
-    bs.add_argument("--port-base", type=int, default=0)
-    bs.add_argument("--metrics-base", type=int, default=9100)
-    pin_flag(bs)
-    bs.set_defaults(func=lambda a: __import__("racer.bench_services", fromlist=["x"]).bench_stack(a))
 
-    bb = sub.add_parser("bench-batch", help="aggregate tok/s of N concurrent sessions, batching on vs off")
-    bb.add_argument("--model", default="default")
-    dtype_flag(bb)
+
+def bench_batch_arguments(bb) -> None:
+    answer_flags(bb, budget_default=4)
+    bb.set_defaults(max_new_tokens=64)
+    stack_flags(bb, port_base=50151, metrics_base=9200)
     bb.add_argument("--prompts", default=None)
     bb.add_argument("--sessions", type=_csv(int), default=[1, 2, 4, 8, 16])
-    system_flag(bb)
-    bb.add_argument("--max-new-tokens", type=int, default=64)
-    bb.add_argument("--mode", default="racer", choices=MODES)
-    bb.add_argument("--budget", type=_budget, default=4)
-    bb.add_argument("--port-base", type=int, default=50151)
-    bb.add_argument("--metrics-base", type=int, default=9200)
-    pin_flag(bb)
-    bb.set_defaults(func=lambda a: __import__("racer.bench_services", fromlist=["x"]).bench_batch(a))
 
-    bu = sub.add_parser(
-        "bench-burst",
-        help="a burst of streaming chat requests through the OpenAI API, prefills batched vs one at a time",
-    )
-    bu.add_argument("--model", default="default")
+
+def bench_burst_arguments(bu) -> None:
+    model_flag(bu)
     bu.add_argument("--requests", type=int, default=64)
     bu.add_argument("--max-new-tokens", type=int, default=48)
     bu.add_argument("--reps", type=int, default=1, help="bursts per configuration (interleaved)")
@@ -415,12 +433,12 @@ def main(argv=None) -> int:
     bu.add_argument("--metrics-base", type=int, default=9300)
     bu.add_argument("--http-port", type=int, default=8250, help="the first stack's; the second uses the next")
     pin_flag(bu)
-    bu.set_defaults(func=lambda a: __import__("racer.bench_burst", fromlist=["x"]).bench_burst(a))
 
-    ld = sub.add_parser("load", help="N concurrent sessions x T turns through a gateway on this machine (bounded)")
+
+def load_arguments(ld) -> None:
     ld.add_argument(
         "--target",
-        default="localhost:50051",
+        default=f"localhost:{PORTS['gateway'][0]}",
         help="gateway address (loopback only); several, comma-separated: each session's turns rotate over them",
     )
     ld.add_argument("--sessions", type=int, default=16, help="concurrent sessions (at most 256)")
@@ -446,16 +464,10 @@ def main(argv=None) -> int:
     ld.add_argument("--keep-sessions", action="store_true", help="do not close the sessions at the end")
     ld.add_argument("--json", default=None, help="also write the report as JSON")
     tls_flags(ld)
-    ld.set_defaults(
-        func=lambda a: __import__("racer.load", fromlist=["x"]).main(
-            a if a.api_key else argparse.Namespace(**{**vars(a), "api_key": os.environ.get("RACER_API_KEY")})
-        )
-    )
 
-    bc = sub.add_parser(
-        "bench-corpus", help="fresh sessions one after another: MAT and tok/s with the tenant corpus on and off"
-    )
-    common(bc)
+
+def bench_corpus_arguments(bc) -> None:
+    engine_flags(bc)
     bc.add_argument("--prompts", default=None, help="Spec-Bench JSONL (default: the shared copy)")
     bc.add_argument(
         "--runs", type=_csv(str), default=["category", "repeat"], help="category and/or repeat (comma-separated)"
@@ -463,7 +475,7 @@ def main(argv=None) -> int:
     bc.add_argument("--sessions", type=int, default=16, help="sessions per category; prompts of the repeat run")
     bc.add_argument("--categories", type=_csv(str), default=None, help="only these Spec-Bench categories")
     bc.add_argument("--budget", type=_csv(int), default=[16, 64], help="tree sizes C (comma-separated)")
-    bc.add_argument("--corpus-tokens", type=int, default=1 << 20, help="the tenant corpus bound")
+    settings.add_flag(bc, "drafter", "--corpus-tokens")
     bc.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's, all cores)")
     bc.add_argument("--hf", action="store_true", help="also compare every output with Hugging Face greedy decoding")
     bc.add_argument("--json", default=None, help="also write one record per session to JSON.RUN.jsonl")
@@ -475,38 +487,32 @@ def main(argv=None) -> int:
         "sessions alternating between the replicas",
     )
     bc.add_argument("--drafters", type=int, default=2, help="drafter replicas with --through stack (2 or more)")
-    bc.set_defaults(
-        func=lambda a: __import__(
-            "racer.bench_corpus_stack" if a.through == "stack" else "racer.bench_corpus", fromlist=["x"]
-        ).main(a)
-    )
 
-    bn = sub.add_parser("bench-snapshot", help="size and save/restore time of a full drafter session snapshot")
+
+def bench_snapshot_arguments(bn) -> None:
     bn.add_argument("--store", default="memory://", help="memory:// or redis://host:port/db")
     bn.add_argument("--tokens", type=int, default=4000, help="context tokens at least")
     bn.add_argument("--repeat", type=int, default=20)
-    bn.set_defaults(func=lambda a: __import__("racer.bench_services", fromlist=["x"]).bench_snapshot(a))
 
-    ec = sub.add_parser(
-        "erase-corpus", help="erase a tenant's corpus on every drafter and in Redis (needs the internal token)"
-    )
+
+def erase_corpus_arguments(ec) -> None:
     ec.add_argument("tenant")
-    ec.add_argument("--target", default="localhost:50061", help="any drafter of the deployment")
+    ec.add_argument("--target", default=f"localhost:{PORTS['drafter'][0]}", help="any drafter of the deployment")
     ec.add_argument(
         "--token-file",
         default=os.environ.get("RACER_INTERNAL_TOKEN_FILE", ""),
         help="file holding the internal token (or env RACER_INTERNAL_TOKEN)",
     )
     tls_flags(ec)
-    ec.set_defaults(func=cmd_erase_corpus)
 
-    pr = sub.add_parser("prior", help="compute a model's copy-logit prior (cached; shipped for the default model)")
-    pr.add_argument("--model", default="default")
-    pr.add_argument("--topk", type=int, default=8)
+
+def prior_arguments(pr) -> None:
+    model_flag(pr)
+    settings.add_flag(pr, "drafter", "--topk")
     pr.add_argument("--out", default=None, help="directory (default: ~/.cache/racer/priors)")
-    pr.set_defaults(func=cmd_prior)
 
-    hc = sub.add_parser("health", help="exit 0 iff a service's grpc.health.v1 says SERVING (container health checks)")
+
+def health_arguments(hc) -> None:
     hc.add_argument("target", help="[HOST:]PORT")
     hc.add_argument("service", nargs="?", default="", help="e.g. racer.v1.Drafter ('': the server as a whole)")
     hc.add_argument("--tls-ca", default=os.environ.get("RACER_TLS_CA", ""), help="CA of the service's certificate")
@@ -516,12 +522,124 @@ def main(argv=None) -> int:
         help="client certificate, when the service requires one",
     )
     hc.add_argument("--tls-key", default=os.environ.get("RACER_TLS_CLIENT_KEY", ""))
-    hc.set_defaults(func=cmd_health)
 
-    args = p.parse_args(argv)
+
+# -- the table -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int] | str  # a function, or "module:function" imported when it runs
+
+
+COMMANDS = (
+    Command(
+        "generate",
+        "stream an answer to a prompt (the engine in this process, no services)",
+        generate_arguments,
+        cmd_generate,
+    ),
+    Command("bench", "benchmark against HF greedy and prompt lookup", bench_arguments, cmd_bench),
+    Command(
+        "serve", "run one service (settings from flags or RACER_* environment variables)", serve_arguments, cmd_serve
+    ),
+    Command(
+        "stack",
+        "drafter, verifier and gateway on localhost; stream an answer through them",
+        stack_arguments,
+        "racer.stack:run",
+    ),
+    Command("client", "talk to a running gateway", client_arguments, cmd_client),
+    Command(
+        "bench-stack",
+        "tokens/s through the gateway vs in process, side by side",
+        bench_stack_arguments,
+        "racer.bench_services:bench_stack",
+    ),
+    Command(
+        "bench-batch",
+        "aggregate tok/s of N concurrent sessions, batching on vs off",
+        bench_batch_arguments,
+        "racer.bench_services:bench_batch",
+    ),
+    Command(
+        "bench-burst",
+        "a burst of streaming chat requests through the OpenAI API, prefills batched vs one at a time",
+        bench_burst_arguments,
+        "racer.bench_burst:bench_burst",
+    ),
+    Command(
+        "load",
+        "N concurrent sessions x T turns through a gateway on this machine (bounded)",
+        load_arguments,
+        "racer.load:main",
+    ),
+    Command(
+        "bench-corpus",
+        "fresh sessions one after another: MAT and tok/s with the tenant corpus on and off",
+        bench_corpus_arguments,
+        cmd_bench_corpus,
+    ),
+    Command(
+        "bench-snapshot",
+        "size and save/restore time of a full drafter session snapshot",
+        bench_snapshot_arguments,
+        "racer.bench_services:bench_snapshot",
+    ),
+    Command(
+        "erase-corpus",
+        "erase a tenant's corpus on every drafter and in Redis (needs the internal token)",
+        erase_corpus_arguments,
+        cmd_erase_corpus,
+    ),
+    Command(
+        "prior",
+        "compute a model's copy-logit prior (cached; shipped for the default model)",
+        prior_arguments,
+        cmd_prior,
+    ),
+    Command(
+        "health",
+        "exit 0 iff a service's grpc.health.v1 says SERVING (container health checks)",
+        health_arguments,
+        cmd_health,
+    ),
+)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="racer", description="RACER speculative decoding")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for c in COMMANDS:
+        sp = sub.add_parser(c.name, help=c.help)
+        c.arguments(sp)
+        sp.set_defaults(command=c)
+    return p
+
+
+def run(command: Command, args: argparse.Namespace) -> int:
+    if callable(command.run):
+        return command.run(args)
+    module, function = command.run.split(":")
+    return getattr(importlib.import_module(module), function)(args)
+
+
+def _log_level() -> str:
+    level = os.environ.get("RACER_LOG", "WARNING")
+    if not isinstance(logging.getLevelName(level.upper()), int):
+        raise SettingError(f"RACER_LOG={level!r}: expected a logging level (DEBUG, INFO, WARNING, ERROR)")
+    return level.upper()
+
+
+def main(argv=None) -> int:
     try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+        logging.basicConfig(level=_log_level(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+        args = parser().parse_args(argv)
+        return run(args.command, args)
+    except (ValueError, FileNotFoundError) as e:  # SettingError included: one line naming the variable
         print(f"racer: {e}", file=sys.stderr)
         return 2
 

@@ -1,4 +1,7 @@
-"""The in-process engine: target model + tokenizer, one drafter and one verifier session per prompt."""
+"""The whole pipeline in one process, no services: the target model and its tokenizer, and per prompt
+one drafter session and one verifier session driven by ``common.loop.generate`` (the same rounds
+the gateway drives). ``racer generate``, ``racer bench`` and the in-process side of the benchmarks
+run on it."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from typing import Iterator
 
 import torch
 
+from common import settings
 from common.loop import Stats, generate
 from common.params import GenerationParams, SamplingParams
 from drafter.session import DrafterConfig, DraftSession
@@ -15,10 +19,10 @@ from verifier.model import DEFAULT_MODEL, LoadedModel, load
 
 
 @dataclass
-class Engine:
+class InProcessStack:
     loaded: LoadedModel
     drafter_config: DrafterConfig = field(default_factory=DrafterConfig)
-    backend: str = "auto"
+    backend: str = settings.default("verifier", "--backend")
     prior: object = None  # [vocab, k] copy-logit prior shared by all sessions (verifier/prior.py)
     costs: dict | None = None  # verifier cost curve (ms by tree size) for the adaptive budget
     overhead_ms: float = 1.0  # per round outside the forward, as the adaptive budget counts it
@@ -27,12 +31,12 @@ class Engine:
     def load(
         cls,
         model: str = DEFAULT_MODEL,
-        backend: str = "auto",
+        backend: str = settings.default("verifier", "--backend"),
         prior: bool = True,
         threads: int | None = None,
-        dtype: str = "float32",
+        dtype: str = settings.default("verifier", "--dtype"),
         **drafter,
-    ) -> "Engine":
+    ) -> "InProcessStack":
         loaded = load(model, dtype=dtype, threads=threads)
         config = DrafterConfig(**drafter)
         table = None

@@ -1,17 +1,26 @@
 """Builds and starts each service from its settings (common/settings.py): used by ``racer serve``,
-``racer stack`` and the tests (which pass an already loaded model)."""
+``racer stack`` and the tests (which pass an already loaded model).
+
+Each ``start_*`` imports its own service's packages when it runs, so a process loads only the
+service it serves (a drafter never imports torch)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import time
-from types import SimpleNamespace
+from collections.abc import Awaitable, Callable
 
+from common import settings
 from common.identity import PeerAuthInterceptor, load_tokens, require_peer_auth
 from common.identity import metadata as identity_metadata
-from common.server import Server, start_server
-from common.tls import server_credentials
+from common.priors import load_prior
+from common.server import Server, channel_options, start_server
+from common.sessions import janitor
+from common.store import open_store
+from common.tls import channel_credentials, server_credentials
+from common.v1 import drafter_pb2_grpc, generation_pb2_grpc, verifier_pb2_grpc
 
 log = logging.getLogger("racer")
 
@@ -22,28 +31,22 @@ def _server_kw(args, kind: str = "gateway") -> dict:
     kw = dict(
         credentials=server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca),
         keepalive_seconds=args.keepalive_seconds,
-        health_port=getattr(args, "health_port", 0),
+        health_port=args.health_port,
     )
     if kind != "gateway":
         tokens = internal_tokens(args)
-        require_peer_auth(kind, tokens, args.tls_client_ca, bool(getattr(args, "allow_unauthenticated", 0)))
+        require_peer_auth(kind, tokens, args.tls_client_ca, args.allow_unauthenticated)
         kw["interceptors"] = [PeerAuthInterceptor(tokens)] if tokens else []
     return kw
 
 
 def internal_tokens(args) -> tuple[str, ...]:
-    return load_tokens(getattr(args, "internal_token", ""), getattr(args, "internal_token_file", ""))
+    return load_tokens(args.internal_token, args.internal_token_file)
 
 
-def defaults(service: str, **overrides) -> SimpleNamespace:
-    """The settings of ``service`` as ``racer serve`` would parse them with no flags, then ``overrides``."""
-    import argparse
-
-    from common.settings import add_arguments
-
-    ap = argparse.ArgumentParser()
-    add_arguments(ap, service)
-    ns = ap.parse_args([])
+def defaults(service: str, **overrides) -> argparse.Namespace:
+    """The settings of ``service`` as ``racer serve`` would read them with no flags, then ``overrides``."""
+    ns = settings.parse(service)
     for k, v in overrides.items():
         if not hasattr(ns, k):
             raise TypeError(f"{service}: unknown setting {k!r}")
@@ -51,97 +54,134 @@ def defaults(service: str, **overrides) -> SimpleNamespace:
     return ns
 
 
+async def _start_backend(
+    kind: str,
+    args,
+    svc,
+    register: Callable,
+    core,
+    streaming: Callable[[], int],
+    after_drain: Callable[[], Awaitable[None]] | None = None,
+    closed: Callable[[], Awaitable[None]] | None = None,
+    background: tuple[Callable[[Server], Awaitable[None]], ...] = (),
+    server_kw: dict | None = None,
+) -> Server:
+    """A drafter's or verifier's server: ``svc`` registered by ``register``, the sessions' janitor and
+    ``background`` tasks running beside it. On SIGTERM the tasks stop, ``svc`` refuses new work and
+    the drain waits (at most its grace) until ``streaming()`` is 0, then runs ``after_drain``."""
+    tasks: list[asyncio.Future] = []
+
+    async def drain(grace: float):
+        for t in tasks:
+            t.cancel()
+        svc.draining = True  # new requests are refused; open streams end at their next step (they move)
+        t0 = time.monotonic()
+        left = await _streams_ended(streaming, grace)
+        log.info("drained", extra={"service": kind, "seconds": round(time.monotonic() - t0, 3), "streams_left": left})
+        if after_drain is not None:
+            await after_drain()
+
+    srv = await start_server(
+        kind,
+        lambda s: register(svc, s),
+        args.host,
+        args.port,
+        args.max_message_bytes,
+        drain,
+        closed=closed,
+        **(server_kw or {}),
+    )
+    tasks.append(asyncio.ensure_future(janitor(core.expire, min(30.0, args.session_ttl))))
+    tasks.extend(asyncio.ensure_future(task(srv)) for task in background)
+    return srv
+
+
 async def start_drafter(args) -> tuple[Server, object]:
-    from common.priors import load_prior
-    from common.sessions import janitor
-    from common.store import open_store
-    from common.v1 import drafter_pb2_grpc
     from drafter.corpora import Corpora
     from drafter.service import DrafterService
     from drafter.session import DrafterConfig
     from drafter.sessions import Drafter
 
     server_kw = _server_kw(args, "drafter")  # first: a drafter that cannot authenticate its callers never starts
-    config = DrafterConfig(window=args.window, max_nodes=args.max_nodes, topk=args.topk)
     store = open_store(args.snapshot_url)
     core = Drafter(
-        config,
-        store,
-        load_prior(args.prior, args.topk),
-        args.snapshot_every,
-        args.session_ttl,
+        config=DrafterConfig(window=args.window, max_nodes=args.max_nodes, topk=args.topk),
+        store=store,
+        prior=load_prior(args.prior, args.topk),
+        snapshot_every=args.snapshot_every,
+        ttl=args.session_ttl,
         max_tokens=args.max_session_tokens,
-        max_bytes=getattr(args, "max_memory_bytes", 0),
-        corpora=Corpora(getattr(args, "corpus_tokens", 0), getattr(args, "corpus_idle", 600.0), store),
+        max_bytes=args.max_memory_bytes,
+        corpora=Corpora(args.corpus_tokens, args.corpus_idle, store),
     )
-    svc = DrafterService(core)
-    tasks = []
-
-    async def drain(grace: float):
-        for t in tasks:
-            t.cancel()
-        svc.draining = True  # streams end at their next step, each after its snapshot is written
-        await _streams_ended(core.sessions.streaming, grace)
-        await core.flush()
 
     async def closed():
         await core.flush()  # what the streams that ran during the drain changed
         await store.close()
 
-    srv = await start_server(
+    srv = await _start_backend(
         "drafter",
-        lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(svc, s),
-        args.host,
-        args.port,
-        args.max_message_bytes,
-        drain,
+        args,
+        DrafterService(core),
+        drafter_pb2_grpc.add_DrafterServicer_to_server,
+        core,
+        core.sessions.streaming,
+        after_drain=core.flush,  # each stream's snapshot is written as it ends; then the rest
         closed=closed,
-        **server_kw,
+        background=(lambda srv: core.corpora.run(),),
+        server_kw=server_kw,
     )
-    tasks.append(asyncio.ensure_future(janitor(core.expire, min(30.0, args.session_ttl))))
-    tasks.append(asyncio.ensure_future(core.corpora.run()))
     return srv, core
 
 
+async def load_model(args):
+    """The target model of ``--model`` on ``--device`` in ``--dtype``."""
+    from verifier.model import load, resolve_dtype
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if _cuda() else "cpu"
+    dtype = resolve_dtype(args.dtype, device)
+    model = (await asyncio.to_thread(load, args.model, dtype, args.threads or None, False)).model
+    return model if device == "cpu" else model.to(device)
+
+
+async def _measure(model, args) -> dict[int, float] | None:
+    """Before serving: the llama backend's kernels (measured, or read from the cache) and, with
+    ``--measure-cost``, the cost curve the adaptive budget reads."""
+    from verifier.backends import FastLlamaBackend
+    from verifier.engine import measure_cost
+    from verifier.kernels import plan_for
+
+    if args.backend != "hf" and FastLlamaBackend.supports(model):
+        plan = await asyncio.to_thread(plan_for, model)
+        log.info("kernels", extra={"dtype": str(model.dtype), "choice": plan.describe()})
+    if not args.measure_cost:
+        return None
+    cost = await asyncio.to_thread(measure_cost, model, backend=args.backend, topk=args.topk)
+    log.info("cost curve", extra={"ms_by_size": {n: round(c, 2) for n, c in cost.items()}})
+    return cost
+
+
 async def start_verifier(args, model=None) -> tuple[Server, object]:
-    from common.sessions import janitor
-    from common.v1 import verifier_pb2_grpc
+    from verifier import load as verifier_load
+    from verifier import metrics as VM
     from verifier.service import VerifierService
     from verifier.sessions import Verifier
 
     server_kw = _server_kw(args, "verifier")  # before the model loads: refused at once
-    if model is None:
-        from verifier.model import load, resolve_dtype
-
-        device = "cuda" if args.device == "auto" and _cuda() else ("cpu" if args.device == "auto" else args.device)
-        dtype = resolve_dtype(getattr(args, "dtype", "float32"), device)
-        model = (await asyncio.to_thread(load, args.model, dtype, args.threads or None, False)).model
-        if device != "cpu":
-            model = model.to(device)
-    if args.backend != "hf":
-        from verifier.backends import FastLlamaBackend
-        from verifier.kernels import plan_for
-
-        if FastLlamaBackend.supports(model):  # kernels measured (or read from the cache) before serving
-            plan = await asyncio.to_thread(plan_for, model)
-            log.info("kernels", extra={"dtype": str(model.dtype), "choice": plan.describe()})
-    cost = None
-    if args.measure_cost:
-        from verifier.engine import measure_cost
-
-        cost = await asyncio.to_thread(measure_cost, model, backend=args.backend, topk=args.topk)
-        log.info("cost curve", extra={"ms_by_size": {n: round(c, 2) for n, c in cost.items()}})
+    model = model if model is not None else await load_model(args)
     core = Verifier(
-        model,
-        args.topk,
-        args.backend,
-        args.max_sessions,
-        args.max_cache_tokens,
-        args.session_ttl,
-        cost,
-        args.max_batch,
-        args.max_wait_ms,
-        kv_budget_bytes=args.kv_budget_bytes,
+        model=model,
+        topk=args.topk,
+        backend=args.backend,
+        max_sessions=args.max_sessions,
+        max_cache_tokens=args.max_cache_tokens,
+        ttl=args.session_ttl,
+        cost=await _measure(model, args),
+        max_batch=args.max_batch,
+        max_wait_ms=args.max_wait_ms,
+        kv_budget_bytes=args.kv_memory_bytes,
         headroom=args.kv_headroom_tokens,
         prefill_chunk=args.prefill_chunk,
         max_waiting=args.admission_queue,
@@ -150,39 +190,25 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
         prefill_batch=args.prefill_batch,
     )
     log.info(
-        "KV budget",
+        "KV memory",
         extra={"bytes": core.budget.total, "bytes_per_token": core.budget.per_token, "tokens": core.budget.tokens},
     )
-    svc = VerifierService(core)
-    tasks = []
-
-    async def drain(grace: float):
-        for t in tasks:
-            t.cancel()
-        svc.draining = True  # no new session; streams end after their round in flight (they move)
-        t0 = time.monotonic()
-        left = await _streams_ended(core.streaming, grace)
-        log.info("drained", extra={"seconds": round(time.monotonic() - t0, 3), "streams_left": left})
 
     async def closed():  # after the last RPC: the model thread finishes its job and ends
         await asyncio.to_thread(core.model_thread.close)
 
-    srv = await start_server(
+    srv = await _start_backend(
         "verifier",
-        lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(svc, s),
-        args.host,
-        args.port,
-        args.max_message_bytes,
-        drain,
+        args,
+        VerifierService(core),
+        verifier_pb2_grpc.add_VerifierServicer_to_server,
+        core,
+        core.streaming,
         closed=closed,
-        **server_kw,
+        background=(lambda srv: watch_model_thread(core, srv),),
+        server_kw=server_kw,
     )
-    tasks.append(asyncio.ensure_future(janitor(core.expire, min(30.0, args.session_ttl))))
-    tasks.append(asyncio.ensure_future(watch_model_thread(core, srv)))
-    from verifier import load
-    from verifier import metrics as VM
-
-    VM.SATURATION.set_function(lambda: load.of(core))
+    VM.SATURATION.set_function(lambda: verifier_load.of(core))
     return srv, core
 
 
@@ -222,71 +248,80 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, resolver=None) -> tuple[Server, object]:
-    from common.server import channel_options
-    from common.sessions import janitor
-    from common.store import open_store
-    from common.tls import channel_credentials
-    from common.v1 import generation_pb2_grpc
-    from gateway.admission import Queueing
-    from gateway.auth import ApiKeys
-    from gateway.core import Gateway, Timeouts
-    from gateway.requests import Limits, request_bytes
+async def load_tokenizer(args) -> tuple[object, tuple[int, ...], int | None]:
+    """(tokenizer, end-of-turn ids, vocabulary size) of ``--model``."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from verifier.model import eos_token_ids, resolve_model_dir
+
+    path = await asyncio.to_thread(resolve_model_dir, args.model)
+    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path)
+    return tokenizer, tuple(eos_token_ids(path, tokenizer)), AutoConfig.from_pretrained(path).vocab_size
+
+
+async def _backend_endpoints(args, resolver=None):
+    """The drafters' and the verifiers' ``Endpoints``, resolved once; every call to them carries the
+    internal token."""
     from gateway.routing import Endpoints
-    from gateway.service import GatewayService
 
-    if tokenizer is None and args.model != "none":
-        from transformers import AutoConfig, AutoTokenizer
-
-        from verifier.model import eos_token_ids, resolve_model_dir
-
-        path = await asyncio.to_thread(resolve_model_dir, args.model)
-        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path)
-        eos_ids = eos_token_ids(path, tokenizer)
-        vocab_size = AutoConfig.from_pretrained(path).vocab_size
-    opts = channel_options(args.max_message_bytes, args.keepalive_seconds, args.tls_server_name)
-    creds = channel_credentials(args.tls_ca, args.tls_client_cert, args.tls_client_key)
-    kw = {"resolver": resolver} if resolver else {}
-    kw["metadata"] = identity_metadata(internal_tokens(args))  # sent with every call to a drafter or verifier
-    drafters = Endpoints(args.drafters, args.resolve_every, channel_options=opts, credentials=creds, **kw)
-    verifiers = Endpoints(args.verifiers, args.resolve_every, channel_options=opts, credentials=creds, **kw)
+    kw = dict(
+        channel_options=channel_options(args.max_message_bytes, args.keepalive_seconds, args.tls_server_name),
+        credentials=channel_credentials(args.tls_ca, args.tls_client_cert, args.tls_client_key),
+        metadata=identity_metadata(internal_tokens(args)),
+        **({"resolver": resolver} if resolver else {}),
+    )
+    drafters = Endpoints(args.drafters, args.resolve_every, **kw)
+    verifiers = Endpoints(args.verifiers, args.resolve_every, **kw)
     await drafters.refresh(force=True)
     await verifiers.refresh(force=True)
-    keys = ApiKeys(args.api_keys) if args.api_keys else None  # a bad file stops the start here
     _gauge_endpoints(drafters, verifiers)
-    store = open_store(args.session_url)
+    return drafters, verifiers
+
+
+def _gateway_core(args, tokenizer, eos_ids, vocab_size, drafters, verifiers, keys, store):
+    from gateway.admission import Queueing
+    from gateway.core import Gateway, Timeouts
+    from gateway.requests import Limits
+
     # Without API keys every turn is the one local tenant's: a per-tenant cap would be the whole
     # service's, below what the verifiers admit (they queue on KV memory and batch what runs).
     per_tenant = args.max_sessions_per_tenant if keys is not None else 0
-    limits = Limits(args.max_prompt_tokens, args.max_new_tokens, args.max_budget, per_tenant)
-    tenant_limits = _tenant_limits(args, per_tenant)
-    queueing = Queueing(args.queue_max_waiters, args.queue_wait_seconds, args.queue_poll_seconds)
-    timeouts = Timeouts(args.backend_timeout, args.reconnect_seconds, args.store_retry_seconds)
-    core = Gateway(
-        tokenizer,
-        eos_ids or (),
-        drafters,
-        verifiers,
-        store,
-        keys,
-        limits,
-        args.session_ttl,
-        vocab_size,
-        timeouts,
-        tenant_limits,
-        getattr(args, "lease_seconds", 10.0),
-        queueing,
+    return Gateway(
+        tokenizer=tokenizer,
+        eos_ids=eos_ids,
+        drafters=drafters,
+        verifiers=verifiers,
+        store=store,
+        api_keys=keys,
+        limits=Limits(args.max_prompt_tokens, args.max_new_tokens, args.max_budget, per_tenant),
+        ttl=args.session_ttl,
+        vocab_size=vocab_size,
+        timeouts=Timeouts(args.backend_timeout, args.reconnect_seconds, args.store_retry_seconds),
+        tenant_limits=_tenant_limits(args, per_tenant),
+        lease_s=args.lease_seconds,
+        queueing=Queueing(args.queue_max_waiters, args.queue_wait_seconds, args.queue_poll_seconds),
     )
 
+
+async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, resolver=None) -> tuple[Server, object]:
+    """``tokenizer`` (with ``eos_ids`` and ``vocab_size``): one already loaded, else ``--model``'s."""
+    from gateway.auth import ApiKeys
+    from gateway.requests import request_bytes
+    from gateway.service import GatewayService
+
+    if tokenizer is None and args.model != "none":
+        tokenizer, eos_ids, vocab_size = await load_tokenizer(args)
+    drafters, verifiers = await _backend_endpoints(args, resolver)
+    keys = ApiKeys(args.api_keys) if args.api_keys else None  # a bad file stops the start here
+    store = open_store(args.session_url)
+    core = _gateway_core(args, tokenizer, eos_ids or (), vocab_size, drafters, verifiers, keys, store)
     tasks = []
-    every = getattr(args, "api_keys_reload_seconds", 0.0)
-    if keys is not None and every > 0:  # a changed key file (a rotated Secret) is read again without a restart
+    if keys is not None and args.api_keys_reload_seconds > 0:  # a changed key file (a rotated Secret) is read again
 
         async def reload_keys():
             keys.maybe_reload()
 
-        tasks.append(asyncio.ensure_future(janitor(reload_keys, every)))
-
+        tasks.append(asyncio.ensure_future(janitor(reload_keys, args.api_keys_reload_seconds)))
     http = []  # the OpenAI-compatible HTTP server, when --http-port is set
 
     async def closed():
@@ -304,7 +339,7 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
         lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(svc, s),
         args.host,
         args.port,
-        min(args.max_message_bytes, request_bytes(limits)),
+        min(args.max_message_bytes, request_bytes(core.limits)),
         core.drain,
         closed=closed,
         **_server_kw(args),
@@ -312,19 +347,22 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
     if keys is not None:
         srv.reload = keys.reload  # SIGHUP (common.server.serve_forever)
     if args.http_port:
-        from gateway.openai_http import start_http
-
-        try:
-            http.append(
-                await start_http(core, args.host, args.http_port, served_model_name(args), args.max_message_bytes)
-            )
-        except BaseException as e:
-            await srv.stop(0)
-            if isinstance(e, OSError):
-                raise RuntimeError(f"gateway: cannot serve HTTP on {args.host}:{args.http_port} ({e})") from e
-            raise
+        http.append(await _start_http(srv, core, args))
     srv.http_port = http[0].port if http else 0  # the bound port (tests ask for a free one)
     return srv, core
+
+
+async def _start_http(srv: Server, core, args):
+    """The OpenAI-compatible HTTP API beside the gRPC server ``srv`` (stopped if the HTTP one cannot start)."""
+    from gateway.openai_http import start_http
+
+    try:
+        return await start_http(core, args.host, args.http_port, served_model_name(args), args.max_message_bytes)
+    except BaseException as e:
+        await srv.stop(0)
+        if isinstance(e, OSError):
+            raise RuntimeError(f"gateway: cannot serve HTTP on {args.host}:{args.http_port} ({e})") from e
+        raise
 
 
 def served_model_name(args) -> str:

@@ -2,7 +2,9 @@
 
 Starts them, waits for their health, streams one answer through the gateway, prints the stats
 and stops them cleanly (SIGTERM, drain). ``--keep`` leaves the stack up for other clients until
-Ctrl-C.
+Ctrl-C. With ``RACER_API_KEYS`` set the gateway authenticates its clients: the stack's own
+requests carry the file's first key, and the line that says the stack is up tells how a client
+authenticates.
 
 The drafter and verifier accept only the gateway: the three share an internal token, random per
 ``racer`` process unless ``RACER_INTERNAL_TOKEN`` (or ``RACER_INTERNAL_TOKEN_FILE``) is set, so the
@@ -18,8 +20,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 
+from common import settings
 from common.settings import HEALTH_SERVICES, PORTS
+from gateway.auth import load_api_keys
 
 _outer: list[list[int]] = []  # the CPUs of the running() calls this one is nested in
 _TOKEN = secrets.token_urlsafe(32)  # the stacks' internal token when the environment names none
@@ -52,11 +57,92 @@ def target(service: str, port_base: int = 0) -> str:
     return f"127.0.0.1:{_ports(port_base, 0)[service][0]}"
 
 
+def client_key(environ: Mapping[str, str] | None = None) -> str | None:
+    """What this process's own calls to a stack's gateway authenticate with: with ``RACER_API_KEYS``
+    set, the first key of that file (None: keys are off). A file without keys refuses every call,
+    so the stack refuses to start (``ValueError``)."""
+    environ = os.environ if environ is None else environ
+    path = environ.get("RACER_API_KEYS", "")
+    if not path:
+        return None
+    keys = load_api_keys(path)
+    if not keys:
+        raise ValueError(f"RACER_API_KEYS={path}: the file holds no 'key tenant' line, so every call would be refused")
+    return next(iter(keys))
+
+
+def how_clients_authenticate(environ: Mapping[str, str] | None = None) -> str:
+    """One line for the operator: how a client of the stack's gateway authenticates (no key printed)."""
+    environ = os.environ if environ is None else environ
+    path = environ.get("RACER_API_KEYS", "")
+    if not path:
+        return "clients need no key (RACER_API_KEYS unset: every call is tenant local)"
+    tenant = load_api_keys(path)[client_key(environ)]
+    return (
+        f"clients send 'authorization: Bearer KEY' with a key of {path} (racer client --api-key KEY, or "
+        f"RACER_API_KEY=KEY); this command's own requests use tenant {tenant}'s key"
+    )
+
+
+def _environments(
+    model: str, port_base: int, metrics_base: int, log_level: str, env: dict | None, dtype: str | None, http_port: int
+) -> tuple[dict[str, str], dict[str, tuple[int, int]], dict[str, dict[str, str]]]:
+    """(the environment all three share, each service's ports, each service's environment)."""
+    base = dict(os.environ, RACER_MODEL=model, RACER_HOST="127.0.0.1", RACER_LOG_LEVEL=log_level, **(env or {}))
+    if dtype:
+        base["RACER_DTYPE"] = dtype
+    if model != settings.default("verifier", "--model"):
+        # The shipped prior is the default model's: another model's drafts would come from a foreign
+        # vocabulary (ids past a smaller one are refused).
+        base.setdefault("RACER_PRIOR", "none")
+    if not base.get("RACER_INTERNAL_TOKEN") and not base.get("RACER_INTERNAL_TOKEN_FILE"):
+        base["RACER_INTERNAL_TOKEN"] = _TOKEN
+    ports = _ports(port_base, metrics_base)
+    envs = {s: dict(base, RACER_PORT=str(p), RACER_METRICS_PORT=str(m)) for s, (p, m) in ports.items()}
+    envs["gateway"].update(
+        RACER_DRAFTERS=f"127.0.0.1:{ports['drafter'][0]}", RACER_VERIFIERS=f"127.0.0.1:{ports['verifier'][0]}"
+    )
+    if http_port:
+        envs["gateway"]["RACER_HTTP_PORT"] = str(http_port)
+    for service, e in envs.items():  # a malformed RACER_* variable stops the stack here, in one line
+        settings.parse(service, environ=e)
+    client_key(envs["gateway"])
+    return base, ports, envs
+
+
+def start_healthy(procs: dict[str, subprocess.Popen], envs: dict[str, dict[str, str]], targets: dict[str, str]) -> None:
+    """Starts ``envs``' services in order, each group once the one before serves. The verifier
+    measures its cost curve (the adaptive budget's input) at start-up: on a machine this small, the
+    others' start-up would skew it, so they start once it is up."""
+    from common.health import wait_serving
+
+    for group in (("verifier",), ("drafter", "gateway")):
+        for s in group:
+            procs[s] = _spawn(s, envs[s])
+        for s in group:
+            alive = procs[s].poll
+            wait_serving(targets[s], HEALTH_SERVICES[s], timeout=300, alive=lambda a=alive: a() is None, what=s)
+
+
+def stop(procs) -> None:
+    """SIGTERM to every process of ``procs`` (name, process) still running, then waits for each to
+    drain; one still running after 30 s is killed."""
+    for _, p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for name, p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            print(f"{name} did not stop in 30 s; killing it", file=sys.stderr)
+            p.kill()
+
+
 @contextlib.contextmanager
 def running(
-    model: str = "default",
+    model: str = settings.default("verifier", "--model"),
     port_base: int = 0,
-    metrics_base: int = 9100,
+    metrics_base: int = PORTS["gateway"][1],
     log_level: str = "WARNING",
     env: dict[str, str] | None = None,
     pin: bool = True,
@@ -73,22 +159,10 @@ def running(
     or the environment win.
     """
     from common import cpus
-    from common.health import wait_serving
     from verifier.model import resolve_model_dir
 
+    base, ports, envs = _environments(model, port_base, metrics_base, log_level, env, dtype, http_port)
     resolve_model_dir(model)  # convert the default model once, before two services want it
-    base = dict(os.environ, RACER_MODEL=model, RACER_HOST="127.0.0.1", RACER_LOG_LEVEL=log_level, **(env or {}))
-    if dtype:
-        base["RACER_DTYPE"] = dtype
-    if not base.get("RACER_INTERNAL_TOKEN") and not base.get("RACER_INTERNAL_TOKEN_FILE"):
-        base["RACER_INTERNAL_TOKEN"] = _TOKEN
-    ports = _ports(port_base, metrics_base)
-    envs = {s: dict(base, RACER_PORT=str(p), RACER_METRICS_PORT=str(m)) for s, (p, m) in ports.items()}
-    envs["gateway"].update(
-        RACER_DRAFTERS=f"127.0.0.1:{ports['drafter'][0]}", RACER_VERIFIERS=f"127.0.0.1:{ports['verifier'][0]}"
-    )
-    if http_port:
-        envs["gateway"]["RACER_HTTP_PORT"] = str(http_port)
     before = cpus.available()
     mine = _outer[0] if _outer else before  # a stack started inside another splits the same CPUs
     split = cpus.split_for_verifier(mine) if pin and "RACER_CPUS" not in base else None
@@ -99,19 +173,7 @@ def running(
     _outer.append(mine)
     try:
         t0 = time.monotonic()
-        # The verifier measures its cost curve (the adaptive budget's input) at start-up: on a
-        # machine this small, the others' start-up would skew it, so they start once it is up.
-        for group in (("verifier",), ("drafter", "gateway")):
-            for s in group:
-                procs[s] = _spawn(s, envs[s])
-            for s in group:
-                wait_serving(
-                    f"127.0.0.1:{ports[s][0]}",
-                    HEALTH_SERVICES[s],
-                    timeout=300,
-                    alive=lambda p=procs[s]: p.poll() is None,
-                    what=s,
-                )
+        start_healthy(procs, envs, {s: f"127.0.0.1:{p}" for s, (p, _) in ports.items()})
         gateway = f"127.0.0.1:{ports['gateway'][0]}"
         if split:  # the client side, off the verifier's CPUs (threads started from here on inherit it)
             cpus.confine(cpus.format_list(split[1]))
@@ -124,7 +186,8 @@ def running(
                 f"; verifier on CPUs {envs['verifier']['RACER_CPUS']}, the others on {envs['gateway']['RACER_CPUS']}"
                 if split
                 else ""
-            ),
+            )
+            + f"\n{how_clients_authenticate(envs['gateway'])}",
             file=sys.stderr,
         )
         yield gateway
@@ -132,44 +195,44 @@ def running(
         _outer.pop()
         if split:
             cpus.confine(cpus.format_list(before))
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for s, p in procs.items():
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                print(f"{s} did not stop in 30 s; killing it", file=sys.stderr)
-                p.kill()
+        stop(procs.items())
+
+
+def _answer(gateway: str, args) -> int:
+    """Streams the answer to ``args.prompt`` through the stack; 1 (with the status) when the call fails."""
+    import grpc
+
+    from .client import Client, format_stats
+
+    with Client(gateway, api_key=client_key()) as c:
+        last = None
+        try:
+            for r in c.generate(
+                args.prompt, max_new_tokens=args.max_new_tokens, mode=args.mode, budget=args.budget, system=args.system
+            ):
+                sys.stdout.write(r.text)
+                sys.stdout.flush()
+                last = r
+        except grpc.RpcError as e:
+            print(f"racer: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+        sys.stdout.write("\n")
+        print(format_stats(last), file=sys.stderr)
+    return 0
 
 
 def run(args) -> int:
-    from .client import Client, format_stats
-
     with running(
         args.model,
         args.port_base,
         args.metrics_base,
         args.log_level,
         pin=args.pin,
-        dtype=getattr(args, "dtype", None),
-        http_port=getattr(args, "http_port", 0),
+        dtype=args.dtype,
+        http_port=args.http_port,
     ) as gateway:
-        if args.prompt:
-            with Client(gateway) as c:
-                last = None
-                for r in c.generate(
-                    args.prompt,
-                    max_new_tokens=args.max_new_tokens,
-                    mode=args.mode,
-                    budget=args.budget,
-                    system=args.system,
-                ):
-                    sys.stdout.write(r.text)
-                    sys.stdout.flush()
-                    last = r
-                sys.stdout.write("\n")
-                print(format_stats(last), file=sys.stderr)
+        if args.prompt and _answer(gateway, args):
+            return 1
         if args.keep:
             print("stack running; Ctrl-C stops it", file=sys.stderr)
             # Blocked first: an unblocked SIGTERM would kill this process before sigwait sees it,

@@ -101,7 +101,7 @@ def lossless_rows(device: str, smoke: bool) -> list[dict]:
 
 def bench_rows(device: str, tokens: int) -> list[dict]:
     from racer import bench
-    from racer.inprocess import Engine
+    from racer.inprocess import InProcessStack
     from racer.prompts import DEFAULT_PROMPTS, load_spec_bench
     from verifier.model import load
     from verifier.prior import find_or_compute
@@ -112,7 +112,7 @@ def bench_rows(device: str, tokens: int) -> list[dict]:
         loaded = load("default", dtype=dtype)
         loaded.model.to(device)
         prior = find_or_compute(load("default", dtype="float32", tokenizer=False).model, loaded.tokenizer, 8)
-        engine = Engine(loaded, prior=prior)
+        engine = InProcessStack(loaded, prior=prior)
         engine.tune_kernels()
         records = bench.run(engine, prompts, ["greedy", "off", "racer"], [0, 16, 64], tokens, None, progress=False)
         for r in bench.summarize(records):

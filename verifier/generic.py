@@ -329,8 +329,8 @@ def _prefill(b: GenericBackend, ctx: list[int]) -> None:
 
 
 def make_backend(model, kind: str = "auto", capacity: int = 1024):
-    """``auto``: the lean backend where it implements the model, else the generic one; ``fast``: the
-    lean one or ValueError; ``hf`` / ``generic``: the generic one."""
+    """``auto``: the lean backend where it implements the model, else the generic one; ``llama`` (or its
+    old name ``fast``): the lean one or ValueError; ``hf`` / ``generic``: the generic one."""
     from .backends import FastLlamaBackend
 
     if kind in ("hf", "generic") or (kind == "auto" and not FastLlamaBackend.supports(model)):
@@ -343,7 +343,7 @@ def make_backend(model, kind: str = "auto", capacity: int = 1024):
                 f"only (got {str(dtype).replace('torch.', '')}): use --dtype float32"
             )
         return GenericBackend(model)
-    if kind in ("fast", "auto"):
+    if kind in ("llama", "fast", "auto"):
         if not FastLlamaBackend.supports(model):
             raise ValueError(f"the fast backend does not support model_type={model.config.model_type!r}")
         return FastLlamaBackend(model, capacity)

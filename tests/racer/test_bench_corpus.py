@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from drafter.corpus import Corpus, CorpusConfig
 from racer.bench_corpus import Result, format_table, run_one, summarize
-from racer.inprocess import Engine
+from racer.inprocess import InProcessStack
 from tests.support.engine import hf_greedy
 from tests.support.models import make_tiny_llama
 from tests.support.stack import prompt
@@ -20,7 +20,9 @@ N = 40
 def test_sessions_with_the_corpus_equal_hf_greedy_and_a_repeat_drafts_from_the_first(tmp_path, monkeypatch):
     monkeypatch.setenv("RACER_CACHE", str(tmp_path))
     model = make_tiny_llama()
-    engine = Engine(LoadedModel(model, SimpleNamespace(pad_token_id=0, eos_token_id=2), Path(tmp_path)), prior=None)
+    engine = InProcessStack(
+        LoadedModel(model, SimpleNamespace(pad_token_id=0, eos_token_id=2), Path(tmp_path)), prior=None
+    )
     corpus = Corpus(CorpusConfig(max_tokens=4096))
     prompts = [prompt(60 + i, 12) for i in range(3)]
     results = []

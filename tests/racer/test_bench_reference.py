@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from racer.bench import run_engine, run_hf
-from racer.inprocess import Engine
+from racer.inprocess import InProcessStack
 from tests.support.engine import hf_greedy
 from tests.support.families import echo_prompt
 from tests.support.models import make_tiny_llama
@@ -23,7 +23,9 @@ def test_hf_baseline_runs_on_the_loaded_layout_and_the_engine_keeps_its_own(tmp_
     model = make_tiny_llama()
     prompt = echo_prompt(model)
     expected = hf_greedy(model, prompt, 16, eos=(2,))  # before any plan: every weight as loaded
-    engine = Engine(LoadedModel(model, SimpleNamespace(pad_token_id=0, eos_token_id=2), Path(tmp_path)), prior=None)
+    engine = InProcessStack(
+        LoadedModel(model, SimpleNamespace(pad_token_id=0, eos_token_id=2), Path(tmp_path)), prior=None
+    )
     engine.tune_kernels()
     assert all(kernels.stored_as(p) == "col" for p in kernels.all_projections(model))
 
