@@ -39,6 +39,9 @@ from . import metrics as M
 
 log = logging.getLogger("racer.gateway")
 
+# The initial metadata of a turn that waited for a slot: how long it waited, in ms (clients read it).
+QUEUE_WAIT_HEADER = "racer-queue-wait-ms"
+
 FREED = "racer:quota-freed:"  # + tenant: the channel a turn's end is published on
 
 

@@ -13,13 +13,11 @@ from common.v1 import generation_pb2 as pb
 from common.v1 import generation_pb2_grpc as pb_grpc
 
 from . import metrics as M
-from .admission import Queued
+from .admission import QUEUE_WAIT_HEADER, Queued
 from .core import Gateway
 from .records import Record
 from .requests import Request
 from .turn import Chunk, Finished
-
-QUEUE_WAIT_HEADER = "racer-queue-wait-ms"  # initial metadata of a turn that waited for a slot
 
 
 class GatewayService(pb_grpc.GenerationServicer):

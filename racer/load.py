@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import os
 import random
 import socket
 import time
@@ -26,7 +27,7 @@ import grpc
 
 from common.v1 import generation_pb2 as pb
 from common.v1 import generation_pb2_grpc as pb_grpc
-from gateway.service import QUEUE_WAIT_HEADER
+from gateway.admission import QUEUE_WAIT_HEADER
 
 from .stats import percentile
 
@@ -158,22 +159,8 @@ def make_prompts(sessions: int, turns: int, seed: int, ids_vocab: int = 0, promp
     return out
 
 
-async def run_load(
-    target: str,
-    sessions: int = 8,
-    turns: int = 3,
-    max_new_tokens: int = 64,
-    seed: int = 0,
-    ids_vocab: int = 0,
-    prompt_tokens: int = 16,
-    time_limit: float = 120.0,
-    api_key: str | None = None,
-    mode: str = "",
-    budget: int = 0,
-    close: bool = True,
-    credentials: grpc.ChannelCredentials | None = None,
-    loopback_only: bool = True,
-) -> Report:
+def _targets(target: str, loopback_only: bool, sessions: int, turns: int, max_new_tokens: int, time_limit: float):
+    """The gateway addresses of ``target``, once every bound of the run is checked."""
     if not 1 <= sessions <= MAX_SESSIONS:
         raise ValueError(f"--sessions {sessions}: expected 1..{MAX_SESSIONS}")
     if not 1 <= turns <= MAX_TURNS:
@@ -188,70 +175,139 @@ async def run_load(
     if loopback_only:
         for t in targets:
             check_loopback(t)
+    return targets
+
+
+@dataclass
+class _Samples:
+    """What every turn of the run measured, in ms."""
+
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    turn: list[float] = field(default_factory=list)
+    queue: list[float] = field(default_factory=list)
+
+
+async def _one_turn(stub, req: pb.GenerateRequest, metadata, run: SessionRun, turn: Turn, samples: _Samples) -> None:
+    """Streams one turn's answer into ``turn``; ``grpc.aio.AioRpcError`` when the gateway refuses or fails it."""
+    t0 = prev = time.perf_counter()
+    call = stub.Generate(req, metadata=metadata)
+    async for r in call:
+        now = time.perf_counter()
+        run.session_id = run.session_id or r.session_id
+        if r.token_ids:
+            if not turn.ids:
+                turn.ttft_ms = (now - t0) * 1e3
+                samples.ttft.append(turn.ttft_ms)
+            else:
+                gap = (now - prev) * 1e3 / len(r.token_ids)
+                samples.itl.extend([gap] * len(r.token_ids))
+            prev = now
+            turn.ids.extend(r.token_ids)
+    turn.total_ms = (time.perf_counter() - t0) * 1e3
+    samples.turn.append(turn.total_ms)
+    waited = dict(await call.initial_metadata()).get(QUEUE_WAIT_HEADER)
+    if waited is not None:  # the turn waited for a slot of its tenant on the gateway
+        turn.queue_ms = float(waited)
+        samples.queue.append(turn.queue_ms)
+
+
+async def _one_session(i: int, run: SessionRun, prompts: list, stubs, metadata, speculation, max_new_tokens, samples):
+    """Session ``i``'s turns in order, turn ``t`` through gateway ``(i + t) mod n``; stops at its first error."""
+    for t, p in enumerate(prompts):
+        turn = Turn(p)
+        run.turns.append(turn)
+        req = pb.GenerateRequest(session_id=run.session_id, max_new_tokens=max_new_tokens, speculation=speculation)
+        if isinstance(p, str):
+            req.prompt = p
+        else:
+            req.prompt_ids.ids.extend(p)
+        try:
+            await _one_turn(stubs[(i + t) % len(stubs)], req, metadata, run, turn, samples)
+        except grpc.aio.AioRpcError as e:
+            turn.error = f"{e.code().name}: {e.details()}"
+            return  # the session's later turns would build on a turn that did not happen
+        except asyncio.CancelledError:
+            turn.error = "TIME_LIMIT: the run's time limit passed"
+            raise
+
+
+def _errors(runs: list[SessionRun], tenants: int) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """Failed turns by status code, overall and (with several tenants) per tenant."""
+    errors: dict[str, int] = {}
+    tenant_errors: dict[str, dict[str, int]] = {}
+    for r in runs:
+        for t in r.turns:
+            if t.error:
+                code = t.error.split(":", 1)[0]
+                errors[code] = errors.get(code, 0) + 1
+                if tenants > 1:
+                    per = tenant_errors.setdefault(f"tenant{r.tenant + 1}", {})
+                    per[code] = per.get(code, 0) + 1
+    return errors, tenant_errors
+
+
+def _report(runs: list[SessionRun], tenants: int, samples: _Samples, wall: float, turns: int) -> Report:
+    errors, tenant_errors = _errors(runs, tenants)
+    tokens = sum(len(t.ids) for r in runs for t in r.turns)
+    return Report(
+        sessions=len(runs),
+        turns=turns,
+        completed_turns=sum(1 for r in runs for t in r.turns if not t.error),
+        errors=errors,
+        tokens=tokens,
+        wall_s=wall,
+        tokens_per_s=tokens / wall if wall else 0.0,
+        ttft_ms=percentiles(samples.ttft),
+        itl_ms=percentiles(samples.itl),
+        turn_ms=percentiles(samples.turn),
+        refused=errors.get("RESOURCE_EXHAUSTED", 0),
+        queued_turns=len(samples.queue),
+        queue_ms=percentiles(samples.queue),
+        runs=runs,
+        tenant_errors=tenant_errors,
+    )
+
+
+async def run_load(
+    target: str,
+    sessions: int = 8,
+    turns: int = 3,
+    max_new_tokens: int = 64,
+    *,
+    seed: int = 0,
+    ids_vocab: int = 0,
+    prompt_tokens: int = 16,
+    time_limit: float = 120.0,
+    api_key: str | None = None,
+    mode: str = "",
+    budget: int = 0,
+    close: bool = True,
+    credentials: grpc.ChannelCredentials | None = None,
+    loopback_only: bool = True,
+) -> Report:
+    targets = _targets(target, loopback_only, sessions, turns, max_new_tokens, time_limit)
     prompts = make_prompts(sessions, turns, seed, ids_vocab, prompt_tokens)
     keys = [k.strip() for k in api_key.split(",")] if api_key else [""]
     mds = [(("authorization", f"Bearer {k}"),) if k else () for k in keys]
     runs = [SessionRun(tenant=i % len(keys)) for i in range(sessions)]
-    ttft: list[float] = []
-    itl: list[float] = []
-    turn_ms: list[float] = []
-    queue_ms: list[float] = []
+    samples = _Samples()
+    speculation = pb.Speculation(mode=mode, budget=budget)
     opts = [("grpc.max_receive_message_length", 64 << 20)]
     channels = [
         grpc.aio.secure_channel(t, credentials, opts) if credentials else grpc.aio.insecure_channel(t, opts)
         for t in targets
     ]
     stubs = [pb_grpc.GenerationStub(ch) for ch in channels]
-
-    async def one(i: int) -> None:
-        run = runs[i]
-        md = mds[run.tenant]
-        for t in range(turns):
-            stub = stubs[(i + t) % len(stubs)]
-            p = prompts[i][t]
-            turn = Turn(p)
-            run.turns.append(turn)
-            req = pb.GenerateRequest(
-                session_id=run.session_id,
-                max_new_tokens=max_new_tokens,
-                speculation=pb.Speculation(mode=mode, budget=budget),
-            )
-            if isinstance(p, str):
-                req.prompt = p
-            else:
-                req.prompt_ids.ids.extend(p)
-            t0 = prev = time.perf_counter()
-            try:
-                call = stub.Generate(req, metadata=md)
-                async for r in call:
-                    now = time.perf_counter()
-                    run.session_id = run.session_id or r.session_id
-                    if r.token_ids:
-                        if not turn.ids:
-                            turn.ttft_ms = (now - t0) * 1e3
-                            ttft.append(turn.ttft_ms)
-                        else:
-                            gap = (now - prev) * 1e3 / len(r.token_ids)
-                            itl.extend([gap] * len(r.token_ids))
-                        prev = now
-                        turn.ids.extend(r.token_ids)
-                turn.total_ms = (time.perf_counter() - t0) * 1e3
-                turn_ms.append(turn.total_ms)
-                waited = dict(await call.initial_metadata()).get(QUEUE_WAIT_HEADER)
-                if waited is not None:  # the turn waited for a slot of its tenant on the gateway
-                    turn.queue_ms = float(waited)
-                    queue_ms.append(turn.queue_ms)
-            except grpc.aio.AioRpcError as e:
-                turn.error = f"{e.code().name}: {e.details()}"
-                return  # the session's later turns would build on a turn that did not happen
-            except asyncio.CancelledError:
-                turn.error = "TIME_LIMIT: the run's time limit passed"
-                raise
-
     t_start = time.perf_counter()
-    tasks = [asyncio.ensure_future(one(i)) for i in range(sessions)]
+    tasks = [
+        asyncio.ensure_future(
+            _one_session(i, r, prompts[i], stubs, mds[r.tenant], speculation, max_new_tokens, samples)
+        )
+        for i, r in enumerate(runs)
+    ]
     try:
-        done, pending = await asyncio.wait(tasks, timeout=time_limit)
+        _, pending = await asyncio.wait(tasks, timeout=time_limit)
         for task in pending:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -270,34 +326,7 @@ async def run_load(
     finally:
         for ch in channels:
             await ch.close()
-    errors: dict[str, int] = {}
-    tenant_errors: dict[str, dict[str, int]] = {}
-    for r in runs:
-        for t in r.turns:
-            if t.error:
-                code = t.error.split(":", 1)[0]
-                errors[code] = errors.get(code, 0) + 1
-                if len(keys) > 1:
-                    per = tenant_errors.setdefault(f"tenant{r.tenant + 1}", {})
-                    per[code] = per.get(code, 0) + 1
-    tokens = sum(len(t.ids) for r in runs for t in r.turns)
-    return Report(
-        sessions=sessions,
-        turns=turns,
-        completed_turns=sum(1 for r in runs for t in r.turns if not t.error),
-        errors=errors,
-        tokens=tokens,
-        wall_s=wall,
-        tokens_per_s=tokens / wall if wall else 0.0,
-        ttft_ms=percentiles(ttft),
-        itl_ms=percentiles(itl),
-        turn_ms=percentiles(turn_ms),
-        refused=errors.get("RESOURCE_EXHAUSTED", 0),
-        queued_turns=len(queue_ms),
-        queue_ms=percentiles(queue_ms),
-        runs=runs,
-        tenant_errors=tenant_errors,
-    )
+    return _report(runs, len(keys), samples, wall, turns)
 
 
 def main(args) -> int:
@@ -307,18 +336,18 @@ def main(args) -> int:
     report = asyncio.run(
         run_load(
             args.target,
-            args.sessions,
-            args.turns,
-            args.max_new_tokens,
-            args.seed,
-            args.ids,
-            args.prompt_tokens,
-            args.time_limit,
-            args.api_key,
-            args.mode,
-            args.budget,
-            not args.keep_sessions,
-            creds,
+            sessions=args.sessions,
+            turns=args.turns,
+            max_new_tokens=args.max_new_tokens,
+            seed=args.seed,
+            ids_vocab=args.ids,
+            prompt_tokens=args.prompt_tokens,
+            time_limit=args.time_limit,
+            api_key=args.api_key or os.environ.get("RACER_API_KEY"),
+            mode=args.mode,
+            budget=args.budget,
+            close=not args.keep_sessions,
+            credentials=creds,
         )
     )
     print(report.format())
