@@ -77,6 +77,41 @@ def run_engine(engine: InProcessStack, prompt_ids: list[int], mode: str, budget:
     return out, time.perf_counter() - t, stats, drafter.memory_estimate()
 
 
+def _runs(engine: InProcessStack, modes: list[str], budgets: list[int]) -> list[tuple[str, int]]:
+    """(mode, budget) of every run of a prompt, checked: the baselines first."""
+    # ``off`` drafts nothing, so its budget is moot: it runs once per prompt (at the first budget).
+    runs = [(m, 0) for m in modes if m in HF_MODES] + [
+        (m, b) for m in modes if m not in HF_MODES for b in (budgets[:1] if m == "off" else budgets)
+    ]
+    if not any(m == "greedy" for m, _ in runs):
+        raise ValueError("--modes must include greedy: it is the baseline and the lossless reference")
+    ref_mode = reference_mode(engine)
+    if ref_mode not in modes:
+        raise ValueError(f"--modes must include {ref_mode}: in {engine.dtype} it is the lossless reference")
+    return runs
+
+
+def _one_run(engine: InProcessStack, p: Prompt, ids: list[int], mode: str, budget: int, max_new_tokens: int) -> Record:
+    if mode in HF_MODES:
+        out, secs = run_hf(engine, ids, max_new_tokens, lookup=10 if mode == "hf-pld" else 0)
+        return Record(mode, 0, p.question_id, p.category, ids, out, len(out), len(out), secs, mat=1.0)
+    out, secs, st, mem = run_engine(engine, ids, mode, budget, max_new_tokens)
+    return Record(
+        mode,
+        budget,
+        p.question_id,
+        p.category,
+        ids,
+        out,
+        st.rounds,
+        len(out),
+        secs,
+        mat=st.mat,
+        draft_step_ms=[s * 1e3 for s in st.draft_step_s],
+        drafter_bytes=mem,
+    )
+
+
 def run(
     engine: InProcessStack,
     prompts: list[Prompt],
@@ -88,15 +123,8 @@ def run(
 ) -> list[Record]:
     from tqdm import tqdm
 
-    # ``off`` drafts nothing, so its budget is moot: it runs once per prompt (at the first budget).
-    runs = [(m, 0) for m in modes if m in HF_MODES] + [
-        (m, b) for m in modes if m not in HF_MODES for b in (budgets[:1] if m == "off" else budgets)
-    ]
-    if not any(m == "greedy" for m, _ in runs):
-        raise ValueError("--modes must include greedy: it is the baseline and the lossless reference")
+    runs = _runs(engine, modes, budgets)
     ref_mode = reference_mode(engine)
-    if ref_mode not in modes:
-        raise ValueError(f"--modes must include {ref_mode}: in {engine.dtype} it is the lossless reference")
     if 0 in budgets and engine.costs is None:
         costs = engine.measure_costs()
         print(
@@ -111,37 +139,17 @@ def run(
     run_engine(engine, warm, "racer", max(budgets), 4)
     for p in prompts:
         ids = chat_ids(engine.tokenizer, p.text, system)
-        reference = hf = None
+        mine = []
         for mode, budget in runs:
             bar.set_description(f"{p.category[:12]} {mode}{'' if mode in HF_MODES else '@' + budget_name(budget)}")
-            if mode in HF_MODES:
-                out, secs = run_hf(engine, ids, max_new_tokens, lookup=10 if mode == "hf-pld" else 0)
-                rec = Record(mode, 0, p.question_id, p.category, ids, out, len(out), len(out), secs, mat=1.0)
-            else:
-                out, secs, st, mem = run_engine(engine, ids, mode, budget, max_new_tokens)
-                rec = Record(
-                    mode,
-                    budget,
-                    p.question_id,
-                    p.category,
-                    ids,
-                    out,
-                    st.rounds,
-                    len(out),
-                    secs,
-                    mat=st.mat,
-                    draft_step_ms=[s * 1e3 for s in st.draft_step_s],
-                    drafter_bytes=mem,
-                )
-            if mode == "greedy":
-                hf = out
-            if mode == ref_mode and reference is None:
-                reference = out
-            records.append(rec)
+            mine.append(_one_run(engine, p, ids, mode, budget, max_new_tokens))
             bar.update()
-        for rec in records[-len(runs) :]:
+        hf = next(r.output_ids for r in mine if r.mode == "greedy")
+        reference = next(r.output_ids for r in mine if r.mode == ref_mode)
+        for rec in mine:
             rec.lossless = rec.output_ids == reference
             rec.equals_hf = rec.output_ids == hf
+        records += mine
     bar.close()
     return records
 

@@ -11,6 +11,7 @@ configuration's answer to the same prompt. Medians over the repetitions are prin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import sys
 import time
@@ -21,7 +22,7 @@ from .stats import percentile
 CONFIGS = {"batched": {"RACER_PREFILL_BATCH": "16"}, "one at a time": {"RACER_PREFILL_BATCH": "1"}}
 
 
-async def burst(base_url: str, model: str, prompts: list[str], max_tokens: int) -> dict:
+async def burst(base_url: str, model: str, prompts: list[str], max_tokens: int, api_key: str = "none") -> dict:
     """Every prompt at once as a streaming chat request; what came back."""
     import openai
 
@@ -30,7 +31,7 @@ async def burst(base_url: str, model: str, prompts: list[str], max_tokens: int) 
     errors: list[str] = []
     tokens = 0
 
-    async with openai.AsyncOpenAI(base_url=base_url, api_key="none") as client:  # the client's defaults
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key) as client:  # the client's defaults
 
         async def one(i: int) -> None:
             nonlocal tokens
@@ -65,6 +66,31 @@ async def burst(base_url: str, model: str, prompts: list[str], max_tokens: int) 
     return dict(texts=texts, ttft=ttft, errors=errors, tokens=tokens, wall=wall)
 
 
+def _burst_table(rows: dict[str, list[dict]], prompts: list[str], args) -> str:
+    names = list(rows)
+    reference = rows[names[1]][0]["texts"]  # one prompt per forward: what the verifier did before
+    lines = [
+        f"{len(prompts)} concurrent streaming chat requests, greedy, max_tokens={args.max_new_tokens}, "
+        f"openai client defaults; medians over {args.reps} burst(s) each, interleaved",
+        "| prefill | answered | TTFT p50 s | TTFT p99 s | aggregate tok/s | same answer as one at a time |",
+        "|---|---|---|---|---|---|",
+    ]
+    med = statistics.median
+    p99 = {}
+    for name in names:
+        runs = rows[name]
+        p99[name] = med(percentile(r["ttft"], 0.99) if r["ttft"] else float("nan") for r in runs)
+        same = sum(1 for r in runs for i, t in r["texts"].items() if reference.get(i) == t)
+        lines.append(
+            f"| {name} | {med(len(r['texts']) for r in runs):.0f}/{len(prompts)} "
+            f"| {med(percentile(r['ttft'], 0.5) if r['ttft'] else float('nan') for r in runs):.2f} "
+            f"| {p99[name]:.2f} | {med(r['tokens'] / r['wall'] for r in runs):.1f} "
+            f"| {same}/{sum(len(r['texts']) for r in runs)} |"
+        )
+    lines.append(f"TTFT p99, batched / one at a time: {p99[names[0]] / p99[names[1]]:.2f}")
+    return "\n".join(lines)
+
+
 def bench_burst(args) -> int:
     from . import stack
     from .launch import served_model_name
@@ -79,31 +105,22 @@ def bench_burst(args) -> int:
     model = served_model_name(SimpleNamespace(served_model_name="", model=args.model))
     names = list(CONFIGS)
     rows: dict[str, list[dict]] = {n: [] for n in names}
-    with (
-        stack.running(
-            args.model,
-            args.port_base,
-            args.metrics_base,
-            env=CONFIGS[names[0]],
-            pin=args.pin,
-            http_port=args.http_port,
-        ),
-        stack.running(
-            args.model,
-            args.port_base + 10,
-            args.metrics_base + 10,
-            env=CONFIGS[names[1]],
-            pin=args.pin,
-            http_port=args.http_port + 1,
-        ),
-    ):
-        urls = {
-            names[0]: f"http://127.0.0.1:{args.http_port}/v1",
-            names[1]: f"http://127.0.0.1:{args.http_port + 1}/v1",
-        }
+    urls = {name: f"http://127.0.0.1:{args.http_port + i}/v1" for i, name in enumerate(names)}
+    with contextlib.ExitStack() as stacks:
+        for i, name in enumerate(names):  # the second stack 10 ports up, its HTTP API on the next port
+            stacks.enter_context(
+                stack.running(
+                    args.model,
+                    args.port_base + 10 * i,
+                    args.metrics_base + 10 * i,
+                    env=CONFIGS[name],
+                    pin=args.pin,
+                    http_port=args.http_port + i,
+                )
+            )
         for rep in range(args.reps):
             for name in names if rep % 2 == 0 else names[::-1]:
-                r = asyncio.run(burst(urls[name], model, prompts, args.max_new_tokens))
+                r = asyncio.run(burst(urls[name], model, prompts, args.max_new_tokens, stack.client_key() or "none"))
                 rows[name].append(r)
                 print(
                     f"{name}: {len(r['texts'])}/{len(prompts)} answered, TTFT p99 "
@@ -113,24 +130,5 @@ def bench_burst(args) -> int:
                 )
                 for e in r["errors"][:3]:
                     print(f"  {e}", file=sys.stderr)
-    reference = rows[names[1]][0]["texts"]  # one prompt per forward: what the verifier did before
-    print(
-        f"{len(prompts)} concurrent streaming chat requests, greedy, max_tokens={args.max_new_tokens}, "
-        f"openai client defaults; medians over {args.reps} burst(s) each, interleaved"
-    )
-    print("| prefill | answered | TTFT p50 s | TTFT p99 s | aggregate tok/s | same answer as one at a time |")
-    print("|---|---|---|---|---|---|")
-    p99 = {}
-    for name in names:
-        runs = rows[name]
-        med = statistics.median
-        p99[name] = med(percentile(r["ttft"], 0.99) if r["ttft"] else float("nan") for r in runs)
-        same = sum(1 for r in runs for i, t in r["texts"].items() if reference.get(i) == t)
-        print(
-            f"| {name} | {med(len(r['texts']) for r in runs):.0f}/{len(prompts)} "
-            f"| {med(percentile(r['ttft'], 0.5) if r['ttft'] else float('nan') for r in runs):.2f} "
-            f"| {p99[name]:.2f} | {med(r['tokens'] / r['wall'] for r in runs):.1f} "
-            f"| {same}/{sum(len(r['texts']) for r in runs)} |"
-        )
-    print(f"TTFT p99, batched / one at a time: {p99[names[0]] / p99[names[1]]:.2f}")
+    print(_burst_table(rows, prompts, args))
     return 0

@@ -183,6 +183,28 @@ def round_robin(by_category: dict[str, list[Prompt]], n: int) -> list[Prompt]:
     return out
 
 
+def _by_category(prompts: list[Prompt], categories: list[str] | None) -> dict[str, list[Prompt]]:
+    """The prompts by Spec-Bench category; only ``categories`` when named."""
+    by_category: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        by_category.setdefault(p.category, []).append(p)
+    if categories:
+        unknown = set(categories) - set(by_category)
+        if unknown:
+            raise ValueError(f"--categories: unknown {sorted(unknown)}; have {sorted(by_category)}")
+        by_category = {c: by_category[c] for c in categories}
+    return by_category
+
+
+def _write_json(path: str, results: list[Result]) -> None:
+    """One JSON line per session, in run order, without the output tokens."""
+    with open(path, "w") as f:
+        for i, r in enumerate(results):
+            rec = dict(r.__dict__, tokens=r.tokens)
+            del rec["output"]
+            f.write(json.dumps(dict(rec, order=i)) + "\n")
+
+
 def main(args, after_repeat=None) -> int:
     """``after_repeat(args, prompts, results)``: run after the repeat run (``--through stack``);
     its exit status joins this one's."""
@@ -190,15 +212,7 @@ def main(args, after_repeat=None) -> int:
 
     from .prompts import DEFAULT_PROMPTS, load_spec_bench
 
-    prompts = load_spec_bench(args.prompts or DEFAULT_PROMPTS)
-    by_category: dict[str, list[Prompt]] = {}
-    for p in prompts:
-        by_category.setdefault(p.category, []).append(p)
-    if args.categories:
-        unknown = set(args.categories) - set(by_category)
-        if unknown:
-            raise ValueError(f"--categories: unknown {sorted(unknown)}; have {sorted(by_category)}")
-        by_category = {c: by_category[c] for c in args.categories}
+    by_category = _by_category(load_spec_bench(args.prompts or DEFAULT_PROMPTS), args.categories)
     engine = InProcessStack.load(
         args.model, backend=args.backend, prior=args.prior, threads=args.threads or None, dtype=args.dtype
     )
@@ -237,11 +251,7 @@ def main(args, after_repeat=None) -> int:
             if after_repeat is not None:
                 status |= after_repeat(args, groups[0][1], results)
         if args.json:
-            with open(f"{args.json}.{run}.jsonl", "w") as f:
-                for i, r in enumerate(results):
-                    rec = dict(r.__dict__, tokens=r.tokens)
-                    del rec["output"]
-                    f.write(json.dumps(dict(rec, order=i)) + "\n")
+            _write_json(f"{args.json}.{run}.jsonl", results)
         if not all(r.identical for r in results):
             print("outputs differ with the corpus on and off", file=sys.stderr)
             status = 1
