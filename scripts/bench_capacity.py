@@ -66,7 +66,7 @@ def spawn(args, budget: int, chunk: int) -> tuple[subprocess.Popen, str]:
         args.model,
         "--threads",
         str(args.threads),
-        "--kv-budget-bytes",
+        "--kv-memory-bytes",
         str(budget),
         "--prefill-chunk",
         str(chunk),

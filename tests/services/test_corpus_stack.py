@@ -24,7 +24,7 @@ def tiny_model_dir(tmp_path_factory, tiny_llama):
 
 def test_the_repeat_run_through_two_replicas_alternates_them_and_drafts_from_the_other(tiny_model_dir):
     prompts = [(Prompt(str(i), "random", ""), prompt(60 + i, 12)) for i in range(3)]
-    env = dict(RACER_THREADS="1", RACER_BACKEND="fast", OMP_NUM_THREADS="1", RACER_DRAIN_SECONDS="1")
+    env = dict(RACER_THREADS="1", RACER_BACKEND="llama", OMP_NUM_THREADS="1", RACER_DRAIN_SECONDS="1")
     tenants = [corpus_tenant(16), OFF]
     with replicas(str(tiny_model_dir), 2, tenants, prior=False, pin=False, gateway_model="none", env=env) as st:
         run = run_stack(st, prompts, [16], N, "", progress=False, warm=prompt(59, 4))

@@ -43,7 +43,7 @@ class Cluster:
         self.verifiers = [
             Proc(
                 "verifier",
-                dict(common, RACER_MODEL=str(model_dir), RACER_THREADS="1", RACER_BACKEND="fast"),
+                dict(common, RACER_MODEL=str(model_dir), RACER_THREADS="1", RACER_BACKEND="llama"),
                 tmp,
                 f"verifier{i}",
             )

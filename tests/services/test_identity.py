@@ -39,7 +39,7 @@ def cluster(tmp_path_factory, tiny_llama):
     keys = tmp / "api-keys.txt"
     keys.write_text("key-victim victim\nkey-mallory mallory\n")
     rd = RedisProc(tmp / "redis", password="redis-secret-for-tests").start()
-    verifier = Proc("verifier", {"RACER_MODEL": str(model_dir), "RACER_THREADS": "1", "RACER_BACKEND": "fast"}, tmp)
+    verifier = Proc("verifier", {"RACER_MODEL": str(model_dir), "RACER_THREADS": "1", "RACER_BACKEND": "llama"}, tmp)
     drafter = Proc("drafter", {"RACER_SNAPSHOT_URL": rd.url, "RACER_PRIOR": "none"}, tmp)
     gw_env = {
         "RACER_MODEL": "none",

@@ -139,7 +139,7 @@ def test_verifiers_two_three_one_and_drafters_two_one_under_load(tmp_path, model
     verifiers = [
         Proc(
             "verifier",
-            dict(common, RACER_MODEL=str(model_dir), RACER_THREADS="1", RACER_BACKEND="fast"),
+            dict(common, RACER_MODEL=str(model_dir), RACER_THREADS="1", RACER_BACKEND="llama"),
             tmp_path,
             f"verifier{i}",
         )
