@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from . import tracing
 from .errors import Abort
-from .settings import HEALTH_SERVICES
+from .settings import HEALTH_SERVICES, common_default
 
 log = logging.getLogger("racer")
 
@@ -153,7 +153,9 @@ def _common_options(max_message_bytes: int, keepalive_seconds: float) -> list[tu
     ]
 
 
-def server_options(max_message_bytes: int, keepalive_seconds: float = 10.0) -> list[tuple[str, object]]:
+def server_options(
+    max_message_bytes: int, keepalive_seconds: float = common_default("--keepalive-seconds")
+) -> list[tuple[str, object]]:
     """The common limits and keepalive; clients (the gateway) ping as often as a server does, which
     it accepts rather than answer "too many pings"."""
     ping = min(max(1, int(keepalive_seconds * 1000)), 5000)
@@ -165,7 +167,7 @@ def server_options(max_message_bytes: int, keepalive_seconds: float = 10.0) -> l
 
 
 def channel_options(
-    max_message_bytes: int, keepalive_seconds: float = 10.0, server_name: str = ""
+    max_message_bytes: int, keepalive_seconds: float = common_default("--keepalive-seconds"), server_name: str = ""
 ) -> list[tuple[str, object]]:
     """The gateway's channels to drafters and verifiers: the common limits and keepalive, and a short
     reconnect backoff (at most 1 s), so a restarted pod is used again as soon as it listens."""
@@ -238,11 +240,11 @@ async def start_server(
     register: Callable[[grpc.aio.Server], None],
     host: str = "127.0.0.1",
     port: int = 0,
-    max_message_bytes: int = 16 * 1024 * 1024,
+    max_message_bytes: int = common_default("--max-message-bytes"),
     drain: Callable[[float], Awaitable[None]] | None = None,
     interceptors=None,
     credentials: grpc.ServerCredentials | None = None,
-    keepalive_seconds: float = 10.0,
+    keepalive_seconds: float = common_default("--keepalive-seconds"),
     closed: Callable[[], Awaitable[None]] | None = None,
     health_port: int = 0,
 ) -> Server:

@@ -538,6 +538,14 @@ def default(service: str, flag: str) -> object:
     return lookup(service, flag).default
 
 
+def common_default(flag: str) -> object:
+    """The table's default of a setting every service has (``--keepalive-seconds``)."""
+    for s in COMMON:
+        if s.flag == flag:
+            return s.default
+    raise KeyError(f"no common setting {flag}")
+
+
 class _Store(argparse.Action):
     """Stores a flag's value; an old name of the flag warns."""
 

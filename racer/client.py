@@ -11,6 +11,7 @@ from typing import Iterator
 
 import grpc
 
+from common.settings import PORTS
 from common.v1 import generation_pb2 as pb
 from common.v1 import generation_pb2_grpc as pb_grpc
 
@@ -18,7 +19,7 @@ from common.v1 import generation_pb2_grpc as pb_grpc
 class Client:
     def __init__(
         self,
-        target: str = "localhost:50051",
+        target: str = f"localhost:{PORTS['gateway'][0]}",
         api_key: str | None = None,
         timeout: float | None = None,
         credentials: grpc.ChannelCredentials | None = None,
