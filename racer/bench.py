@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from common.loop import Stats
+from common.params import MODES
 from common.text import chat_ids
 
 from .inprocess import InProcessStack
@@ -311,3 +312,50 @@ def plot(rows: list[dict], path: str) -> None:
     axes[0].legend(ncol=4, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def main(args) -> int:
+    """``racer bench``: the prompts through every mode and budget, a table (and JSON, a plot)."""
+    from .prompts import DEFAULT_PROMPTS, load_humaneval, load_spec_bench
+
+    prompts = []
+    if args.per_category:
+        prompts += load_spec_bench(args.prompts or DEFAULT_PROMPTS, args.per_category)
+    if args.humaneval:
+        prompts += load_humaneval(args.humaneval)
+    if not prompts:
+        print("no prompts: use --per-category N and/or --humaneval N", file=sys.stderr)
+        return 2
+    for m in args.modes:
+        if m not in HF_MODES and m not in MODES:
+            print(f"unknown mode {m!r}", file=sys.stderr)
+            return 2
+    import torch
+
+    engine = InProcessStack.load(
+        args.model,
+        backend=args.backend,
+        prior=args.prior,
+        threads=args.threads or None,
+        dtype=args.dtype,
+        logits_tree=args.logits_tree,
+    )
+    kernels = engine.tune_kernels()
+    print(
+        f"dtype: {engine.dtype} (every mode, HF's included); {kernels or 'kernels: transformers (generic backend)'}",
+        file=sys.stderr,
+    )
+    records = run(engine, prompts, args.modes, args.budget, args.max_new_tokens, args.system or None)
+    rows = summarize(records)
+    print(
+        f"torch threads: {torch.get_num_threads()} (every mode, HF's included); dtype: {engine.dtype}; "
+        f"lossless = identical to {reference_mode(engine)} output"
+    )
+    if kernels:
+        print(kernels)
+    print(format_table(rows))
+    if args.json:
+        write_json(records, args.json)
+    if args.plot:
+        plot(rows, args.plot)
+    return 0

@@ -1,7 +1,7 @@
 """The ``racer`` command: one subcommand per job, each a row of ``COMMANDS``.
 
 - Serving: ``serve drafter|verifier|gateway`` (one service, settings from flags or ``RACER_*``
-  variables, common/settings.py), ``stack`` (the three on localhost, an answer streamed through
+  variables, common/settings.py; racer/launch.py), ``stack`` (the three on localhost, an answer streamed through
   them), ``health`` (a service's grpc.health.v1), ``erase-corpus`` (a tenant's corpus, everywhere).
 - Clients: ``client generate|chat|sessions|close`` and ``load`` (concurrent sessions, bounded),
   against a running gateway.
@@ -159,54 +159,6 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
-    from . import bench
-    from .inprocess import InProcessStack
-    from .prompts import DEFAULT_PROMPTS, load_humaneval, load_spec_bench
-
-    prompts = []
-    if args.per_category:
-        prompts += load_spec_bench(args.prompts or DEFAULT_PROMPTS, args.per_category)
-    if args.humaneval:
-        prompts += load_humaneval(args.humaneval)
-    if not prompts:
-        print("no prompts: use --per-category N and/or --humaneval N", file=sys.stderr)
-        return 2
-    for m in args.modes:
-        if m not in bench.HF_MODES and m not in MODES:
-            print(f"unknown mode {m!r}", file=sys.stderr)
-            return 2
-    import torch
-
-    engine = InProcessStack.load(
-        args.model,
-        backend=args.backend,
-        prior=args.prior,
-        threads=args.threads or None,
-        dtype=args.dtype,
-        logits_tree=args.logits_tree,
-    )
-    kernels = engine.tune_kernels()
-    print(
-        f"dtype: {engine.dtype} (every mode, HF's included); {kernels or 'kernels: transformers (generic backend)'}",
-        file=sys.stderr,
-    )
-    records = bench.run(engine, prompts, args.modes, args.budget, args.max_new_tokens, args.system or None)
-    rows = bench.summarize(records)
-    print(
-        f"torch threads: {torch.get_num_threads()} (every mode, HF's included); dtype: {engine.dtype}; "
-        f"lossless = identical to {bench.reference_mode(engine)} output"
-    )
-    if kernels:
-        print(kernels)
-    print(bench.format_table(rows))
-    if args.json:
-        bench.write_json(records, args.json)
-    if args.plot:
-        bench.plot(rows, args.plot)
-    return 0
-
-
 def cmd_prior(args) -> int:
     """Computes (or finds) the copy-logit prior of a model and writes it where ``find_or_compute`` looks."""
     from pathlib import Path
@@ -220,36 +172,6 @@ def cmd_prior(args) -> int:
         print("racer: no prior for this model type", file=sys.stderr)
         return 1
     print(f"prior: {table.shape[0]} tokens x top-{table.shape[1]}")
-    return 0
-
-
-def cmd_serve(args) -> int:
-    import asyncio
-
-    from common.cpus import confine
-    from common.server import serve_forever, setup_logging, start_metrics
-
-    from . import launch as services
-
-    settings.resolve(args, args.service)  # the flags not given, from RACER_* variables: SettingError names one
-    setup_logging(args.log_level)
-    try:
-        confine(args.cpus)  # first: every thread started from here on inherits it
-    except ValueError as e:
-        print(f"racer serve {args.service}: --cpus: {e}", file=sys.stderr)
-        return 2
-    start = {"drafter": services.start_drafter, "verifier": services.start_verifier, "gateway": services.start_gateway}
-
-    from common import tracing
-
-    tracing.setup(args.service, args.otlp_endpoint)  # before the servers: they add its interceptors
-
-    async def go():
-        srv, _ = await start[args.service](args)
-        start_metrics(args.metrics_port)
-        await serve_forever(srv, args.drain_seconds)
-
-    asyncio.run(go())
     return 0
 
 
@@ -281,62 +203,6 @@ def cmd_erase_corpus(args) -> int:
 def cmd_bench_corpus(args) -> int:
     module = "racer.bench_corpus_stack" if args.through == "stack" else "racer.bench_corpus"
     return importlib.import_module(module).main(args)
-
-
-def cmd_client(args) -> int:
-    import grpc
-
-    from common.tls import channel_credentials
-
-    from .client import Client, format_stats
-
-    creds = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key, system_roots=bool(args.tls_cert))
-    with Client(args.target, args.api_key or os.environ.get("RACER_API_KEY"), credentials=creds) as c:
-        try:
-            if args.action == "sessions":
-                for s in c.list_sessions():
-                    print(f"{s.session_id}\tturns={s.turns}\ttokens={s.tokens}")
-                return 0
-            if args.action == "close":
-                s = c.close_session(args.session)
-                print(f"closed {s.session_id} after {s.turns} turns")
-                return 0
-            session = args.session or ""
-            turns = [args.prompt] if args.action == "generate" else None
-            while True:
-                text = turns.pop(0) if turns else _read_turn()
-                if text is None:
-                    return 0
-                last = None
-                for r in c.generate(
-                    text,
-                    session_id=session,
-                    max_new_tokens=args.max_new_tokens,
-                    mode=args.mode,
-                    budget=args.budget,
-                    temperature=args.temperature,
-                    seed=args.seed,
-                    system=args.system if not session else "",
-                ):
-                    sys.stdout.write(r.text)
-                    sys.stdout.flush()
-                    last = r
-                sys.stdout.write("\n")
-                print(format_stats(last), file=sys.stderr)
-                session = last.session_id
-                if args.action == "generate":
-                    return 0
-        except grpc.RpcError as e:
-            print(f"racer: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
-
-
-def _read_turn():
-    try:
-        line = input("> ")
-    except EOFError:
-        return None
-    return line if line.strip() else _read_turn()
 
 
 # -- each command's arguments ------------------------------------------------------------------------
@@ -542,9 +408,12 @@ COMMANDS = (
         generate_arguments,
         cmd_generate,
     ),
-    Command("bench", "benchmark against HF greedy and prompt lookup", bench_arguments, cmd_bench),
+    Command("bench", "benchmark against HF greedy and prompt lookup", bench_arguments, "racer.bench:main"),
     Command(
-        "serve", "run one service (settings from flags or RACER_* environment variables)", serve_arguments, cmd_serve
+        "serve",
+        "run one service (settings from flags or RACER_* environment variables)",
+        serve_arguments,
+        "racer.launch:serve",
     ),
     Command(
         "stack",
@@ -552,7 +421,7 @@ COMMANDS = (
         stack_arguments,
         "racer.stack:run",
     ),
-    Command("client", "talk to a running gateway", client_arguments, cmd_client),
+    Command("client", "talk to a running gateway", client_arguments, "racer.client:main"),
     Command(
         "bench-stack",
         "tokens/s through the gateway vs in process, side by side",

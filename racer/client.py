@@ -7,11 +7,14 @@ with Client("localhost:50051", api_key="...") as c:
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Iterator
 
 import grpc
 
 from common.settings import PORTS
+from common.tls import channel_credentials
 from common.v1 import generation_pb2 as pb
 from common.v1 import generation_pb2_grpc as pb_grpc
 
@@ -116,3 +119,54 @@ def format_stats(last: pb.GenerateResponse) -> str:
         f"tok/s={s.tokens_per_second:.1f} prefill={s.prefill_ms:.0f}ms draft={s.draft_ms:.0f}ms "
         f"verify={s.verify_ms:.0f}ms total={s.total_ms:.0f}ms session={last.session_id}"
     )
+
+
+def main(args) -> int:
+    """``racer client generate|chat|sessions|close``."""
+    creds = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key, system_roots=bool(args.tls_cert))
+    with Client(args.target, args.api_key or os.environ.get("RACER_API_KEY"), credentials=creds) as c:
+        try:
+            if args.action == "sessions":
+                for s in c.list_sessions():
+                    print(f"{s.session_id}\tturns={s.turns}\ttokens={s.tokens}")
+                return 0
+            if args.action == "close":
+                s = c.close_session(args.session)
+                print(f"closed {s.session_id} after {s.turns} turns")
+                return 0
+            session = args.session or ""
+            turns = [args.prompt] if args.action == "generate" else None
+            while True:
+                text = turns.pop(0) if turns else _read_turn()
+                if text is None:
+                    return 0
+                last = None
+                for r in c.generate(
+                    text,
+                    session_id=session,
+                    max_new_tokens=args.max_new_tokens,
+                    mode=args.mode,
+                    budget=args.budget,
+                    temperature=args.temperature,
+                    seed=args.seed,
+                    system=args.system if not session else "",
+                ):
+                    sys.stdout.write(r.text)
+                    sys.stdout.flush()
+                    last = r
+                sys.stdout.write("\n")
+                print(format_stats(last), file=sys.stderr)
+                session = last.session_id
+                if args.action == "generate":
+                    return 0
+        except grpc.RpcError as e:
+            print(f"racer: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+
+
+def _read_turn():
+    try:
+        line = input("> ")
+    except EOFError:
+        return None
+    return line if line.strip() else _read_turn()

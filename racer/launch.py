@@ -9,14 +9,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Awaitable, Callable
 
-from common import settings
+from common import settings, tracing
+from common.cpus import confine
 from common.identity import PeerAuthInterceptor, load_tokens, require_peer_auth
 from common.identity import metadata as identity_metadata
 from common.priors import load_prior
-from common.server import Server, channel_options, start_server
+from common.server import Server, channel_options, serve_forever, setup_logging, start_metrics, start_server
 from common.sessions import janitor
 from common.store import open_store
 from common.tls import channel_credentials, server_credentials
@@ -393,3 +395,24 @@ def _tenant_limits(args, turns: int):
 
     default = Quota(args.max_sessions_kept, args.max_tokens_stored, turns)
     return load_tenant_limits(args.tenant_limits, default) if args.tenant_limits else TenantLimits(default)
+
+
+def serve(args) -> int:
+    """``racer serve <service>``: resolves its settings, starts it and serves until SIGTERM (then drains)."""
+    settings.resolve(args, args.service)  # the flags not given, from RACER_* variables: SettingError names one
+    setup_logging(args.log_level)
+    try:
+        confine(args.cpus)  # first: every thread started from here on inherits it
+    except ValueError as e:
+        print(f"racer serve {args.service}: --cpus: {e}", file=sys.stderr)
+        return 2
+    start = {"drafter": start_drafter, "verifier": start_verifier, "gateway": start_gateway}[args.service]
+    tracing.setup(args.service, args.otlp_endpoint)  # before the servers: they add its interceptors
+
+    async def go():
+        srv, _ = await start(args)
+        start_metrics(args.metrics_port)
+        await serve_forever(srv, args.drain_seconds)
+
+    asyncio.run(go())
+    return 0
