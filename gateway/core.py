@@ -119,7 +119,9 @@ class Gateway:
             record = Record(secrets.token_urlsafe(18), tenant)
         key = (tenant, record.session_id)
         if key in self._turns:
-            raise Abort(Status.ABORTED, f"session_id {record.session_id!r}: a turn is already running")
+            raise Abort(
+                Status.ABORTED, f"session_id {record.session_id!r}: a turn is already running", field="session_id"
+            )
         lim = self.limits
         turn = await self._input_ids(r, record.history)
         history = record.history + turn
@@ -129,13 +131,16 @@ class Gateway:
                 f"session_id {record.session_id!r}: the session holds {len(record.history)} tokens, with this "
                 f"turn's {len(turn)} it would exceed max_prompt_tokens={lim.max_prompt_tokens}; "
                 "start a new session",
+                field="session_id",
             )
         kept = len(record.history)  # what the session holds if this turn is not saved
 
         async def attempt() -> Lease:
             """The turn's lease and its place in the quotas; ``TurnsFull`` while the tenant's turns are."""
             if key in self._turns:
-                raise Abort(Status.ABORTED, f"session_id {record.session_id!r}: a turn is already running")
+                raise Abort(
+                    Status.ABORTED, f"session_id {record.session_id!r}: a turn is already running", field="session_id"
+                )
             cap = lim.max_sessions_per_tenant
             running = sum(1 for t, _ in self._turns if t == tenant)
             if cap and running >= cap:
@@ -148,7 +153,9 @@ class Gateway:
             await lease.take(len(history) + req.max_new, new=not r.session_id)  # ABORTED if a turn runs anywhere
             if key in self._turns:  # a turn of this gateway whose lease expired: never overwrite it
                 await lease.end(None, kept)
-                raise Abort(Status.ABORTED, f"session_id {record.session_id!r}: a turn is already running")
+                raise Abort(
+                    Status.ABORTED, f"session_id {record.session_id!r}: a turn is already running", field="session_id"
+                )
             return lease
 
         async with contextlib.aclosing(self.queue.enter(tenant, record.session_id, attempt, deadline_s)) as admission:

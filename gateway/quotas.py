@@ -236,7 +236,9 @@ class Quotas:
             else:
                 code, n = self._admit_memory(self._t(tenant), q, now, session_id, need, turn_id, lease_s, expiry)
         if code == 4:
-            raise Abort(Status.NOT_FOUND, f"session_id {session_id!r}: no such session (it was closed)")
+            raise Abort(
+                Status.NOT_FOUND, f"session_id {session_id!r}: no such session (it was closed)", field="session_id"
+            )
         if code > 1:  # a full turns quota is counted by the queue, if it refuses the turn
             M.QUOTA_REFUSALS.labels(("turns", "sessions", "tokens")[code - 1]).inc()
         if code == 1:  # the turn may wait for a slot (admission.TurnQueue)

@@ -106,6 +106,7 @@ class Records:
                 Status.DATA_LOSS,
                 f"session_id {session_id!r}: the stored session is corrupt and cannot be continued; "
                 "start a new session (CloseSession deletes this one)",
+                field="session_id",
             ) from None
 
     async def call(self, op: str, fn, *args, retry: bool = True):
@@ -136,10 +137,11 @@ class Records:
                 Status.INVALID_ARGUMENT,
                 f"session_id: {session_id[:40]!r}{'...' if len(session_id) > 40 else ''} is not a session id "
                 "(1-128 of A-Z a-z 0-9 _ -)",
+                field="session_id",
             )
         data = await self.call("get", self.store.get, record_key(tenant, session_id))
         if data is None:
-            raise Abort(Status.NOT_FOUND, f"session_id {session_id!r}: no such session")
+            raise Abort(Status.NOT_FOUND, f"session_id {session_id!r}: no such session", field="session_id")
         return self._decode(data, tenant, session_id)  # checks the tenant too: a second lock on the door
 
     async def save(self, rec: Record, lease=None) -> None:
@@ -161,6 +163,7 @@ class Records:
                 Status.ABORTED,
                 f"session_id {rec.session_id!r}: the session was closed, or taken over by another turn after this "
                 "turn's lease expired, while this turn ran",
+                field="session_id",
             )
         rec.stored = data
 

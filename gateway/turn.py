@@ -166,7 +166,7 @@ class Turn:
         except Abort as e:
             if e.code is Status.ABORTED:
                 raise
-            raise Abort(e.code, f"{e.message}; the turn was not saved: retry it") from None
+            raise Abort(e.code, f"{e.message}; the turn was not saved: retry it", field=e.field) from None
         total = time.perf_counter() - t0
         s = self.stats
         last = emitted[-1] if emitted else None
