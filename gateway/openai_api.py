@@ -40,6 +40,7 @@ from pydantic_core import PydanticCustomError
 from common.errors import Abort, Status
 
 from .requests import Request
+from .stops import StopText
 from .turn import Finished
 
 NEW_SESSION = "new"
@@ -313,51 +314,6 @@ def parse(body, chat: bool, session_header: str = "") -> Call:
     )
     include_usage = b.stream_options is not None and b.stream_options.include_usage
     return Call(request, chat, b.model, bool(b.stream), include_usage, bool(sid), bool(b.return_token_ids), stop)
-
-
-class StopText:
-    """The text OpenAI returns: up to, not including, the first stop string. While streaming, text
-    that may be the start of a stop string is held back until the next tokens tell."""
-
-    def __init__(self, stops: tuple[str, ...]):
-        self.stops = stops
-        self.longest = max(map(len, stops), default=0)
-        self.text = ""
-        self.sent = 0  # characters of ``text`` handed out
-        self.hit = False  # a stop string ended the text
-
-    def push(self, delta: str) -> str:
-        if self.hit:
-            return ""
-        self.text += delta
-        if not self.stops:
-            out, self.sent = self.text[self.sent :], len(self.text)
-            return out
-        start = max(0, self.sent - self.longest)
-        cuts = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        if cuts:
-            self.hit = True
-            end = min(cuts)
-        else:
-            end = len(self.text) - self._held()
-        out = self.text[self.sent : max(self.sent, end)]
-        self.sent = max(self.sent, end)
-        return out
-
-    def _held(self) -> int:
-        """Length of the longest end of ``text`` that begins a stop string."""
-        t = self.text
-        for n in range(min(self.longest - 1, len(t)), 0, -1):
-            if any(s.startswith(t[-n:]) for s in self.stops):
-                return n
-        return 0
-
-    def flush(self) -> str:
-        """What was held back, at the end of a turn that no stop string ended."""
-        if self.hit:
-            return ""
-        out, self.sent = self.text[self.sent :], len(self.text)
-        return out
 
 
 def _stats(f: Finished) -> dict:

@@ -26,6 +26,7 @@ from . import metrics as M
 from . import openai_api as api
 from .admission import Queued
 from .core import Gateway
+from .stops import StopText
 from .turn import Chunk, Finished
 
 log = logging.getLogger("racer.gateway")
@@ -168,7 +169,7 @@ async def _rest(items) -> None:
 
 
 async def _whole(call: api.Call, first, items, done) -> web.Response:
-    text = api.StopText(call.stop)
+    text = StopText(call.stop)
     parts: list[str] = []
     ids: list[int] = []
     item = first
@@ -202,7 +203,7 @@ async def _stream(request: web.Request, call: api.Call, first, items, done) -> t
     )
     await resp.prepare(request)
     sid = first.session_id
-    text = api.StopText(call.stop)
+    text = StopText(call.stop)
     code = "OK"
     try:
         item = first

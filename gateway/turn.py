@@ -23,6 +23,7 @@ from .failover import TurnLinks
 from .links import Feedback, Tree, Verified
 from .records import Record
 from .requests import TurnRequest
+from .stops import StopStrings
 
 tracer = trace.get_tracer("racer.gateway")
 
@@ -61,6 +62,7 @@ class Turn:
         self.n_turn = n_turn  # tokens of this turn's input
         self.req = req
         self.stop_ids = set(gw.eos_ids) | set(req.stop_ids)
+        self.stops = StopStrings(req.stop)
         self.rounds = Rounds(history, GenerationParams(req.max_new, tuple(self.stop_ids), req.mode, req.budget))
         self.stats = self.rounds.stats
         self.links = TurnLinks(gw, record, req.sampling, self.rounds)
@@ -137,12 +139,11 @@ class Turn:
         """Text of ``out``; cut after the token that completes a stop string (which ends the turn)."""
         if detok is None:
             return out, done, ""
-        stops = self.req.stop
         text = ""
         for i, tok in enumerate(out):
             before = len(detok.text)
             text += detok.push([tok])
-            if stops and any(s in detok.text[max(0, before - max(map(len, stops))) :] for s in stops):
+            if self.stops and self.stops.find(detok.text, before) >= 0:
                 return out[: i + 1], True, text
         return out, done, text
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from common.errors import Abort, Status
 from gateway import openai_api as api
 from gateway.requests import Limits, check
+from gateway.stops import StopText
 
 FIELDS = [
     "model", "messages", "prompt", "n", "stream", "stream_options", "max_tokens", "max_completion_tokens",
@@ -99,7 +100,7 @@ ALPHABET = "ab c"
 def test_stop_text_cuts_before_the_first_stop_string(deltas, stops):
     """Fed delta by delta (a turn ends at the delta that completes a stop string), the text handed
     out is the text so far, cut before the first stop string in it; nothing past it ever leaves."""
-    text = api.StopText(tuple(stops))
+    text = StopText(tuple(stops))
     out, seen = "", ""
     for d in deltas:
         seen += d
