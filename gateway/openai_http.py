@@ -15,12 +15,12 @@ import asyncio
 import contextlib
 import json
 import logging
-import secrets
 import time
 
 from aiohttp import web
 
 from common.errors import Abort, Status
+from common.logs import log_bug
 
 from . import metrics as M
 from . import openai_api as api
@@ -61,10 +61,8 @@ async def _errors(request: web.Request, handler):
 
 
 def _internal(request: web.Request) -> api.ApiError:
-    """Logs the exception being handled (with its traceback) under a short id; the caller's error."""
-    eid = secrets.token_hex(4)
-    log.error("unhandled exception in an HTTP handler", exc_info=True, extra={"path": request.path, "error_id": eid})
-    return api.ApiError(500, f"internal error (id {eid}); see the server log", "server_error")
+    """The bug being handled, logged with an id (``common.logs.log_bug``), as the caller's error."""
+    return api.ApiError(500, log_bug(log, "an HTTP handler", path=request.path), "server_error")
 
 
 def _tenant(request: web.Request) -> str:

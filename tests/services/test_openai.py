@@ -417,11 +417,11 @@ def test_a_one_call_session_saved_just_before_its_client_went_away_is_closed(loo
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_bug_is_a_500_with_a_log_id(stack, client, monkeypatch, stream):
+def test_a_bug_is_a_500_with_a_log_id(stack, client, monkeypatch, caplog, stream):
     """An unexpected exception (here: saving the record) is logged; the caller gets a server_error
     with its id and nothing of the exception, as a 500 or, once a stream has begun, as an event."""
 
-    async def boom(rec):
+    async def boom(rec, lease=None):
         raise RuntimeError("secret internals")
 
     monkeypatch.setattr(stack.gateway_pair[1].records, "save", boom)
@@ -433,6 +433,9 @@ def test_a_bug_is_a_500_with_a_log_id(stack, client, monkeypatch, stream):
             list(r)  # the error arrives as an event
     msg = str(e.value)
     assert "internal error (id " in msg and "secret" not in msg
+    logged = [r for r in caplog.records if getattr(r, "error_id", None)]  # the traceback, under the id the caller got
+    assert logged and f"(id {logged[-1].error_id})" in msg and logged[-1].path == "/v1/chat/completions"
+    assert "secret internals" in str(logged[-1].exc_info[1])
     if not stream:
         assert isinstance(e.value, openai.InternalServerError) and e.value.status_code == 500
 
