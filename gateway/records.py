@@ -10,7 +10,6 @@ and logged at most every 10 s.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
@@ -22,6 +21,7 @@ from common.logs import Throttled
 
 from . import metrics as M
 from .auth import SESSION_ID
+from .backoff import Backoff
 
 log = logging.getLogger("racer.gateway")
 
@@ -111,8 +111,7 @@ class Records:
 
     async def call(self, op: str, fn, *args, retry: bool = True):
         """A session-store call, retried with backoff for ``retry_s`` seconds (a Redis restart)."""
-        deadline = time.monotonic() + (self.retry_s if retry else 0.0)
-        delay = 0.05
+        backoff = Backoff(time.monotonic() + (self.retry_s if retry else 0.0))
         while True:
             try:
                 return await fn(*args)
@@ -123,12 +122,11 @@ class Records:
                     raise Abort(
                         Status.RESOURCE_EXHAUSTED, f"session store full ({op}): close sessions or retry later"
                     ) from None
-                if time.monotonic() + delay > deadline:
+                if backoff.over():
                     log.warning("session store call failed", extra={"op": op, "error": repr(e)})
                     raise Abort(Status.UNAVAILABLE, f"session store unavailable ({op}): {e!r}") from None
                 log.info("session store call failed; retrying", extra={"op": op, "error": repr(e)})
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                await backoff.sleep()
 
     async def load(self, tenant: str, session_id: str) -> Record:
         """The session's record; NOT_FOUND if there is none, DATA_LOSS if the stored one is corrupt."""
