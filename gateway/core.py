@@ -116,7 +116,7 @@ class Gateway:
         if r.session_id:
             record = await self.records.load(tenant, r.session_id)
         else:
-            record = Record(secrets.token_urlsafe(18), tenant)
+            record = Record.new(secrets.token_urlsafe(18), tenant)
         key = (tenant, record.session_id)
         if key in self._turns:
             raise Abort(
@@ -221,7 +221,7 @@ class Gateway:
                 e.code is Status.NOT_FOUND and await self._leased(tenant, session_id)
             ):
                 raise
-            rec = Record(session_id, tenant, created=0.0, last_used=0.0)
+            rec = Record.new(session_id, tenant, at=0.0)
         # A turn of the session running on any gateway loses its lease: it ends with ABORTED and its
         # fenced save cannot bring the record back.
         await break_lease(self.records, tenant, rec.session_id)
