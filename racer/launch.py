@@ -263,29 +263,25 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
     queueing = Queueing(args.queue_max_waiters, args.queue_wait_seconds, args.queue_poll_seconds)
     timeouts = Timeouts(args.backend_timeout, args.reconnect_seconds, args.store_retry_seconds)
     core = Gateway(
-        tokenizer,
-        eos_ids or (),
-        drafters,
-        verifiers,
-        store,
-        keys,
-        limits,
-        args.session_ttl,
-        vocab_size,
-        timeouts,
-        tenant_limits,
-        getattr(args, "lease_seconds", 10.0),
-        queueing,
+        tokenizer=tokenizer,
+        eos_ids=eos_ids or (),
+        drafters=drafters,
+        verifiers=verifiers,
+        store=store,
+        api_keys=keys,
+        limits=limits,
+        ttl=args.session_ttl,
+        vocab_size=vocab_size,
+        timeouts=timeouts,
+        tenant_limits=tenant_limits,
+        lease_s=getattr(args, "lease_seconds", 10.0),
+        queueing=queueing,
     )
 
     tasks = []
     every = getattr(args, "api_keys_reload_seconds", 0.0)
     if keys is not None and every > 0:  # a changed key file (a rotated Secret) is read again without a restart
-
-        async def reload_keys():
-            keys.maybe_reload()
-
-        tasks.append(asyncio.ensure_future(janitor(reload_keys, every)))
+        tasks.append(asyncio.ensure_future(keys.watch(every)))
 
     http = []  # the OpenAI-compatible HTTP server, when --http-port is set
 
