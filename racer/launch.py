@@ -224,7 +224,6 @@ def _cuda() -> bool:
 
 async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, resolver=None) -> tuple[Server, object]:
     from common.server import channel_options
-    from common.sessions import janitor
     from common.store import open_store
     from common.tls import channel_credentials
     from common.v1 import generation_pb2_grpc
