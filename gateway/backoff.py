@@ -1,7 +1,7 @@
 """Waiting between retries: delays that double up to a cap, until a deadline.
 
 Used where the gateway waits for a dependency to come back: the session store (``records``) and
-the drafters and verifiers of a turn (``failover``).
+the drafters and verifiers of a turn (``turn_links``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Stateless itself: a session's token history lives in the session store (Redis in a deployment), so
 any gateway replica can serve any turn. Per turn it opens one stream to the session's drafter
 (rendezvous hashing) and one to its verifier (sticky), and runs the rounds: two messages per round.
-A stream that breaks is reopened elsewhere (``failover``); session-store calls are retried (``records``).
+A stream that breaks is reopened elsewhere (``turn_links``); session-store calls are retried (``records``).
 """
 
 from __future__ import annotations

@@ -19,11 +19,11 @@ from common.text import Detokenizer
 from common.tracing import TurnSpans
 
 from . import metrics as M
-from .failover import TurnLinks
 from .links import Feedback, Tree, Verified
 from .records import Record
 from .requests import TurnRequest
 from .stops import StopStrings
+from .turn_links import TurnLinks
 
 tracer = trace.get_tracer("racer.gateway")
 

@@ -1,4 +1,4 @@
-"""A turn's drafter and verifier streams, reopened on other endpoints when one breaks or goes silent.
+"""``TurnLinks``: a turn's drafter and verifier streams, reopened elsewhere when one breaks or goes silent.
 
 A stream lost mid-turn is reopened on the next endpoint with the committed tokens (``FAILOVERS``
 times per kind and turn at most); when every endpoint of a kind has failed, the turn waits up to
