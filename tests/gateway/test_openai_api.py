@@ -1,6 +1,5 @@
-"""gateway/openai_api.py without a server: any JSON body is a Call or a 400 (never a crash), stop
-strings are cut as a one-shot search over the whole text would cut them, and every gRPC status has
-its HTTP status."""
+"""gateway/openai_api.py without a server: any JSON body is a Call or a 400 (never a crash), an error
+names its field, and every gRPC status has its HTTP status."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ from hypothesis import strategies as st
 from common.errors import Abort, Status
 from gateway import openai_api as api
 from gateway.requests import Limits, check
-from gateway.stops import StopText
 
 FIELDS = [
     "model", "messages", "prompt", "n", "stream", "stream_options", "max_tokens", "max_completion_tokens",
@@ -87,35 +85,6 @@ def test_fields_map_to_the_request():
     with pytest.raises(api.ApiError) as e:
         api.parse({"model": "m", "prompt": "hi", "share": "no"}, chat=False)
     assert e.value.status == 400 and e.value.body["error"]["param"] == "share"
-
-
-ALPHABET = "ab c"
-
-
-@settings(max_examples=300, deadline=None, derandomize=True, database=None)
-@given(
-    deltas=st.lists(st.text(ALPHABET, max_size=5), max_size=8),
-    stops=st.lists(st.text(ALPHABET, min_size=1, max_size=3), max_size=3),
-)
-def test_stop_text_cuts_before_the_first_stop_string(deltas, stops):
-    """Fed delta by delta (a turn ends at the delta that completes a stop string), the text handed
-    out is the text so far, cut before the first stop string in it; nothing past it ever leaves."""
-    text = StopText(tuple(stops))
-    out, seen = "", ""
-    for d in deltas:
-        seen += d
-        got = text.push(d)
-        out += got
-        assert seen.startswith(out)
-        found = [i for i in (seen.find(s) for s in stops) if i >= 0]
-        if found:
-            assert text.hit and out == seen[: min(found)]
-            return
-        assert not text.hit
-        held = seen[len(out) :]  # only what may still become a stop string waits
-        assert held == "" or any(s.startswith(held) for s in stops)
-    out += text.flush()
-    assert out == seen
 
 
 @pytest.mark.parametrize("status", list(Status))
