@@ -23,6 +23,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
 
 from . import tracing
 from .errors import Abort
@@ -279,8 +280,6 @@ async def start_server(
 
 def start_metrics(port: int) -> None:
     if port:
-        from prometheus_client import start_http_server
-
         start_http_server(port)
 
 
