@@ -45,22 +45,20 @@ from .turn import Finished
 
 NEW_SESSION = "new"
 
-# gRPC status -> (HTTP status, OpenAI error type)
-HTTP_STATUS = {
-    Status.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    Status.FAILED_PRECONDITION: (400, "invalid_request_error"),
-    Status.NOT_FOUND: (404, "invalid_request_error"),
-    Status.ABORTED: (409, "invalid_request_error"),
-    Status.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    Status.UNAUTHENTICATED: (401, "authentication_error"),
-    Status.PERMISSION_DENIED: (403, "permission_error"),
-    Status.UNAVAILABLE: (503, "service_unavailable_error"),
-    Status.DEADLINE_EXCEEDED: (504, "timeout_error"),
-    Status.CANCELLED: (499, "cancelled_error"),
-    Status.DATA_LOSS: (500, "server_error"),
-    Status.INTERNAL: (500, "server_error"),
-    Status.UNKNOWN: (500, "server_error"),
+# OpenAI error type -> the gRPC statuses of that type, with their HTTP status (the mapping that
+# google/rpc/code.proto gives for each code; CANCELLED is 499, "client closed request").
+_ERROR_TYPES = {
+    "invalid_request_error": {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "NOT_FOUND": 404, "ABORTED": 409},
+    "rate_limit_error": {"RESOURCE_EXHAUSTED": 429},
+    "authentication_error": {"UNAUTHENTICATED": 401},
+    "permission_error": {"PERMISSION_DENIED": 403},
+    "service_unavailable_error": {"UNAVAILABLE": 503},
+    "timeout_error": {"DEADLINE_EXCEEDED": 504},
+    "cancelled_error": {"CANCELLED": 499},
+    "server_error": {"DATA_LOSS": 500, "INTERNAL": 500, "UNKNOWN": 500},
 }
+# gRPC status -> (HTTP status, OpenAI error type)
+HTTP_STATUS = {Status[code]: (http, kind) for kind, codes in _ERROR_TYPES.items() for code, http in codes.items()}
 # The gRPC request's field names (``Abort.field``) as this API names them; None: no field of its own.
 _PARAM = {
     "max_new_tokens": "max_tokens",
