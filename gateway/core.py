@@ -177,7 +177,7 @@ class Gateway:
         """The admitted turn's messages; however it ends, its lease and quotas are settled after."""
         t_start = time.monotonic()
         run.lease = lease
-        lease.keep(lambda reason: run.stop(reason, Status.ABORTED))
+        lease.keep(lambda reason: run.stop(reason, Status.ABORTED, "session_id"))
         # The rounds run in their own task and hand their responses over through a queue: a
         # streamed message's send completes ~0.4 ms after it is queued, and the next round need
         # not wait for it. The queue holds at most one turn's tokens.
@@ -237,7 +237,8 @@ class Gateway:
         await break_lease(self.records, tenant, rec.session_id)
         run = self._turns.get((tenant, rec.session_id))
         if run is not None:
-            run.stop(f"session_id {rec.session_id!r}: the session was closed while this turn ran", Status.ABORTED)
+            closed = f"session_id {rec.session_id!r}: the session was closed while this turn ran"
+            run.stop(closed, Status.ABORTED, "session_id")
         await self.records.delete(rec)
         await self.quotas.forget(tenant, rec.session_id)
         await self.backends.drop(rec.session_id, tenant, rec.verifier)

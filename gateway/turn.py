@@ -72,11 +72,12 @@ class Turn:
         self.saved_tokens: int | None = None  # the saved record's length, once saved
         self._generated = M.GENERATED_TOKENS.labels(record.tenant)
 
-    def stop(self, reason: str, code: Status = Status.UNAVAILABLE) -> None:
+    def stop(self, reason: str, code: Status = Status.UNAVAILABLE, field: str | None = None) -> None:
         """Ends the turn with ``code`` at its next round or failover (a draining gateway: UNAVAILABLE;
-        a lost lease: ABORTED)."""
+        a lost lease: ABORTED, about the field ``session_id``)."""
         self.links.abort = reason
         self.links.abort_code = code
+        self.links.abort_field = field
 
     async def stream(self):
         """``Chunk`` messages, then one ``Finished`` once the record is saved."""

@@ -50,6 +50,7 @@ class TurnLinks:
         self.last_error = {"drafter": "", "verifier": ""}
         self.abort: str | None = None  # set by a draining gateway: end the turn with UNAVAILABLE
         self.abort_code = Status.UNAVAILABLE  # ABORTED when the session's lease was lost
+        self.abort_field: str | None = None  # the request field the abort is about (Abort.field)
         self.waiting: dict[str, float] = {}  # kind -> when to stop waiting for one to come back
         self.corpus: dict = {}  # the tenant corpus for the drafter's open: share, corpus, corpus_tokens
         # kind -> why the session is leaving its backend (drain, lost, full, unreachable); None: it is not
@@ -57,7 +58,7 @@ class TurnLinks:
 
     def check_abort(self) -> None:
         if self.abort:
-            raise Abort(self.abort_code, self.abort)
+            raise Abort(self.abort_code, self.abort, field=self.abort_field)
 
     async def _candidates(self, kind: str) -> list[str]:
         """Endpoints of ``kind`` to try, best first. When every one has failed this turn, waits with
