@@ -117,7 +117,8 @@ def model_not_found(model: str, served: str) -> ApiError:
 
 # -- requests -----------------------------------------------------------------------------------
 # Strict types: JSON's true is not 1, 1.0 is not an integer and a number is not a string. None (JSON
-# null) is the field left out. Unknown fields are ignored.
+# null) is the field left out. Unknown fields are ignored (kept aside only to refuse the ones this
+# server does not implement, ``_NO_OP``).
 
 
 def _one_error(message: str):
@@ -132,7 +133,9 @@ def _one_error(message: str):
     return WrapValidator(wrap)
 
 
-def _only(message: str, ok=lambda v: True):
+def _only(message: str, ok):
+    """A value that passes its type but not ``ok``: one error with ``message``."""
+
     def check(value):
         if not ok(value):
             raise PydanticCustomError("invalid", message)
