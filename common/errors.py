@@ -2,7 +2,8 @@
 
 The cores never import grpc: they raise ``Abort(Status.X, message)``, and the servers' one
 interceptor (``common.server.ErrorInterceptor``) turns it into the gRPC status of the same name.
-A message names the field or the limit at fault, so that the caller can fix the request.
+A message names the field or the limit at fault, so that the caller can fix the request; ``field``
+names it for transports that say so apart from the message (the OpenAI error object's ``param``).
 """
 
 from __future__ import annotations
@@ -35,12 +36,27 @@ DRAINING = "draining"
 
 class Abort(Exception):
     """Ends the call with ``code`` and ``message``; ``retry_after``: seconds after which a retry may
-    succeed (an HTTP ``Retry-After``; on gRPC, trailing metadata and a ``google.rpc.RetryInfo`` detail)."""
+    succeed (an HTTP ``Retry-After``; on gRPC, trailing metadata and a ``google.rpc.RetryInfo`` detail);
+    ``field``: the request field at fault, as the gRPC request names it (``speculation.mode``)."""
 
-    def __init__(self, code: Status, message: str, retry_after: float | None = None):
+    def __init__(self, code: Status, message: str, retry_after: float | None = None, field: str | None = None):
         super().__init__(f"{code.name}: {message}")
         self.code, self.message = code, message
         self.retry_after = retry_after
+        self.field = field
+
+
+class FieldError(ValueError):
+    """A value outside its field's range: a ``ValueError`` that names the field it is about."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def invalid(field: str, message: str) -> Abort:
+    """``INVALID_ARGUMENT`` about ``field``: the message starts with the field's name."""
+    return Abort(Status.INVALID_ARGUMENT, f"{field}: {message}", field=field)
 
 
 def check(cond: bool, code: Status, message: str) -> None:

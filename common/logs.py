@@ -1,10 +1,21 @@
-"""Warnings that a failure storm cannot flood: at most one every ``every`` seconds, each saying how
-many were not logged since the last (a metric counts them all)."""
+"""Logging the servers share: warnings that a failure storm cannot flood (at most one every ``every``
+seconds, each saying how many were not logged since the last; a metric counts them all), and a bug
+logged under an id that the caller's error carries."""
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
+
+
+def log_bug(log: logging.Logger, where: str, **extra) -> str:
+    """Logs the exception being handled, with its traceback, under a short id; returns the caller's
+    message, which says the id and nothing of the exception (no internal details leave the process).
+    ``where``: what was handling it ("an RPC handler"); ``extra``: fields of the log line."""
+    eid = secrets.token_hex(4)
+    log.error(f"unhandled exception in {where}", exc_info=True, extra={**extra, "error_id": eid})
+    return f"internal error (id {eid}); see the server log"
 
 
 class Throttled:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .errors import FieldError
+
 MODES = ("racer", "retrieval", "logits", "last-logit", "pld", "off")
 
 
@@ -21,11 +23,11 @@ class SamplingParams:
 
     def __post_init__(self):
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature}: must be a finite number >= 0")
+            raise FieldError("temperature", f"temperature={self.temperature}: must be a finite number >= 0")
         if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
+            raise FieldError("top_p", f"top_p={self.top_p}: must be in (0, 1]")
         if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k}: must be >= 0")
+            raise FieldError("top_k", f"top_k={self.top_k}: must be >= 0")
 
     @property
     def greedy(self) -> bool:
@@ -41,6 +43,6 @@ class GenerationParams:
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+            raise FieldError("max_new_tokens", f"max_new_tokens={self.max_new_tokens}: must be >= 1")
         if self.budget < 0:
-            raise ValueError(f"budget={self.budget}: must be >= 1, or 0 for the cost-aware adaptive budget")
+            raise FieldError("budget", f"budget={self.budget}: must be >= 1, or 0 for the cost-aware adaptive budget")

@@ -13,7 +13,6 @@ import contextlib
 import inspect
 import json
 import logging
-import secrets
 import signal
 import sys
 import time
@@ -24,9 +23,11 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
 
 from . import tracing
 from .errors import Abort
+from .logs import log_bug
 from .settings import HEALTH_SERVICES, common_default
 
 log = logging.getLogger("racer")
@@ -62,7 +63,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 except grpc.aio.AbortError:  # the handler aborted the call itself
                     raise
                 except Exception:  # noqa: BLE001 - a bug: logged here, generic to the caller
-                    await context.abort(grpc.StatusCode.INTERNAL, _internal(method))
+                    await context.abort(grpc.StatusCode.INTERNAL, log_bug(log, "an RPC handler", method=method))
 
         elif inspect.iscoroutinefunction(behavior):
 
@@ -74,7 +75,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 except grpc.aio.AbortError:
                     raise
                 except Exception:  # noqa: BLE001
-                    await context.abort(grpc.StatusCode.INTERNAL, _internal(method))
+                    await context.abort(grpc.StatusCode.INTERNAL, log_bug(log, "an RPC handler", method=method))
 
         else:
             return handler
@@ -103,13 +104,6 @@ async def _abort(context, e: Abort) -> None:
         ("grpc-status-details-bin", details),
     )
     await context.abort(code, e.message, md)
-
-
-def _internal(method: str) -> str:
-    """Logs the exception being handled (with its traceback) under a short id; the caller's message."""
-    eid = secrets.token_hex(4)
-    log.error("unhandled exception in an RPC handler", exc_info=True, extra={"method": method, "error_id": eid})
-    return f"internal error (id {eid}); see the server log"
 
 
 class JsonFormatter(logging.Formatter):
@@ -288,8 +282,6 @@ async def start_server(
 
 def start_metrics(port: int) -> None:
     if port:
-        from prometheus_client import start_http_server
-
         start_http_server(port)
 
 

@@ -8,6 +8,7 @@ already loaded (and says so in the log) rather than lock everyone out.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
@@ -110,6 +111,13 @@ class ApiKeys:
     def maybe_reload(self) -> bool:
         """Reloads when the file changed since the last read."""
         return self._stat() != self._stamp and self.reload()
+
+    async def watch(self, every: float) -> None:
+        """Until cancelled: every ``every`` seconds, reloads the keys if the file changed (a rotated
+        Secret is read again without a restart)."""
+        while True:
+            await asyncio.sleep(every)
+            self.maybe_reload()
 
 
 def tenant_of(api_keys: ApiKeys | None, metadata: Iterable[tuple[str, str]] | None) -> str:

@@ -3,7 +3,7 @@
 Stateless itself: a session's token history lives in the session store (Redis in a deployment), so
 any gateway replica can serve any turn. Per turn it opens one stream to the session's drafter
 (rendezvous hashing) and one to its verifier (sticky), and runs the rounds: two messages per round.
-A stream that breaks is reopened elsewhere (``failover``); session-store calls are retried (``records``).
+A stream that breaks is reopened elsewhere (``turn_links``); session-store calls are retried (``records``).
 """
 
 from __future__ import annotations
@@ -41,6 +41,10 @@ class Timeouts:
 _END = object()
 
 
+def _running(session_id: str) -> Abort:
+    return Abort(Status.ABORTED, f"session_id {session_id!r}: a turn is already running", field="session_id")
+
+
 async def _pump(responses, queue: asyncio.Queue) -> None:
     """Moves an async generator's items (then ``_END``, or the exception that ended it) into ``queue``."""
     try:
@@ -56,6 +60,7 @@ async def _pump(responses, queue: asyncio.Queue) -> None:
 class Gateway:
     def __init__(
         self,
+        *,
         tokenizer,
         eos_ids,
         drafters: Endpoints,
@@ -116,40 +121,24 @@ class Gateway:
         if r.session_id:
             record = await self.records.load(tenant, r.session_id)
         else:
-            record = Record(secrets.token_urlsafe(18), tenant)
+            record = Record.new(secrets.token_urlsafe(18), tenant)
         key = (tenant, record.session_id)
         if key in self._turns:
-            raise Abort(Status.ABORTED, f"session_id {record.session_id!r}: a turn is already running")
-        lim = self.limits
+            raise _running(record.session_id)
         turn = await self._input_ids(r, record.history)
         history = record.history + turn
-        if len(history) > lim.max_prompt_tokens:
+        if len(history) > self.limits.max_prompt_tokens:
             raise Abort(
                 Status.FAILED_PRECONDITION,
                 f"session_id {record.session_id!r}: the session holds {len(record.history)} tokens, with this "
-                f"turn's {len(turn)} it would exceed max_prompt_tokens={lim.max_prompt_tokens}; "
+                f"turn's {len(turn)} it would exceed max_prompt_tokens={self.limits.max_prompt_tokens}; "
                 "start a new session",
+                field="session_id",
             )
         kept = len(record.history)  # what the session holds if this turn is not saved
 
-        async def attempt() -> Lease:
-            """The turn's lease and its place in the quotas; ``TurnsFull`` while the tenant's turns are."""
-            if key in self._turns:
-                raise Abort(Status.ABORTED, f"session_id {record.session_id!r}: a turn is already running")
-            cap = lim.max_sessions_per_tenant
-            running = sum(1 for t, _ in self._turns if t == tenant)
-            if cap and running >= cap:
-                raise TurnsFull(
-                    f"tenant {tenant!r}: {running} sessions are generating on this gateway, the limit is "
-                    f"max_sessions_per_tenant={cap}",
-                    cap,
-                )
-            lease = Lease(self.records, self.quotas, tenant, record.session_id, self.lease_s)
-            await lease.take(len(history) + req.max_new, new=not r.session_id)  # ABORTED if a turn runs anywhere
-            if key in self._turns:  # a turn of this gateway whose lease expired: never overwrite it
-                await lease.end(None, kept)
-                raise Abort(Status.ABORTED, f"session_id {record.session_id!r}: a turn is already running")
-            return lease
+        def attempt():
+            return self._take_lease(key, len(history) + req.max_new, not r.session_id, kept)
 
         async with contextlib.aclosing(self.queue.enter(tenant, record.session_id, attempt, deadline_s)) as admission:
             async for item in admission:
@@ -157,10 +146,38 @@ class Gateway:
                     yield item
                 else:
                     lease = item
-        t_start = time.monotonic()
+        # Listed at once (no await since the lease was taken): the drain waits for it, and _run settles it.
         run = self._turns[key] = Turn(self, record, history, len(turn), req)
+        async with contextlib.aclosing(self._run(key, run, lease, kept)) as items:
+            async for item in items:
+                yield item
+
+    async def _take_lease(self, key: tuple[str, str], need: int, new: bool, kept: int) -> Lease:
+        """The turn's lease and its place in the quotas (``need`` tokens); ``TurnsFull`` while the
+        tenant's turns are."""
+        tenant, sid = key
+        if key in self._turns:
+            raise _running(sid)
+        cap = self.limits.max_sessions_per_tenant
+        running = sum(1 for t, _ in self._turns if t == tenant)
+        if cap and running >= cap:
+            raise TurnsFull(
+                f"tenant {tenant!r}: {running} sessions are generating on this gateway, the limit is "
+                f"max_sessions_per_tenant={cap}",
+                cap,
+            )
+        lease = Lease(self.records, self.quotas, tenant, sid, self.lease_s)
+        await lease.take(need, new=new)  # ABORTED if a turn runs anywhere
+        if key in self._turns:  # a turn of this gateway whose lease expired: never overwrite it
+            await lease.end(None, kept)
+            raise _running(sid)
+        return lease
+
+    async def _run(self, key: tuple[str, str], run: Turn, lease: Lease, kept: int) -> AsyncIterator[Chunk | Finished]:
+        """The admitted turn's messages; however it ends, its lease and quotas are settled after."""
+        t_start = time.monotonic()
         run.lease = lease
-        lease.keep(lambda reason: run.stop(reason, Status.ABORTED))
+        lease.keep(lambda reason: run.stop(reason, Status.ABORTED, "session_id"))
         # The rounds run in their own task and hand their responses over through a queue: a
         # streamed message's send completes ~0.4 ms after it is queued, and the next round need
         # not wait for it. The queue holds at most one turn's tokens.
@@ -214,13 +231,14 @@ class Gateway:
                 e.code is Status.NOT_FOUND and await self._leased(tenant, session_id)
             ):
                 raise
-            rec = Record(session_id, tenant, created=0.0, last_used=0.0)
+            rec = Record.new(session_id, tenant, at=0.0)
         # A turn of the session running on any gateway loses its lease: it ends with ABORTED and its
         # fenced save cannot bring the record back.
         await break_lease(self.records, tenant, rec.session_id)
         run = self._turns.get((tenant, rec.session_id))
         if run is not None:
-            run.stop(f"session_id {rec.session_id!r}: the session was closed while this turn ran", Status.ABORTED)
+            closed = f"session_id {rec.session_id!r}: the session was closed while this turn ran"
+            run.stop(closed, Status.ABORTED, "session_id")
         await self.records.delete(rec)
         await self.quotas.forget(tenant, rec.session_id)
         await self.backends.drop(rec.session_id, tenant, rec.verifier)

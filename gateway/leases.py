@@ -45,7 +45,9 @@ class Lease:
         to); ABORTED if another turn holds the session, RESOURCE_EXHAUSTED if a quota is full."""
         store = self.records.store
         if not await self.records.call("lease", store.acquire, self.key, self.token, self.ttl_s):
-            raise Abort(Status.ABORTED, f"session_id {self.session_id!r}: a turn is already running")
+            raise Abort(
+                Status.ABORTED, f"session_id {self.session_id!r}: a turn is already running", field="session_id"
+            )
         try:
             record = record_key(self.tenant, self.session_id)
             await self.quotas.admit(self.tenant, self.session_id, need, self.token, self.ttl_s, new, record)

@@ -17,57 +17,63 @@ the gateway's ``Request``, ``Chunk`` and ``Finished``:
 from __future__ import annotations
 
 import math
-import re
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    WrapValidator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from common.errors import Abort, Status
 
 from .requests import Request
+from .stops import StopText
 from .turn import Finished
 
 NEW_SESSION = "new"
 
-# gRPC status -> (HTTP status, OpenAI error type)
-HTTP_STATUS = {
-    Status.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    Status.FAILED_PRECONDITION: (400, "invalid_request_error"),
-    Status.NOT_FOUND: (404, "invalid_request_error"),
-    Status.ABORTED: (409, "invalid_request_error"),
-    Status.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    Status.UNAUTHENTICATED: (401, "authentication_error"),
-    Status.PERMISSION_DENIED: (403, "permission_error"),
-    Status.UNAVAILABLE: (503, "service_unavailable_error"),
-    Status.DEADLINE_EXCEEDED: (504, "timeout_error"),
-    Status.CANCELLED: (499, "cancelled_error"),
-    Status.DATA_LOSS: (500, "server_error"),
-    Status.INTERNAL: (500, "server_error"),
-    Status.UNKNOWN: (500, "server_error"),
+# OpenAI error type -> the gRPC statuses of that type, with their HTTP status (the mapping that
+# google/rpc/code.proto gives for each code; CANCELLED is 499, "client closed request").
+_ERROR_TYPES = {
+    "invalid_request_error": {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "NOT_FOUND": 404, "ABORTED": 409},
+    "rate_limit_error": {"RESOURCE_EXHAUSTED": 429},
+    "authentication_error": {"UNAUTHENTICATED": 401},
+    "permission_error": {"PERMISSION_DENIED": 403},
+    "service_unavailable_error": {"UNAVAILABLE": 503},
+    "timeout_error": {"DEADLINE_EXCEEDED": 504},
+    "cancelled_error": {"CANCELLED": 499},
+    "server_error": {"DATA_LOSS": 500, "INTERNAL": 500, "UNKNOWN": 500},
 }
-# The gateway's field names (the first word of an Abort message) as this API names them.
+# gRPC status -> (HTTP status, OpenAI error type)
+HTTP_STATUS = {Status[code]: (http, kind) for kind, codes in _ERROR_TYPES.items() for code, http in codes.items()}
+# The gRPC request's field names (``Abort.field``) as this API names them; None: no field of its own.
 _PARAM = {
     "max_new_tokens": "max_tokens",
+    "chat": "messages",
     "chat.messages": "messages",
     "chat.messages.role": "messages",
+    "text": "prompt",
     "prompt_ids": "prompt",
     "speculation.mode": "speculation",
     "speculation.budget": "speculation",
-}
-_PARAMS = {
-    "max_tokens",
-    "messages",
-    "prompt",
-    "speculation",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "session_id",
+    "stop_ids": None,
+    "system": None,
+    "input": None,
 }
 _CODE = {Status.UNAUTHENTICATED: "invalid_api_key", Status.NOT_FOUND: "not_found"}
-ROLES = ("system", "user", "assistant")
 
 
 class ApiError(Exception):
@@ -95,9 +101,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def from_abort(e: Abort) -> ApiError:
     status, type_ = HTTP_STATUS.get(e.code, (500, "server_error"))
-    head = re.match(r"[a-z_.]*", e.message).group()
-    param = _PARAM.get(head, head)
-    param = param if param in _PARAMS else None
+    param = _PARAM.get(e.field, e.field)
     return ApiError(status, e.message, type_, param, _CODE.get(e.code, e.code.name.lower()), e.retry_after)
 
 
@@ -109,6 +113,135 @@ def model_not_found(model: str, served: str) -> ApiError:
         "model",
         "model_not_found",
     )
+
+
+# -- requests -----------------------------------------------------------------------------------
+# Strict types: JSON's true is not 1, 1.0 is not an integer and a number is not a string. None (JSON
+# null) is the field left out. Unknown fields are ignored (kept aside only to refuse the ones this
+# server does not implement, ``_NO_OP``).
+
+
+def _one_error(message: str):
+    """A union's errors (one per branch) as one error that says what the field takes."""
+
+    def wrap(value, handler):
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("invalid", message) from None
+
+    return WrapValidator(wrap)
+
+
+def _only(message: str, ok):
+    """A value that passes its type but not ``ok``: one error with ``message``."""
+
+    def check(value):
+        if not ok(value):
+            raise PydanticCustomError("invalid", message)
+        return value
+
+    return AfterValidator(check)
+
+
+def _single_prompt(value):
+    """A one-item array of prompts is that prompt (one prompt per call)."""
+    return value[0] if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)) else value
+
+
+TokenId = Annotated[int, Field(strict=True, ge=0, lt=2**31)]
+Count = Annotated[int, Field(strict=True, ge=1)]
+Prompt = Annotated[
+    StrictStr | Annotated[list[TokenId], Field(min_length=1)],
+    _one_error("expected a string or an array of token ids >= 0 (one prompt per call)"),
+    BeforeValidator(_single_prompt),
+]
+
+
+class _Part(BaseModel):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class Message(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[StrictStr | list[_Part], _one_error("expected a string or an array of text parts")]
+
+    def pair(self) -> tuple[str, str]:
+        """(role, text): developer is system, parts are joined."""
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return ("system" if self.role == "developer" else self.role), text
+
+
+class Speculation(BaseModel):
+    mode: StrictStr = ""  # "": racer
+    budget: StrictInt = 0  # 0: adaptive
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text"]
+
+
+# Fields this server does not implement, with the values that ask for nothing (refused otherwise).
+_NO_OP = {
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "logit_bias": ({},),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "echo": (False,),
+    "suffix": ("",),
+    "best_of": (1,),
+}
+
+
+class _Body(BaseModel):
+    """What both endpoints read."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    model: Annotated[StrictStr, Field(min_length=1)]
+    n: Annotated[StrictInt, _only("only 1 is supported", lambda n: n == 1)] | None = None
+    stream: StrictBool | None = None
+    stream_options: StreamOptions | None = None
+    max_completion_tokens: Count | None = None  # wins over max_tokens
+    max_tokens: Count | None = None
+    temperature: Annotated[float, Field(strict=True, ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(strict=True, gt=0.0, le=1.0)] | None = None
+    seed: Annotated[int, Field(strict=True, ge=-(2**63), lt=2**63)] | None = None
+    top_k: Annotated[int, Field(strict=True, ge=-1, lt=2**31)] | None = None  # -1: off, as vLLM spells it
+    stop: Annotated[StrictStr | list[StrictStr], _one_error("expected a string or an array of strings")] | None = None
+    speculation: Speculation | None = None
+    session_id: StrictStr | None = None
+    return_token_ids: StrictBool | None = None
+    share: StrictBool | None = None  # False: the turn stays out of the tenant corpus
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _no_ops(self):
+        for name, ok in _NO_OP.items():
+            v = (self.model_extra or {}).get(name)
+            if v is not None and v not in ok:
+                raise PydanticCustomError(
+                    "unsupported_parameter", "{name}: not supported by this server", {"name": name}
+                )
+        return self
+
+
+class ChatBody(_Body):
+    messages: Annotated[list[Message], Field(min_length=1)]
+
+
+class CompletionBody(_Body):
+    prompt: Prompt
 
 
 @dataclass(frozen=True)
@@ -127,234 +260,61 @@ class Call:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def _get(body: dict, name: str, kinds, default=None):
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
-        raise bad_request(f"{name}: expected {_kind_names(kinds)}, got a boolean", name)
-    if not isinstance(v, kinds):
-        raise bad_request(f"{name}: expected {_kind_names(kinds)}, got {type(v).__name__}", name)
-    return v
-
-
-def _kind_names(kinds) -> str:
-    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
-    names = {
-        int: "an integer",
-        float: "a number",
-        str: "a string",
-        bool: "a boolean",
-        list: "an array",
-        dict: "an object",
-    }
-    return " or ".join(names.get(k, k.__name__) for k in kinds)
-
-
-def _number(body: dict, name: str, lo: float, hi: float) -> float | None:
-    v = _get(body, name, (int, float))
-    # compared, not converted: an integer too large for a float is out of range too (nan and
-    # infinities compare false)
-    if v is not None and not (lo <= v <= hi):
-        raise bad_request(f"{name}: {_short(v)}, expected {lo}..{hi}", name)
-    return v
+def _invalid(e: ValidationError) -> ApiError:
+    """The first error, naming its field as OpenAI does (``messages[0].content``); ``param`` is the
+    top-level field."""
+    err = e.errors(include_url=False)[0]
+    loc = err["loc"]
+    if err["type"] == "unsupported_parameter":
+        name = err["ctx"]["name"]
+        return bad_request(f"{name}: not supported by this server", name, "unsupported_parameter")
+    if not loc:
+        return bad_request("the request body must be a JSON object")
+    where = str(loc[0]) + "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in loc[1:])
+    got = "" if err["type"] == "missing" else f", got {_short(err['input'])}"
+    return bad_request(f"{where}: {err['msg']}{got}", str(loc[0]))
 
 
 def _short(v) -> str:
-    """A number as the caller sent it, cut to 32 characters (it may have thousands of digits)."""
+    """A value as the caller sent it, cut to 32 characters (a number may have thousands of digits)."""
     text = repr(v)
     return text if len(text) <= 32 else f"{text[:29]}..."
-
-
-def _unsupported(body: dict, **defaults) -> None:
-    """Fields this server does not implement: refused unless absent or at their no-op value."""
-    for name, ok in defaults.items():
-        v = body.get(name)
-        if v is not None and v != ok and not (isinstance(ok, tuple) and v in ok):
-            raise bad_request(f"{name}: not supported by this server", name, "unsupported_parameter")
-
-
-def _content(i: int, content) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts: text only
-        parts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise bad_request(f"messages[{i}].content: only text parts are supported", "messages")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise bad_request(f"messages[{i}].content: expected a string or an array of text parts", "messages")
-
-
-def _messages(body: dict) -> tuple[tuple[str, str], ...]:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise bad_request("messages: expected a non-empty array of {role, content}", "messages")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise bad_request(f"messages[{i}]: expected an object", "messages")
-        role = m.get("role")
-        role = "system" if role == "developer" else role
-        if role not in ROLES:
-            raise bad_request(
-                f"messages[{i}].role: {role!r}, expected system, developer, user or assistant", "messages"
-            )
-        out.append((role, _content(i, m.get("content"))))
-    return tuple(out)
-
-
-def _prompt(body: dict) -> tuple[str, str, tuple[int, ...]]:
-    """(input kind, text, ids) of a completions ``prompt``: a string, token ids, or a one-item array of either."""
-    p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]
-    if isinstance(p, str):
-        return "text", p, ()
-    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in p):
-        return "prompt_ids", "", tuple(p)
-    raise bad_request("prompt: expected a string or an array of token ids >= 0 (one prompt per call)", "prompt")
 
 
 def parse(body, chat: bool, session_header: str = "") -> Call:
     """A request body (parsed JSON) as a ``Call``; ``ApiError`` 400 for what is malformed here
     (the gateway's own checks, limits included, come later as ``Abort``)."""
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("model: required (GET /v1/models lists it)", "model")
-    n = _get(body, "n", int, 1)
-    if n != 1:
-        raise bad_request(f"n: {n}, only 1 is supported", "n")
-    _unsupported(
-        body,
-        presence_penalty=0,
-        frequency_penalty=0,
-        logit_bias={},
-        logprobs=(False, 0),
-        top_logprobs=0,
-        tools=[],
-        tool_choice="none",
-        functions=[],
-        function_call="none",
-        echo=False,
-        suffix="",
-        best_of=1,
-    )
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise bad_request("response_format: only {'type': 'text'} is supported", "response_format")
-    stream = bool(_get(body, "stream", bool, False))
-    opts = _get(body, "stream_options", dict, {})
-    include_usage = bool(opts.get("include_usage", False))
-    max_tokens = _get(body, "max_completion_tokens", int)
-    if max_tokens is None:
-        max_tokens = _get(body, "max_tokens", int)
-    if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"max_tokens: {max_tokens}, expected a positive integer", "max_tokens")
-    temperature = _number(body, "temperature", 0.0, 2.0)
-    top_p = _number(body, "top_p", 0.0, 1.0)
-    if top_p == 0:
-        raise bad_request("top_p: 0, expected a number in (0, 1]", "top_p")
-    seed = _get(body, "seed", int)
-    if seed is not None and not -(2**63) <= seed < 2**63:
-        raise bad_request(f"seed: {seed}, expected a 64-bit signed integer", "seed")
-    top_k = _get(body, "top_k", int, 0)
-    if top_k == -1:  # "off", as vLLM spells it
-        top_k = 0
-    if not 0 <= top_k < 2**31:
-        raise bad_request(f"top_k: {top_k}, expected 0 (off), -1 (off) or a positive 32-bit integer", "top_k")
-    stop = body.get("stop")
-    stop = (stop,) if isinstance(stop, str) else stop
-    if stop is None:
-        stop = ()
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-        raise bad_request("stop: expected a string or an array of strings", "stop")
-    spec = _get(body, "speculation", dict, {})
-    mode, budget = spec.get("mode", ""), spec.get("budget", 0)
-    if not isinstance(mode, str) or not isinstance(budget, int) or isinstance(budget, bool):
-        raise bad_request("speculation: expected {'mode': string, 'budget': integer}", "speculation")
-    sid = _get(body, "session_id", str, "") or session_header
-    keep = bool(sid)
-    if sid == NEW_SESSION:
-        sid = ""
+    try:
+        b = (ChatBody if chat else CompletionBody).model_validate(body)
+    except ValidationError as e:
+        raise _invalid(e) from None
+    sid = b.session_id or session_header
+    stop = (b.stop,) if isinstance(b.stop, str) else tuple(b.stop or ())
+    spec = b.speculation or Speculation()
     if chat:
-        kind, text, ids, messages = "chat", "", (), _messages(body)
+        kind, text, ids, messages = "chat", "", (), tuple(m.pair() for m in b.messages)
+    elif isinstance(b.prompt, str):
+        kind, text, ids, messages = "text", b.prompt, (), ()
     else:
-        (kind, text, ids), messages = _prompt(body), ()
+        kind, text, ids, messages = "prompt_ids", "", tuple(b.prompt), ()
     request = Request(
-        session_id=sid,
+        session_id="" if sid == NEW_SESSION else sid,
         input=kind,
         prompt=text,
         chat=messages,
         prompt_ids=ids,
-        max_new_tokens=max_tokens or 0,
-        mode=mode,
-        budget=budget,
-        temperature=temperature or 0.0,
-        top_p=top_p if top_p is not None else 0.0,
-        top_k=top_k,
-        seed=seed,
-        stop=tuple(stop),
-        share=bool(_get(body, "share", bool, True)),
+        max_new_tokens=b.max_completion_tokens or b.max_tokens or 0,
+        mode=spec.mode,
+        budget=spec.budget,
+        temperature=b.temperature or 0.0,
+        top_p=b.top_p or 0.0,
+        top_k=max(b.top_k or 0, 0),
+        seed=b.seed,
+        stop=stop,
+        share=b.share is not False,
     )
-    return Call(
-        request,
-        chat,
-        model,
-        stream,
-        include_usage,
-        keep,
-        bool(_get(body, "return_token_ids", bool, False)),
-        tuple(stop),
-    )
-
-
-class StopText:
-    """The text OpenAI returns: up to, not including, the first stop string. While streaming, text
-    that may be the start of a stop string is held back until the next tokens tell."""
-
-    def __init__(self, stops: tuple[str, ...]):
-        self.stops = stops
-        self.longest = max(map(len, stops), default=0)
-        self.text = ""
-        self.sent = 0  # characters of ``text`` handed out
-        self.hit = False  # a stop string ended the text
-
-    def push(self, delta: str) -> str:
-        if self.hit:
-            return ""
-        self.text += delta
-        if not self.stops:
-            out, self.sent = self.text[self.sent :], len(self.text)
-            return out
-        start = max(0, self.sent - self.longest)
-        cuts = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        if cuts:
-            self.hit = True
-            end = min(cuts)
-        else:
-            end = len(self.text) - self._held()
-        out = self.text[self.sent : max(self.sent, end)]
-        self.sent = max(self.sent, end)
-        return out
-
-    def _held(self) -> int:
-        """Length of the longest end of ``text`` that begins a stop string."""
-        t = self.text
-        for n in range(min(self.longest - 1, len(t)), 0, -1):
-            if any(s.startswith(t[-n:]) for s in self.stops):
-                return n
-        return 0
-
-    def flush(self) -> str:
-        """What was held back, at the end of a turn that no stop string ended."""
-        if self.hit:
-            return ""
-        out, self.sent = self.text[self.sent :], len(self.text)
-        return out
+    include_usage = b.stream_options is not None and b.stream_options.include_usage
+    return Call(request, chat, b.model, bool(b.stream), include_usage, bool(sid), bool(b.return_token_ids), stop)
 
 
 def _stats(f: Finished) -> dict:

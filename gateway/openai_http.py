@@ -15,17 +15,18 @@ import asyncio
 import contextlib
 import json
 import logging
-import secrets
 import time
 
 from aiohttp import web
 
 from common.errors import Abort, Status
+from common.logs import log_bug
 
 from . import metrics as M
 from . import openai_api as api
 from .admission import Queued
 from .core import Gateway
+from .stops import StopText
 from .turn import Chunk, Finished
 
 log = logging.getLogger("racer.gateway")
@@ -60,10 +61,8 @@ async def _errors(request: web.Request, handler):
 
 
 def _internal(request: web.Request) -> api.ApiError:
-    """Logs the exception being handled (with its traceback) under a short id; the caller's error."""
-    eid = secrets.token_hex(4)
-    log.error("unhandled exception in an HTTP handler", exc_info=True, extra={"path": request.path, "error_id": eid})
-    return api.ApiError(500, f"internal error (id {eid}); see the server log", "server_error")
+    """The bug being handled, logged with an id (``common.logs.log_bug``), as the caller's error."""
+    return api.ApiError(500, log_bug(log, "an HTTP handler", path=request.path), "server_error")
 
 
 def _tenant(request: web.Request) -> str:
@@ -168,7 +167,7 @@ async def _rest(items) -> None:
 
 
 async def _whole(call: api.Call, first, items, done) -> web.Response:
-    text = api.StopText(call.stop)
+    text = StopText(call.stop)
     parts: list[str] = []
     ids: list[int] = []
     item = first
@@ -202,7 +201,7 @@ async def _stream(request: web.Request, call: api.Call, first, items, done) -> t
     )
     await resp.prepare(request)
     sid = first.session_id
-    text = api.StopText(call.stop)
+    text = StopText(call.stop)
     code = "OK"
     try:
         item = first

@@ -17,7 +17,11 @@ from __future__ import annotations
 import json
 import time
 import tomllib
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
+from typing import Annotated
+
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from common.errors import Abort, Status
 
@@ -25,19 +29,22 @@ from . import metrics as M
 from .admission import TurnsFull
 from .auth import TENANT
 
+Count = Annotated[int, Field(ge=0, strict=True)]  # strict: true is not 1, 1.0 is not an integer
 
-@dataclass(frozen=True)
+
+@pydantic_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class Quota:
-    sessions: int = 0  # sessions kept (records in the store); 0: no limit
-    tokens: int = 0  # tokens of all the tenant's session histories, reservations of running turns included
-    turns: int = 0  # turns running at once, on all gateways
+    sessions: Count = 0  # sessions kept (records in the store); 0: no limit
+    tokens: Count = 0  # tokens of all the tenant's session histories, reservations of running turns included
+    turns: Count = 0  # turns running at once, on all gateways
     # The tenant corpus (drafters): its bound in tokens (0: the drafters' default) and whether the
     # tenant shares at all (false: its sessions neither draft from nor add to a corpus).
-    corpus_tokens: int = 0
-    share: bool = True
+    corpus_tokens: Count = 0
+    share: Annotated[bool, Field(strict=True)] = True
 
 
 _KEYS = tuple(f.name for f in fields(Quota))
+_QUOTA = TypeAdapter(Quota)
 
 
 @dataclass(frozen=True)
@@ -50,18 +57,17 @@ class TenantLimits:
 
 
 def _quota(d: object, base: Quota, where: str) -> Quota:
+    """A table of the file: ``base`` with the table's keys on top, each checked."""
     if not isinstance(d, dict):
         raise ValueError(f"{where}: expected a table of {', '.join(_KEYS)}")
-    bad = set(d) - set(_KEYS)
-    if bad:
-        raise ValueError(f"{where}: unknown key(s) {', '.join(sorted(bad))}; expected {', '.join(_KEYS)}")
-    for k, v in d.items():
-        if k == "share":
-            if type(v) is not bool:
-                raise ValueError(f"{where}.share: {v!r}, expected true or false")
-        elif type(v) is not int or v < 0:
-            raise ValueError(f"{where}.{k}: {v!r}, expected an integer >= 0 (0: no limit)")
-    return replace(base, **d)
+    try:
+        return _QUOTA.validate_python({**asdict(base), **d})
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        key = ".".join(map(str, err["loc"]))
+        if err["type"] == "unexpected_keyword_argument":
+            raise ValueError(f"{where}: unknown key {key}; expected {', '.join(_KEYS)}") from None
+        raise ValueError(f"{where}.{key}: {err['input']!r}: {err['msg']} (0: no limit)") from None
 
 
 def load_tenant_limits(path: str, default: Quota = Quota()) -> TenantLimits:
@@ -236,7 +242,9 @@ class Quotas:
             else:
                 code, n = self._admit_memory(self._t(tenant), q, now, session_id, need, turn_id, lease_s, expiry)
         if code == 4:
-            raise Abort(Status.NOT_FOUND, f"session_id {session_id!r}: no such session (it was closed)")
+            raise Abort(
+                Status.NOT_FOUND, f"session_id {session_id!r}: no such session (it was closed)", field="session_id"
+            )
         if code > 1:  # a full turns quota is counted by the queue, if it refuses the turn
             M.QUOTA_REFUSALS.labels(("turns", "sessions", "tokens")[code - 1]).inc()
         if code == 1:  # the turn may wait for a slot (admission.TurnQueue)

@@ -1,8 +1,8 @@
 """Session records in the session store (Redis in a deployment): what lets any gateway serve any turn.
 
 A record read from the store is not trusted: ``Record.loads`` checks its JSON has exactly the
-record's fields with their types, history tokens in the vocabulary, and the tenant and session id
-of the key it was read from. A record that fails is corrupt: the session cannot be continued
+record's fields with their types (a pydantic model), history tokens in the vocabulary, and the
+tenant and session id of the key it was read from. A record that fails is corrupt: the session cannot be continued
 (``DATA_LOSS``, naming the session and nothing of the record), it is left out of listings,
 ``CloseSession`` deletes it, and every such read is counted (``racer_session_records_corrupt_total``)
 and logged at most every 10 s.
@@ -10,73 +10,76 @@ and logged at most every 10 s.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
-import math
 import time
-from dataclasses import asdict, dataclass, field, fields
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from common.errors import Abort, Status
 from common.logs import Throttled
 
 from . import metrics as M
 from .auth import SESSION_ID
+from .backoff import Backoff
 
 log = logging.getLogger("racer.gateway")
 
 
-@dataclass
-class Record:
+Token = Annotated[int, Field(ge=0)]
+UnixSeconds = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class Record(BaseModel):
+    """A session's record. Stored as JSON with exactly these fields, each of its type (strict: true
+    is no integer, "2" no number), which ``loads`` checks."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
     session_id: str
     tenant: str
-    history: list[int] = field(default_factory=list)
-    turns: int = 0
-    verifier: str = ""
-    created: float = field(default_factory=time.time)
-    last_used: float = field(default_factory=time.time)
+    history: list[Token]  # every token of the session: prompts and answers of all its turns
+    turns: Annotated[int, Field(ge=0)]
+    verifier: str  # the session's verifier endpoint ("": none yet)
+    created: UnixSeconds
+    last_used: UnixSeconds
     # The bytes this record was read from (None: not in the store yet): what a fenced save compares.
-    stored: bytes | None = field(default=None, repr=False, compare=False)
+    _stored: bytes | None = PrivateAttr(default=None)
+
+    @classmethod
+    def new(cls, session_id: str, tenant: str, at: float | None = None) -> Record:
+        """A session without a turn yet, created ``at`` (unix seconds; now by default)."""
+        at = time.time() if at is None else at
+        return cls(session_id=session_id, tenant=tenant, history=[], turns=0, verifier="", created=at, last_used=at)
+
+    @property
+    def stored(self) -> bytes | None:
+        return self._stored
 
     def dumps(self) -> bytes:
-        d = asdict(self)
-        del d["stored"]
-        return json.dumps(d, separators=(",", ":")).encode()
+        return self.model_dump_json().encode()
 
     @classmethod
     def loads(
         cls, data: bytes, tenant: str | None = None, session_id: str | None = None, vocab_size: int | None = None
-    ) -> "Record":
+    ) -> Record:
         """The record in ``data``, checked (see the module doc); ``RecordError`` says what is wrong."""
         try:
-            d = json.loads(data)
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise RecordError(f"not JSON ({type(e).__name__})") from None
-        if not isinstance(d, dict) or set(d) != _FIELDS:
-            raise RecordError("not an object with exactly the record's fields")
-        for k in ("session_id", "tenant", "verifier"):
-            _need(type(d[k]) is str, k)
-        _need(type(d["turns"]) is int and d["turns"] >= 0, "turns")
-        for k in ("created", "last_used"):
-            _need(type(d[k]) in (int, float) and math.isfinite(d[k]), k)
-        h = d["history"]
-        _need(type(h) is list and all(type(t) is int and t >= 0 for t in h), "history")
-        _need(vocab_size is None or all(t < vocab_size for t in h), "history: token outside the vocabulary")
-        _need(tenant is None or d["tenant"] == tenant, "tenant: not the key's")
-        _need(session_id is None or d["session_id"] == session_id, "session_id: not the key's")
-        return cls(**d, stored=bytes(data))
-
-
-_FIELDS = frozenset(f.name for f in fields(Record)) - {"stored"}
+            rec = cls.model_validate_json(data)
+        except ValidationError as e:
+            err = e.errors(include_url=False)[0]
+            raise RecordError(f"{'.'.join(map(str, err['loc'])) or 'record'}: {err['msg']}") from None
+        for name, want in (("tenant", tenant), ("session_id", session_id)):
+            if want is not None and getattr(rec, name) != want:
+                raise RecordError(f"{name}: not the key's")
+        if vocab_size is not None and any(t >= vocab_size for t in rec.history):
+            raise RecordError("history: token outside the vocabulary")
+        rec._stored = bytes(data)
+        return rec
 
 
 class RecordError(ValueError):
     """Bytes in the store that are not a valid session record."""
-
-
-def _need(cond: bool, what: str) -> None:
-    if not cond:
-        raise RecordError(f"bad field {what}")
 
 
 def record_key(tenant: str, session_id: str) -> str:
@@ -106,12 +109,12 @@ class Records:
                 Status.DATA_LOSS,
                 f"session_id {session_id!r}: the stored session is corrupt and cannot be continued; "
                 "start a new session (CloseSession deletes this one)",
+                field="session_id",
             ) from None
 
     async def call(self, op: str, fn, *args, retry: bool = True):
         """A session-store call, retried with backoff for ``retry_s`` seconds (a Redis restart)."""
-        deadline = time.monotonic() + (self.retry_s if retry else 0.0)
-        delay = 0.05
+        backoff = Backoff(time.monotonic() + (self.retry_s if retry else 0.0))
         while True:
             try:
                 return await fn(*args)
@@ -122,12 +125,11 @@ class Records:
                     raise Abort(
                         Status.RESOURCE_EXHAUSTED, f"session store full ({op}): close sessions or retry later"
                     ) from None
-                if time.monotonic() + delay > deadline:
+                if backoff.over():
                     log.warning("session store call failed", extra={"op": op, "error": repr(e)})
                     raise Abort(Status.UNAVAILABLE, f"session store unavailable ({op}): {e!r}") from None
                 log.info("session store call failed; retrying", extra={"op": op, "error": repr(e)})
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                await backoff.sleep()
 
     async def load(self, tenant: str, session_id: str) -> Record:
         """The session's record; NOT_FOUND if there is none, DATA_LOSS if the stored one is corrupt."""
@@ -136,10 +138,11 @@ class Records:
                 Status.INVALID_ARGUMENT,
                 f"session_id: {session_id[:40]!r}{'...' if len(session_id) > 40 else ''} is not a session id "
                 "(1-128 of A-Z a-z 0-9 _ -)",
+                field="session_id",
             )
         data = await self.call("get", self.store.get, record_key(tenant, session_id))
         if data is None:
-            raise Abort(Status.NOT_FOUND, f"session_id {session_id!r}: no such session")
+            raise Abort(Status.NOT_FOUND, f"session_id {session_id!r}: no such session", field="session_id")
         return self._decode(data, tenant, session_id)  # checks the tenant too: a second lock on the door
 
     async def save(self, rec: Record, lease=None) -> None:
@@ -149,7 +152,7 @@ class Records:
         key, data = record_key(rec.tenant, rec.session_id), rec.dumps()
         if lease is None:
             await self.call("set", self.store.set, key, data, self.ttl_s)
-            rec.stored = data
+            rec._stored = data
             return
         fenced = (lease.key, lease.token, key, rec.stored, data, self.ttl_s)
         # (a retried call whose first try was written but not answered finds its own bytes there)
@@ -161,8 +164,9 @@ class Records:
                 Status.ABORTED,
                 f"session_id {rec.session_id!r}: the session was closed, or taken over by another turn after this "
                 "turn's lease expired, while this turn ran",
+                field="session_id",
             )
-        rec.stored = data
+        rec._stored = data
 
     async def delete(self, rec: Record) -> None:
         await self.call("delete", self.store.delete, record_key(rec.tenant, rec.session_id))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.errors import Abort, Status
+from common.errors import Abort, FieldError, Status, invalid
 from common.params import MODES, SamplingParams
 from common.text import continue_ids, messages_ids, text_ids
 
@@ -76,31 +76,26 @@ def check(r: Request, limits: Limits, vocab_size: int | None) -> TurnRequest:
     lim = limits
     max_new = r.max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, lim.max_new_tokens)  # 0: the default, within the limit
     if not 1 <= max_new <= lim.max_new_tokens:
-        raise Abort(Status.INVALID_ARGUMENT, f"max_new_tokens: {r.max_new_tokens}, expected 1..{lim.max_new_tokens}")
+        raise invalid("max_new_tokens", f"{r.max_new_tokens}, expected 1..{lim.max_new_tokens}")
     mode = r.mode or "racer"
     if mode not in MODES:
-        raise Abort(Status.INVALID_ARGUMENT, f"speculation.mode: {mode!r}, expected one of {', '.join(MODES)}")
+        raise invalid("speculation.mode", f"{mode!r}, expected one of {', '.join(MODES)}")
     if not 0 <= r.budget <= lim.max_budget:
-        raise Abort(
-            Status.INVALID_ARGUMENT, f"speculation.budget: {r.budget}, expected 0 (adaptive) or 1..{lim.max_budget}"
-        )
+        raise invalid("speculation.budget", f"{r.budget}, expected 0 (adaptive) or 1..{lim.max_budget}")
     try:
         sampling = SamplingParams(r.temperature, r.top_p or 1.0, r.top_k, r.seed)
-    except ValueError as e:
-        raise Abort(Status.INVALID_ARGUMENT, str(e)) from None
+    except FieldError as e:
+        raise Abort(Status.INVALID_ARGUMENT, str(e), field=e.field) from None
     if len(r.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in r.stop):
-        raise Abort(
-            Status.INVALID_ARGUMENT,
-            f"stop: at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters",
-        )
+        raise invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
     if any(s == "" for s in r.stop):
-        raise Abort(Status.INVALID_ARGUMENT, "stop: empty stop string")
+        raise invalid("stop", "empty stop string")
     if len(r.stop_ids) > MAX_STOP_IDS:
-        raise Abort(Status.INVALID_ARGUMENT, f"stop_ids: {len(r.stop_ids)} ids, at most {MAX_STOP_IDS}")
+        raise invalid("stop_ids", f"{len(r.stop_ids)} ids, at most {MAX_STOP_IDS}")
     if any(t < 0 or (vocab_size and t >= vocab_size) for t in r.stop_ids):
-        raise Abort(Status.INVALID_ARGUMENT, "stop_ids: token id outside the vocabulary")
+        raise invalid("stop_ids", "token id outside the vocabulary")
     if r.system and r.input != "prompt":
-        raise Abort(Status.INVALID_ARGUMENT, "system: only with a prompt input (chat carries its own)")
+        raise invalid("system", "only with a prompt input (chat carries its own)")
     return TurnRequest(r.session_id, max_new, mode, r.budget, sampling, r.stop, r.stop_ids, r.share)
 
 
@@ -108,30 +103,27 @@ def input_ids(r: Request, history: list[int], tokenizer, eos_ids, limits: Limits
     """The turn's new tokens: ``prompt_ids`` as they are, text through the chat template after ``history``."""
     ids = _input_ids(r, history, tokenizer, eos_ids, limits, vocab_size)
     if len(ids) > limits.max_prompt_tokens:
-        raise Abort(
-            Status.INVALID_ARGUMENT,
-            f"{r.input}: {len(ids)} tokens, the limit is max_prompt_tokens={limits.max_prompt_tokens}",
-        )
+        raise invalid(r.input, f"{len(ids)} tokens, the limit is max_prompt_tokens={limits.max_prompt_tokens}")
     return ids
 
 
 def _input_ids(r: Request, history, tokenizer, eos_ids, limits: Limits, vocab_size: int | None) -> list[int]:
     kind = r.input
     if kind is None:
-        raise Abort(Status.INVALID_ARGUMENT, "input: set one of prompt, chat, prompt_ids, text")
+        raise invalid("input", "set one of prompt, chat, prompt_ids, text")
     if kind == "prompt_ids":
         ids = list(r.prompt_ids)
         if not ids:
-            raise Abort(Status.INVALID_ARGUMENT, "prompt_ids: empty")
+            raise invalid("prompt_ids", "empty")
         bad = next((t for t in ids if t < 0 or (vocab_size and t >= vocab_size)), None)
         if bad is not None:
-            raise Abort(Status.INVALID_ARGUMENT, f"prompt_ids: token id {bad} outside the vocabulary [0, {vocab_size})")
+            raise invalid("prompt_ids", f"token id {bad} outside the vocabulary [0, {vocab_size})")
         return ids
     if tokenizer is None:
-        raise Abort(Status.FAILED_PRECONDITION, f"{kind}: this gateway has no tokenizer; send prompt_ids")
+        raise Abort(Status.FAILED_PRECONDITION, f"{kind}: this gateway has no tokenizer; send prompt_ids", field=kind)
     if kind in ("prompt", "text"):
         if not r.prompt:
-            raise Abort(Status.INVALID_ARGUMENT, "prompt: empty")
+            raise invalid("prompt", "empty")
     if kind == "prompt":
         messages = [{"role": "user", "content": r.prompt}]
         if r.system and not history:
@@ -139,27 +131,27 @@ def _input_ids(r: Request, history, tokenizer, eos_ids, limits: Limits, vocab_si
     elif kind == "chat":
         messages = [{"role": role, "content": content} for role, content in r.chat]
         if not messages:
-            raise Abort(Status.INVALID_ARGUMENT, "chat.messages: empty")
+            raise invalid("chat.messages", "empty")
         bad = next((m["role"] for m in messages if m["role"] not in ROLES), None)
         if bad is not None:
-            raise Abort(Status.INVALID_ARGUMENT, f"chat.messages.role: {bad!r}, expected system, user or assistant")
+            raise invalid("chat.messages.role", f"{bad!r}, expected system, user or assistant")
     elif kind != "text":
-        raise Abort(Status.INVALID_ARGUMENT, f"input: {kind!r}, expected prompt, chat, prompt_ids or text")
+        raise invalid("input", f"{kind!r}, expected prompt, chat, prompt_ids or text")
     # Text longer than this cannot fit the token limit (a token is at least one character for the
     # tokenizers this serves; checked before tokenizing a huge string).
     chars = len(r.prompt) + len(r.system) + sum(len(content) for _, content in r.chat)
     if chars > 64 * limits.max_prompt_tokens:
-        raise Abort(
-            Status.INVALID_ARGUMENT,
-            f"{kind}: {chars} characters, more than max_prompt_tokens={limits.max_prompt_tokens} tokens "
+        raise invalid(
+            kind,
+            f"{chars} characters, more than max_prompt_tokens={limits.max_prompt_tokens} tokens "
             "can hold (refused before tokenizing)",
         )
     if kind == "text":  # plain continuation (a completions call): special tokens only at a session's start
         ids = text_ids(tokenizer, r.prompt, special=not history)
         if not ids:
-            raise Abort(Status.INVALID_ARGUMENT, "prompt: no tokens")
+            raise invalid("prompt", "no tokens")
         return ids
     try:
         return continue_ids(tokenizer, history, messages, eos_ids) if history else messages_ids(tokenizer, messages)
     except Exception as e:  # noqa: BLE001 - template errors are the caller's input
-        raise Abort(Status.INVALID_ARGUMENT, f"{kind}: the chat template rejected it: {e}") from None
+        raise invalid(kind, f"the chat template rejected it: {e}") from None

@@ -19,10 +19,11 @@ from common.text import Detokenizer
 from common.tracing import TurnSpans
 
 from . import metrics as M
-from .failover import TurnLinks
 from .links import Feedback, Tree, Verified
 from .records import Record
 from .requests import TurnRequest
+from .stops import StopStrings
+from .turn_links import TurnLinks
 
 tracer = trace.get_tracer("racer.gateway")
 
@@ -61,6 +62,7 @@ class Turn:
         self.n_turn = n_turn  # tokens of this turn's input
         self.req = req
         self.stop_ids = set(gw.eos_ids) | set(req.stop_ids)
+        self.stops = StopStrings(req.stop)
         self.rounds = Rounds(history, GenerationParams(req.max_new, tuple(self.stop_ids), req.mode, req.budget))
         self.stats = self.rounds.stats
         self.links = TurnLinks(gw, record, req.sampling, self.rounds)
@@ -70,11 +72,12 @@ class Turn:
         self.saved_tokens: int | None = None  # the saved record's length, once saved
         self._generated = M.GENERATED_TOKENS.labels(record.tenant)
 
-    def stop(self, reason: str, code: Status = Status.UNAVAILABLE) -> None:
+    def stop(self, reason: str, code: Status = Status.UNAVAILABLE, field: str | None = None) -> None:
         """Ends the turn with ``code`` at its next round or failover (a draining gateway: UNAVAILABLE;
-        a lost lease: ABORTED)."""
+        a lost lease: ABORTED, about the field ``session_id``)."""
         self.links.abort = reason
         self.links.abort_code = code
+        self.links.abort_field = field
 
     async def stream(self):
         """``Chunk`` messages, then one ``Finished`` once the record is saved."""
@@ -137,12 +140,11 @@ class Turn:
         """Text of ``out``; cut after the token that completes a stop string (which ends the turn)."""
         if detok is None:
             return out, done, ""
-        stops = self.req.stop
         text = ""
         for i, tok in enumerate(out):
             before = len(detok.text)
             text += detok.push([tok])
-            if stops and any(s in detok.text[max(0, before - max(map(len, stops))) :] for s in stops):
+            if self.stops and self.stops.find(detok.text, before) >= 0:
                 return out[: i + 1], True, text
         return out, done, text
 
@@ -166,7 +168,7 @@ class Turn:
         except Abort as e:
             if e.code is Status.ABORTED:
                 raise
-            raise Abort(e.code, f"{e.message}; the turn was not saved: retry it") from None
+            raise Abort(e.code, f"{e.message}; the turn was not saved: retry it", field=e.field) from None
         total = time.perf_counter() - t0
         s = self.stats
         last = emitted[-1] if emitted else None

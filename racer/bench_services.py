@@ -111,7 +111,7 @@ def bench_stack(args) -> int:
     from common.text import chat_ids
     from common.v1 import verifier_pb2 as vpb
     from common.v1 import verifier_pb2_grpc as vpb_grpc
-    from gateway.failover import ROUND_OVERHEAD_MS
+    from gateway.turn_links import ROUND_OVERHEAD_MS
 
     from . import stack
     from .bench import run_engine

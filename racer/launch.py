@@ -319,11 +319,8 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
     core = _gateway_core(args, tokenizer, eos_ids or (), vocab_size, drafters, verifiers, keys, store)
     tasks = []
     if keys is not None and args.api_keys_reload_seconds > 0:  # a changed key file (a rotated Secret) is read again
+        tasks.append(asyncio.ensure_future(keys.watch(args.api_keys_reload_seconds)))
 
-        async def reload_keys():
-            keys.maybe_reload()
-
-        tasks.append(asyncio.ensure_future(janitor(reload_keys, args.api_keys_reload_seconds)))
     http = []  # the OpenAI-compatible HTTP server, when --http-port is set
 
     async def closed():

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+
+import pytest
 
 from gateway.auth import ApiKeys
 
@@ -31,3 +34,30 @@ def test_a_reload_keeps_the_keys_when_the_file_looks_half_written(tmp_path):
     _write(path, "# nobody\n")  # a file that says so lets nobody in
     assert keys.maybe_reload()
     assert keys.tenant("key-a") is None
+
+
+def test_watch_takes_a_changed_file_until_cancelled(tmp_path):
+    path = tmp_path / "keys"
+    _write(path, "key-a acme\n")
+    keys = ApiKeys(str(path))
+
+    async def run() -> None:
+        reloaded = asyncio.Event()
+        check = keys.maybe_reload
+
+        def spy() -> bool:
+            changed = check()
+            if changed:
+                reloaded.set()
+            return changed
+
+        keys.maybe_reload = spy
+        watching = asyncio.create_task(keys.watch(0))
+        _write(path, "key-b globex\n")  # a rotated Secret
+        await reloaded.wait()
+        watching.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await watching
+
+    asyncio.run(run())
+    assert keys.tenant("key-b") == "globex" and keys.tenant("key-a") is None

@@ -1,6 +1,5 @@
-"""gateway/openai_api.py without a server: any JSON body is a Call or a 400 (never a crash), stop
-strings are cut as a one-shot search over the whole text would cut them, and every gRPC status has
-its HTTP status."""
+"""gateway/openai_api.py without a server: any JSON body is a Call or a 400 (never a crash), an error
+names its field, and every gRPC status has its HTTP status."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ from hypothesis import strategies as st
 
 from common.errors import Abort, Status
 from gateway import openai_api as api
+from gateway.requests import Limits, check
 
 FIELDS = [
     "model", "messages", "prompt", "n", "stream", "stream_options", "max_tokens", "max_completion_tokens",
@@ -87,38 +87,83 @@ def test_fields_map_to_the_request():
     assert e.value.status == 400 and e.value.body["error"]["param"] == "share"
 
 
-ALPHABET = "ab c"
-
-
-@settings(max_examples=300, deadline=None, derandomize=True, database=None)
-@given(
-    deltas=st.lists(st.text(ALPHABET, max_size=5), max_size=8),
-    stops=st.lists(st.text(ALPHABET, min_size=1, max_size=3), max_size=3),
-)
-def test_stop_text_cuts_before_the_first_stop_string(deltas, stops):
-    """Fed delta by delta (a turn ends at the delta that completes a stop string), the text handed
-    out is the text so far, cut before the first stop string in it; nothing past it ever leaves."""
-    text = api.StopText(tuple(stops))
-    out, seen = "", ""
-    for d in deltas:
-        seen += d
-        got = text.push(d)
-        out += got
-        assert seen.startswith(out)
-        found = [i for i in (seen.find(s) for s in stops) if i >= 0]
-        if found:
-            assert text.hit and out == seen[: min(found)]
-            return
-        assert not text.hit
-        held = seen[len(out) :]  # only what may still become a stop string waits
-        assert held == "" or any(s.startswith(held) for s in stops)
-    out += text.flush()
-    assert out == seen
-
-
 @pytest.mark.parametrize("status", list(Status))
 def test_every_status_has_an_http_status(status):
-    e = api.from_abort(Abort(status, "max_new_tokens: 9, expected 1..8"))
+    e = api.from_abort(Abort(status, "max_new_tokens: 9, expected 1..8", field="max_new_tokens"))
     assert e.status == api.HTTP_STATUS[status][0] and 400 <= e.status < 600
     assert e.body["error"]["param"] == "max_tokens" and e.body["error"]["message"].startswith("max_new_tokens")
     assert api.from_abort(Abort(status, "missing or unknown API key")).body["error"]["param"] is None
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize(
+    "fields, param, where",
+    [
+        ({"model": 3}, "model", "model"),
+        ({"model": ""}, "model", "model"),
+        ({"n": 2}, "n", "n"),
+        ({"n": True}, "n", "n"),
+        ({"stream": "yes"}, "stream", "stream"),
+        ({"stream_options": {"include_usage": "yes"}}, "stream_options", "stream_options.include_usage"),
+        ({"max_tokens": 0}, "max_tokens", "max_tokens"),
+        ({"max_completion_tokens": 1.0}, "max_completion_tokens", "max_completion_tokens"),
+        ({"temperature": 2.5}, "temperature", "temperature"),
+        ({"temperature": True}, "temperature", "temperature"),
+        ({"top_p": 0}, "top_p", "top_p"),
+        ({"seed": 2**63}, "seed", "seed"),
+        ({"top_k": -2}, "top_k", "top_k"),
+        ({"stop": ["a", 1]}, "stop", "stop"),
+        ({"speculation": {"mode": "pld", "budget": "8"}}, "speculation", "speculation.budget"),
+        ({"session_id": 5}, "session_id", "session_id"),
+        ({"return_token_ids": 1}, "return_token_ids", "return_token_ids"),
+        ({"response_format": {"type": "json_object"}}, "response_format", "response_format.type"),
+        ({"messages": []}, "messages", "messages"),
+        ({"messages": [CHAT["messages"][0], {"role": "user", "content": [{"type": "image_url"}]}]}, "messages",
+         "messages[1].content"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages", "messages[0].role"),
+    ],
+)  # fmt: skip
+def test_a_field_error_names_the_field(fields, param, where):
+    """The OpenAI error's ``param`` is the top-level field; the message points into it."""
+    with pytest.raises(api.ApiError) as e:
+        api.parse({**CHAT, **fields}, chat=True)
+    err = e.value.body["error"]
+    assert e.value.status == 400 and err["type"] == "invalid_request_error" and err["code"] is None
+    assert err["param"] == param and err["message"].startswith(f"{where}: "), err
+
+
+@pytest.mark.parametrize("name, value", [(name, ok[0]) for name, ok in api._NO_OP.items()])
+def test_unimplemented_fields_pass_at_their_no_op_value_only(name, value):
+    assert api.parse({**CHAT, name: value}, chat=True).model == "m"
+    assert api.parse({**CHAT, name: None}, chat=True).model == "m"
+    with pytest.raises(api.ApiError) as e:
+        api.parse({**CHAT, name: "something"}, chat=True)
+    err = e.value.body["error"]
+    assert (err["param"], err["code"]) == (name, "unsupported_parameter") and e.value.status == 400
+
+
+@pytest.mark.parametrize(
+    "field, param",
+    [("max_new_tokens", "max_tokens"), ("chat", "messages"), ("text", "prompt"), ("prompt_ids", "prompt"),
+     ("prompt", "prompt"), ("speculation.mode", "speculation"), ("session_id", "session_id"),
+     ("temperature", "temperature"), ("stop_ids", None), ("system", None), (None, None)],
+)  # fmt: skip
+def test_the_gateways_field_is_the_apis_param(field, param):
+    """An ``Abort`` from the gateway's own checks names its field; the message is not read for it."""
+    e = api.from_abort(Abort(Status.INVALID_ARGUMENT, "temperature: a message that names another field", field=field))
+    assert e.status == 400 and e.body["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [({"max_tokens": 9}, "max_tokens"), ({"speculation": {"mode": "warp"}}, "speculation"),
+     ({"speculation": {"budget": 9}}, "speculation"), ({"stop": ["x"] * 17}, "stop"), ({"stop": [""]}, "stop")],
+)  # fmt: skip
+def test_the_gateways_own_checks_name_the_field(fields, param):
+    """What passes this API's parse but not the gateway's limits is refused there, naming the field."""
+    call = api.parse({**CHAT, **fields}, chat=True)
+    with pytest.raises(Abort) as e:
+        check(call.request, Limits(max_new_tokens=8, max_budget=8), None)
+    assert e.value.code is Status.INVALID_ARGUMENT and api.from_abort(e.value).body["error"]["param"] == param

@@ -209,3 +209,18 @@ def test_the_limits_file_sets_a_tenants_corpus(tmp_path):
     f.write_text("[tenants.quiet]\nshare = 0\n")
     with pytest.raises(ValueError, match="share"):
         load_tenant_limits(str(f))
+
+
+def test_a_bad_tenant_limit_names_its_table_and_key(tmp_path):
+    f = tmp_path / "limits.toml"
+    for bad, where in [
+        ("[tenants.acme]\nturns = true\n", "tenants.acme.turns"),  # a boolean is no count
+        ("[default]\ncorpus_tokens = 1.5\n", "default.corpus_tokens"),
+        ('[default]\nshare = "yes"\n', "default.share"),
+        ("[tenants.acme]\nsessions = -3\n", "tenants.acme.sessions"),
+    ]:
+        f.write_text(bad)
+        with pytest.raises(ValueError, match=rf"{f}: {where}: "):
+            load_tenant_limits(str(f))
+    with pytest.raises(ValueError):  # the settings' defaults are checked the same way
+        Quota(sessions=True)

@@ -367,6 +367,38 @@ def test_shutdown_drains_http_turns(loop_thread, tiny_llama, tok):
     h.st.stop()
 
 
+def test_a_session_closed_while_its_turn_runs_is_a_409_about_the_session_id(loop_thread, tiny_llama, tok):
+    """DELETE /v1/sessions/{id} ends the session's running turn: its caller gets ABORTED as a 409
+    whose param is session_id (the gateway's field, carried by the turn's stop)."""
+    h = Held(loop_thread, tiny_llama, tok)
+    got: dict = {}
+
+    def call():
+        with openai.OpenAI(base_url=h.base_url, api_key="none", max_retries=0, timeout=60) as c:
+            try:
+                c.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "Hi."}], extra_body={"session_id": "new"}
+                )
+            except openai.APIStatusError as e:
+                got["error"] = e
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    try:
+        h.wait_held()
+        ((_, sid),) = h.gw._turns
+        status, r = _http(h.base_url, "DELETE", f"/sessions/{sid}", key=None)
+        assert status == 200 and r["deleted"], r
+        h.release()
+        t.join(60)
+        e = got["error"]
+        assert isinstance(e, openai.ConflictError) and e.status_code == 409, e
+        assert e.body["param"] == "session_id" and "closed" in e.body["message"], e.body
+    finally:
+        h.release()
+        h.st.stop()
+
+
 def test_a_client_that_goes_away_cancels_its_turn(loop_thread, tiny_llama, tok):
     h = Held(loop_thread, tiny_llama, tok)
     try:
@@ -417,11 +449,11 @@ def test_a_one_call_session_saved_just_before_its_client_went_away_is_closed(loo
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_bug_is_a_500_with_a_log_id(stack, client, monkeypatch, stream):
+def test_a_bug_is_a_500_with_a_log_id(stack, client, monkeypatch, caplog, stream):
     """An unexpected exception (here: saving the record) is logged; the caller gets a server_error
     with its id and nothing of the exception, as a 500 or, once a stream has begun, as an event."""
 
-    async def boom(rec):
+    async def boom(rec, lease=None):
         raise RuntimeError("secret internals")
 
     monkeypatch.setattr(stack.gateway_pair[1].records, "save", boom)
@@ -433,6 +465,9 @@ def test_a_bug_is_a_500_with_a_log_id(stack, client, monkeypatch, stream):
             list(r)  # the error arrives as an event
     msg = str(e.value)
     assert "internal error (id " in msg and "secret" not in msg
+    logged = [r for r in caplog.records if getattr(r, "error_id", None)]  # the traceback, under the id the caller got
+    assert logged and f"(id {logged[-1].error_id})" in msg and logged[-1].path == "/v1/chat/completions"
+    assert "secret internals" in str(logged[-1].exc_info[1])
     if not stream:
         assert isinstance(e.value, openai.InternalServerError) and e.value.status_code == 500
 

@@ -1,4 +1,4 @@
-"""A turn's drafter and verifier streams, reopened on other endpoints when one breaks or goes silent.
+"""``TurnLinks``: a turn's drafter and verifier streams, reopened elsewhere when one breaks or goes silent.
 
 A stream lost mid-turn is reopened on the next endpoint with the committed tokens (``FAILOVERS``
 times per kind and turn at most); when every endpoint of a kind has failed, the turn waits up to
@@ -14,7 +14,6 @@ verifier is gone) goes to the least saturated verifier, as the verifiers report 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
@@ -22,6 +21,7 @@ from common.errors import Abort, Status
 from common.loop import Rounds
 
 from . import metrics as M
+from .backoff import Backoff
 from .links import DrafterLink, Feedback, Load, Lost, Opened, Tree, Verified, VerifierLink
 from .records import Record
 
@@ -50,6 +50,7 @@ class TurnLinks:
         self.last_error = {"drafter": "", "verifier": ""}
         self.abort: str | None = None  # set by a draining gateway: end the turn with UNAVAILABLE
         self.abort_code = Status.UNAVAILABLE  # ABORTED when the session's lease was lost
+        self.abort_field: str | None = None  # the request field the abort is about (Abort.field)
         self.waiting: dict[str, float] = {}  # kind -> when to stop waiting for one to come back
         self.corpus: dict = {}  # the tenant corpus for the drafter's open: share, corpus, corpus_tokens
         # kind -> why the session is leaving its backend (drain, lost, full, unreachable); None: it is not
@@ -57,7 +58,7 @@ class TurnLinks:
 
     def check_abort(self) -> None:
         if self.abort:
-            raise Abort(self.abort_code, self.abort)
+            raise Abort(self.abort_code, self.abort, field=self.abort_field)
 
     async def _candidates(self, kind: str) -> list[str]:
         """Endpoints of ``kind`` to try, best first. When every one has failed this turn, waits with
@@ -65,7 +66,7 @@ class TurnLinks:
         Redis-backed drafter coming back, a DNS change."""
         gw = self.gw
         eps = gw.backends.drafters if kind == "drafter" else gw.backends.verifiers
-        delay = 0.05
+        backoff = None
         while True:
             self.check_abort()
             await eps.refresh()
@@ -77,24 +78,27 @@ class TurnLinks:
                 return ranked
             if kind == "verifier" and self.full and not self.failed[kind]:
                 raise Abort(Status.RESOURCE_EXHAUSTED, f"every verifier is full: {self.last_error[kind]}")
-            now = time.monotonic()
-            deadline = self.waiting.get(kind)
-            if deadline is None:  # kept until an open succeeds: the retries below do not restart the clock
-                deadline = self.waiting[kind] = now + gw.timeouts.reconnect
-                log.warning(
-                    f"no {kind} reachable; waiting for one",
-                    extra={"session_id": self.record.session_id, "seconds": gw.timeouts.reconnect},
-                )
-            if now + delay > deadline:
+            backoff = backoff or Backoff(self._wait_until(kind))
+            if backoff.over():
                 raise Abort(
                     Status.UNAVAILABLE,
                     f"no {kind} reachable for {gw.timeouts.reconnect:g} s "
                     f"(last error: {self.last_error[kind]}); the turn was not saved: retry it",
                 )
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            await backoff.sleep()
             self.failed[kind].clear()
             await eps.refresh(force=True)
+
+    def _wait_until(self, kind: str) -> float:
+        """When to stop waiting for an endpoint of ``kind``: kept until an open succeeds, so that
+        the retries of later opens do not restart the clock."""
+        if kind not in self.waiting:
+            self.waiting[kind] = time.monotonic() + self.gw.timeouts.reconnect
+            log.warning(
+                f"no {kind} reachable; waiting for one",
+                extra={"session_id": self.record.session_id, "seconds": self.gw.timeouts.reconnect},
+            )
+        return self.waiting[kind]
 
     async def _verifiers(self, live: list[str]) -> list[str]:
         """The session's own verifier while it is up and not draining; else every live verifier,
