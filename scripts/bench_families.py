@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from tests.support.engine import hf_greedy, run_racer  # noqa: E402
 from tests.support.families import FAMILIES, backend_kind, echo_prompt, make  # noqa: E402
 from verifier.engine import VerifierSession  # noqa: E402
-from verifier.kernels import loaded_layout  # noqa: E402
+from verifier.layouts import loaded_layout  # noqa: E402
 
 
 def timed(fn, reps: int) -> tuple[object, float]:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native
+from .tuning import kernel_plan
 
 # mask: [n, past_len + n] bool, True = may attend.
 
@@ -29,10 +30,8 @@ class FastLlamaBackend:
     def __init__(self, model, capacity: int = 1024):
         """``capacity``: rows allocated now. The verifier's core passes 0 and sets ``reserve_rows``
         (the rows its KV budget reserved for this cache): the cache then grows to exactly that."""
-        from .kernels import plan_for
-
         self.model = model
-        self.plan = plan_for(model, held_ok=True)
+        self.plan = kernel_plan(model, held_ok=True)
         self.invariant = self.plan.invariant
         inner = model.model
         cfg = model.config
@@ -191,7 +190,7 @@ def forward_segments(segments, rows_exact: bool = True) -> list[torch.Tensor]:
     so no row ever sees another session's tokens. Returns each segment's hidden states.
 
     In invariant mode (reduced precision) a row's bits do not depend on the other rows of the call:
-    projections run by row-invariant kernels (``kernels.Plan``), rotary values come from a
+    projections run by row-invariant kernels (``kernels.KernelPlan``), rotary values come from a
     per-position table, norms and elementwise ops are rowwise, and (``rows_exact``) each row attends
     over exactly the keys it may see in position order, by the same computation a one-token step at
     its position makes. On a CPU with the native library that is ``native_attention.c``: keys

@@ -22,6 +22,7 @@ from common.priors import SHIPPED
 
 from .backends import FastLlamaBackend
 from .generic import make_backend
+from .model import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +75,6 @@ def fingerprint(model) -> str:
 
 def find_or_compute(model, tokenizer, topk: int, cache_dir: Path | None = None, compute: bool = True):
     """The prior for these weights: shipped, cached, or computed now and cached (None if unsupported)."""
-    from .model import cache_root
-
     name = f"prior-{fingerprint(model)}-k{topk}.npy"
     path = (cache_dir or cache_root() / "priors") / name
     for candidate in (SHIPPED / name, path):

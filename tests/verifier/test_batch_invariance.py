@@ -16,7 +16,7 @@ from tests.support.models import make_tiny_llama
 from verifier import native
 from verifier.backends import forward_segments
 from verifier.engine import VerifierSession
-from verifier.kernels import plan_for
+from verifier.tuning import kernel_plan
 
 VOCAB = 96
 
@@ -59,7 +59,7 @@ def _session(model, prompt, invariant: bool = True):
     count, fused attention over all rows): the negative control."""
     s = VerifierSession(model, backend="fast")
     if not invariant:
-        s.backend.plan = plan_for(model, invariant=False, spec="linear")
+        s.backend.plan = kernel_plan(model, invariant=False, spec="linear")
         s.backend.invariant = s.backend.native_attention = False
     s.prefill(prompt)
     return s
