@@ -54,10 +54,10 @@ class Engine:
     def tune_kernels(self) -> str | None:
         """The lean backend's kernel choice for this model, dtype and thread count (measured now, or
         read from the cache); a description of it, or None when the lean backend is not used."""
-        from verifier.backends import FastLlamaBackend
+        from verifier.llama import LlamaBackend
         from verifier.tuning import kernel_plan
 
-        if self.backend == "hf" or not FastLlamaBackend.supports(self.loaded.model):
+        if self.backend == "hf" or not LlamaBackend.supports(self.loaded.model):
             return None
         return kernel_plan(self.loaded.model).describe()
 

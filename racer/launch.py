@@ -119,10 +119,10 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
         if device != "cpu":
             model = model.to(device)
     if args.backend != "hf":
-        from verifier.backends import FastLlamaBackend
+        from verifier.llama import LlamaBackend
         from verifier.tuning import kernel_plan
 
-        if FastLlamaBackend.supports(model):  # kernels measured (or read from the cache) before serving
+        if LlamaBackend.supports(model):  # kernels measured (or read from the cache) before serving
             plan = await asyncio.to_thread(kernel_plan, model)
             log.info("kernels", extra={"dtype": str(model.dtype), "choice": plan.describe()})
     cost = None

@@ -20,8 +20,8 @@ import torch
 
 from common.priors import SHIPPED
 
-from .backends import FastLlamaBackend
-from .generic import make_backend
+from .engine import make_backend
+from .llama import LlamaBackend
 from .model import cache_root
 
 log = logging.getLogger(__name__)
@@ -82,10 +82,8 @@ def find_or_compute(model, tokenizer, topk: int, cache_dir: Path | None = None, 
             return np.load(candidate)
     if not compute:
         return None
-    if not FastLlamaBackend.supports(model):
-        log.info(
-            "no copy-logit prior for model_type=%s (the generic backend would take too long)", model.config.model_type
-        )
+    if not LlamaBackend.supports(model):
+        log.info("no copy-logit prior for model_type=%s (the hf backend would take too long)", model.config.model_type)
         return None
     log.warning(
         "computing the copy-logit prior for %d tokens (once per model; cached in %s)", model.config.vocab_size, path

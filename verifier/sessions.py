@@ -197,7 +197,7 @@ class Verifier(Holder):
         if rows > entry.rows:
             await self.budget.reserve(entry.key, self.budget.bytes_for(rows), timeout, what)
             entry.rows = rows
-        entry.session.set_reserve(rows)
+        entry.session.set_reserved_rows(rows)
 
     def _shrunk(self, entry: Entry, rows: int) -> None:
         """The cache now has at most ``rows`` rows: the rest of its reservation is given back."""
@@ -300,10 +300,10 @@ class Verifier(Holder):
         if current is not entry or entry.rows <= len(entry.tokens):
             return
         rows = len(entry.tokens)
-        entry.session.set_reserve(rows)
+        entry.session.set_reserved_rows(rows)
 
         def trim():
-            if entry.session.backend.reserve_rows == rows:  # no open since
+            if entry.session.backend.reserved_rows == rows:  # no open since
                 # A job of a cancelled stream may have run on and written rows past ``entry.tokens``:
                 # they are not counted, so they go before the cache shrinks to the reservation.
                 entry.session.truncate(rows)
