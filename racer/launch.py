@@ -133,15 +133,15 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
         log.info("cost curve", extra={"ms_by_size": {n: round(c, 2) for n, c in cost.items()}})
     core = Verifier(
         model,
-        args.topk,
-        args.backend,
-        args.max_sessions,
-        args.max_cache_tokens,
-        args.session_ttl,
-        cost,
-        args.max_batch,
-        args.max_wait_ms,
-        kv_budget_bytes=args.kv_budget_bytes,
+        topk=args.topk,
+        backend=args.backend,
+        max_sessions=args.max_sessions,
+        max_cache_tokens=args.max_cache_tokens,
+        ttl=args.session_ttl,
+        cost=cost,
+        max_batch=args.max_batch,
+        max_wait_ms=args.max_wait_ms,
+        kv_memory_bytes=args.kv_budget_bytes,
         headroom=args.kv_headroom_tokens,
         prefill_chunk=args.prefill_chunk,
         max_waiting=args.admission_queue,
@@ -151,7 +151,11 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
     )
     log.info(
         "KV budget",
-        extra={"bytes": core.budget.total, "bytes_per_token": core.budget.per_token, "tokens": core.budget.tokens},
+        extra={
+            "bytes": core.kv_memory.total,
+            "bytes_per_token": core.kv_memory.per_token,
+            "tokens": core.kv_memory.tokens,
+        },
     )
     svc = VerifierService(core)
     tasks = []

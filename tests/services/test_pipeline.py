@@ -240,18 +240,19 @@ def handed_to_model_thread(svc):
     from verifier.batcher import _timed_verify
 
     handed: list[int] = []
-    real = svc._run
+    thread = svc.model_thread
+    real = thread.submit
 
-    async def spy(fn, *args, **kw):
+    def spy(tenant, cost, kind, fn, *args):
         if fn is _timed_verify:
             handed.append(len(args[0][0][1]))
-        return await real(fn, *args, **kw)
+        return real(tenant, cost, kind, fn, *args)
 
-    svc._run = spy
+    thread.submit = spy
     try:
         yield handed
     finally:
-        del svc._run
+        del thread.submit
 
 
 def _random_tree(rng, n):
