@@ -1,5 +1,5 @@
 """``racer bench``'s HF baselines run Hugging Face as its users do: on the weights as loaded, even when
-the lean backend stored some transposed, which it gets back afterwards."""
+the llama backend stored some transposed, which it gets back afterwards."""
 
 from __future__ import annotations
 
