@@ -83,6 +83,14 @@ class SessionStats:
 
 
 class Verifier(Holder):
+    """The verifier's core. Every setting but the model is a keyword (its flag in
+    ``common/settings.py``): ``topk`` ids per position sent back, ``backend`` (auto, llama, hf),
+    ``max_sessions`` caches held, ``max_cache_tokens`` (KV memory without ``kv_memory_bytes`` or a
+    memory limit), ``ttl`` of an idle cache in seconds, ``cost`` (ms by tree size), ``max_batch``
+    trees and ``max_wait_ms`` per batch, ``headroom`` rows, ``prefill_chunk`` tokens per prefill
+    job, ``max_waiting`` opens for at most ``wait_seconds`` in KV memory's queue, ``stall_seconds``
+    before the model thread counts as stalled, ``prefill_batch`` prompts per forward."""
+
     def __init__(
         self,
         model,
