@@ -58,12 +58,12 @@ class InProcessStack:
     def tune_kernels(self) -> str | None:
         """The lean backend's kernel choice for this model, dtype and thread count (measured now, or
         read from the cache); a description of it, or None when the lean backend is not used."""
-        from verifier.backends import FastLlamaBackend
-        from verifier.kernels import plan_for
+        from verifier.llama import LlamaBackend
+        from verifier.tuning import kernel_plan
 
-        if self.backend == "hf" or not FastLlamaBackend.supports(self.loaded.model):
+        if self.backend == "hf" or not LlamaBackend.supports(self.loaded.model):
             return None
-        return plan_for(self.loaded.model).describe()
+        return kernel_plan(self.loaded.model).describe()
 
     @property
     def dtype(self) -> str:
@@ -91,7 +91,7 @@ class InProcessStack:
         backend may store some projection weights transposed (``verifier/kernels.py``: the same
         values, another GEMM), which would also change which GEMM HF's own forward calls, and so
         its speed; a baseline must be HF as its users run it. The layouts come back afterwards."""
-        from verifier.kernels import loaded_layout
+        from verifier.layouts import loaded_layout
 
         return loaded_layout(self.loaded.model)
 

@@ -151,12 +151,12 @@ async def load_model(args):
 async def _measure(model, args) -> dict[int, float] | None:
     """Before serving: the llama backend's kernels (measured, or read from the cache) and, with
     ``--measure-cost``, the cost curve the adaptive budget reads."""
-    from verifier.backends import FastLlamaBackend
     from verifier.engine import measure_cost
-    from verifier.kernels import plan_for
+    from verifier.llama import LlamaBackend
+    from verifier.tuning import kernel_plan
 
-    if args.backend != "hf" and FastLlamaBackend.supports(model):
-        plan = await asyncio.to_thread(plan_for, model)
+    if args.backend != "hf" and LlamaBackend.supports(model):
+        plan = await asyncio.to_thread(kernel_plan, model)
         log.info("kernels", extra={"dtype": str(model.dtype), "choice": plan.describe()})
     if not args.measure_cost:
         return None
@@ -183,7 +183,7 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
         cost=await _measure(model, args),
         max_batch=args.max_batch,
         max_wait_ms=args.max_wait_ms,
-        kv_budget_bytes=args.kv_memory_bytes,
+        kv_memory_bytes=args.kv_memory_bytes,
         headroom=args.kv_headroom_tokens,
         prefill_chunk=args.prefill_chunk,
         max_waiting=args.admission_queue,
@@ -193,7 +193,7 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
     )
     log.info(
         "KV memory",
-        extra={"bytes": core.budget.total, "bytes_per_token": core.budget.per_token, "tokens": core.budget.tokens},
+        extra={"bytes": core.kv_memory.total, "bytes_per_token": core.kv_memory.per_token, "tokens": core.kv_memory.tokens},
     )
 
     async def closed():  # after the last RPC: the model thread finishes its job and ends

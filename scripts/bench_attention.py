@@ -19,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from verifier import backends, native
+from verifier import llama, native
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -57,14 +57,14 @@ def main() -> None:
     print("| context | way | " + " | ".join(str(n) for n in SIZES) + " |")
     print("|---|---|" + "---|" * len(SIZES))
     for past in (int(c) for c in args.contexts.split(",")):
-        kv = torch.randn((2, kv_heads, past + max(SIZES) + backends._KEY_BLOCK, dim)).to(dtype)
+        kv = torch.randn((2, kv_heads, past + max(SIZES) + llama._KEY_BLOCK, dim)).to(dtype)
         cases = {}
         for n in SIZES:
             mask = tree_mask(rng, past, n)
             q = torch.randn((n, heads, dim)).to(dtype)
-            keys = backends._row_keys(mask, past, n)
-            groups = backends._row_groups(mask, past, n, "cpu", dtype)
-            add = backends._additive(mask, dtype, "cpu")
+            keys = llama._row_keys(mask, past, n)
+            groups = llama._row_groups(mask, past, n, "cpu", dtype)
+            add = llama._additive(mask, dtype, "cpu")
             cases[n] = (q, keys, groups, add)
 
         def run(way, n):
@@ -72,7 +72,7 @@ def main() -> None:
             if way == "native":
                 native.attention(q, kv, *keys, 0.125)
             elif way == "gathered":
-                backends._rows_attention(q.transpose(0, 1)[None], kv, groups, 0.125, True)
+                llama._rows_attention(q.transpose(0, 1)[None], kv, groups, 0.125, True)
             else:
                 F.scaled_dot_product_attention(
                     q.transpose(0, 1)[None],

@@ -299,7 +299,7 @@ def main(argv=None) -> None:
 
     import torch
 
-    from verifier.budget import kv_bytes_per_token
+    from verifier.kv_memory import kv_bytes_per_token
     from verifier.model import load
 
     torch.set_num_threads(args.threads)

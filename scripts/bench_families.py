@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from tests.support.engine import hf_greedy, run_racer  # noqa: E402
 from tests.support.families import FAMILIES, backend_kind, echo_prompt, make  # noqa: E402
 from verifier.engine import VerifierSession  # noqa: E402
-from verifier.kernels import loaded_layout  # noqa: E402
+from verifier.layouts import loaded_layout  # noqa: E402
 
 
 def timed(fn, reps: int) -> tuple[object, float]:
@@ -58,7 +58,7 @@ def main(argv=None) -> None:
         m = make(name)
         kind = backend_kind(VerifierSession(m).backend)
         prompt = echo_prompt(m)
-        with loaded_layout(m):  # HF as loaded: the lean backend may have stored weights transposed
+        with loaded_layout(m):  # HF as loaded: the llama backend may have stored weights transposed
             ref = hf_greedy(m, prompt, args.tokens)
             _, t_hf = timed(lambda: hf_greedy(m, prompt, args.tokens), args.reps)
         ok = [run_racer(m, list(prompt), "auto", max_new_tokens=args.tokens, budget=b)[0] == ref for b in (1, 8, 64)]

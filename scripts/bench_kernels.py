@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from verifier.engine import VerifierSession  # noqa: E402
-from verifier.kernels import plan_for  # noqa: E402
 from verifier.model import DEFAULT_MODEL, load  # noqa: E402
+from verifier.tuning import kernel_plan  # noqa: E402
 
 
 def main() -> None:
@@ -56,7 +56,7 @@ def main() -> None:
         os.environ["RACER_PACK"] = "off" if "unpacked" in options else "on"
         model = load(args.model, dtype=args.dtype, tokenizer=False).model
         t0 = time.perf_counter()
-        plan = plan_for(model)
+        plan = kernel_plan(model)
         print(f"{name}: {plan.describe()} ({time.perf_counter() - t0:.1f} s)", flush=True)
         vocab = model.config.vocab_size
         session = VerifierSession(model)

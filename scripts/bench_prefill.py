@@ -1,6 +1,6 @@
 """Prompts of several sessions prefilled one at a time and in one forward (``prefill_batch``).
 
-The verifier's own kernels (the measured plan) and lean backend, the default model in float32 unless
+The verifier's own kernels (the measured plan) and llama backend, the default model in float32 unless
 ``--model`` says otherwise; for each shape (prompts x tokens) both ways, interleaved within each
 repetition (the first pass is not counted), medians in ms and their ratio.
 
@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from verifier.engine import VerifierSession, prefill_batch  # noqa: E402
-from verifier.kernels import plan_for  # noqa: E402
 from verifier.model import load  # noqa: E402
+from verifier.tuning import kernel_plan  # noqa: E402
 
 
 def main() -> int:
@@ -35,7 +35,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = load(args.model, "float32", args.threads or None, False).model
-    plan_for(model)
+    kernel_plan(model)
     rng = random.Random(0)
     vocab = model.config.vocab_size
     print(f"threads={torch.get_num_threads()} model={args.model} float32")

@@ -11,7 +11,7 @@ walk every 4 KiB. The values are unchanged. On an AMD EPYC (Zen 3, AVX2) a 1-8 r
 projection of the default model ran 9-19% faster packed at one thread, with the native kernels
 (``scripts/bench_kernels.py`` ``/unpacked`` measures whole steps side by side on any machine).
 
-A packed parameter remembers its slot, so storing it in another layout (``kernels.set_layout``)
+A packed parameter remembers its slot, so storing it in another layout (``layouts.set_layout``)
 writes the new layout back into the same place. ``RACER_PACK=off`` leaves the weights where they
 were loaded.
 """
@@ -35,7 +35,7 @@ def enabled() -> bool:
 
 
 def transposed(w: torch.Tensor) -> bool:
-    """Whether a 2-D tensor is a transposed view of contiguous storage (``kernels.stored_as`` "col")."""
+    """Whether a 2-D tensor is a transposed view of contiguous storage (``layouts.stored_as`` "col")."""
     return w.dim() == 2 and not w.is_contiguous() and w.t().is_contiguous()
 
 

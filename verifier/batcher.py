@@ -1,4 +1,8 @@
-"""Batching concurrent sessions' trees, and their prompts, into one forward."""
+"""Batching concurrent sessions' trees, and their prompts, into one forward.
+
+Both batchers hand their forwards to the model thread (``fair.ModelThread``) they are given; they
+know nothing of the service that owns them beyond how many of its streams are open (a callable).
+"""
 
 from __future__ import annotations
 
@@ -8,13 +12,11 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from . import metrics as M
 from .engine import prefill_batch, verify_batch
-
-if TYPE_CHECKING:
-    from .sessions import Verifier
+from .fair import ModelThread
 
 # A lone stream's tree is verified on the event loop (see Batcher.verify) when it has at most
 # INLINE_NODES nodes and the last forward took at most INLINE_MS: the loop is held that long at most.
@@ -43,8 +45,12 @@ class Batcher:
     split into groups that take turns on the model, each round costing every session two forwards.
     """
 
-    def __init__(self, service: Verifier, max_batch: int = 16, max_wait_ms: float = 20.0):
-        self.service = service
+    def __init__(
+        self, model_thread: ModelThread, streaming: Callable[[], int], max_batch: int = 16, max_wait_ms: float = 20.0
+    ):
+        """``streaming()``: how many sessions have an open stream now (who could still join a batch)."""
+        self.model_thread = model_thread
+        self.streaming = streaming
         self.max_batch = max(1, max_batch)
         self.max_wait = max(0.0, max_wait_ms) / 1e3
         self.last_forward = 0.0  # seconds
@@ -55,13 +61,15 @@ class Batcher:
     async def verify(self, entry, tokens: list[int], parents: list[int]):
         """``entry``: the session's (its ``session`` and ``tenant``)."""
         session = entry.session
-        if self.queue.empty() and self.service.streaming() <= 1:
+        if self.queue.empty() and self.streaming() <= 1:
             # Nobody to batch with: no queue (its two hops through the event loop would be paid
             # every round). With the model idle and a tree small and quick to verify, the forward
             # runs right here: handing it to the model thread and waking this loop again costs
             # ~0.4 ms a round on a VM (two idle threads' wake-ups), and the loop is held for one
             # short forward at most; a stream that opens meanwhile is batched from its next round.
-            here = len(tokens) <= INLINE_NODES and self.last_forward * 1e3 <= INLINE_MS and not self.service.busy
+            here = (
+                len(tokens) <= INLINE_NODES and self.last_forward * 1e3 <= INLINE_MS and not self.model_thread.pending
+            )
             results, ms = await self._forward([(session, tokens, parents)], here)
             return results[0], ms, 0
         if self.task is None or self.task.done():
@@ -79,7 +87,8 @@ class Batcher:
         if here:
             results, ms = _timed_verify(items)
         else:
-            results, ms = await self.service._run(_timed_verify, items, tenant=TREES, cost=rows, kind="verify")
+            job = self.model_thread.submit(TREES, rows, "verify", _timed_verify, items)
+            results, ms = await asyncio.wrap_future(job)
         self.sizes.append(len(items))
         M.BATCH_SIZE.observe(len(items))
         self.last_forward = ms / 1e3
@@ -94,7 +103,7 @@ class Batcher:
                 if not self.queue.empty():
                     batch.append(self.queue.get_nowait())
                     continue
-                if len(batch) >= self.service.streaming() or loop.time() >= deadline:
+                if len(batch) >= self.streaming() or loop.time() >= deadline:
                     break
                 try:
                     batch.append(await asyncio.wait_for(self.queue.get(), deadline - loop.time()))
@@ -140,8 +149,8 @@ class PrefillBatcher:
     which charges its tenant for the work then. ``max_sessions=1``: one prompt per forward.
     """
 
-    def __init__(self, service: Verifier, max_sessions: int = 16, max_rows: int = 512):
-        self.service = service
+    def __init__(self, model_thread: ModelThread, max_sessions: int = 16, max_rows: int = 512):
+        self.model_thread = model_thread
         self.max_sessions = max(1, max_sessions)
         self.max_rows = max(1, max_rows)
         self._lock = threading.Lock()
@@ -154,7 +163,7 @@ class PrefillBatcher:
         item = _Prompt(tenant, session, tokens, choose, prepare)
         with self._lock:
             self._waiting.setdefault(tenant, deque()).append(item)
-        job = self.service.model_thread.submit(tenant, len(tokens), "prefill", self._run, item)
+        job = self.model_thread.submit(tenant, len(tokens), "prefill", self._run, item)
         job.add_done_callback(lambda job: self._settle(item, job))
         try:
             return await asyncio.wrap_future(item.future)

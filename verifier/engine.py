@@ -1,7 +1,12 @@
-"""One session of the target model: prefill, tree verification, KV bookkeeping."""
+"""One session of the target model: prefill, tree verification, KV bookkeeping; and which backend
+runs it (``make_backend``)."""
 
 from __future__ import annotations
 
+import random
+import statistics
+import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -9,9 +14,14 @@ import torch
 from common.params import SamplingParams
 
 from .acceptance import accept
-from .generic import chain_of, make_backend
+from .backend import Backend
+from .hf import HFBackend, chain_of
+from .llama import LlamaBackend, forward_segments
 from .sampling import Sampler
 from .tree import tree_inputs, validate
+
+BACKENDS = ("auto", "llama", "hf")
+OLD_BACKEND_NAMES = {"fast": "llama", "generic": "hf"}  # still accepted, with a warning
 
 _PREFILL_CHUNK = 256  # rows of the output projection computed at once (bounds [chunk, V] logits)
 
@@ -27,6 +37,33 @@ class VerifyResult:
     accepted: list[int]  # accepted node indices, root first
     bonus: int  # the target's choice after the last accepted node
     topk: list[list[int]]  # [n_nodes, k]: top-k next-token ids at every tree node
+
+
+def make_backend(model, kind: str = "auto", capacity: int = 1024) -> Backend:
+    """``auto``: the "llama" backend where it implements the model, else the "hf" one; ``llama``: the
+    llama one or ValueError; ``hf``: the hf one (float32 only). ``capacity``: rows the llama
+    backend allocates now."""
+    if kind in OLD_BACKEND_NAMES:
+        new = OLD_BACKEND_NAMES[kind]
+        warnings.warn(f"backend {kind!r} is now called {new!r}", DeprecationWarning, stacklevel=2)
+        kind = new
+    if kind not in BACKENDS:
+        raise ValueError(f"unknown backend {kind!r} (one of {', '.join(BACKENDS)})")
+    if kind == "auto":
+        kind = "llama" if LlamaBackend.supports(model) else "hf"
+    if kind == "llama":
+        if not LlamaBackend.supports(model):
+            raise ValueError(f"the llama backend does not support model_type={model.config.model_type!r}")
+        return LlamaBackend(model, capacity)
+    dtype = next(model.parameters()).dtype
+    if dtype != torch.float32:
+        # Its rows' bits depend on what shares a forward (tree nodes, other sessions), so drafts
+        # could change a reduced-precision output: only the llama forward is batch invariant.
+        raise ValueError(
+            f"model_type={model.config.model_type!r} runs on the hf backend, which verifies in float32 "
+            f"only (got {str(dtype).replace('torch.', '')}): use --dtype float32"
+        )
+    return HFBackend(model)
 
 
 class VerifierSession:
@@ -58,16 +95,16 @@ class VerifierSession:
         self.backend.truncate(length)
 
     def rows_needed(self, n: int) -> int:
-        """Cache rows a forward of ``n`` new tokens needs (a KV budget reserves them beforehand)."""
+        """Cache rows a forward of ``n`` new tokens needs (KV memory reserves them beforehand)."""
         return self.length + n + self.backend.pad_rows()
 
-    def set_reserve(self, rows: int) -> None:
-        """The rows the KV budget holds for this cache: a growing cache grows to them at once."""
-        self.backend.reserve_rows = rows
+    def set_reserved_rows(self, rows: int) -> None:
+        """The rows KV memory holds for this cache: a growing cache grows to them at once."""
+        self.backend.reserved_rows = rows
 
     def resize(self, rows: int) -> None:
         """Gives back (or allocates) cache rows: exactly ``max(rows, length)`` afterwards. A cache
-        that only ever holds its committed rows (the generic backend's) has nothing to do."""
+        that only ever holds its committed rows (the hf backend's) has nothing to do."""
         self.backend.resize(rows)
 
     def _choose(self, logits_row: torch.Tensor) -> int:
@@ -83,7 +120,7 @@ class VerifierSession:
         inputs = self._prefill_inputs(tokens)
         # A prompt is one fused forward even in invariant mode: every run of the same prompt gets the
         # same bits; only tree rows must match what a one-token step computes.
-        exact = {"rows_exact": False} if getattr(self.backend, "invariant", False) else {}
+        exact = {"rows_exact": False} if self.backend.invariant else {}
         return self._prefilled(self.backend.forward(*inputs, **exact), choose)
 
     def _prefill_inputs(self, tokens: list[int]):
@@ -117,7 +154,7 @@ class VerifierSession:
     @torch.inference_mode()
     def verify(self, tokens: list[int], parents: list[int]) -> VerifyResult:
         """One forward over the whole tree; keeps the accepted path's K/V rows only."""
-        if getattr(self.backend, "chain_only", False):
+        if self.backend.chain_only:
             return self._verify_chain(tokens, parents)
         ids, positions, mask = self._inputs(tokens, parents)
         hidden = self.backend.forward(ids, positions, mask)
@@ -170,13 +207,11 @@ class VerifierSession:
 
 @torch.inference_mode()
 def verify_batch(items: list[tuple["VerifierSession", list[int], list[int]]]) -> list[VerifyResult | ValueError]:
-    """Verifies several sessions' trees; those on the lean backend of one model share one forward.
+    """Verifies several sessions' trees; those on the llama backend of one model share one forward.
 
     Each result is what ``session.verify(tokens, parents)`` alone returns (an invalid tree gets its
     ValueError and leaves its session untouched; the others go on).
     """
-    from .backends import FastLlamaBackend, forward_segments
-
     results: list = [None] * len(items)
     batch = []
     for j, (session, tokens, parents) in enumerate(items):
@@ -185,7 +220,7 @@ def verify_batch(items: list[tuple["VerifierSession", list[int], list[int]]]) ->
         except ValueError as e:
             results[j] = e
             continue
-        if isinstance(session.backend, FastLlamaBackend):
+        if isinstance(session.backend, LlamaBackend):
             batch.append((j, inputs))
         else:
             results[j] = session.verify(tokens, parents)
@@ -205,7 +240,7 @@ def verify_batch(items: list[tuple["VerifierSession", list[int], list[int]]]) ->
 
 @torch.inference_mode()
 def prefill_batch(items: list[tuple["VerifierSession", list[int], bool]]) -> list[PrefillResult | BaseException]:
-    """Prefills several sessions' prompts (``(session, tokens, choose)``); those on the lean backend of
+    """Prefills several sessions' prompts (``(session, tokens, choose)``); those on the llama backend of
     one model share one pass over the weights (``forward_segments``), each with its own positions,
     causal mask and cache, as tree batches do.
 
@@ -217,12 +252,10 @@ def prefill_batch(items: list[tuple["VerifierSession", list[int], bool]]) -> lis
     (its contract is token identity with Hugging Face greedy). An invalid prompt gets its error and
     leaves its session untouched; the others go on.
     """
-    from .backends import FastLlamaBackend, forward_segments
-
     results: list = [None] * len(items)
     groups: dict[int, list] = {}
     for j, (session, tokens, choose) in enumerate(items):
-        if not isinstance(session.backend, FastLlamaBackend):
+        if not isinstance(session.backend, LlamaBackend):
             try:
                 results[j] = session.prefill(tokens, choose)
             except Exception as e:  # noqa: BLE001 - this prompt's caller gets it
@@ -250,10 +283,6 @@ def measure_cost(
 ) -> dict[int, float]:
     """Median milliseconds of one verification (forward, logits, top-k, acceptance) by tree size,
     over a ``context``-token cache: the curve the adaptive budget weighs acceptance against."""
-    import random
-    import statistics
-    import time
-
     rng = random.Random(0)
     vocab = model.config.vocab_size
     session = VerifierSession(model, topk, backend)

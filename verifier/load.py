@@ -1,8 +1,8 @@
 """How saturated a verifier is: one number that autoscalers and gateways act on.
 
-    saturation = max(kv_reserved / kv_budget / KV_TARGET, (model_queue + admission_waiting) / QUEUE_TARGET)
+    saturation = max(kv_reserved / kv_memory / KV_TARGET, (model_queue + admission_waiting) / QUEUE_TARGET)
 
-1.0 means saturated: KV reservations at ``KV_TARGET`` (80%) of the budget, or ``QUEUE_TARGET`` (5)
+1.0 means saturated: KV reservations at ``KV_TARGET`` (80%) of KV memory, or ``QUEUE_TARGET`` (5)
 jobs waiting, counting forwards queued for the model thread (prefill chunks, tree batches) and opens
 waiting for KV memory. Those are the two limits of a verifier: memory for caches and the model's
 time. The thresholds are llm-d's (a replica is saturated at KV usage >= 0.8 or queue >= 5); vLLM's
@@ -18,16 +18,16 @@ as saturated, which is right for their next turns (they would otherwise be re-pr
 
 from __future__ import annotations
 
-KV_TARGET = 0.8  # fraction of the KV budget reserved at which a verifier counts as saturated
+KV_TARGET = 0.8  # fraction of KV memory reserved at which a verifier counts as saturated
 QUEUE_TARGET = 5  # jobs waiting (model queue + admission queue) at which it counts as saturated
 
 
-def saturation(kv_reserved: float, kv_budget: float, model_queue: int, admission_waiting: int) -> float:
-    kv = kv_reserved / kv_budget / KV_TARGET if kv_budget > 0 else 0.0
+def saturation(kv_reserved: float, kv_memory: float, model_queue: int, admission_waiting: int) -> float:
+    kv = kv_reserved / kv_memory / KV_TARGET if kv_memory > 0 else 0.0
     return max(kv, (model_queue + admission_waiting) / QUEUE_TARGET)
 
 
 def of(verifier) -> float:
     """``verifier``'s saturation now (a ``verifier.sessions.Verifier``)."""
-    b = verifier.budget
+    b = verifier.kv_memory
     return saturation(b.used, b.total, verifier.model_thread.queued, b.waiting)

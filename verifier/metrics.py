@@ -23,7 +23,8 @@ CACHE_TOKENS = Gauge("racer_verifier_cache_tokens", "Tokens held in all KV cache
 # Exported with _total (racer_verifier_evictions_total, racer_verifier_reused_tokens_total).
 EVICTIONS = Counter("racer_verifier_evictions", "KV caches dropped", ["reason"])
 REUSED_TOKENS = Counter("racer_verifier_reused_tokens", "History tokens found in the KV cache at open")
-KV_BUDGET_BYTES = Gauge("racer_verifier_kv_budget_bytes", "KV memory the caches may hold, in bytes")
+# KV memory; exported under its first name, which dashboards and alerts query.
+KV_MEMORY_BYTES = Gauge("racer_verifier_kv_budget_bytes", "KV memory the caches may hold, in bytes")
 KV_RESERVED_BYTES = Gauge("racer_verifier_kv_reserved_bytes", "KV memory reserved by the caches, in bytes")
 ADMISSIONS = Counter(
     "racer_verifier_admissions",

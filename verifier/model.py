@@ -117,11 +117,19 @@ def resolve_dtype(dtype: str = "auto", device: str = "cpu") -> str:
     batch-invariant forward (speculation never changes the output; see README, Exactness)."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r} (one of {', '.join(DTYPES)})")
-    if dtype == "auto":
-        from .kernels import auto_dtype
+    return auto_dtype(device) if dtype == "auto" else dtype
 
-        return auto_dtype(device)
-    return dtype
+
+def auto_dtype(device: str = "cpu") -> str:
+    """``--dtype auto``: bfloat16 where the hardware multiplies it natively (CUDA, or a CPU with AMX or
+    AVX512-BF16), float32 elsewhere (bfloat16 GEMMs are emulated, and far slower, without them)."""
+    import torch  # as in ``load``: the CLI reads this module's names without loading torch
+
+    if torch.device(device).type == "cuda":
+        return "bfloat16"
+    cpu = torch.cpu
+    native = any(getattr(cpu, f, lambda: False)() for f in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+    return "bfloat16" if native else "float32"
 
 
 def eos_token_ids(path: Path, tokenizer) -> tuple[int, ...]:

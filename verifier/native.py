@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from .model import cache_root
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_linear.c")
@@ -99,8 +101,6 @@ def _load(machine: str) -> ctypes.CDLL | None:
             x.encode() for x in (SOURCE.read_text(), ATTENTION_SOURCE.read_text(), version, " ".join(FLAGS), machine)
         )
     ).hexdigest()[:20]
-    from .model import cache_root
-
     before = _openmp_runtimes()
     lib = None
     for where in (cache_root() / "native", Path(tempfile.gettempdir()) / f"racer-native-{os.getuid()}"):

@@ -20,8 +20,9 @@ import torch
 
 from common.priors import SHIPPED
 
-from .backends import FastLlamaBackend
-from .generic import make_backend
+from .engine import make_backend
+from .llama import LlamaBackend
+from .model import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +75,6 @@ def fingerprint(model) -> str:
 
 def find_or_compute(model, tokenizer, topk: int, cache_dir: Path | None = None, compute: bool = True):
     """The prior for these weights: shipped, cached, or computed now and cached (None if unsupported)."""
-    from .model import cache_root
-
     name = f"prior-{fingerprint(model)}-k{topk}.npy"
     path = (cache_dir or cache_root() / "priors") / name
     for candidate in (SHIPPED / name, path):
@@ -83,10 +82,8 @@ def find_or_compute(model, tokenizer, topk: int, cache_dir: Path | None = None, 
             return np.load(candidate)
     if not compute:
         return None
-    if not FastLlamaBackend.supports(model):
-        log.info(
-            "no copy-logit prior for model_type=%s (the generic backend would take too long)", model.config.model_type
-        )
+    if not LlamaBackend.supports(model):
+        log.info("no copy-logit prior for model_type=%s (the hf backend would take too long)", model.config.model_type)
         return None
     log.warning(
         "computing the copy-logit prior for %d tokens (once per model; cached in %s)", model.config.vocab_size, path

@@ -42,7 +42,7 @@ class VerifierService(pb_grpc.VerifierServicer):
                             op.session_id,
                             list(op.history),
                             (s.temperature, s.top_p or 1.0, s.top_k, s.seed if s.HasField("seed") else None),
-                            reserve=op.reserve_tokens,
+                            reserve_tokens=op.reserve_tokens,
                         )
                     )
                     with tracer.start_as_current_span("verifier.prefill") as span:

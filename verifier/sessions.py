@@ -4,9 +4,9 @@ Model work runs on one worker thread (the forward releases the GIL), so health c
 streams stay responsive while a prefill, a batch or a big tree is computed; a lone stream's small
 trees are verified on the event loop itself when the last forward was short (INLINE_MS), which
 holds the loop for one short forward. Caches outlive streams: a session's next turn
-prefills only its new tokens. They are bounded by count and by a KV budget in bytes
-(``budget.py``): an open reserves its history plus ``headroom`` rows (new tokens and a tree) before
-any of it is allocated, a cache grows only by a further reservation, and an idle cache gives its
+prefills only its new tokens. They are bounded by count and by KV memory in bytes
+(``kv_memory.py``): an open reserves its history, the turn's ``reserve_tokens`` and ``headroom``
+rows (a tree) before any of it is allocated, a cache grows only by a further reservation, and an idle cache gives its
 spare rows back. The least recently used idle cache is evicted for room (an evicted session is
 simply re-prefilled when it comes back); what still does not fit waits in a bounded queue.
 The model thread (``fair.py``) serves tenants in fair turns; a long prefill runs in chunks of
@@ -30,9 +30,9 @@ from common.sessions import Holder, SessionTable
 
 from . import metrics as M
 from .batcher import Batcher, PrefillBatcher
-from .budget import KVBudget, default_budget, kv_bytes_per_token
 from .engine import VerifierSession
 from .fair import ModelThread
+from .kv_memory import KVMemory, default_kv_bytes, kv_bytes_per_token
 
 MAX_TREE = 4096
 
@@ -41,7 +41,7 @@ MAX_TREE = 4096
 class Entry(_Entry):
     session: VerifierSession = None  # type: ignore[assignment] - always given
     tokens: list[int] = field(default_factory=list)  # what the KV cache holds, in order
-    rows: int = 0  # cache rows the KV budget reserves for it
+    reserved_rows: int = 0  # cache rows KV memory reserves for it
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Open:
     history: list[int]
     sampling: tuple = (0.0, 1.0, 0, None)  # SamplingParams' fields: temperature, top_p, top_k, seed
     timeout: float | None = None  # seconds the client still waits (its deadline): the longest wait for room
-    reserve: int = 0  # new tokens the turn may add: reserved at open with the history and a tree's headroom
+    reserve_tokens: int = 0  # new tokens the turn may add: reserved at open with the history and the headroom
 
 
 @dataclass(frozen=True)
@@ -83,9 +83,18 @@ class SessionStats:
 
 
 class Verifier(Holder):
+    """The verifier's core. Every setting but the model is a keyword (its flag in
+    ``common/settings.py``): ``topk`` ids per position sent back, ``backend`` (auto, llama, hf),
+    ``max_sessions`` caches held, ``max_cache_tokens`` (KV memory without ``kv_memory_bytes`` or a
+    memory limit), ``ttl`` of an idle cache in seconds, ``cost`` (ms by tree size), ``max_batch``
+    trees and ``max_wait_ms`` per batch, ``headroom`` rows, ``prefill_chunk`` tokens per prefill
+    job, ``max_waiting`` opens for at most ``wait_seconds`` in KV memory's queue, ``stall_seconds``
+    before the model thread counts as stalled, ``prefill_batch`` prompts per forward."""
+
     def __init__(
         self,
         model,
+        *,
         topk: int = 8,
         backend: str = "auto",
         max_sessions: int = 64,
@@ -94,7 +103,7 @@ class Verifier(Holder):
         cost: dict[int, float] | None = None,
         max_batch: int = 16,
         max_wait_ms: float = 20.0,
-        kv_budget_bytes: int = 0,
+        kv_memory_bytes: int = 0,
         headroom: int = 320,
         prefill_chunk: int = 512,
         max_waiting: int = 64,
@@ -107,19 +116,19 @@ class Verifier(Holder):
         self.backend = backend
         self.vocab_size = model.config.vocab_size
         self.max_sessions = max_sessions
-        self.headroom = headroom  # rows reserved past the history: new tokens, a tree
+        self.headroom = headroom  # rows reserved past the history and the turn's new tokens: a tree
         self.prefill_chunk = max(1, prefill_chunk)
         self.stall_seconds = stall_seconds
         self.sessions: SessionTable[Entry] = SessionTable(ttl)
         per_token = kv_bytes_per_token(model.config, next(model.parameters()).element_size())
-        total = kv_budget_bytes or default_budget(model, per_token, max_cache_tokens)
-        self.budget = KVBudget(total, per_token, self._evict, max_waiting, wait_seconds)
+        total = kv_memory_bytes or default_kv_bytes(model, per_token, max_cache_tokens)
+        self.kv_memory = KVMemory(total, per_token, self._evict, max_waiting, wait_seconds)
         # ms per verification by tree size: measured at start-up, kept current by unbatched verifications
         self.cost: dict[int, float] = dict(cost or {})
-        self.batcher = Batcher(self, max_batch, max_wait_ms)
-        self.prefills = PrefillBatcher(self, prefill_batch, self.prefill_chunk)
         # OpenMP thread settings are per thread: the worker takes the creating thread's count.
         self.model_thread = ModelThread(self.prefill_chunk, torch.get_num_threads())
+        self.batcher = Batcher(self.model_thread, self.streaming, max_batch, max_wait_ms)
+        self.prefills = PrefillBatcher(self.model_thread, prefill_batch, self.prefill_chunk)
 
     @property
     def busy(self) -> int:
@@ -148,14 +157,14 @@ class Verifier(Holder):
             raise Abort(
                 Status.INVALID_ARGUMENT, f"open.history: token id {bad} outside the vocabulary [0, {self.vocab_size})"
             )
-        if op.reserve < 0:
-            raise Abort(Status.INVALID_ARGUMENT, f"open.reserve_tokens: {op.reserve} is negative")
-        need = self.budget.bytes_for(len(op.history) + op.reserve + self.headroom)
-        if need > self.budget.total:
+        if op.reserve_tokens < 0:
+            raise Abort(Status.INVALID_ARGUMENT, f"open.reserve_tokens: {op.reserve_tokens} is negative")
+        need = self.kv_memory.bytes_for(len(op.history) + op.reserve_tokens + self.headroom)
+        if need > self.kv_memory.total:
             raise Abort(
                 Status.RESOURCE_EXHAUSTED,
-                f"open.history: {len(op.history)} tokens and {op.reserve} new need {need} bytes of KV memory "
-                f"(with {self.headroom} rows for a tree), this verifier holds at most {self.budget.total}",
+                f"open.history: {len(op.history)} tokens and {op.reserve_tokens} new need {need} bytes of KV memory "
+                f"(with {self.headroom} rows for a tree), this verifier holds at most {self.kv_memory.total}",
             )
         if self.stalled():
             raise Abort(
@@ -187,25 +196,27 @@ class Verifier(Holder):
         if victim is None:
             return False
         self.sessions.pop(victim.key)
-        self.budget.release(victim.key)
+        self.kv_memory.release(victim.key)
         M.EVICTIONS.labels("capacity").inc()
         return True
 
     async def _reserve(self, entry: Entry, rows: int, timeout: float | None, what: str) -> None:
         """Makes ``entry``'s reservation at least ``rows`` rows (waiting for room if need be); a smaller
         one is applied by ``_shrunk`` once the cache has really shrunk."""
-        if rows > entry.rows:
-            await self.budget.reserve(entry.key, self.budget.bytes_for(rows), timeout, what)
-            entry.rows = rows
-        entry.session.set_reserve(rows)
+        if rows > entry.reserved_rows:
+            await self.kv_memory.reserve(entry.key, self.kv_memory.bytes_for(rows), timeout, what)
+            entry.reserved_rows = rows
+        entry.session.set_reserved_rows(rows)
 
     def _shrunk(self, entry: Entry, rows: int) -> None:
         """The cache now has at most ``rows`` rows: the rest of its reservation is given back."""
-        if rows < entry.rows and self.sessions.get(entry.key) is entry:
-            entry.rows = rows
-            self.budget.shrink(entry.key, self.budget.bytes_for(rows))
+        if rows < entry.reserved_rows and self.sessions.get(entry.key) is entry:
+            entry.reserved_rows = rows
+            self.kv_memory.shrink(entry.key, self.kv_memory.bytes_for(rows))
 
-    async def open(self, entry: Entry, history: list[int], timeout: float | None = None, reserve: int = 0) -> Prefilled:
+    async def open(
+        self, entry: Entry, history: list[int], timeout: float | None = None, reserve_tokens: int = 0
+    ) -> Prefilled:
         """Keeps the longest prefix of ``history`` the cache holds and prefills the rest, in chunks
         of ``prefill_chunk`` tokens, each its own job in the tenant's fair turn on the model thread."""
         have = entry.tokens
@@ -217,7 +228,7 @@ class Verifier(Holder):
         reuse = min(common, len(history) - 1)  # at least one token is fed: its logits pick the next
         t0 = time.perf_counter()
         pad = entry.session.rows_needed(0) - entry.session.length  # rows a forward writes past its own
-        rows = len(history) + reserve + self.headroom + pad
+        rows = len(history) + reserve_tokens + self.headroom + pad
         try:
             await self._reserve(entry, rows, timeout, f"open of session {entry.session_id}")
         except BaseException:
@@ -264,7 +275,7 @@ class Verifier(Holder):
             raise Abort(Status.INVALID_ARGUMENT, f"tree.tokens: {len(tokens)} nodes, at most {MAX_TREE}")
         t0 = time.perf_counter()
         need = entry.session.rows_needed(len(tokens))
-        if need > entry.rows:  # grows by a reservation, with headroom so it does not every round
+        if need > entry.reserved_rows:  # grows by a reservation, with headroom so it does not every round
             await self._reserve(entry, need + self.headroom, None, f"tree of session {entry.session_id}")
         try:
             res, forward_ms, others = await self.batcher.verify(entry, tokens, parents)
@@ -291,19 +302,19 @@ class Verifier(Holder):
 
     def release(self, entry: Entry) -> None:
         """The stream is over: the idle cache gives back its spare rows (on the model thread, after
-        the stream's own jobs; the budget follows once it has)."""
+        the stream's own jobs; KV memory follows once it has)."""
         self.sessions.release(entry)
         current = self.sessions.get(entry.key)
         if current is None:  # dropped while it streamed (a growth may have reserved again since)
-            self.budget.release(entry.key)
-        self.budget.wake()  # an idle cache may be evicted for those waiting
-        if current is not entry or entry.rows <= len(entry.tokens):
+            self.kv_memory.release(entry.key)
+        self.kv_memory.wake()  # an idle cache may be evicted for those waiting
+        if current is not entry or entry.reserved_rows <= len(entry.tokens):
             return
         rows = len(entry.tokens)
-        entry.session.set_reserve(rows)
+        entry.session.set_reserved_rows(rows)
 
         def trim():
-            if entry.session.backend.reserve_rows == rows:  # no open since
+            if entry.session.backend.reserved_rows == rows:  # no open since
                 # A job of a cancelled stream may have run on and written rows past ``entry.tokens``:
                 # they are not counted, so they go before the cache shrinks to the reservation.
                 entry.session.truncate(rows)
@@ -325,7 +336,7 @@ class Verifier(Holder):
     def _forget(self, entry: Entry) -> None:
         if self.sessions.get(entry.key) is entry:
             self.sessions.pop(entry.key)
-            self.budget.release(entry.key)
+            self.kv_memory.release(entry.key)
         self._gauge()
 
     def _gauge(self) -> None:
@@ -335,7 +346,7 @@ class Verifier(Holder):
     async def expire(self) -> int:
         gone = self.sessions.expire()
         for e in gone:
-            self.budget.release(e.key)
+            self.kv_memory.release(e.key)
         M.EVICTIONS.labels("idle").inc(len(gone))
         self._gauge()
         return len(gone)
@@ -343,7 +354,7 @@ class Verifier(Holder):
     def drop(self, tenant: str, session_id: str) -> bool:
         entry = self.sessions.pop((tenant, session_id))
         if entry is not None:
-            self.budget.release(entry.key)
+            self.kv_memory.release(entry.key)
         self._gauge()
         return entry is not None
 

@@ -39,7 +39,7 @@ def _prompt(seed: int, n: int = 24) -> list[int]:
 
 
 def _run(model, prompt, mode, budget):
-    v = VerifierSession(model, backend="fast")
+    v = VerifierSession(model, backend="llama")
     return [
         t
         for c in generate(DraftSession(), v, prompt, GenerationParams(max_new_tokens=N, mode=mode, budget=budget))

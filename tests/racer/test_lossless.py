@@ -10,7 +10,7 @@ from drafter.session import DraftSession
 from tests.support.engine import RecordingVerifier, ScriptedDrafter, Tree, hf_greedy, run, run_racer, single_thread
 from verifier.engine import VerifierSession
 
-BACKENDS = ["fast", "hf"]
+BACKENDS = ["llama", "hf"]
 N = 32  # new tokens per prompt
 EXTRA = 70  # the scripted drafters look this far ahead of the output
 PROMPTS = [
@@ -327,7 +327,7 @@ def test_adaptive_budget_is_lossless(tiny_llama, refs, tiny_costs, mode, costs):
     for prompt, ref in refs.items():
         drafter = DraftSession()
         drafter.set_costs(curve)
-        verifier = RecordingVerifier(VerifierSession(tiny_llama, backend="fast"))
+        verifier = RecordingVerifier(VerifierSession(tiny_llama, backend="llama"))
         out, stats, _ = run(drafter, verifier, list(prompt), GenerationParams(max_new_tokens=N, mode=mode, budget=0))
         assert out == ref[:N], f"prompt {list(prompt)}"
         sizes += [len(t) for t, _, _ in verifier.rounds]

@@ -96,7 +96,7 @@ SETTINGS = [
 
 
 @pytest.mark.parametrize("sp", SETTINGS, ids=lambda sp: f"t{sp.temperature}-k{sp.top_k}-p{sp.top_p}")
-@pytest.mark.parametrize("backend, mode", [("fast", "racer"), ("fast", "topk-tree"), ("hf", "topk-tree")])
+@pytest.mark.parametrize("backend, mode", [("llama", "racer"), ("llama", "topk-tree"), ("hf", "topk-tree")])
 def test_same_seed_same_tokens_as_plain_sampling(tiny_llama, echo_prompt, backend, mode, sp):
     """``topk-tree`` drafts the target's own likely tokens, so the walk descends often."""
     accepted = 0
@@ -157,7 +157,7 @@ def exact_joint(tiny_llama):
 def sampled_triples(tiny_llama):
     """SAMPLES runs of generate (racer loop, a tree of likely tokens), one seed each: first 3 tokens."""
     drafter_cache = TopKTreeDrafter(tiny_llama)
-    session = VerifierSession(tiny_llama, backend="fast")
+    session = VerifierSession(tiny_llama, backend="llama")
     out = []
     descended = 0
     with single_thread():
@@ -279,7 +279,7 @@ def test_processed_probs_matches_the_reference_support():
     ],
     ids=["top_k=3", "top_p=0.6", "top_k=10,top_p=0.5"],
 )
-@pytest.mark.parametrize("backend", ["fast", "hf"])
+@pytest.mark.parametrize("backend", ["llama", "hf"])
 def test_filtered_sampling_never_leaves_the_allowed_set(tiny_llama, echo_prompt, backend, sp):
     emitted_outside_top1 = 0
     for seed in range(4):

@@ -240,18 +240,19 @@ def handed_to_model_thread(svc):
     from verifier.batcher import _timed_verify
 
     handed: list[int] = []
-    real = svc._run
+    thread = svc.model_thread
+    real = thread.submit
 
-    async def spy(fn, *args, **kw):
+    def spy(tenant, cost, kind, fn, *args):
         if fn is _timed_verify:
             handed.append(len(args[0][0][1]))
-        return await real(fn, *args, **kw)
+        return real(tenant, cost, kind, fn, *args)
 
-    svc._run = spy
+    thread.submit = spy
     try:
         yield handed
     finally:
-        del svc._run
+        del thread.submit
 
 
 def _random_tree(rng, n):
@@ -274,7 +275,7 @@ def test_a_lone_streams_small_trees_are_verified_inline_and_all_trees_match_the_
     rng = random.Random(7)
     history = prompt(300)
     trees = [_random_tree(rng, n) for n in (3, INLINE_NODES, INLINE_NODES + 1, 3 * INLINE_NODES)]
-    ref = VerifierSession(tiny_llama, backend="fast")
+    ref = VerifierSession(tiny_llama, backend="llama")
     ref.prefill(history)
     want = [ref.verify(t, p) for t, p in trees]
     with handed_to_model_thread(svc) as handed, backend_channel(stack.verifier_target(0)) as ch:
@@ -296,7 +297,7 @@ def test_a_small_tree_waits_for_a_busy_model_thread_and_after_a_slow_forward_use
     rng = random.Random(8)
     history = prompt(301)
     trees = [_random_tree(rng, 3), _random_tree(rng, 3)]
-    ref = VerifierSession(tiny_llama, backend="fast")
+    ref = VerifierSession(tiny_llama, backend="llama")
     ref.prefill(history)
     want = [ref.verify(t, p) for t, p in trees]
     gates = [threading.Event(), threading.Event()]

@@ -91,8 +91,8 @@ def test_the_gateway_opens_new_sessions_on_another_verifier_while_one_is_wedged(
         assert [s.session_id for s in st.verifier_sessions(1)] == [last.session_id]
         assert st.verifier_sessions(0) == []
         # The gateway's open named the turn's new tokens: they were reserved with the history.
-        budget = st.verifiers[1][1].budget
-        assert budget.peak >= budget.bytes_for(len(p) + 16 + st.verifiers[1][1].headroom)
+        kv = st.verifiers[1][1].kv_memory
+        assert kv.peak >= kv.bytes_for(len(p) + 16 + st.verifiers[1][1].headroom)
         gate.set()
         _next_status(statuses, "SERVING")
         ch.close()

@@ -41,7 +41,7 @@ def run(drafter, verifier, prompt, params: GenerationParams) -> tuple[list[int],
     return [t for c in chunks for t in c], stats, chunks
 
 
-def run_racer(model, prompt, backend="fast", **params) -> tuple[list[int], Stats, list[list[int]]]:
+def run_racer(model, prompt, backend="llama", **params) -> tuple[list[int], Stats, list[list[int]]]:
     return run(DraftSession(), VerifierSession(model, backend=backend), prompt, GenerationParams(**params))
 
 

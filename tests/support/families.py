@@ -40,39 +40,39 @@ _SMALL = dict(
     tie_word_embeddings=False,
 )
 
-# name -> (model_type, config overrides, backend the verifier picks: "lean", "generic"
-# or "chain"[, {seed, embed_scale}])
+# name -> (model_type, config overrides, backend the verifier picks: "llama", "hf"
+# or "chain" (hf, verifying chains only)[, {seed, embed_scale}])
 FAMILIES = {
-    "llama": ("llama", {}, "lean"),
-    "llama-biases": ("llama", dict(attention_bias=True, mlp_bias=True), "lean"),
-    "mistral": ("mistral", dict(sliding_window=None), "lean"),
-    "mistral-swa": ("mistral", dict(sliding_window=8), "generic"),
-    "qwen2": ("qwen2", {}, "lean"),
-    "qwen2-swa": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), "generic"),
-    "qwen3": ("qwen3", {}, "lean"),
-    "smollm3": ("smollm3", {}, "lean"),
-    "smollm3-nope": ("smollm3", dict(num_hidden_layers=4), "generic"),  # layer 4 skips RoPE
-    "gpt2": ("gpt2", {}, "generic"),
-    "gpt_neox": ("gpt_neox", {}, "generic"),
-    "opt": ("opt", {}, "generic"),
-    "falcon": ("falcon", {}, "generic"),
+    "llama": ("llama", {}, "llama"),
+    "llama-biases": ("llama", dict(attention_bias=True, mlp_bias=True), "llama"),
+    "mistral": ("mistral", dict(sliding_window=None), "llama"),
+    "mistral-swa": ("mistral", dict(sliding_window=8), "hf"),
+    "qwen2": ("qwen2", {}, "llama"),
+    "qwen2-swa": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), "hf"),
+    "qwen3": ("qwen3", {}, "llama"),
+    "smollm3": ("smollm3", {}, "llama"),
+    "smollm3-nope": ("smollm3", dict(num_hidden_layers=4), "hf"),  # layer 4 skips RoPE
+    "gpt2": ("gpt2", {}, "hf"),
+    "gpt_neox": ("gpt_neox", {}, "hf"),
+    "opt": ("opt", {}, "hf"),
+    "falcon": ("falcon", {}, "hf"),
     "falcon-alibi": ("falcon", dict(alibi=True), "chain", dict(seed=2)),
     "bloom": ("bloom", {}, "chain"),
-    "gptj": ("gptj", {}, "generic"),
-    "phi": ("phi", {}, "generic", dict(embed_scale=8.0)),
-    "phi3": ("phi3", {}, "generic"),
-    "gemma": ("gemma", {}, "lean"),
-    "gemma2": ("gemma2", dict(sliding_window=8), "generic"),
-    "stablelm": ("stablelm", {}, "generic"),
+    "gptj": ("gptj", {}, "hf"),
+    "phi": ("phi", {}, "hf", dict(embed_scale=8.0)),
+    "phi3": ("phi3", {}, "hf"),
+    "gemma": ("gemma", {}, "llama"),
+    "gemma2": ("gemma2", dict(sliding_window=8), "hf"),
+    "stablelm": ("stablelm", {}, "hf"),
     "mpt": ("mpt", {}, "chain"),
-    "gpt_bigcode": ("gpt_bigcode", {}, "generic"),
-    "codegen": ("codegen", {}, "generic", dict(embed_scale=4.0)),
-    "starcoder2": ("starcoder2", dict(sliding_window=8), "generic"),
-    "olmo2": ("olmo2", {}, "generic", dict(seed=1, embed_scale=4.0)),
-    "gemma3_text": ("gemma3_text", dict(sliding_window=8), "generic"),
-    "granite": ("granite", {}, "generic"),
-    "cohere": ("cohere", {}, "generic"),
-    "persimmon": ("persimmon", {}, "generic"),
+    "gpt_bigcode": ("gpt_bigcode", {}, "hf"),
+    "codegen": ("codegen", {}, "hf", dict(embed_scale=4.0)),
+    "starcoder2": ("starcoder2", dict(sliding_window=8), "hf"),
+    "olmo2": ("olmo2", {}, "hf", dict(seed=1, embed_scale=4.0)),
+    "gemma3_text": ("gemma3_text", dict(sliding_window=8), "hf"),
+    "granite": ("granite", {}, "hf"),
+    "cohere": ("cohere", {}, "hf"),
+    "persimmon": ("persimmon", {}, "hf"),
 }
 
 
@@ -103,11 +103,11 @@ def make(name: str, seed: int | None = None, **more):
 
 
 def backend_kind(backend) -> str:
-    from verifier.backends import FastLlamaBackend
+    from verifier.llama import LlamaBackend
 
-    if isinstance(backend, FastLlamaBackend):
-        return "lean"
-    return "chain" if backend.chain_only else "generic"
+    if isinstance(backend, LlamaBackend):
+        return "llama"
+    return "chain" if backend.chain_only else "hf"
 
 
 @functools.lru_cache(maxsize=None)

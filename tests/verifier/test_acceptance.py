@@ -125,7 +125,7 @@ def argmax_after(model, seq) -> int:
     return int(model(torch.tensor([seq])).logits[0, -1].argmax())
 
 
-@pytest.mark.parametrize("backend", ["fast", "hf"])
+@pytest.mark.parametrize("backend", ["llama", "hf"])
 @pytest.mark.parametrize("seed", range(4))
 def test_verify_greedy_matches_brute_force_argmax(tiny_llama, backend, seed):
     model = tiny_llama
@@ -158,7 +158,7 @@ def test_verify_greedy_matches_brute_force_argmax(tiny_llama, backend, seed):
     assert session.length == len(context) + len(want_path)
 
 
-@pytest.mark.parametrize("backend", ["fast", "hf"])
+@pytest.mark.parametrize("backend", ["llama", "hf"])
 def test_verify_tree_of_wrong_guesses_accepts_only_the_root(tiny_llama, backend):
     model = tiny_llama
     vocab = model.config.vocab_size

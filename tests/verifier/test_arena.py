@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.support.models import make_tiny_llama
-from verifier import arena, kernels
-from verifier.kernels import plan_for
+from verifier import arena, layouts
+from verifier.tuning import kernel_plan
 
 
 @pytest.fixture
@@ -50,18 +50,18 @@ def test_every_parameter_lands_in_one_block_in_module_order_on_cache_lines(cache
 def test_a_packed_weight_changes_layout_inside_its_own_slot(cache, monkeypatch):
     model = make_tiny_llama()
     monkeypatch.setenv("RACER_KERNELS", "blas@col")
-    plan_for(model)
+    kernel_plan(model)
     assert model._racer_packed
-    for p in kernels.all_projections(model):
+    for p in layouts.all_projections(model):
         slot = arena.slot(p)
-        assert kernels.stored_as(p) == "col" and p.data_ptr() == slot.data_ptr()
-    values = {id(p): p.detach().clone() for p in kernels.all_projections(model)}
-    with kernels.loaded_layout(model):
-        for p in kernels.all_projections(model):
-            assert kernels.stored_as(p) == "row" and p.data_ptr() == arena.slot(p).data_ptr()
+        assert layouts.stored_as(p) == "col" and p.data_ptr() == slot.data_ptr()
+    values = {id(p): p.detach().clone() for p in layouts.all_projections(model)}
+    with layouts.loaded_layout(model):
+        for p in layouts.all_projections(model):
+            assert layouts.stored_as(p) == "row" and p.data_ptr() == arena.slot(p).data_ptr()
             assert torch.equal(p, values[id(p)])
-    for p in kernels.all_projections(model):
-        assert kernels.stored_as(p) == "col" and p.data_ptr() == arena.slot(p).data_ptr()
+    for p in layouts.all_projections(model):
+        assert layouts.stored_as(p) == "col" and p.data_ptr() == arena.slot(p).data_ptr()
         assert torch.equal(p, values[id(p)])
 
 
@@ -70,8 +70,8 @@ def test_a_packed_model_in_any_layout_saves_and_loads_back(cache, monkeypatch, t
 
     model = make_tiny_llama()  # untied (transformers cannot save a tied weight stored transposed, packed or not)
     monkeypatch.setenv("RACER_KERNELS", "blas@col")
-    plan_for(model)
-    assert model._racer_packed and kernels.stored_as(model.model.layers[0].self_attn.q_proj.weight) == "col"
+    kernel_plan(model)
+    assert model._racer_packed and layouts.stored_as(model.model.layers[0].self_attn.q_proj.weight) == "col"
     model.save_pretrained(tmp_path / "saved")
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
     for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
@@ -82,7 +82,7 @@ def test_the_plan_is_measured_on_packed_weights_and_says_so_in_its_key(cache):
     import json
 
     model = make_tiny_llama()
-    plan_for(model)
+    kernel_plan(model)
     assert model._racer_packed and all(arena.slot(p) is not None for p in model.parameters())
     (path,) = (cache / "kernels").glob("*.json")
     assert json.loads(path.read_text())["key"]["packed"] is True
@@ -94,7 +94,7 @@ def test_packing_off_leaves_the_weights_where_they_were_loaded(cache, monkeypatc
     model = make_tiny_llama()
     ptrs = [p.data_ptr() for p in model.parameters()]
     assert not arena.pack(model)
-    plan_for(model)
+    kernel_plan(model)
     assert not getattr(model, "_racer_packed", False)
     assert all(arena.slot(p) is None for p in model.parameters())
     assert [p.data_ptr() for p in model.parameters()] == ptrs

@@ -27,7 +27,7 @@ def _prompt(i: int, n: int) -> list[int]:
 
 
 def _alone(model, prompt, mode, budget, sampling):
-    v = VerifierSession(model, backend="fast", sampling=sampling or SamplingParams())
+    v = VerifierSession(model, backend="llama", sampling=sampling or SamplingParams())
     return [
         t
         for ch in generate(DraftSession(), v, prompt, GenerationParams(max_new_tokens=N, mode=mode, budget=budget))
@@ -40,7 +40,7 @@ def _lockstep(model, specs):
     state = []
     for i, (n, mode, budget, sampling) in enumerate(specs):
         prompt = _prompt(i, n)
-        d, v = DraftSession(), VerifierSession(model, backend="fast", sampling=sampling or SamplingParams())
+        d, v = DraftSession(), VerifierSession(model, backend="llama", sampling=sampling or SamplingParams())
         pre = v.prefill(prompt)
         d.extend(prompt, pre.topk)
         out, done = cut([pre.next_token], set(), N)
@@ -71,8 +71,8 @@ def test_batched_sessions_produce_what_they_produce_alone(tiny_llama):
 
 
 def test_an_invalid_tree_fails_alone_and_leaves_the_batch_intact(tiny_llama):
-    a, b = VerifierSession(tiny_llama, backend="fast"), VerifierSession(tiny_llama, backend="fast")
-    solo = VerifierSession(tiny_llama, backend="fast")
+    a, b = VerifierSession(tiny_llama, backend="llama"), VerifierSession(tiny_llama, backend="llama")
+    solo = VerifierSession(tiny_llama, backend="llama")
     for s in (a, b, solo):
         s.prefill([5, 6, 7, 8])
     res = verify_batch([(a, [9, 10, 11], [-1, 0, 5]), (b, [9, 10, 11], [-1, 0, 1])])
@@ -85,8 +85,8 @@ def test_an_invalid_tree_fails_alone_and_leaves_the_batch_intact(tiny_llama):
 
 def test_hf_backend_sessions_fall_back_to_one_forward_each(tiny_llama):
     a = VerifierSession(tiny_llama, backend="hf")
-    b = VerifierSession(tiny_llama, backend="fast")
-    ref = VerifierSession(tiny_llama, backend="fast")
+    b = VerifierSession(tiny_llama, backend="llama")
+    ref = VerifierSession(tiny_llama, backend="llama")
     for s in (a, b, ref):
         s.prefill([5, 6, 7])
     res = verify_batch([(a, [8, 9], [-1, 0]), (b, [8, 9], [-1, 0])])

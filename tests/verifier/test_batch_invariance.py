@@ -14,9 +14,9 @@ import torch
 
 from tests.support.models import make_tiny_llama
 from verifier import native
-from verifier.backends import forward_segments
 from verifier.engine import VerifierSession
-from verifier.kernels import plan_for
+from verifier.llama import forward_segments
+from verifier.tuning import kernel_plan
 
 VOCAB = 96
 
@@ -57,9 +57,9 @@ def _tree(rng, n):
 def _session(model, prompt, invariant: bool = True):
     """``invariant=False``: the same backend with invariance switched off (the fastest kernels per row
     count, fused attention over all rows): the negative control."""
-    s = VerifierSession(model, backend="fast")
+    s = VerifierSession(model, backend="llama")
     if not invariant:
-        s.backend.plan = plan_for(model, invariant=False, spec="linear")
+        s.backend.plan = kernel_plan(model, invariant=False, spec="linear")
         s.backend.invariant = s.backend.native_attention = False
     s.prefill(prompt)
     return s
@@ -136,7 +136,7 @@ def test_kv_rows_kept_from_a_tree_equal_those_of_one_token_steps(bf16_model):
 
 
 def test_float32_keeps_the_fastest_kernels_and_no_row_chunks():
-    s = VerifierSession(make_tiny_llama(), backend="fast")
+    s = VerifierSession(make_tiny_llama(), backend="llama")
     assert not s.backend.invariant and not s.backend.plan.invariant
 
 

@@ -17,8 +17,8 @@ from common.errors import Abort, Status
 from tests.support.aio import until
 from tests.support.engine import hf_greedy
 from tests.support.stack import prompt
-from verifier.budget import default_budget, kv_bytes_per_token, memory_limit, model_bytes
 from verifier.engine import VerifierSession
+from verifier.kv_memory import default_kv_bytes, kv_bytes_per_token, memory_limit, model_bytes
 from verifier.sessions import Open, Verifier
 
 PER_TOKEN = 512  # the tiny Llama: 2 (K, V) x 2 layers x 2 KV heads x 16 dims x 4 bytes
@@ -29,7 +29,7 @@ ROWS = HISTORY + HEADROOM  # what one open reserves
 
 def _verifier(model, sessions_fit: float = 3, **kw) -> Verifier:
     kw.setdefault("headroom", HEADROOM)
-    return Verifier(model, kv_budget_bytes=int(sessions_fit * ROWS * PER_TOKEN), **kw)
+    return Verifier(model, kv_memory_bytes=int(sessions_fit * ROWS * PER_TOKEN), **kw)
 
 
 def _metric(name: str, **labels) -> float:
@@ -40,9 +40,9 @@ def _held_rows_fit(v: Verifier) -> None:
     """What every cache has allocated is within its reservation, and the reservations within the budget."""
     for e in v.sessions:
         cap = getattr(e.session.backend, "capacity", 0)
-        assert cap * PER_TOKEN <= v.budget.held.get(e.key, 0), (e.key, cap, v.budget.held.get(e.key))
-    assert v.budget.used == sum(v.budget.held.values()) <= v.budget.total
-    assert v.budget.peak <= v.budget.total
+        assert cap * PER_TOKEN <= v.kv_memory.held.get(e.key, 0), (e.key, cap, v.kv_memory.held.get(e.key))
+    assert v.kv_memory.used == sum(v.kv_memory.held.values()) <= v.kv_memory.total
+    assert v.kv_memory.peak <= v.kv_memory.total
 
 
 async def _opened(v, session_id: str, tokens: list[int]):
@@ -63,16 +63,18 @@ def test_the_default_budget_is_a_share_of_the_cgroup_limit_left_after_the_weight
     assert memory_limit(limit) is None
     limit.write_text("1073741824\n")
     assert memory_limit(limit) == 1 << 30
-    assert default_budget(tiny_llama, PER_TOKEN, 1000, 0.5, limit=1 << 30) == ((1 << 30) - model_bytes(tiny_llama)) // 2
+    assert (
+        default_kv_bytes(tiny_llama, PER_TOKEN, 1000, 0.5, limit=1 << 30) == ((1 << 30) - model_bytes(tiny_llama)) // 2
+    )
     with pytest.raises(ValueError, match="does not hold the model"):
-        default_budget(tiny_llama, PER_TOKEN, 1000, limit=1000)
+        default_kv_bytes(tiny_llama, PER_TOKEN, 1000, limit=1000)
 
 
 def test_without_a_limit_the_budget_is_max_cache_tokens_worth(tiny_llama, monkeypatch):
-    import verifier.budget as budget
+    import verifier.kv_memory as kv_memory
 
-    monkeypatch.setattr(budget, "memory_limit", lambda: None)
-    assert default_budget(tiny_llama, PER_TOKEN, 1000) == 1000 * PER_TOKEN
+    monkeypatch.setattr(kv_memory, "memory_limit", lambda: None)
+    assert default_kv_bytes(tiny_llama, PER_TOKEN, 1000) == 1000 * PER_TOKEN
 
 
 def test_an_open_that_does_not_fit_waits_and_proceeds_when_another_session_closes(tiny_llama):
@@ -88,10 +90,10 @@ def test_an_open_that_does_not_fit_waits_and_proceeds_when_another_session_close
         fourth = prompt(3, HISTORY)
         e4 = v.claim(Open("u", "s3", fourth))
         task = asyncio.ensure_future(v.open(e4, fourth))
-        await until(lambda: v.budget.waiting == 1)
+        await until(lambda: v.kv_memory.waiting == 1)
         assert not task.done()
-        assert v.budget.used <= v.budget.total
-        assert _metric("racer_verifier_kv_reserved_bytes") == v.budget.used
+        assert v.kv_memory.used <= v.kv_memory.total
+        assert _metric("racer_verifier_kv_reserved_bytes") == v.kv_memory.used
         assert _metric("racer_verifier_admission_waiting") == 1
         v.release(held[0])  # idle now: the waiter's open evicts it
         res = await task
@@ -111,13 +113,13 @@ def test_a_dropped_session_frees_its_reservation_for_the_waiter(tiny_llama):
         e1 = await _opened(v, "a", prompt(1, HISTORY))
         e2 = v.claim(Open("t", "b", prompt(2, HISTORY)))
         task = asyncio.ensure_future(v.open(e2, prompt(2, HISTORY)))
-        await until(lambda: v.budget.waiting == 1)
+        await until(lambda: v.kv_memory.waiting == 1)
         assert v.drop("t", "a")  # CloseSession while its stream is still open
         await task
-        assert set(v.budget.held) == {("t", "b")}
+        assert set(v.kv_memory.held) == {("t", "b")}
         _held_rows_fit(v)
         v.release(e1)  # the dropped session's stream ends: nothing of it stays reserved
-        assert set(v.budget.held) == {("t", "b")}
+        assert set(v.kv_memory.held) == {("t", "b")}
         v.close()
 
     asyncio.run(go())
@@ -129,7 +131,7 @@ def test_a_request_that_can_never_fit_is_refused_at_once(tiny_llama):
     with pytest.raises(Abort) as err:
         v.claim(Open("t", "huge", prompt(1, 2 * ROWS)))
     assert err.value.code == Status.RESOURCE_EXHAUSTED and "bytes of KV memory" in err.value.message
-    assert v.budget.waiting == 0 and v.budget.used == 0 and len(v.sessions) == 0
+    assert v.kv_memory.waiting == 0 and v.kv_memory.used == 0 and len(v.sessions) == 0
 
     async def tree_too_big():  # a tree that could never fit, on a session that does
         e = await _opened(v, "s", prompt(2, HISTORY))
@@ -150,7 +152,7 @@ def test_the_wait_ends_at_the_deadline_and_a_full_queue_refuses_at_once(tiny_lla
         await _opened(v, "a", prompt(1, HISTORY))
         e2 = v.claim(Open("t", "b", prompt(2, HISTORY)))
         waiter = asyncio.ensure_future(v.open(e2, prompt(2, HISTORY), timeout=3600))
-        await until(lambda: v.budget.waiting == 1)
+        await until(lambda: v.kv_memory.waiting == 1)
         e3 = v.claim(Open("t", "c", prompt(3, HISTORY)))
         with pytest.raises(Abort) as err:
             await v.open(e3, prompt(3, HISTORY))
@@ -159,12 +161,12 @@ def test_the_wait_ends_at_the_deadline_and_a_full_queue_refuses_at_once(tiny_lla
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiter
-        assert v.budget.waiting == 0
+        assert v.kv_memory.waiting == 0
         e4 = v.claim(Open("t", "d", prompt(4, HISTORY)))
         with pytest.raises(Abort) as err:
             await v.open(e4, prompt(4, HISTORY), timeout=0.0)  # the client's deadline has come
         assert err.value.code == Status.RESOURCE_EXHAUSTED and "waited" in err.value.message
-        assert set(v.budget.held) == {("t", "a")}
+        assert set(v.kv_memory.held) == {("t", "a")}
         v.close()
 
     asyncio.run(go())
@@ -185,11 +187,11 @@ def test_idle_caches_give_back_spare_rows_and_growth_stays_within_the_reservatio
             out.append(r.next_token)
             _held_rows_fit(v)
         assert out == hf_greedy(tiny_llama, p, len(out))
-        assert v.budget.held[e.key] > len(e.tokens) * PER_TOKEN
+        assert v.kv_memory.held[e.key] > len(e.tokens) * PER_TOKEN
         v.release(e)
         await v._run(lambda: None, tenant="t")  # after the trim: one tenant's jobs run in order
         assert e.session.backend.capacity == len(e.tokens)
-        assert v.budget.held[e.key] == len(e.tokens) * PER_TOKEN
+        assert v.kv_memory.held[e.key] == len(e.tokens) * PER_TOKEN
         _held_rows_fit(v)
         v.close()
 
@@ -242,7 +244,7 @@ def test_a_trimmed_cache_shrinks_to_its_new_history(tiny_llama):
         e = v.claim(Open("t", "trim", long[:HISTORY]))
         await v.open(e, long[:HISTORY])  # an edited history: the cache keeps a prefix
         assert e.session.backend.capacity == HISTORY + HEADROOM
-        assert v.budget.held[e.key] == (HISTORY + HEADROOM) * PER_TOKEN
+        assert v.kv_memory.held[e.key] == (HISTORY + HEADROOM) * PER_TOKEN
         _held_rows_fit(v)
         v.close()
 
@@ -259,7 +261,7 @@ def test_chunked_prefill_gives_the_unchunked_tokens(tiny_llama, chunk):
         p = prompt(11, 40)
         e = v.claim(Open("t", "c", p))
         res = await v.open(e, p)
-        ref = VerifierSession(tiny_llama, backend="fast").prefill(p)
+        ref = VerifierSession(tiny_llama, backend="llama").prefill(p)
         assert res.next_token == ref.next_token
         assert res.topk == [t for row in ref.topk for t in row]
         out = [res.next_token]
@@ -275,15 +277,15 @@ def test_an_open_reserves_the_turns_new_tokens_too(tiny_llama):
     async def go():
         v = _verifier(tiny_llama, sessions_fit=3)
         p = prompt(12, HISTORY)
-        e = v.claim(Open("t", "r", p, reserve=ROWS))
-        await v.open(e, p, reserve=ROWS)
-        assert v.budget.held[e.key] == (ROWS + ROWS) * PER_TOKEN
+        e = v.claim(Open("t", "r", p, reserve_tokens=ROWS))
+        await v.open(e, p, reserve_tokens=ROWS)
+        assert v.kv_memory.held[e.key] == (ROWS + ROWS) * PER_TOKEN
         assert e.session.backend.capacity == ROWS + ROWS
         with pytest.raises(Abort) as err:
-            v.claim(Open("t", "neg", p, reserve=-1))
+            v.claim(Open("t", "neg", p, reserve_tokens=-1))
         assert err.value.code == Status.INVALID_ARGUMENT
         with pytest.raises(Abort) as err:  # fits alone, not with the new tokens it asks room for
-            v.claim(Open("t", "big", p, reserve=3 * ROWS))
+            v.claim(Open("t", "big", p, reserve_tokens=3 * ROWS))
         assert err.value.code == Status.RESOURCE_EXHAUSTED and "new need" in err.value.message
         v.close()
 

@@ -8,21 +8,21 @@ import pytest
 import torch
 
 from common.params import SamplingParams
-from verifier.backends import FastLlamaBackend
-from verifier.engine import VerifierSession
-from verifier.generic import make_backend
+from verifier.engine import VerifierSession, make_backend
+from verifier.hf import HFBackend
+from verifier.llama import LlamaBackend
 from verifier.tree import InvalidTree
 
 
 def session(model, backend):
-    if backend == "fast-small":
-        s = VerifierSession(model, backend="fast")
-        s.backend = FastLlamaBackend(model, capacity=16)
+    if backend == "llama-small":
+        s = VerifierSession(model, backend="llama")
+        s.backend = LlamaBackend(model, capacity=16)
         return s
     return VerifierSession(model, backend=backend)
 
 
-@pytest.mark.parametrize("backend", ["fast", "hf", "fast-small"])
+@pytest.mark.parametrize("backend", ["llama", "hf", "llama-small"])
 def test_prefill_topk_rows_and_next_token_over_the_chunk_boundary(tiny_llama, backend):
     model = tiny_llama
     rng = random.Random(0)
@@ -38,7 +38,7 @@ def test_prefill_topk_rows_and_next_token_over_the_chunk_boundary(tiny_llama, ba
     assert res.next_token == int(logits[-1].argmax())
 
 
-@pytest.mark.parametrize("backend", ["fast", "hf"])
+@pytest.mark.parametrize("backend", ["llama", "hf"])
 def test_invalid_inputs_leave_the_session_usable(tiny_llama, backend):
     model = tiny_llama
     v = model.config.vocab_size
@@ -88,8 +88,15 @@ def test_make_backend_rejects_unknown_kinds(tiny_llama):
         make_backend(tiny_llama, "nope")
 
 
+@pytest.mark.parametrize(("old", "new", "cls"), [("fast", "llama", LlamaBackend), ("generic", "hf", HFBackend)])
+def test_the_old_backend_names_still_work_and_warn(tiny_llama, old, new, cls):
+    with pytest.warns(DeprecationWarning, match=f"backend '{old}' is now called '{new}'"):
+        backend = make_backend(tiny_llama, old)
+    assert type(backend) is cls and type(make_backend(tiny_llama, new)) is cls
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("backend", ["fast", "hf"])
+@pytest.mark.parametrize("backend", ["llama", "hf"])
 def test_model_on_cuda_gives_the_cpu_results(backend):
     from tests.support.models import make_tiny_llama
 

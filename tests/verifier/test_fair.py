@@ -78,7 +78,7 @@ def test_a_tenants_short_prefill_passes_another_tenants_long_chunked_prefills(ti
     chunk, long_n, short_n = 8, 64, 6
 
     async def go():
-        v = Verifier(tiny_llama, kv_budget_bytes=1 << 24, prefill_chunk=chunk)
+        v = Verifier(tiny_llama, kv_memory_bytes=1 << 24, prefill_chunk=chunk)
         rec = Recorder(v.model_thread)
         gate = threading.Event()
         hold = asyncio.ensure_future(v._run(gate.wait, tenant="hold", kind="hold"))
@@ -118,7 +118,7 @@ def test_a_batch_of_trees_waits_for_one_chunk_not_for_its_tenants_queued_prefill
     chunk, long_n, opens = 8, 32, 4
 
     async def go():
-        v = Verifier(tiny_llama, kv_budget_bytes=1 << 24, prefill_chunk=chunk)
+        v = Verifier(tiny_llama, kv_memory_bytes=1 << 24, prefill_chunk=chunk)
         rec = Recorder(v.model_thread)
         p = prompt(40, 6)
         e = v.claim(Open("A", "a0", p))

@@ -1,6 +1,6 @@
 """Any decoder-only causal LM as the target: every family's racer output is transformers' greedy
-output, token for token, on whichever backend the verifier picks for it (lean, generic with tree
-verification, or generic with chain verification), and the lean backend claims exactly the
+output, token for token, on whichever backend the verifier picks for it (llama, hf with tree
+verification, or hf with chain verification), and the llama backend claims exactly the
 models it computes right."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 from common.params import GenerationParams
 from tests.support.engine import ScriptedDrafter, hf_greedy, run, run_racer
 from tests.support.families import FAMILIES, VOCAB, backend_kind, echo_prompt, make, model
-from verifier.backends import FastLlamaBackend
 from verifier.engine import VerifierSession
-from verifier.generic import GenericBackend, chain_of, plan_for
+from verifier.hf import HFBackend, chain_of, hf_plan
+from verifier.llama import LlamaBackend
 from verifier.tree import tree_inputs
 
 N = 24
@@ -47,8 +47,8 @@ def test_family_output_is_hf_greedy_at_budgets_1_8_64(name):
         assert out == ref, f"near trees, budget {budget}"
 
 
-@pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f[2] != "lean"])
-def test_generic_tree_logits_equal_sequential_decoding(name):
+@pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f[2] != "llama"])
+def test_hf_tree_logits_equal_sequential_decoding(name):
     """Every node of a random tree, over a context longer than any test window, gets the logits of
     plain decoding of its root path; after the commit the cache continues the accepted path."""
     m = model(name)
@@ -88,7 +88,7 @@ def test_generic_tree_logits_equal_sequential_decoding(name):
 
 def test_a_chain_only_family_says_so_at_load(caplog):
     m = make("bloom")  # a fresh model object: the probe runs (and logs) again
-    with caplog.at_level(logging.WARNING, logger="verifier.generic"):
+    with caplog.at_level(logging.WARNING, logger="verifier.hf"):
         session = VerifierSession(m)
     assert session.backend.chain_only
     assert "model_type='bloom' cannot verify trees" in caplog.text and "ALiBi" in caplog.text
@@ -113,13 +113,13 @@ def test_an_unsupported_family_fails_at_load_naming_its_model_type(model_type, o
 
     torch.manual_seed(0)
     m = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **overrides)).eval()
-    with pytest.raises(ValueError, match=f"model_type='{model_type}' is not supported by the generic backend"):
+    with pytest.raises(ValueError, match=f"model_type='{model_type}' is not supported by the hf backend"):
         VerifierSession(m)
 
 
-# -- the lean backend claims what it implements, no more -----------------------------------------------
+# -- the llama backend claims what it implements, no more -----------------------------------------------
 
-LEAN_VARIANTS = {
+LLAMA_VARIANTS = {
     "llama": ("llama", {}),
     "llama-biases": ("llama-biases", {}),
     "llama-tied": ("llama", dict(tie_word_embeddings=True)),
@@ -137,15 +137,15 @@ LEAN_VARIANTS = {
 }
 
 
-def _lean_computes(m) -> bool:
-    """Whether FastLlamaBackend's tree forward gives transformers' logits (over a context longer
+def _llama_computes(m) -> bool:
+    """Whether LlamaBackend's tree forward gives transformers' logits (over a context longer
     than the test windows, so that a window it ignored would show)."""
     g = torch.Generator().manual_seed(9)
     context = torch.randint(3, VOCAB, (20,), generator=g).tolist()
     tokens = torch.randint(3, VOCAB, (6,), generator=g).tolist()
     parents = [-1, 0, 0, 1, 2, 4]
     try:
-        b = FastLlamaBackend(m)
+        b = LlamaBackend(m)
         b.forward(torch.tensor(context), torch.arange(20), torch.ones(20, 20, dtype=torch.bool).tril())
         b.commit(None, 20)
         positions, mask = tree_inputs(parents, 20)
@@ -160,26 +160,26 @@ def _lean_computes(m) -> bool:
     return True
 
 
-@pytest.mark.parametrize("variant", list(LEAN_VARIANTS))
-def test_lean_supports_agrees_with_what_it_computes(variant):
-    family, more = LEAN_VARIANTS[variant]
+@pytest.mark.parametrize("variant", list(LLAMA_VARIANTS))
+def test_llama_supports_agrees_with_what_it_computes(variant):
+    family, more = LLAMA_VARIANTS[variant]
     m = make(family, **more)
-    claims = FastLlamaBackend.supports(m)
-    assert claims == _lean_computes(m), f"supports() says {claims}"
+    claims = LlamaBackend.supports(m)
+    assert claims == _llama_computes(m), f"supports() says {claims}"
     assert claims == (
         variant in {"llama", "llama-biases", "llama-tied", "mistral", "qwen2", "qwen3", "smollm3", "gemma"}
     )
     if claims:  # and what it claims is lossless end to end
         prompt = echo_prompt(m)
-        out, _, _ = run_racer(m, list(prompt), "fast", max_new_tokens=N, mode="racer", budget=8)
+        out, _, _ = run_racer(m, list(prompt), "llama", max_new_tokens=N, mode="racer", budget=8)
         assert out == hf_greedy(m, prompt, N)
     else:
-        with pytest.raises(ValueError, match="fast backend does not support"):
-            VerifierSession(m, backend="fast")
-    assert isinstance(plan_for(m), object) and isinstance(VerifierSession(m, backend="hf").backend, GenericBackend)
+        with pytest.raises(ValueError, match="llama backend does not support"):
+            VerifierSession(m, backend="llama")
+    assert isinstance(hf_plan(m), object) and isinstance(VerifierSession(m, backend="hf").backend, HFBackend)
 
 
-def test_the_generic_backend_refuses_reduced_precision():
+def test_the_hf_backend_refuses_reduced_precision():
     """Its forward is not batch invariant, so a draft could change a bfloat16 output: refused."""
     m = make("gpt2").to(torch.bfloat16)
     with pytest.raises(ValueError, match="float32"):

@@ -1,5 +1,6 @@
-"""Kernel selection: measured choices agree with F.linear, are cached per key, and the invariant plan's
-chunks really are position invariant (checked, not assumed)."""
+"""Kernel selection (verifier/kernels.py, tuning.py, plan_cache.py, layouts.py): measured choices
+agree with F.linear, are cached per key, and the invariant plan's chunks really are position
+invariant (checked, not assumed)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from tests.support.models import make_tiny_llama
-from verifier import kernels, native
-from verifier.kernels import BUCKETS, CANDIDATES, auto_dtype, chunked, plan_for, position_invariant, tune_shape
+from verifier import kernels, layouts, native, plan_cache, tuning
+from verifier.kernels import BUCKETS, CANDIDATES, Timing, chunked
+from verifier.model import auto_dtype
+from verifier.tuning import kernel_plan, position_invariant, tune_shape
 
 ROWS = sorted({*BUCKETS, 3, 5, 13, 33, 70, 130})  # buckets, rows between them, rows beyond the largest
 
@@ -26,9 +29,9 @@ def cache(tmp_path, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tuned_choice_agrees_with_linear_for_every_shape_and_row_count(cache, dtype):
     model = make_tiny_llama().to(dtype)
-    plan = plan_for(model)
+    plan = kernel_plan(model)
     assert plan.source == "tuned" and plan.invariant == (dtype != torch.float32)
-    weights = kernels.projection_weights(model)
+    weights = layouts.projection_weights(model)
     assert set(plan.shapes) == set(weights) == {(64, 64), (32, 64), (128, 64), (64, 128), (96, 64)}
     gen = torch.Generator().manual_seed(0)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
@@ -44,14 +47,14 @@ def test_tuned_choice_agrees_with_linear_for_every_shape_and_row_count(cache, dt
 def test_every_candidate_agrees_with_linear(dtype):
     w = torch.randn(96, 64).to(dtype)
     stored = {"row": w, "col": w.t().contiguous().t()}  # the same weight stored as is and transposed
-    assert [kernels.stored_as(v) for v in stored.values()] == ["row", "col"]
-    usable = [name for name in CANDIDATES if kernels._usable(name, w.device, dtype)]
+    assert [layouts.stored_as(v) for v in stored.values()] == ["row", "col"]
+    usable = [name for name in CANDIDATES if kernels.usable(name, w.device, dtype)]
     assert ("blas" in usable) == (dtype == torch.float32)  # numpy has no bfloat16
     for n in (1, 2, 7, 64):
         x = torch.randn(n, 64).to(dtype)
         for layout, wl in stored.items():
             for name in usable:
-                if layout == "col" and kernels._row_only(name):
+                if layout == "col" and kernels.row_only(name):
                     with pytest.raises(TypeError):  # the tuner skips it on a transposed weight
                         CANDIDATES[name](x, wl, None)
                     continue
@@ -70,44 +73,46 @@ def test_a_weight_stored_transposed_keeps_its_values_and_the_model_its_output(ca
     ids = torch.tensor([[3, 17, 5, 9, 40, 2]])
     with torch.inference_mode():
         before = model(ids).logits
-    values = {id(p): p.detach().clone() for p in kernels.all_projections(model)}
+    values = {id(p): p.detach().clone() for p in layouts.all_projections(model)}
     monkeypatch.setenv("RACER_KERNELS", "blas@col")
-    plan = plan_for(model)
+    plan = kernel_plan(model)
     assert all(sp.layout == "col" for sp in plan.shapes.values()) and "stored transposed" in plan.describe()
-    for p in kernels.all_projections(model):
-        assert kernels.stored_as(p) == "col" and torch.equal(p, values[id(p)])
+    for p in layouts.all_projections(model):
+        assert layouts.stored_as(p) == "col" and torch.equal(p, values[id(p)])
     with torch.inference_mode():
         torch.testing.assert_close(model(ids).logits, before, atol=1e-5, rtol=1e-5)
     monkeypatch.setenv("RACER_KERNELS", "linear")  # another plan stores them as rows again
-    plan_for(model)
-    assert all(kernels.stored_as(p) == "row" and torch.equal(p, values[id(p)]) for p in kernels.all_projections(model))
+    kernel_plan(model)
+    assert all(layouts.stored_as(p) == "row" and torch.equal(p, values[id(p)]) for p in layouts.all_projections(model))
 
 
 def test_tuning_times_both_layouts_in_float32_only(cache):
     w = torch.randn(96, 64)
     plan = tune_shape(w, buckets=(1, 4), reps=1)
-    assert plan.layout in ("row", "col") and any("/col@" in k for k in plan.ms) and any("blas@" in k for k in plan.ms)
+    assert plan.layout in ("row", "col") and any(t.layout == "col" for t in plan.ms)
+    assert any(t.kernel == "blas" for t in plan.ms) and {t.rows for t in plan.ms} == {1, 4}
     plan = tune_shape(w.to(torch.bfloat16), buckets=(1, 4), reps=1, invariant=True)
-    assert plan.layout == "row" and not any("/col@" in k or "blas" in k for k in plan.ms)
+    assert plan.layout == "row" and not any(t.layout == "col" or t.kernel.startswith("blas") for t in plan.ms)
 
 
 def test_choice_is_cached_per_model_dtype_and_threads(cache):
     model = make_tiny_llama()
-    first = plan_for(model)
+    first = kernel_plan(model)
     files = list((cache / "kernels").glob("*.json"))
     assert first.source == "tuned" and len(files) == 1
     record = json.loads(files[0].read_text())
     assert record["key"]["dtype"] == "float32" and record["key"]["threads"] == torch.get_num_threads()
     assert record["key"]["machine"]["torch"] == torch.__version__
-    again = plan_for(make_tiny_llama(seed=1))  # same shapes, another object: read back, not tuned
+    again = kernel_plan(make_tiny_llama(seed=1))  # same shapes, another object: read back, not tuned
     assert again.source == "cache" and again.describe().split(":", 1)[1] == first.describe().split(":", 1)[1]
-    plan_for(make_tiny_llama().to(torch.bfloat16))
-    plan_for(make_tiny_llama(vocab_size=80))
+    assert all(again.shapes[s].ms == sp.ms and sp.ms for s, sp in first.shapes.items())  # the records read back
+    kernel_plan(make_tiny_llama().to(torch.bfloat16))
+    kernel_plan(make_tiny_llama(vocab_size=80))
     assert len(list((cache / "kernels").glob("*.json"))) == 3  # dtype and model are part of the key
     with torch.inference_mode():
         torch.set_num_threads(2)
         try:
-            assert plan_for(make_tiny_llama()).source == "tuned"
+            assert kernel_plan(make_tiny_llama()).source == "tuned"
         finally:
             torch.set_num_threads(1)
     assert len(list((cache / "kernels").glob("*.json"))) == 4
@@ -115,17 +120,17 @@ def test_choice_is_cached_per_model_dtype_and_threads(cache):
 
 def test_forced_kernel_skips_tuning(cache, monkeypatch):
     monkeypatch.setenv("RACER_KERNELS", "linear:4")
-    plan = plan_for(make_tiny_llama().to(torch.bfloat16))
+    plan = kernel_plan(make_tiny_llama().to(torch.bfloat16))
     assert plan.source == "forced" and all(p.kernel == "linear" and p.rows == 4 for p in plan.shapes.values())
     assert not (cache / "kernels").exists()
     for spec in ("nope", "linear@diagonal"):
         monkeypatch.setenv("RACER_KERNELS", spec)
         with pytest.raises(ValueError):
-            plan_for(make_tiny_llama())
+            kernel_plan(make_tiny_llama())
     for spec in ("blas", "linear@col"):  # numpy has no bfloat16; reduced precision keeps its rows
         monkeypatch.setenv("RACER_KERNELS", spec)
         with pytest.raises(ValueError):
-            plan_for(make_tiny_llama().to(torch.bfloat16))
+            kernel_plan(make_tiny_llama().to(torch.bfloat16))
 
 
 def test_chunked_rows_are_bit_identical_alone_and_in_any_call():
@@ -173,10 +178,10 @@ def test_lean_forward_on_each_kernel_and_layout_equals_hf(cache, monkeypatch, fa
     from verifier.engine import VerifierSession
 
     model = make(family)
-    if spec in native.VARIANTS and not kernels._usable(spec, torch.device("cpu")):
+    if spec in native.VARIANTS and not kernels.usable(spec, torch.device("cpu")):
         # a tile shape meant for another vector width: refused by name, never run
         with pytest.raises(ValueError, match="not available"):
-            plan_for(model, spec=spec)
+            kernel_plan(model, spec=spec)
         return
     if family == "llama":  # tied output layer and embedding: one Parameter, converted once
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -187,8 +192,8 @@ def test_lean_forward_on_each_kernel_and_layout_equals_hf(cache, monkeypatch, fa
     monkeypatch.setenv("RACER_KERNELS", spec)
     session = VerifierSession(model)
     layout = "col" if spec.endswith("@col") else "row"
-    assert all(kernels.stored_as(p) == layout for p in kernels.all_projections(model))
-    assert kernels.stored_as(model.model.embed_tokens.weight) == (layout if family == "llama" else "row")
+    assert all(layouts.stored_as(p) == layout for p in layouts.all_projections(model))
+    assert layouts.stored_as(model.model.embed_tokens.weight) == (layout if family == "llama" else "row")
     session.prefill(prompt[:-1])
     with torch.inference_mode():
         hidden = session.backend.forward(torch.tensor(prompt[-1:]), torch.tensor([len(prompt) - 1]), None)
@@ -210,42 +215,44 @@ def test_blas_candidates_add_the_bias():
 def test_loaded_layout_gives_hf_its_rows_for_the_block_and_the_plan_its_layout_back(cache, monkeypatch):
     model = make_tiny_llama()
     monkeypatch.setenv("RACER_KERNELS", "blas@col")
-    plan_for(model)
-    values = {id(p): p.detach().clone() for p in kernels.all_projections(model)}
-    with kernels.loaded_layout(model) as m:
-        assert m is model and all(kernels.stored_as(p) == "row" for p in model.parameters())
-    for p in kernels.all_projections(model):
-        assert kernels.stored_as(p) == "col" and torch.equal(p, values[id(p)]) and not p.is_inference()
+    kernel_plan(model)
+    values = {id(p): p.detach().clone() for p in layouts.all_projections(model)}
+    with layouts.loaded_layout(model) as m:
+        assert m is model and all(layouts.stored_as(p) == "row" for p in model.parameters())
+    for p in layouts.all_projections(model):
+        assert layouts.stored_as(p) == "col" and torch.equal(p, values[id(p)]) and not p.is_inference()
 
 
 def test_a_later_measured_plan_keeps_the_layout_a_forward_may_be_reading(cache, monkeypatch):
     model = make_tiny_llama()
     monkeypatch.setenv("RACER_KERNELS", "blas@col")
-    plan_for(model)
+    kernel_plan(model)
     monkeypatch.setenv("RACER_KERNELS", "auto")
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)  # another thread count: a new plan, measured
     try:
-        plan = plan_for(model)
+        plan = kernel_plan(model)
     finally:
         torch.set_num_threads(threads)
     assert plan.source == "tuned" and all(sp.layout == "col" for sp in plan.shapes.values())
-    assert all(kernels.stored_as(p) == "col" for p in kernels.all_projections(model))
+    assert all(layouts.stored_as(p) == "col" for p in layouts.all_projections(model))
     assert not (cache / "kernels").exists()  # a plan constrained so is not what the machine measures best
 
 
 def test_a_cached_plan_unusable_here_is_measured_again(cache):
     model = make_tiny_llama().to(torch.bfloat16)
-    assert plan_for(model).source == "tuned"
+    assert kernel_plan(model).source == "tuned"
     (path,) = (cache / "kernels").glob("*.json")
     record = json.loads(path.read_text())
     # unchunked: only for a kernel invariant by construction (native), never for F.linear
-    for bad in ({"layout": "col"}, {"kernel": "blas"}, {"kernel": "linear", "rows": 0}, {"by_bucket": "nope"}):
+    # ... and medians keyed by strings, as an older version wrote them
+    bad_fields = ({"layout": "col"}, {"kernel": "blas"}, {"kernel": "linear", "rows": 0}, {"by_bucket": "nope"})
+    for bad in (*bad_fields, {"ms": {"linear@1": 0.5, "forward:per-shape@1": 0.7}}):
         broken = json.loads(json.dumps(record))
         for shape in broken["shapes"].values():
             shape.update(bad)
         path.write_text(json.dumps(broken))
-        plan = plan_for(make_tiny_llama().to(torch.bfloat16))
+        plan = kernel_plan(make_tiny_llama().to(torch.bfloat16))
         assert plan.source == "tuned", bad
         assert all(
             sp.layout == "row" and sp.kernel != "blas" and (sp.rows >= 1 or kernels.row_invariant(sp.kernel))
@@ -257,7 +264,7 @@ def test_numpy_blas_runs_on_the_calling_thread_and_torch_keeps_its_threads(cache
     from threadpoolctl import threadpool_info
 
     threads = torch.get_num_threads()
-    plan_for(make_tiny_llama())
+    kernel_plan(make_tiny_llama())
     numpy_blas = [i for i in threadpool_info() if i["user_api"] == "blas" and "numpy" in i["filepath"]]
     assert numpy_blas and all(i["num_threads"] == 1 for i in numpy_blas)
     assert torch.get_num_threads() == threads
@@ -273,61 +280,61 @@ def _slow(x, w, b):
 def test_the_whole_forward_check_replaces_a_choice_that_loses_there(cache, monkeypatch):
     monkeypatch.setitem(CANDIDATES, "slow", _slow)
     model = make_tiny_llama()
-    shapes = {s: kernels.ShapePlan(by_bucket={1: "slow", 4: "slow"}) for s in kernels.projection_weights(model)}
-    kept = kernels.compose(model, shapes, buckets=(1, 4), reps=1)
+    shapes = {s: kernels.ShapePlan(by_bucket={1: "slow", 4: "slow"}) for s in layouts.projection_weights(model)}
+    kept = tuning.compose(model, shapes, buckets=(1, 4), reps=1)
     assert kept == {1: "linear", 4: "linear"}
     assert all(sp.by_bucket == {1: "linear", 4: "linear"} for sp in shapes.values())
-    assert all("forward:linear@4" in sp.ms for sp in shapes.values())
+    assert all(Timing("linear", sp.layout, 4, forward=True) in sp.ms for sp in shapes.values())
     # A winning per-shape choice stays: F.linear used everywhere is the slow one this time.
     monkeypatch.setattr(kernels, "_linear", _slow)
     monkeypatch.setitem(CANDIDATES, "linear", _slow)
-    shapes = {s: kernels.ShapePlan(by_bucket={1: "wxt", 4: "wxt"}) for s in kernels.projection_weights(model)}
-    assert kernels.compose(model, shapes, buckets=(1, 4), reps=1) == {1: "per-shape", 4: "per-shape"}
+    shapes = {s: kernels.ShapePlan(by_bucket={1: "wxt", 4: "wxt"}) for s in layouts.projection_weights(model)}
+    assert tuning.compose(model, shapes, buckets=(1, 4), reps=1) == {1: "per-shape", 4: "per-shape"}
 
 
 def test_the_whole_forward_check_runs_a_row_only_kernel_on_rows_only(cache, monkeypatch):
     model = make_tiny_llama()
-    weights = kernels.projection_weights(model)
+    weights = layouts.projection_weights(model)
     (col, *rows) = list(weights)
     name = next(n for n in native.VARIANTS if native.usable(n))
     calls = []
 
     def counted(x, w, b):
-        calls.append(kernels.stored_as(w))
+        calls.append(layouts.stored_as(w))
         return CANDIDATES[name](x, w, b)
 
     monkeypatch.setitem(CANDIDATES, "counted", counted)
     monkeypatch.setitem(CANDIDATES, "slow", _slow)
-    monkeypatch.setattr(kernels, "_row_only", lambda k: k in native.VARIANTS or k == "counted")
+    monkeypatch.setattr(kernels, "row_only", lambda k: k in native.VARIANTS or k == "counted")
     # The shape stored transposed keeps its own (slow) choice when the row-only kernel is tried for all.
     shapes = {s: kernels.ShapePlan(by_bucket={2: "slow" if s == col else "counted"}) for s in weights}
     shapes[col].layout = "col"
-    kernels.apply_layouts(model, kernels.Plan(shapes, False, "tuned"))
-    assert kernels.compose(model, shapes, buckets=(2,), reps=1, relayout=False) == {2: "linear"}
+    layouts.apply_layouts(model, {s: sp.layout for s, sp in shapes.items()})
+    assert tuning.compose(model, shapes, buckets=(2,), reps=1, relayout=False) == {2: "linear"}
     assert calls and set(calls) == {"row"}
-    assert kernels.stored_as(weights[col]) == "col"
+    assert layouts.stored_as(weights[col]) == "col"
 
 
 def test_the_whole_forward_check_leaves_the_model_in_the_layouts_it_keeps(cache):
     model = make_tiny_llama()
-    plan = plan_for(model, spec="tune")
-    for p in kernels.all_projections(model):
-        assert kernels.stored_as(p) == plan.shapes[tuple(p.shape)].layout
+    plan = kernel_plan(model, spec="tune")
+    for p in layouts.all_projections(model):
+        assert layouts.stored_as(p) == plan.shapes[tuple(p.shape)].layout
     for sp in plan.shapes.values():
-        kept = [k for k in sp.ms if k.startswith("forward:")]
-        assert len(kept) == len(BUCKETS) and all(k.split("@")[0].removeprefix("forward:") for k in kept)
+        kept = [t for t in sp.ms if t.forward]
+        assert sorted(t.rows for t in kept) == list(BUCKETS) and all(t.kernel and t.layout == sp.layout for t in kept)
     shapes = {s: kernels.ShapePlan(by_bucket={1: "linear"}, layout="col") for s in plan.shapes}
-    kept = kernels.compose(model, shapes, buckets=(1,), reps=1)
+    kept = tuning.compose(model, shapes, buckets=(1,), reps=1)
     assert set(kept) == {1} and kept[1].removeprefix("rows:") in {*CANDIDATES, "per-shape"}
-    for p in kernels.all_projections(model):
-        assert kernels.stored_as(p) == shapes[tuple(p.shape)].layout
+    for p in layouts.all_projections(model):
+        assert layouts.stored_as(p) == shapes[tuple(p.shape)].layout
 
 
 def test_a_session_reuses_the_held_plan_whatever_its_threads_count_says(cache):
     from verifier.engine import VerifierSession
 
     model = make_tiny_llama()
-    plan = plan_for(model)
+    plan = kernel_plan(model)
     files = sorted((cache / "kernels").glob("*.json"))
     threads = torch.get_num_threads()
     try:
@@ -340,11 +347,11 @@ def test_a_session_reuses_the_held_plan_whatever_its_threads_count_says(cache):
 
 def test_a_choice_measured_on_other_native_kernels_is_measured_again(cache, monkeypatch, tmp_path):
     model = make_tiny_llama()
-    weights = kernels.projection_weights(model)
+    weights = layouts.projection_weights(model)
     args = (model, weights, torch.float32, 2, torch.device("cpu"), False)
-    ident, digest = kernels._key(*args)
+    ident, digest = plan_cache.key(*args)
     assert ident["native_source"] == native.source_digest()
     edited = tmp_path / "native_linear.c"
     edited.write_text(native.SOURCE.read_text() + "\n/* another version of the kernels */\n")
     monkeypatch.setattr(native, "SOURCE", edited)
-    assert kernels._key(*args)[1] != digest
+    assert plan_cache.key(*args)[1] != digest

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from verifier import kernels, native
+from verifier import kernels, machine, native, tuning
 
 SHAPES = [(96, 64), (37, 19), (1536, 576), (576, 1536), (13, 40)]  # tails: rows % tile, K % vector
 
@@ -26,12 +26,12 @@ def test_the_library_is_built_here_with_tiles_for_this_vector_width():
     assert len(_variants()) == 2
     cpu = torch.device("cpu")
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        assert all(kernels._usable(n, cpu, dtype) for n in _variants())
+        assert all(kernels.usable(n, cpu, dtype) for n in _variants())
     # bfloat16 pairs multiplied natively: only where the compiler and the CPU have AVX512-BF16
     pairs = bool(native.library().racer_bf16_pairs())
-    assert pairs == (bits == 512 and "avx512_bf16" in kernels.machine_fingerprint()["flags"])
-    assert all(kernels._usable(n, cpu, torch.bfloat16) == pairs for n in native.PAIRS)
-    assert not any(kernels._usable(n, cpu, d) for n in native.PAIRS for d in (torch.float32, torch.float16))
+    assert pairs == (bits == 512 and "avx512_bf16" in machine.fingerprint()["flags"])
+    assert all(kernels.usable(n, cpu, torch.bfloat16) == pairs for n in native.PAIRS)
+    assert not any(kernels.usable(n, cpu, d) for n in native.PAIRS for d in (torch.float32, torch.float16))
 
 
 def test_every_variant_equals_linear_for_every_shape_and_row_count():
@@ -112,15 +112,15 @@ def test_one_openmp_runtime_in_the_process():
 def test_off_switch_and_missing_compiler_leave_the_other_kernels(monkeypatch, tmp_path):
     name = _variants()[0]
     monkeypatch.setenv("RACER_NATIVE", "off")
-    assert not native.usable(name) and not kernels._usable(name, torch.device("cpu"))
+    assert not native.usable(name) and not kernels.usable(name, torch.device("cpu"))
     monkeypatch.delenv("RACER_NATIVE")
     monkeypatch.setattr(native, "_state", {})  # a fresh process whose compiler is missing
     monkeypatch.setenv("RACER_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     assert native.library() is None and "no C compiler" in native.why()
-    assert not any(kernels._usable(n, torch.device("cpu")) for n in native.VARIANTS)
+    assert not any(kernels.usable(n, torch.device("cpu")) for n in native.VARIANTS)
     w = torch.randn(48, 32)
-    plan = kernels.tune_shape(w, buckets=(1, 4), reps=1)
+    plan = tuning.tune_shape(w, buckets=(1, 4), reps=1)
     assert not set(plan.by_bucket.values()) & set(native.VARIANTS)
 
 

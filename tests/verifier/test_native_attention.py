@@ -1,6 +1,6 @@
 """The native invariant attention (verifier/native_attention.c): equal to SDPA within rounding, a row's
 bits independent of the rows beside it, of where its keys lie in the cache and of the thread count,
-and chosen by the lean backend only where it is built."""
+and chosen by the llama backend only where it is built."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.verifier.test_batch_invariance import make_wide_llama
-from verifier import backends, native
+from verifier import llama, native
 from verifier.engine import VerifierSession
 
 H, KV, D = 9, 3, 64
@@ -55,7 +55,7 @@ def test_equals_sdpa_within_rounding_on_tree_masks(dtype, past):
     kv = torch.randn((2, KV, past + n + 3, D), generator=gen).to(dtype)
     q = torch.randn((n, H, D), generator=gen).to(dtype)
     mask, _ = _tree_mask(rng, past, n)
-    out = native.attention(q, kv, *backends._row_keys(mask, past, n), D**-0.5)
+    out = native.attention(q, kv, *llama._row_keys(mask, past, n), D**-0.5)
     assert out.dtype == dtype and out.shape == (n, H, D)
     tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(out.float(), _sdpa(q, kv, mask), atol=tol, rtol=tol)
@@ -69,18 +69,18 @@ def test_a_rows_bits_do_not_depend_on_its_neighbours_where_its_keys_lie_or_the_t
     kv = torch.randn((2, KV, past + n, D), generator=gen).to(dtype)
     q = torch.randn((n, H, D), generator=gen).to(dtype)
     mask, parents = _tree_mask(rng, past, n)
-    full = native.attention(q, kv, *backends._row_keys(mask, past, n), D**-0.5)
+    full = native.attention(q, kv, *llama._row_keys(mask, past, n), D**-0.5)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(native.attention(q, kv, *backends._row_keys(mask, past, n), D**-0.5), full)
+        assert torch.equal(native.attention(q, kv, *llama._row_keys(mask, past, n), D**-0.5), full)
     finally:
         torch.set_num_threads(threads)
     for r in (0, 1, 17, n - 1):
         # The row alone, its keys laid out as a one-token step sees them: context, then its path in order.
         path = mask[r, past:].nonzero()[:, 0] + past
         alone = torch.cat((kv[:, :, :past], kv[:, :, path]), dim=2).contiguous()
-        keys = backends._row_keys(None, alone.shape[2] - 1, 1)
+        keys = llama._row_keys(None, alone.shape[2] - 1, 1)
         assert keys[1].item() == alone.shape[2] and keys[2].shape[1] == 0  # all in place
         assert torch.equal(native.attention(q[r : r + 1], alone, *keys, D**-0.5)[0], full[r]), f"row {r}"
 
@@ -89,10 +89,10 @@ def test_the_lean_backend_reads_the_context_in_place_and_falls_back_without_the_
     monkeypatch.setenv("RACER_KERNELS", "linear:4")
     monkeypatch.setenv("RACER_CACHE", str(tmp_path))
     model = make_wide_llama()
-    s = VerifierSession(model, backend="fast")
+    s = VerifierSession(model, backend="llama")
     assert s.backend.native_attention and s.backend.pad_rows() == 0
     monkeypatch.setenv("RACER_NATIVE", "off")
-    s = VerifierSession(model, backend="fast")
-    assert not s.backend.native_attention and s.backend.pad_rows() == backends._KEY_BLOCK
-    f32 = VerifierSession(make_wide_llama().float(), backend="fast")
+    s = VerifierSession(model, backend="llama")
+    assert not s.backend.native_attention and s.backend.pad_rows() == llama._KEY_BLOCK
+    f32 = VerifierSession(make_wide_llama().float(), backend="llama")
     assert not f32.backend.native_attention  # float32 keeps the fused attention: HF greedy, not invariance

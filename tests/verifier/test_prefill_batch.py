@@ -39,7 +39,7 @@ def _off(v: VerifierSession, first: int, n: int = N) -> list[int]:
 
 
 def _alone(model, history: list[int], turn: list[int] | None = None):
-    v = VerifierSession(model, backend="fast")
+    v = VerifierSession(model, backend="llama")
     pre = v.prefill(history)
     if turn is not None:  # a later turn: only its tokens are prefilled
         pre = v.prefill(turn)
@@ -47,7 +47,7 @@ def _alone(model, history: list[int], turn: list[int] | None = None):
 
 
 def _together(model, histories, turns):
-    sessions = [VerifierSession(model, backend="fast") for _ in histories]
+    sessions = [VerifierSession(model, backend="llama") for _ in histories]
     items = []
     for v, h, t in zip(sessions, histories, turns):
         if t is not None:
@@ -86,7 +86,7 @@ def test_prompts_prefilled_together_equal_off_alone_in_bf16(bf16_llama):
 
 def test_an_invalid_prompt_fails_alone_and_leaves_the_batch_intact(tiny_llama):
     good = [_prompt(1, 9), _prompt(2, 4)]
-    sessions = [VerifierSession(tiny_llama, backend="fast") for _ in range(3)]
+    sessions = [VerifierSession(tiny_llama, backend="llama") for _ in range(3)]
     res = prefill_batch([(sessions[0], good[0], True), (sessions[1], [5, 10**6], True), (sessions[2], good[1], True)])
     assert isinstance(res[1], ValueError) and sessions[1].length == 0
     assert [(r.topk, _off(v, r.next_token)) for v, r in ((sessions[0], res[0]), (sessions[2], res[2]))] == [
@@ -115,7 +115,7 @@ def test_waiting_prompts_share_forwards_of_at_most_one_chunk_round_robin_across_
     monkeypatch.setattr(batcher, "prefill_batch", recorded)
 
     async def go():
-        v = Verifier(tiny_llama, backend="fast", prefill_chunk=48, prefill_batch=4, headroom=8)
+        v = Verifier(tiny_llama, backend="llama", prefill_chunk=48, prefill_batch=4, headroom=8)
         prompts = {(t, i): _prompt(10 * i + (t == "b"), 7 + 3 * i) for t in ("a", "b") for i in range(4)}
         held = _hold(v)
         entries = {k: v.claim(Open(k[0], f"s{k[1]}", p)) for k, p in prompts.items()}

@@ -10,12 +10,12 @@ import random
 import pytest
 import torch
 
-from verifier.backends import FastLlamaBackend
 from verifier.engine import VerifierSession
-from verifier.generic import GenericBackend as HFBackend
+from verifier.hf import HFBackend
+from verifier.llama import LlamaBackend
 from verifier.tree import tree_inputs
 
-BACKENDS = ["fast", "hf"]
+BACKENDS = ["llama", "hf"]
 ATOL = 1e-4
 
 
@@ -191,18 +191,18 @@ def test_verify_reports_the_tree_forward_topk(tiny_llama, backend):
 
 
 def test_backends_are_the_ones_asked_for(tiny_llama):
-    assert isinstance(VerifierSession(tiny_llama, backend="fast").backend, FastLlamaBackend)
+    assert isinstance(VerifierSession(tiny_llama, backend="llama").backend, LlamaBackend)
     assert isinstance(VerifierSession(tiny_llama, backend="hf").backend, HFBackend)
-    assert isinstance(VerifierSession(tiny_llama).backend, FastLlamaBackend)  # auto picks fast for Llama
+    assert isinstance(VerifierSession(tiny_llama).backend, LlamaBackend)  # auto picks llama for Llama
 
 
 # -- the KV cache after verify ------------------------------------------------------------------------------
 
 
 def make_session(model, backend: str) -> VerifierSession:
-    if backend == "fast-small":  # starts with room for 4 rows: prefill and verify must grow it
-        s = VerifierSession(model, backend="fast")
-        s.backend = FastLlamaBackend(model, capacity=4)
+    if backend == "llama-small":  # starts with room for 4 rows: prefill and verify must grow it
+        s = VerifierSession(model, backend="llama")
+        s.backend = LlamaBackend(model, capacity=4)
         return s
     return VerifierSession(model, backend=backend)
 
@@ -210,7 +210,7 @@ def make_session(model, backend: str) -> VerifierSession:
 def assert_same_continuation(model, backend: str, session: VerifierSession, committed: list[int], rng) -> None:
     """``session`` must continue exactly like a fresh session prefilled with ``committed``."""
     assert session.length == len(committed)
-    fresh = VerifierSession(model, backend="fast" if backend == "fast-small" else backend)
+    fresh = VerifierSession(model, backend="llama" if backend == "llama-small" else backend)
     fresh.prefill(committed)
     cont = [rng.randrange(model.config.vocab_size) for _ in range(4)]
     got = chain_logits(session, cont)
@@ -220,7 +220,7 @@ def assert_same_continuation(model, backend: str, session: VerifierSession, comm
     torch.testing.assert_close(got[-1], plain_logits(model, committed + cont), atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("backend", [*BACKENDS, "fast-small"])
+@pytest.mark.parametrize("backend", [*BACKENDS, "llama-small"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_kv_after_verify_holds_context_plus_accepted_path(tiny_llama, backend, seed):
     model = tiny_llama
@@ -248,7 +248,7 @@ def test_kv_after_verify_holds_context_plus_accepted_path(tiny_llama, backend, s
     assert total_accepted > 0, "the trees were meant to contain accepted paths"
 
 
-@pytest.mark.parametrize("backend", [*BACKENDS, "fast-small"])
+@pytest.mark.parametrize("backend", [*BACKENDS, "llama-small"])
 def test_kv_after_rejecting_everything_but_the_root(tiny_llama, backend):
     model = tiny_llama
     vocab = model.config.vocab_size
@@ -265,7 +265,7 @@ def test_kv_after_rejecting_everything_but_the_root(tiny_llama, backend):
     assert_same_continuation(model, backend, session, context + [root], rng)
 
 
-@pytest.mark.parametrize("backend", [*BACKENDS, "fast-small"])
+@pytest.mark.parametrize("backend", [*BACKENDS, "llama-small"])
 def test_truncate_then_continue(tiny_llama, backend):
     model = tiny_llama
     vocab = model.config.vocab_size

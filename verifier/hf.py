@@ -1,9 +1,9 @@
-"""The generic backend: any decoder-only causal LM ``transformers`` generates with.
+"""The "hf" backend: any decoder-only causal LM ``transformers`` generates with, by its own forward.
 
-``GenericBackend`` runs the model's own decoder (found with ``get_decoder()``, whatever attribute
+``HFBackend`` runs the model's own decoder (found with ``get_decoder()``, whatever attribute
 holds it: ``model.model``, ``transformer``, ``gpt_neox``, ``model.decoder``...) over a
 ``DynamicCache`` and applies the model's own output head. Architectures differ in what they
-accept, so each model gets a *plan*, decided once per model object by a probe (a few tokens,
+accept, so each model gets an ``HFPlan``, decided once per model object by a probe (a few tokens,
 tree verification against plain transformers forwards) rather than from a list of names:
 
 * ``tree``: tree positions as ``position_ids`` and the tree as a 4D additive mask (a sliding-window
@@ -30,6 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .backend import kept_rows
+from .tree import tree_inputs
+
 log = logging.getLogger(__name__)
 
 # mask: [n, past_len + n] bool, True = may attend.
@@ -43,7 +46,9 @@ _CHAIN_REASONS = {
 
 
 @dataclass
-class Plan:
+class HFPlan:
+    """How a model verifies: whole trees or chains, and what its decoder takes."""
+
     mode: str  # "tree" or "chain"
     reason: str = ""  # why chain
     takes_positions: bool = True
@@ -82,11 +87,13 @@ class _Unsupported(Exception):
     pass
 
 
-class GenericBackend:
+class HFBackend:
     """A causal LM through ``transformers``: 4D additive tree mask and position ids (or chains), a
-    DynamicCache, gather of kept rows. Same interface as FastLlamaBackend."""
+    DynamicCache, gather of kept rows. A ``backend.Backend``, as ``LlamaBackend`` is."""
 
-    def __init__(self, model, plan: Plan | None = None):
+    invariant = False  # float32 only: rows may depend on what shares a forward
+
+    def __init__(self, model, plan: HFPlan | None = None):
         from transformers import DynamicCache
 
         self.model = model
@@ -99,7 +106,7 @@ class GenericBackend:
         self._softcap = getattr(cfg, "final_logit_softcapping", None)
         self._scale = getattr(cfg, "logit_scale", None)  # Cohere: logits * scale
         self._divide = getattr(cfg, "logits_scaling", None)  # Granite: logits / scaling
-        self.plan = plan if plan is not None else plan_for(model)
+        self.plan = plan if plan is not None else hf_plan(model)
         self.chain_only = self.plan.mode == "chain"
         self.cache = DynamicCache()
         # transformers 5.2x renames the decoders' ``past_key_values`` argument to ``cache``
@@ -157,11 +164,8 @@ class GenericBackend:
     # -- KV bookkeeping ----------------------------------------------------------------------------
     def commit(self, keep: list[int] | None, n_new: int) -> None:
         past = self.length
-        if keep is None:
-            self.length = past + n_new
-            return
-        m = len(keep)
-        if keep == list(range(m)):
+        m, gather = kept_rows(keep, n_new)
+        if not gather:
             if m < n_new:
                 self.cache.crop(-(n_new - m))
         else:
@@ -178,9 +182,9 @@ class GenericBackend:
             self.cache.crop(length - self.length)  # negative: drop that many (transformers 5.x)
             self.length = length
 
-    # The KV budget's side of the interface. A DynamicCache holds exactly its committed rows and
-    # grows per forward: no padding, nothing reserved ahead to grow to, nothing spare to give back.
-    reserve_rows: int | None = None
+    # KV memory's side of the interface. A DynamicCache holds exactly its committed rows and grows
+    # per forward: no padding, nothing reserved ahead to grow to, nothing spare to give back.
+    reserved_rows: int | None = None
 
     def pad_rows(self) -> int:
         return 0
@@ -192,7 +196,7 @@ class GenericBackend:
 # -- the plan: probed once per model ------------------------------------------------------------------
 
 
-def plan_for(model) -> Plan:
+def hf_plan(model) -> HFPlan:
     """Tree or chain verification for ``model`` (cached per model object); ValueError if neither
     reproduces transformers' own forward."""
     plan = _PLANS.get(model)
@@ -221,14 +225,14 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype) -> bool:
 
 
 @torch.inference_mode()
-def _probe(model) -> Plan:
+def _probe(model) -> HFPlan:
     model_type = getattr(model.config, "model_type", type(model).__name__)
     try:
         decoder = model.get_decoder()
         takes_positions = _accepts(decoder.forward, "position_ids")
         windows, mask_dict = _window_kinds(model.config)
     except _Unsupported as e:
-        raise ValueError(f"model_type={model_type!r} is not supported by the generic backend: {e}") from None
+        raise ValueError(f"model_type={model_type!r} is not supported by the hf backend: {e}") from None
     dtype = next(model.parameters()).dtype
     vocab = (
         model.config.get_text_config().vocab_size
@@ -240,7 +244,7 @@ def _probe(model) -> Plan:
     ctx = [rng.randrange(hi) for _ in range(6)]
     tree_tokens = [rng.randrange(hi) for _ in range(6)]
     tree_parents = [-1, 0, 0, 1, 1, 2]
-    tree_plan = Plan("tree", takes_positions=takes_positions, window_masks=windows, mask_dict=mask_dict)
+    tree_plan = HFPlan("tree", takes_positions=takes_positions, window_masks=windows, mask_dict=mask_dict)
     errors = []
     if takes_positions:
         try:
@@ -253,13 +257,13 @@ def _probe(model) -> Plan:
         if not takes_positions
         else "it does not honour a custom 4D attention mask with tree positions"
     )
-    chain_plan = Plan("chain", reason=reason, takes_positions=takes_positions, window_masks=windows)
+    chain_plan = HFPlan("chain", reason=reason, takes_positions=takes_positions, window_masks=windows)
     try:
         _check_chain(model, chain_plan, ctx, tree_tokens, dtype)
     except Exception as e:  # noqa: BLE001
         errors.append(f"chain: {_describe(e)}")
         raise ValueError(
-            f"model_type={model_type!r} is not supported by the generic backend "
+            f"model_type={model_type!r} is not supported by the hf backend "
             f"(neither tree nor chain verification reproduces its own forward: {'; '.join(errors)})"
         ) from None
     log.warning(
@@ -284,9 +288,7 @@ def _root_path(tokens, parents, i):
 
 
 def _check_tree(model, plan, ctx, tokens, parents, dtype) -> None:
-    from .tree import tree_inputs
-
-    b = GenericBackend(model, plan)
+    b = HFBackend(model, plan)
     _prefill(b, ctx)
     positions, mask = tree_inputs(parents, b.length)
     got = b.logits(b.forward(torch.tensor(tokens), positions, mask))
@@ -306,7 +308,7 @@ def _check_tree(model, plan, ctx, tokens, parents, dtype) -> None:
 
 
 def _check_chain(model, plan, ctx, tokens, dtype) -> None:
-    b = GenericBackend(model, plan)
+    b = HFBackend(model, plan)
     _prefill(b, ctx)
     chain = tokens[:4]
     got = b.logits(b.forward(torch.tensor(chain), torch.arange(b.length, b.length + 4), None))
@@ -318,36 +320,11 @@ def _check_chain(model, plan, ctx, tokens, dtype) -> None:
     assert _close(got, _reference(model, ctx + chain[:2] + [nxt])[-1], dtype), "a cropped cache does not continue right"
 
 
-def _prefill(b: GenericBackend, ctx: list[int]) -> None:
+def _prefill(b: HFBackend, ctx: list[int]) -> None:
     n = len(ctx)
     mask = torch.ones((n, n), dtype=torch.bool).tril()
     b.forward(torch.tensor(ctx), torch.arange(n), mask)
     b.commit(None, n)
-
-
-# -- the engine's choice -----------------------------------------------------------------------------
-
-
-def make_backend(model, kind: str = "auto", capacity: int = 1024):
-    """``auto``: the lean backend where it implements the model, else the generic one; ``llama`` (or its
-    old name ``fast``): the lean one or ValueError; ``hf`` / ``generic``: the generic one."""
-    from .backends import FastLlamaBackend
-
-    if kind in ("hf", "generic") or (kind == "auto" and not FastLlamaBackend.supports(model)):
-        dtype = next(model.parameters()).dtype
-        if dtype != torch.float32:
-            # Its rows' bits depend on what shares a forward (tree nodes, other sessions), so drafts
-            # could change a reduced-precision output: only the lean forward is batch invariant.
-            raise ValueError(
-                f"model_type={model.config.model_type!r} runs on the generic backend, which verifies in float32 "
-                f"only (got {str(dtype).replace('torch.', '')}): use --dtype float32"
-            )
-        return GenericBackend(model)
-    if kind in ("llama", "fast", "auto"):
-        if not FastLlamaBackend.supports(model):
-            raise ValueError(f"the fast backend does not support model_type={model.config.model_type!r}")
-        return FastLlamaBackend(model, capacity)
-    raise ValueError(f"unknown backend {kind!r}")
 
 
 def chain_of(parents: list[int]) -> list[int]:

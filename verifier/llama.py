@@ -1,16 +1,18 @@
-"""Forward passes over a session's KV cache: a lean path for Llama-family models and a generic one.
+"""The "llama" backend: a hand-written forward for Llama-family models over a preallocated cache.
 
-Both backends answer the same question: given ``n`` new tokens, their positions and which cached or
-new tokens each may attend to, return the final hidden states of the new tokens and keep their K/V
-rows in the cache so that the accepted ones can be kept and the rest dropped.
+Like every backend (``verifier/backend.py``) it answers one question: given ``n`` new tokens, their
+positions and which cached or new tokens each may attend to, return the final hidden states of the
+new tokens and keep their K/V rows in the cache so that the accepted ones can be kept and the rest
+dropped.
 
-* ``FastLlamaBackend`` runs the decoder layers of a Llama-family model (Llama, Mistral, Qwen2/3,
-  SmolLM) directly on the model's own weights and modules, with a preallocated KV cache that is
-  compacted in place. On a CPU this is what makes tree verification cheap: no cache concatenation
-  per step, no generic mask construction, and projections run by the kernels measured fastest on
-  this machine for each row count (``verifier/kernels.py``). In reduced precision the forward is
-  batch invariant: a row's bits do not depend on what else shares the call (see ``forward_segments``).
-* The generic backend (``verifier/generic.py``) runs any other decoder-only causal LM.
+``LlamaBackend`` runs the decoder layers of a Llama-family model (Llama, Mistral, Qwen2/3, SmolLM,
+Gemma) directly on the model's own weights and modules, with a preallocated KV cache that is
+compacted in place. On a CPU this is what makes tree verification cheap: no cache concatenation per
+step, no generic mask construction, and projections run by the kernels measured fastest on this
+machine for each row count (``verifier/kernels.py``). ``forward_segments`` runs several sessions'
+new tokens in one pass over the weights, one decoder layer at a time (``decoder_block``). In
+reduced precision the forward is batch invariant: a row's bits do not depend on what else shares
+the call. Models it does not implement go to the "hf" backend (``verifier/hf.py``).
 """
 
 from __future__ import annotations
@@ -19,20 +21,22 @@ import torch
 import torch.nn.functional as F
 
 from . import native
+from .backend import kept_rows
+from .tuning import kernel_plan
 
 # mask: [n, past_len + n] bool, True = may attend.
 
 
-class FastLlamaBackend:
+class LlamaBackend:
     """Decoder forward over a preallocated per-session KV cache [layers, 2, kv_heads, capacity, head_dim]."""
 
-    def __init__(self, model, capacity: int = 1024):
-        """``capacity``: rows allocated now. The verifier's core passes 0 and sets ``reserve_rows``
-        (the rows its KV budget reserved for this cache): the cache then grows to exactly that."""
-        from .kernels import plan_for
+    chain_only = False  # verifies whole trees
 
+    def __init__(self, model, capacity: int = 1024):
+        """``capacity``: rows allocated now. The verifier's core passes 0 and sets ``reserved_rows``
+        (the rows KV memory reserved for this cache): the cache then grows to exactly that."""
         self.model = model
-        self.plan = plan_for(model, held_ok=True)
+        self.plan = kernel_plan(model, held_ok=True)
         self.invariant = self.plan.invariant
         inner = model.model
         cfg = model.config
@@ -54,7 +58,7 @@ class FastLlamaBackend:
             (len(self.layers), 2, self.n_kv, capacity, self.head_dim), dtype=self.dtype, device=self.device
         )
         self.length = 0  # rows of the cache that hold committed context
-        self.reserve_rows: int | None = None  # None: grow by doubling (no budget to answer to)
+        self.reserved_rows: int | None = None  # None: grow by doubling (no reservation to answer to)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # invariant mode: cos, sin by position
 
     _ROPE_CHUNK = 256
@@ -83,7 +87,7 @@ class FastLlamaBackend:
         decoder layers (q/k/v/o projections, with or without biases; Qwen3's per-head q/k norms;
         gated MLP; the model's own embedding and norm modules, so Gemma's scaled embedding and
         1 + weight norms too), rotary embeddings over the whole head on every layer, full attention (no
-        sliding window), and a plain linear head (tied or not). Anything else goes to the generic
+        sliding window), and a plain linear head (tied or not). Anything else goes to the "hf"
         backend."""
         cfg = model.config
         if getattr(cfg, "model_type", "") not in {"llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma"}:
@@ -133,8 +137,8 @@ class FastLlamaBackend:
         cap = self.capacity
         if needed <= cap:
             return
-        if self.reserve_rows is not None:  # the core reserved the bytes for this growth beforehand
-            self.resize(max(needed, self.reserve_rows))
+        if self.reserved_rows is not None:  # the core reserved the bytes for this growth beforehand
+            self.resize(max(needed, self.reserved_rows))
         else:
             self.resize(max(needed, cap * 2))
 
@@ -166,13 +170,11 @@ class FastLlamaBackend:
         return self.plan.mm(hidden, self.lm_head_w, None)
 
     def commit(self, keep: list[int] | None, n_new: int) -> None:
-        """Keeps the new rows at offsets ``keep`` (ascending; None = all ``n_new``), drops the rest."""
+        """Keeps the new rows at offsets ``keep`` (ascending; None = all ``n_new``), drops the rest
+        (rows past ``length`` are never read: dropping them is moving ``length`` only)."""
         past = self.length
-        if keep is None:
-            self.length = past + n_new
-            return
-        m = len(keep)
-        if keep != list(range(m)):
+        m, gather = kept_rows(keep, n_new)
+        if gather:
             idx = torch.tensor(keep, dtype=torch.long, device=self.device) + past
             self.cache[:, :, :, past : past + m] = self.cache[:, :, :, idx]
         self.length = past + m
@@ -186,12 +188,12 @@ def forward_segments(segments, rows_exact: bool = True) -> list[torch.Tensor]:
     """Several sessions' new tokens in one pass over the weights.
 
     ``segments``: ``(backend, tokens [n], positions [n], mask [n, length + n] or None)`` of
-    FastLlamaBackends of one model. Every projection and MLP runs once over all rows (the weights
+    LlamaBackends of one model. Every projection and MLP runs once over all rows (the weights
     are read once: the point of batching); attention runs per segment over its own cache and mask,
     so no row ever sees another session's tokens. Returns each segment's hidden states.
 
     In invariant mode (reduced precision) a row's bits do not depend on the other rows of the call:
-    projections run by row-invariant kernels (``kernels.Plan``), rotary values come from a
+    projections run by row-invariant kernels (``kernels.KernelPlan``), rotary values come from a
     per-position table, norms and elementwise ops are rowwise, and (``rows_exact``) each row attends
     over exactly the keys it may see in position order, by the same computation a one-token step at
     its position makes. On a CPU with the native library that is ``native_attention.c``: keys
@@ -200,76 +202,86 @@ def forward_segments(segments, rows_exact: bool = True) -> list[torch.Tensor]:
     elsewhere each row is one query over its keys gathered (``_row_groups``).
     """
     b0 = segments[0][0]
-    dev = b0.device
-    plan = b0.plan
     exact = b0.invariant and rows_exact
     sizes = [seg[1].shape[0] for seg in segments]
-    n = sum(sizes)
+    spans = _spans(segments, sizes, exact)
+    tokens = torch.cat([seg[1] for seg in segments]).to(b0.device)
+    positions = torch.cat([seg[2] for seg in segments]).to(b0.device)
+    x = b0.embed(tokens)[None]  # [1, n, hidden]
+    if b0.invariant:
+        cos, sin = b0.rope(positions)
+    else:
+        cos, sin = b0.rotary(x, positions[None])  # [1, n, head_dim]
+    rope = (cos[:, None], sin[:, None])
+    for i, layer in enumerate(b0.layers):
+        x = decoder_block(b0, i, layer, x, rope, spans, exact)
+    hidden = b0.norm(x)[0]
+    return list(hidden.split(sizes)) if len(sizes) > 1 else [hidden]
+
+
+def _spans(segments, sizes: list[int], exact: bool) -> list[tuple]:
+    """Per segment ``(backend, first row, end row, past length, how its rows attend)``, each cache
+    grown first to hold the new rows (and, for exact invariant attention, its pad rows)."""
     spans, start = [], 0
     for size, (b, _, _, mask) in zip(sizes, segments):
         b._ensure_capacity(b.length + size + (b.pad_rows() if exact else 0))
         if exact and b.native_attention:
             how = _row_keys(mask, b.length, size)
         elif exact:
-            how = _row_groups(mask, b.length, size, dev, b.dtype)
+            how = _row_groups(mask, b.length, size, b.device, b.dtype)
         else:
-            how = None if mask is None else _additive(mask, b.dtype, dev)
+            how = None if mask is None else _additive(mask, b.dtype, b.device)
         spans.append((b, start, start + size, b.length, how))
         start += size
-    tokens = torch.cat([seg[1] for seg in segments]).to(dev)
-    positions = torch.cat([seg[2] for seg in segments]).to(dev)
-    x = b0.embed(tokens)[None]  # [1, n, hidden]
-    if b0.invariant:
-        cos, sin = b0.rope(positions)
-    else:
-        cos, sin = b0.rotary(x, positions[None])  # [1, n, head_dim]
-    cos, sin = cos[:, None], sin[:, None]
+    return spans
+
+
+def decoder_block(b0, i: int, layer, x: torch.Tensor, rope, spans, exact: bool) -> torch.Tensor:
+    """Decoder layer ``i`` over every segment's rows, x [1, n, hidden] -> [1, n, hidden]: attention
+    over each segment's own cache, then the gated MLP, each added to the residual stream."""
+    plan, attn, mlp = b0.plan, layer.self_attn, layer.mlp
+    h = layer.input_layernorm(x)[0]  # [n, hidden]
+    x = x + _linear(plan, _attention(b0, i, attn, h, rope, spans, exact), attn.o_proj)[None]
+    h = layer.post_attention_layernorm(x)[0]
+    gated = mlp.act_fn(_linear(plan, h, mlp.gate_proj)) * _linear(plan, h, mlp.up_proj)
+    return x + _linear(plan, gated, mlp.down_proj)[None]
+
+
+def _attention(b0, i: int, attn, h: torch.Tensor, rope, spans, exact: bool) -> torch.Tensor:
+    """h [n, hidden] -> attention output [n, heads * head_dim]; writes each segment's new K/V rows
+    into its cache of layer ``i``."""
+    plan, n = b0.plan, h.shape[0]
+    q = _linear(plan, h, attn.q_proj).view(1, n, b0.n_heads, b0.head_dim).transpose(1, 2)
+    k = _linear(plan, h, attn.k_proj).view(1, n, b0.n_kv, b0.head_dim).transpose(1, 2)
+    v = _linear(plan, h, attn.v_proj).view(1, n, b0.n_kv, b0.head_dim).transpose(1, 2)
+    if hasattr(attn, "q_norm"):  # Qwen3-style per-head norms
+        q = attn.q_norm(q.transpose(1, 2)).transpose(1, 2)
+        k = attn.k_norm(k.transpose(1, 2)).transpose(1, 2)
+    cos, sin = rope
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
     gqa = b0.n_kv != b0.n_heads
-    for i, layer in enumerate(b0.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        h = layer.input_layernorm(x)[0]  # [n, hidden]
-        q = _linear(plan, h, attn.q_proj).view(1, n, b0.n_heads, b0.head_dim).transpose(1, 2)
-        k = _linear(plan, h, attn.k_proj).view(1, n, b0.n_kv, b0.head_dim).transpose(1, 2)
-        v = _linear(plan, h, attn.v_proj).view(1, n, b0.n_kv, b0.head_dim).transpose(1, 2)
-        if hasattr(attn, "q_norm"):  # Qwen3-style per-head norms
-            q = attn.q_norm(q.transpose(1, 2)).transpose(1, 2)
-            k = attn.k_norm(k.transpose(1, 2)).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        outs = []
-        for b, s, e, past, how in spans:
-            total = past + e - s
-            kv = b.cache[i]
-            kv[0, :, past:total] = k[0, :, s:e]
-            kv[1, :, past:total] = v[0, :, s:e]
-            if exact and b.native_attention:
-                o = native.attention(q[0, :, s:e].transpose(0, 1), kv, *how, attn.scaling)  # [n, H, D]
-                outs.append(o.transpose(0, 1)[None])
-                continue
-            if exact:
-                outs.append(_rows_attention(q[:, :, s:e], kv, how, attn.scaling, gqa))
-                continue
-            outs.append(
-                F.scaled_dot_product_attention(
-                    q[:, :, s:e],
-                    kv[0, :, :total][None],
-                    kv[1, :, :total][None],
-                    attn_mask=how,
-                    scale=attn.scaling,
-                    enable_gqa=gqa,
-                )
-            )
-        o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-        x = x + _linear(plan, o.transpose(1, 2).reshape(n, -1), attn.o_proj)[None]
-        h = layer.post_attention_layernorm(x)[0]
-        x = (
-            x
-            + _linear(plan, mlp.act_fn(_linear(plan, h, mlp.gate_proj)) * _linear(plan, h, mlp.up_proj), mlp.down_proj)[
-                None
-            ]
-        )
-    hidden = b0.norm(x)[0]
-    return list(hidden.split(sizes)) if len(sizes) > 1 else [hidden]
+    outs = [_segment_attention(span, i, q, k, v, attn.scaling, exact, gqa) for span in spans]
+    o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return o.transpose(1, 2).reshape(n, -1)
+
+
+def _segment_attention(span, i: int, q, k, v, scale: float, exact: bool, gqa: bool) -> torch.Tensor:
+    """One segment's rows of q [1, H, n, D] over its own cache (its new K/V rows written first):
+    [1, H, rows, D]."""
+    b, s, e, past, how = span
+    total = past + e - s
+    kv = b.cache[i]
+    kv[0, :, past:total] = k[0, :, s:e]
+    kv[1, :, past:total] = v[0, :, s:e]
+    if exact and b.native_attention:
+        o = native.attention(q[0, :, s:e].transpose(0, 1), kv, *how, scale)  # [n, H, D]
+        return o.transpose(0, 1)[None]
+    if exact:
+        return _rows_attention(q[:, :, s:e], kv, how, scale, gqa)
+    return F.scaled_dot_product_attention(
+        q[:, :, s:e], kv[0, :, :total][None], kv[1, :, :total][None], attn_mask=how, scale=scale, enable_gqa=gqa
+    )
 
 
 _KEY_BLOCK = 64  # invariant attention: key counts padded to a multiple of this (masked), so rows share calls

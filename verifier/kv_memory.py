@@ -47,10 +47,10 @@ def memory_limit(path: Path = CGROUP_MEMORY_MAX) -> int | None:
     return None if raw == "max" or not raw.isdigit() else int(raw)
 
 
-def default_budget(
+def default_kv_bytes(
     model, per_token: int, max_cache_tokens: int, fraction: float = 0.6, limit: int | None = None
 ) -> int:
-    """Without ``--kv-budget-bytes``: ``fraction`` of what the pod's memory limit leaves after the
+    """KV memory without ``--kv-budget-bytes``: ``fraction`` of what the pod's memory limit leaves after the
     model's weights; without a limit, ``max_cache_tokens`` tokens' worth."""
     limit = memory_limit() if limit is None else limit
     if limit is None:
@@ -68,7 +68,7 @@ class _Waiter:
     fut: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
-class KVBudget:
+class KVMemory:
     """Reservations in bytes against ``total``, and the queue of those waiting for one.
 
     ``evict(keep)`` drops one idle cache (not ``keep``'s) and returns True, or returns False when
@@ -84,7 +84,7 @@ class KVBudget:
         wait_seconds: float = 20.0,
     ):
         if total <= 0 or per_token <= 0:
-            raise ValueError(f"KV budget: {total} bytes at {per_token} bytes per token")
+            raise ValueError(f"KV memory: {total} bytes at {per_token} bytes per token")
         self.total = total
         self.per_token = per_token
         self.evict = evict
@@ -95,11 +95,11 @@ class KVBudget:
         self.peak = 0
         self._waiters: deque[_Waiter] = deque()
         self._waking = False
-        M.KV_BUDGET_BYTES.set(total)
+        M.KV_MEMORY_BYTES.set(total)
 
     @property
     def tokens(self) -> int:
-        """Cached tokens the budget holds in all."""
+        """Cached tokens KV memory holds in all."""
         return self.total // self.per_token
 
     def bytes_for(self, tokens: int) -> int:

@@ -1,0 +1,371 @@
+"""Choosing a model's kernel plan at start-up: by measurement on the machine the verifier runs on.
+
+At model load every candidate of ``verifier/kernels.py`` is timed on the model's own weights for
+each row bucket the verifier uses (1 up to the largest tree x batch), checked against ``F.linear``,
+and the fastest is kept. ``F.linear`` is always a candidate, so the choice is never slower than it,
+as measured. A float32 shape's weight is timed stored either way (``verifier/layouts.py``), and a
+shape's layout is the one whose per-bucket best times lose least to the other's. The per-shape
+choices are then checked over a whole forward's projections (``compose``). The choice is cached
+per (machine, model, dtype, threads) by ``verifier/plan_cache.py``.
+
+An invariant plan (reduced precision) picks, per shape, the option with the smallest sum of
+slowdowns against the best option at each tree size the verifier uses; a chunked choice is checked
+at tuning: a row must come out bit-identical at any position of its chunk, or the next option is
+taken (one row is invariant by construction).
+
+Environment: ``RACER_KERNELS`` = ``auto`` (default: cached choice or tune), ``tune`` (tune again),
+or a kernel name, optionally with chunk rows and a layout (``linear``, ``linear:4``, ``blas@col``),
+which skips tuning (tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from . import arena, kernels, plan_cache
+from .kernels import BUCKETS, CANDIDATES, LAYOUTS, KernelPlan, ShapePlan, Timing
+from .layouts import all_projections, apply_layouts, in_layout, projection_weights, stored_as, transposable
+from .machine import single_thread_blas
+
+log = logging.getLogger(__name__)
+
+TUNE_SECONDS = 30.0  # soft bound on the whole tuning (few reps, interleaved, medians)
+SLOW_CALL_S = 0.1  # a candidate's call slower than this is not timed at larger buckets
+
+
+def kernel_plan(
+    model, invariant: bool | None = None, spec: str | None = None, cache: bool = True, held_ok: bool = False
+) -> KernelPlan:
+    """The model's kernel plan: forced by ``RACER_KERNELS``, read from the cache, or tuned now (and
+    cached). Kept on the model, so every session of it shares one plan. ``invariant`` defaults to
+    True for reduced precision.
+
+    ``held_ok`` (a backend opening a session): a plan the model holds for the same spec serves
+    whatever the calling thread's thread count says. Measuring belongs to whoever loads the model
+    (the verifier does it before serving); a session opened on an event loop must never tune there
+    (30-60 s), and a thread's OpenMP count can be stale (an executor thread keeps the count it
+    started with).
+
+    The first plan of a model may store weights transposed; a later measured one (another thread
+    count) keeps the layouts as they are and chooses kernels for them, since a forward may be
+    reading the weights. Only a forced spec (tests, by hand) stores them anew."""
+    weights = projection_weights(model)
+    w0 = next(iter(weights.values()))
+    if invariant is None:
+        invariant = w0.dtype != torch.float32
+    spec = spec if spec is not None else os.environ.get("RACER_KERNELS", "auto")
+    held = getattr(model, "_racer_kernels", None)
+    threads = torch.get_num_threads()
+    if held is not None and (held[0] == (spec, invariant, threads) or (held_ok and held[0][:2] == (spec, invariant))):
+        return held[1]
+    if w0.device.type == "cpu":
+        single_thread_blas()
+        arena.pack(model)  # before anything is measured: the weights as every forward will read them
+    if spec not in ("auto", "tune", ""):
+        plan = forced(spec, weights, invariant)
+    else:
+        keep = {shape: stored_as(w) for shape, w in weights.items()} if held is not None else None
+        plan = _tuned(model, weights, invariant, use_cache=cache and spec != "tune", keep=keep)
+    apply_layouts(model, plan.layouts())
+    model._racer_kernels = ((spec, invariant, threads), plan)
+    return plan
+
+
+def forced(spec: str, weights, invariant: bool) -> KernelPlan:
+    """The plan ``RACER_KERNELS=spec`` names (``kernel[:rows][@layout]``) for every shape."""
+    kernel, _, layout = spec.partition("@")
+    name, _, rows = kernel.partition(":")
+    if (
+        name not in CANDIDATES
+        or layout not in ("", *LAYOUTS)
+        or (layout == "col" and (invariant or kernels.row_only(name)))
+    ):
+        raise ValueError(
+            f"RACER_KERNELS={spec!r}: unknown kernel (one of {', '.join(CANDIDATES)}, optionally :rows and "
+            "@row or @col (float32 only; not for native kernels); or auto, tune)"
+        )
+    w0 = next(iter(weights.values()))
+    if not kernels.usable(name, w0.device, w0.dtype) or (layout == "col" and not transposable(w0)):
+        raise ValueError(f"RACER_KERNELS={spec!r}: not available for {w0.dtype} on {w0.device}")
+    r = int(rows) if rows else (0 if kernels.row_invariant(name) else 1)  # a row-invariant kernel: unchunked
+    if rows and r < 1:
+        raise ValueError(f"RACER_KERNELS={spec!r}: chunk rows must be >= 1")
+    shapes = {
+        s: ShapePlan(
+            by_bucket={b: name for b in BUCKETS}, kernel=name, rows=r if invariant else 0, layout=layout or "row"
+        )
+        for s in weights
+    }
+    return KernelPlan(shapes, invariant, "forced")
+
+
+def _tuned(model, weights, invariant, use_cache: bool, keep: dict | None = None) -> KernelPlan:
+    """``keep``: the layout each shape must keep (a model already planned); a plan tuned under it is
+    not cached, the cache holding what the machine measures best."""
+    w0 = next(iter(weights.values()))
+    ident, digest = plan_cache.key(model, weights, w0.dtype, torch.get_num_threads(), w0.device, invariant)
+    path = plan_cache.path_of(digest)
+    if use_cache and path.exists():
+        shapes = plan_cache.read(path, weights, invariant)
+        if shapes is not None and (keep is None or all(p.layout == keep[s] for s, p in shapes.items())):
+            return KernelPlan(shapes, invariant, "cache")
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        shapes = {
+            s: tune_shape(w, invariant=invariant, layouts=None if keep is None else (keep[s],))
+            for s, w in weights.items()
+        }
+        if not invariant:  # the choices checked as a whole (their layouts applied to the model)
+            kept = compose(model, shapes, relayout=keep is None)
+            log.info("kernels per bucket after a whole forward's projections: %s", kept)
+    plan = KernelPlan(shapes, invariant, "tuned")
+    log.info("kernels tuned in %.1f s: %s", time.perf_counter() - t0, plan.describe())
+    if keep is None:
+        plan_cache.write(path, ident, shapes, time.perf_counter() - t0)
+    return plan
+
+
+# -- one shape -------------------------------------------------------------------------------------
+
+
+def tune_shape(
+    w: torch.Tensor,
+    buckets=BUCKETS,
+    invariant: bool = False,
+    reps: int = 5,
+    candidates: dict | None = None,
+    layouts: tuple[str, ...] | None = None,
+) -> ShapePlan:
+    """Times every usable candidate for every bucket (and, in float32, with the weight stored either
+    way); ``layouts`` defaults to both in float32 and ``row`` otherwise (invariant plans keep rows)."""
+    cands = {n: f for n, f in (candidates or CANDIDATES).items() if kernels.usable(n, w.device, w.dtype)}
+    if layouts is None:
+        layouts = LAYOUTS if transposable(w) and not invariant else ("row",)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    inputs = {m: torch.randn((m, w.shape[1]), generator=gen).to(w.dtype).to(w.device) for m in buckets}
+    fns, slow = _checked_calls(cands, w, {lay: in_layout(w, lay) for lay in layouts}, inputs)
+    ms = _measure(fns, inputs, reps)
+    for (name, lay), last in slow.items():  # linear in the rows beyond the last one timed (a lower bound, in practice)
+        if (name, lay, last) in ms:
+            for m in buckets:
+                if m > last:
+                    ms[(name, lay, m)] = ms[(name, lay, last)] * m / last
+    bests = {lay: _best_per_bucket(ms, lay, buckets) for lay in layouts}
+    # The layout whose best per bucket loses least, summed over buckets, to the best of either layout
+    # (a ratio, so one-row steps weigh as much as 64-node trees); ties keep the weight as it is.
+    regret = {lay: sum(bests[lay][m][0] / min(bests[q][m][0] for q in layouts) for m in buckets) for lay in layouts}
+    layout = min(layouts, key=lambda lay: (regret[lay], lay != stored_as(w)))
+    plan = ShapePlan(layout=layout, ms={Timing(*k): round(v, 4) for k, v in ms.items()})
+    if invariant:
+        plan.kernel, plan.rows = _invariant_option(cands, w, bests[layout], ms, buckets)
+    else:
+        plan.by_bucket = {m: bests[layout][m][1] for m in buckets}
+    return plan
+
+
+def _checked_calls(cands: dict, w: torch.Tensor, stored: dict, inputs: dict) -> tuple[dict, dict]:
+    """The calls on ``w`` stored each way that agree with ``F.linear``, keyed (kernel, layout, rows),
+    and the candidates too slow to time at larger buckets: (kernel, layout) -> the last rows tried."""
+    refs = {m: F.linear(x, w) for m, x in inputs.items()}
+    fns, slow = {}, {}
+    for lay, wl in stored.items():
+        for name, fn in cands.items():
+            for m in inputs:
+                if name == "dup" and m != 1:
+                    continue  # the same as wxt beyond one row
+                if (name, lay) in slow:  # bounded tuning: a candidate this slow is extrapolated, not timed, beyond
+                    continue
+                try:
+                    t0 = time.perf_counter()
+                    ok = _agrees(fn(inputs[m], wl, None), refs[m])
+                    if time.perf_counter() - t0 > SLOW_CALL_S:
+                        slow[(name, lay)] = m
+                except (RuntimeError, TypeError):  # e.g. oneDNN without a kernel for this dtype on this CPU
+                    ok = False
+                if ok:
+                    fns[(name, lay, m)] = lambda x, fn=fn, wl=wl: fn(x, wl, None)
+    return fns, slow
+
+
+def _measure(fns: dict, inputs: dict, reps: int) -> dict:
+    """Median milliseconds per call, after a warm-up; fewer repetitions when calls are slow, more
+    when they are cheap (against a noisy machine, still milliseconds)."""
+    _time(fns, inputs, 1)  # warm-up: primitive creation, first-touch allocations
+    top = max((k[2] for k in fns), default=0)
+    first = max(_time({k: f for k, f in fns.items() if k[2] == top}, inputs, 1).values(), default=0.0)
+    if first * len(fns) * reps > TUNE_SECONDS / 4:
+        reps = 3
+    elif first < 2e-3:
+        reps = 3 * reps
+    return {k: v * 1e3 for k, v in _time(fns, inputs, reps).items()}
+
+
+def _best_per_bucket(ms: dict, layout: str, buckets) -> dict[int, tuple[float, str]]:
+    """Bucket -> (milliseconds, kernel) of the fastest call with the weight stored as ``layout``."""
+    return {
+        m: min(((v, k[0]) for k, v in ms.items() if k[1] == layout and k[2] == m), default=(math.inf, "linear"))
+        for m in buckets
+    }
+
+
+def _invariant_option(cands: dict, w: torch.Tensor, best: dict, ms: dict, buckets) -> tuple[str, int]:
+    """(kernel, rows per chunk) of an invariant plan: fixed chunks of r rows (the fastest kernel at
+    r, checked to be position invariant, else the next option; one row always is), or a
+    row-invariant kernel unchunked (rows 0). Kept: the option whose slowdowns against the best
+    option at each tree size sum least (a ratio, so a one-token step weighs as much as a 64-node
+    tree: a kernel that reads half-width weights once can win the small trees by more than it loses
+    the large ones)."""
+
+    def cost(n, r):
+        return math.ceil(n / r) * best[r][0]
+
+    options = {("chunks", r, best[r][1]): [cost(n, r) for n in buckets] for r in buckets}
+    for name in cands:
+        if kernels.row_invariant(name) and all((name, "row", n) in ms for n in buckets):
+            options[("whole", 0, name)] = [ms[(name, "row", n)] for n in buckets]
+    low = [min(costs[i] for costs in options.values()) for i in range(len(buckets))]
+    slowdown = {opt: sum(c / lo for c, lo in zip(costs, low)) for opt, costs in options.items()}
+    for how, r, name in sorted(options, key=lambda o: (slowdown[o], o[1])):
+        if how == "whole" or r == 1 or position_invariant(cands[name], w, r):
+            return name, r
+    raise AssertionError("unreachable: one-row chunks are invariant")
+
+
+def position_invariant(fn, w: torch.Tensor, rows: int, trials: int = 2, positions: int = 6) -> bool:
+    """Is a row's output bit-identical wherever it sits in a ``rows``-row call, whatever the others?
+    (Sampled: ``positions`` rows per trial, each moved to another position among other rows.)"""
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    for t in range(trials):
+        x = torch.randn((rows, w.shape[1]), generator=gen).to(w.dtype).to(w.device)
+        y = fn(x, w, None)
+        picks = sorted({0, rows - 1, *torch.randint(rows, (positions,), generator=gen).tolist()})[:positions]
+        for r in picks:
+            other = torch.randn((rows, w.shape[1]), generator=gen).to(w.dtype).to(w.device)
+            at = (r + 1 + t) % rows
+            other[at] = x[r]
+            if not torch.equal(fn(other, w, None)[at], y[r]):
+                return False
+    return True
+
+
+def _agrees(y: torch.Tensor, ref: torch.Tensor) -> bool:
+    if y.shape != ref.shape or not torch.isfinite(y).all():
+        return False
+    tol = 1e-4 if y.dtype == torch.float32 else 2e-2
+    scale = ref.float().abs().max().item() + 1e-6
+    return (y.float() - ref.float()).abs().max().item() <= tol * scale * math.sqrt(max(1, ref.shape[-1] / 64))
+
+
+def _time(fns: dict, inputs: dict, reps: int) -> dict:
+    """Median seconds per key (its last element: the rows), the candidates interleaved within each
+    repetition."""
+    times = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            x = inputs[k[-1]]
+            t0 = time.perf_counter()
+            fn(x)
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+# -- a whole forward -------------------------------------------------------------------------------
+
+
+def _best_in(sp: ShapePlan, layout: str, m: int) -> str | None:
+    """The fastest kernel of a shape's own timings at ``m`` rows with its weight stored as ``layout``."""
+    times = {t.kernel: v for t, v in sp.ms.items() if not t.forward and t.layout == layout and t.rows == m}
+    return min(times, key=times.__getitem__) if times else None
+
+
+def _fits(sp: ShapePlan, kernel: str, layout: str, m: int) -> bool:
+    """Whether a uniform option may run ``kernel`` on this shape: it can read the layout, and the
+    shape's own timing (where there is one) was not far off its best (some kernels are pathological
+    on one layout: ``W @ x.T`` over a transposed output layer takes seconds)."""
+    if layout == "col" and kernels.row_only(kernel):
+        return False
+    own = sp.ms.get(Timing(kernel, layout, m))
+    best = _best_in(sp, layout, m)
+    return own is None if best is None else own is not None and own <= 2 * sp.ms[Timing(best, layout, m)]
+
+
+def _forward_times(params, choices: dict[str, dict], m: int, reps: int, gen) -> dict[str, float]:
+    """Median seconds of one forward's projections at ``m`` rows per option (shape -> kernel)."""
+    w0 = params[0]
+    xs = {d: torch.randn((m, d), generator=gen).to(w0.dtype).to(w0.device) for d in {p.shape[1] for p in params}}
+
+    runs = {
+        name: [(CANDIDATES[choice[tuple(p.shape)]], p, xs[p.shape[1]]) for p in params if tuple(p.shape) in choice]
+        for name, choice in choices.items()
+    }
+
+    def forward(run):
+        for fn, w, x in run:
+            fn(x, w, None)
+
+    fns = {(name, m): lambda _, run=run: forward(run) for name, run in runs.items()}
+    _time(fns, {m: None}, 1)  # warm-up
+    return {name: t for (name, _), t in _time(fns, {m: None}, reps).items()}
+
+
+def compose(
+    model, shapes: dict[tuple[int, int], ShapePlan], buckets=BUCKETS, reps: int = 2, relayout: bool = True
+) -> dict[int, str]:
+    """Checks the per-shape choices as a whole and keeps what a forward runs fastest.
+
+    A shape tuned alone runs with its weight hot in the caches, while a forward streams every
+    layer's weights from memory, where a kernel that reads a weight once gains over one that packs
+    it. So for each bucket one forward's projections (every weight of the model in layer order) are
+    timed with the per-shape choices and with each kernel that won anywhere, and ``F.linear``, run
+    for every shape that can take it; the options are interleaved and the fastest one's kernels
+    become the bucket's. With ``relayout`` this is done twice when some shape was stored transposed:
+    with the layouts chosen per shape and with every weight as loaded (rows); the layouts whose
+    bucket bests lose least to the other's, summed over buckets, are kept (and applied). Returns
+    bucket -> the option kept (``per-shape`` or a kernel's name; ``rows:`` when all rows won)."""
+    chosen = {s: sp.layout for s, sp in shapes.items()}
+    configs = {"": chosen}
+    if relayout and any(lay != "row" for lay in chosen.values()):
+        configs["rows:"] = {s: "row" for s in shapes}
+    kernels_won = {k for sp in shapes.values() for k in sp.by_bucket.values()} | {"linear"}
+    kernels_won |= {k for sp in shapes.values() for lay in LAYOUTS for m in buckets if (k := _best_in(sp, lay, m))}
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    results: dict[str, dict[int, tuple[float, str, dict]]] = {}
+    for tag, layouts in configs.items():
+        apply_layouts(model, layouts)
+        params = [p.detach() for p in all_projections(model)]  # the weights as the forward reads them
+        results[tag] = {}
+        for m in buckets:
+            per_shape = {
+                s: (sp.by_bucket[m] if layouts[s] == sp.layout else None) or _best_in(sp, layouts[s], m) or "linear"
+                for s, sp in shapes.items()
+            }
+            options: dict[str, dict] = {"per-shape": per_shape}
+            for k in sorted(kernels_won):
+                if not kernels.usable(k, params[0].device, params[0].dtype):
+                    continue
+                uniform = {s: k if _fits(shapes[s], k, layouts[s], m) else per_shape[s] for s in shapes}
+                if uniform not in options.values():
+                    options[k] = uniform
+            times = _forward_times(params, options, m, reps, gen) if len(options) > 1 else {"per-shape": 0.0}
+            best = min(times, key=lambda name: (times[name], name != "per-shape"))
+            results[tag][m] = (times[best], best, options[best])
+    top = {m: min(r[m][0] for r in results.values()) for m in buckets}
+    regret = {tag: sum(r[m][0] / top[m] if top[m] > 0 else 1.0 for m in buckets) for tag, r in results.items()}
+    win = min(results, key=lambda tag: (regret[tag], tag != ""))
+    apply_layouts(model, configs[win])
+    kept = {}
+    for m in buckets:
+        t, best, choice = results[win][m]
+        for s, sp in shapes.items():
+            sp.layout = configs[win][s]
+            sp.by_bucket[m] = choice[s]
+            sp.ms[Timing(best, sp.layout, m, forward=True)] = round(t * 1e3, 3)
+        kept[m] = win + best
+    return kept
