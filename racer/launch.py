@@ -56,10 +56,10 @@ async def start_drafter(args) -> tuple[Server, object]:
     from common.sessions import janitor
     from common.store import open_store
     from common.v1 import drafter_pb2_grpc
+    from drafter.core import Drafter
     from drafter.corpora import Corpora
+    from drafter.draft_session import DrafterConfig
     from drafter.service import DrafterService
-    from drafter.session import DrafterConfig
-    from drafter.sessions import Drafter
 
     server_kw = _server_kw(args, "drafter")  # first: a drafter that cannot authenticate its callers never starts
     config = DrafterConfig(window=args.window, max_nodes=args.max_nodes, topk=args.topk)

@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from drafter.corpus import Corpus, CorpusConfig
-from drafter.session import DrafterConfig, DraftSession
+from drafter.draft_session import DrafterConfig, DraftSession
 from racer.prompts import DEFAULT_PROMPTS
 from racer.stats import percentile
 

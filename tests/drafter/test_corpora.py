@@ -9,9 +9,9 @@ import pytest
 
 from common.errors import Abort, Status
 from common.store import MemoryStore
+from drafter.core import Drafter, Open
 from drafter.corpora import Corpora, CorpusRecordError, decode, encode, stream_key
-from drafter.session import DrafterConfig
-from drafter.sessions import Drafter, Open
+from drafter.draft_session import DrafterConfig
 
 
 def test_records_round_trip_and_malformed_ones_are_refused():

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from drafter.corpus import Corpus, CorpusConfig
-from drafter.session import DrafterConfig, DraftSession
+from drafter.draft_session import DrafterConfig, DraftSession
 from drafter.tree import _Trie, add_corpus, corpus_candidates
 
 
