@@ -142,8 +142,9 @@ SERVICE = {
             "--max-memory-bytes",
             "RACER_MAX_MEMORY_BYTES",
             1 << 30,
-            "estimated bytes of the sessions a drafter keeps in memory; past it the least recently used idle ones "
-            "leave memory and restore from their snapshot at their next turn (0: bounded only by the TTL)",
+            "estimated bytes of the sessions and tenant corpora a drafter keeps in memory; past it the least "
+            "recently used idle sessions leave memory and restore from their snapshot at their next turn "
+            "(0: bounded only by the TTL)",
             int,
         ),
         Setting(

@@ -5,9 +5,9 @@ A session's snapshot goes to the store at every turn end and every ``snapshot_ev
 the response is sent; another replica that is handed the session restores the snapshot and replays
 the tokens after it, or rebuilds from the history. No grpc: the service converts its messages.
 
-Memory is bounded in bytes (``max_bytes``, each session's estimate taken when it enters memory and
-when its stream ends): past the bound the least recently used idle sessions leave memory, their snapshot
-written first, and their next turn restores from it.
+Memory is bounded in bytes (``max_bytes``: each session's estimate taken when it enters memory and
+when its stream ends, plus the tenant corpora held): past the bound the least recently used idle
+sessions leave memory, their snapshot written first, and their next turn restores from it.
 """
 
 from __future__ import annotations
@@ -267,25 +267,30 @@ class Drafter(Holder):
 
     # -- memory -------------------------------------------------------------------------------
     def memory_bytes(self) -> int:
-        """Estimated bytes of the sessions in memory (as of their last open or release)."""
-        return sum(e.bytes for e in self.sessions)
+        """Estimated bytes held: the sessions in memory (as of their last open or release) and the
+        tenant corpora (as they are now)."""
+        return sum(e.bytes for e in self.sessions) + self.corpora.nbytes()
 
     def _bound(self, entry: Entry, estimate: bool = True) -> None:
-        """Re-estimates ``entry`` (unless told not to); while the sessions are over ``max_bytes``, the
-        least recently used idle one (never ``entry``) is snapshotted and dropped from memory."""
+        """Re-estimates ``entry`` (unless told not to); while the sessions and the tenant corpora are
+        over ``max_bytes``, the least recently used idle session (never ``entry``) is snapshotted and
+        dropped from memory. (Corpora are not evicted for sessions: they leave when their tenant has
+        been idle, ``Corpora.expire``; corpora alone over the bound leave only busy sessions.)"""
         if estimate:
             entry.bytes = entry.session.memory_estimate() if self.max_bytes else 0
-        total = self.memory_bytes()
-        while self.max_bytes and total > self.max_bytes:
+        sessions = sum(e.bytes for e in self.sessions)
+        corpora = self.corpora.nbytes()
+        while self.max_bytes and sessions + corpora > self.max_bytes:
             victim = self.sessions.idle_lru(keep=entry.key)
             if victim is None:
                 break
             if len(victim.session.history) != victim.saved_length:
                 self._save_later(victim)  # serialized now; the write finishes after it has left memory
             self.sessions.pop(victim.key)
-            total -= victim.bytes
+            sessions -= victim.bytes
             M.EVICTIONS.inc()
-        M.DRAFTER_BYTES.set(total)
+        M.DRAFTER_BYTES.set(sessions)
+        M.CORPUS_BYTES.set(corpora)
         M.DRAFTER_SESSIONS.set(len(self.sessions))
 
     # -- snapshots ----------------------------------------------------------------------------

@@ -181,6 +181,7 @@ class Corpora:
         except KeyError:
             pass
         M.CORPUS_TENANTS.set(len(self.tenants))
+        M.CORPUS_BYTES.set(self.nbytes())
 
     # -- the store side --------------------------------------------------------------------------
     async def _load(self, tenant: str, tc: TenantCorpus) -> None:
@@ -209,6 +210,7 @@ class Corpora:
         tc.corpus, tc.writers, tc.last_id, tc.epoch, tc.loading = corpus, writers, last, epoch, None
         M.CORPUS_LOAD_SECONDS.observe(time.perf_counter() - t0)
         M.CORPUS_TOKENS.labels(tenant).set(len(corpus))
+        M.CORPUS_BYTES.set(self.nbytes())
 
     def _index_all(self, corpus: Corpus, writers: OrderedDict, records, epoch: int) -> int:
         """Indexes records (stream order); returns the ones skipped. Runs in a worker thread on a
@@ -268,6 +270,7 @@ class Corpora:
                 ms = entries[-1][0].split("-")[0]  # Redis: the writer's clock in ms (the memory store counts)
                 if len(ms) >= 13:
                     M.CORPUS_LAG_SECONDS.observe(max(0.0, now - int(ms) / 1e3))
+            M.CORPUS_BYTES.set(self.nbytes())
 
     async def _publish(self, epochs: dict[str, int]) -> None:
         """Writes the waiting tokens of the responses of ``epochs``' tenants, tagged with the epoch;
@@ -308,4 +311,5 @@ class Corpora:
                 self._warnings.warning("corpus sync failed", error=repr(e))
 
     def nbytes(self) -> int:
+        """Bytes of the corpora held (their arrays), counted in the drafter's memory bound."""
         return sum(tc.corpus.nbytes() for tc in self.tenants.values() if tc.corpus is not None)
