@@ -162,6 +162,13 @@ SERVICE = {
             "seconds without a session of a tenant before this drafter drops its corpus from memory",
             float,
         ),
+        Setting(
+            "--corpus-ttl",
+            "RACER_CORPUS_TTL",
+            7 * 86400.0,
+            "seconds a tenant's corpus stream stays in the store after its last write",
+            float,
+        ),
     ],
     "verifier": [
         Setting(

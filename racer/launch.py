@@ -72,7 +72,7 @@ async def start_drafter(args) -> tuple[Server, object]:
         args.session_ttl,
         max_tokens=args.max_session_tokens,
         max_bytes=getattr(args, "max_memory_bytes", 0),
-        corpora=Corpora(getattr(args, "corpus_tokens", 0), getattr(args, "corpus_idle", 600.0), store),
+        corpora=Corpora(getattr(args, "corpus_tokens", 0), getattr(args, "corpus_idle", 600.0), store, args.corpus_ttl),
     )
     svc = DrafterService(core)
     tasks = []
