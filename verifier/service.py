@@ -84,27 +84,21 @@ class _VerifyStream(SessionStream[Entry]):
         with tracer.start_as_current_span("verifier.prefill") as span:
             res = await v.open(self.entry, history, self.context.time_remaining(), op.reserve_tokens)
             span.set_attributes({"racer.history_tokens": len(history), "racer.reused_tokens": res.reused_tokens})
-        return pb.VerifyResponse(
-            next_token=res.next_token,
-            topk=res.topk,
-            topk_width=v.topk,
-            reused_tokens=res.reused_tokens,
-            cache_tokens=res.cache_tokens,
-            elapsed_ms=res.elapsed_ms,
-            cost=_cost_curve(v),
-        )
+        return self._answer(res, reused_tokens=res.reused_tokens, cost=_cost_curve(v))
 
     async def tree(self, tree: pb.VerifyTree) -> pb.VerifyResponse:
-        v = self.verifier
-        res = await v.verify(self.entry, list(tree.tokens), list(tree.parents))
+        res = await self.verifier.verify(self.entry, list(tree.tokens), list(tree.parents))
+        return self._answer(res, accepted=res.accepted, batch_rows=res.batch_rows)
+
+    def _answer(self, res, **fields) -> pb.VerifyResponse:
+        """What every answer carries (after open: the next token; after a tree: the bonus token)."""
         return pb.VerifyResponse(
             next_token=res.next_token,
-            accepted=res.accepted,
             topk=res.topk,
-            topk_width=v.topk,
+            topk_width=self.verifier.topk,
             cache_tokens=res.cache_tokens,
             elapsed_ms=res.elapsed_ms,
-            batch_rows=res.batch_rows,
+            **fields,
         )
 
     def release(self, entry: Entry) -> None:
