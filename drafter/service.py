@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import asdict
 
 from opentelemetry import trace
 
@@ -38,19 +39,8 @@ class DrafterService(pb_grpc.DrafterServicer):
         return pb.EraseCorpusResponse(existed=await self.drafter.erase_corpus(request.tenant))
 
     async def Stats(self, request, context):
-        return pb.DrafterStatsResponse(
-            sessions=[
-                pb.DrafterSessionStats(
-                    session_id=s.session_id,
-                    tenant=s.tenant,
-                    tokens=s.tokens,
-                    nodes=s.nodes,
-                    memory_bytes=s.memory_bytes,
-                    streaming=s.streaming,
-                )
-                for s in self.drafter.stats()
-            ]
-        )
+        # the core's SessionStats has the message's field names
+        return pb.DrafterStatsResponse(sessions=[pb.DrafterSessionStats(**asdict(s)) for s in self.drafter.stats()])
 
 
 class _DraftStream(SessionStream[Entry]):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import asdict
 
 from opentelemetry import trace
 
@@ -35,16 +36,8 @@ class VerifierService(pb_grpc.VerifierServicer):
 
     async def Stats(self, request, context):
         return pb.VerifierStatsResponse(
-            sessions=[
-                pb.VerifierSessionStats(
-                    session_id=s.session_id,
-                    tenant=s.tenant,
-                    cache_tokens=s.cache_tokens,
-                    streaming=s.streaming,
-                    idle_seconds=s.idle_seconds,
-                )
-                for s in self.verifier.stats()
-            ],
+            # the core's SessionStats has the message's field names
+            sessions=[pb.VerifierSessionStats(**asdict(s)) for s in self.verifier.stats()],
             cache_tokens=self.verifier.cache_tokens,
             cost=_cost_curve(self.verifier),
             saturation=load.of(self.verifier),
