@@ -1,8 +1,8 @@
 """The draft -> verify -> commit loop, readable top to bottom.
 
-``Rounds`` is the round itself without I/O. ``generate`` drives it with any drafter and verifier that
-speak the small protocols below (the in-process cores for ``racer generate`` and the benchmarks);
-the gateway's turn drives it over gRPC streams.
+``Rounds`` is the round itself without I/O. ``generate`` drives it with one session's drafting and
+verification through the two small protocols below, ``DraftPort`` and ``VerifyPort`` (the in-process
+cores for ``racer generate`` and the benchmarks); the gateway's turn drives it over gRPC streams.
 """
 
 from __future__ import annotations
@@ -14,13 +14,17 @@ from typing import Iterator, Protocol
 from .params import GenerationParams
 
 
-class Drafter(Protocol):
+class DraftPort(Protocol):
+    """One session's drafting, as ``generate`` drives it (``drafter.draft_session.DraftSession``)."""
+
     def extend(self, tokens, topk_rows=None) -> None: ...
     def observe_tree(self, tree_tokens, tree_topk, accepted) -> None: ...
     def draft(self, root: int, budget: int, mode: str): ...  # -> .tokens, .parents
 
 
-class Verifier(Protocol):
+class VerifyPort(Protocol):
+    """One session's verification, as ``generate`` drives it (``verifier.engine.VerifierSession``)."""
+
     length: int  # tokens in the KV cache
 
     def prefill(self, tokens: list[int]): ...  # -> .next_token, .topk
@@ -98,7 +102,11 @@ class Rounds:
 
 
 def generate(
-    drafter: Drafter, verifier: Verifier, prompt_ids: list[int], params: GenerationParams, stats: Stats | None = None
+    drafter: DraftPort,
+    verifier: VerifyPort,
+    prompt_ids: list[int],
+    params: GenerationParams,
+    stats: Stats | None = None,
 ) -> Iterator[list[int]]:
     """Yields the new token ids as they are verified (a list per round). Fills ``stats``."""
     rounds = Rounds(prompt_ids, params, stats)

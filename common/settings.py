@@ -217,8 +217,9 @@ SERVICE = {
             "--max-memory-bytes",
             "RACER_MAX_MEMORY_BYTES",
             1 << 30,
-            "estimated bytes of the sessions a drafter keeps in memory; past it the least recently used idle ones "
-            "leave memory and restore from their snapshot at their next turn (0: bounded only by the TTL)",
+            "estimated bytes of the sessions and tenant corpora a drafter keeps in memory; past it the least "
+            "recently used idle sessions leave memory and restore from their snapshot at their next turn "
+            "(0: bounded only by the TTL)",
             int,
         ),
         Setting(
@@ -234,6 +235,13 @@ SERVICE = {
             "RACER_CORPUS_IDLE",
             600.0,
             "seconds without a session of a tenant before this drafter drops its corpus from memory",
+            float,
+        ),
+        Setting(
+            "--corpus-ttl",
+            "RACER_CORPUS_TTL",
+            7 * 86400.0,
+            "seconds a tenant's corpus stream stays in the store after its last write",
             float,
         ),
     ],

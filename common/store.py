@@ -10,8 +10,8 @@ is still the one the caller read), so a writer whose lease expired or was taken 
 The Redis store runs them as Lua scripts; extra scripts (``script``) serve other atomic counters.
 Both also carry notices between their users (``publish`` and ``listen``: Redis pub/sub, at most once).
 
-Capped streams (``xadd``, ``xread``) carry what every replica must see in order, such as a
-tenant corpus; ``incr`` counts epochs.
+Capped streams (``xadd``, ``xread``, ``xtrim``) carry what every replica must see in order, such as a
+tenant corpus; a stream expires ``ttl`` seconds after its last write. ``incr`` counts epochs.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class MemoryStore:
     def __init__(self):
         self._data: dict[str, tuple[bytes, float]] = {}
         self._streams: dict[str, list[tuple[int, bytes]]] = {}
+        self._stream_expiry: dict[str, float] = {}  # stream -> when it expires (monotonic)
         self._seq = 0
         self._listeners: list[tuple[str, asyncio.Queue]] = []  # (channel pattern, its listener's channels)
 
@@ -96,12 +97,15 @@ class MemoryStore:
         await self.set(key, value, ttl)
         return True
 
-    async def xadd(self, key: str, data: bytes, maxlen: int) -> str:
-        """Appends ``data`` to the stream ``key``, keeping about its last ``maxlen`` entries; the entry id."""
+    async def xadd(self, key: str, data: bytes, maxlen: int, ttl: float) -> str:
+        """Appends ``data`` to the stream ``key``, keeping about its last ``maxlen`` entries; the whole
+        stream expires ``ttl`` seconds after this write (each write sets it again). The entry id."""
         self._seq += 1
-        entries = self._streams.setdefault(key, [])
+        entries = self._live_stream(key)
+        self._streams[key] = entries
         entries.append((self._seq, bytes(data)))
         del entries[: max(0, len(entries) - maxlen)]
+        self._stream_expiry[key] = time.monotonic() + ttl
         return f"{self._seq}-0"
 
     async def xread(self, after: dict[str, str], count: int) -> dict[str, list[tuple[str, bytes]]]:
@@ -109,13 +113,38 @@ class MemoryStore:
         out = {}
         for key, last in after.items():
             n = int(last.split("-")[0])
-            got = [(f"{i}-0", d) for i, d in self._streams.get(key, []) if i > n][:count]
+            got = [(f"{i}-0", d) for i, d in self._live_stream(key) if i > n][:count]
             if got:
                 out[key] = got
         return out
 
+    async def xtrim(self, key: str, min_id: str) -> int:
+        """Drops the stream's entries older than ``min_id``; how many."""
+        n = int(min_id.split("-")[0])
+        entries = self._live_stream(key)
+        keep = [(i, d) for i, d in entries if i >= n]
+        if key in self._streams:
+            self._streams[key] = keep
+        return len(entries) - len(keep)
+
     async def xdelete(self, key: str) -> bool:
+        self._stream_expiry.pop(key, None)
         return self._streams.pop(key, None) is not None
+
+    async def pttl(self, key: str) -> int:
+        """Milliseconds before ``key`` (a value or a stream) expires; -2 if there is none."""
+        if self._live_stream(key):
+            return max(0, int((self._stream_expiry[key] - time.monotonic()) * 1000))
+        item = self._data.get(key)
+        if item is None or item[1] < time.monotonic():
+            return -2
+        return max(0, int((item[1] - time.monotonic()) * 1000))
+
+    def _live_stream(self, key: str) -> list[tuple[int, bytes]]:
+        if self._stream_expiry.get(key, float("inf")) < time.monotonic():
+            self._streams.pop(key, None)
+            self._stream_expiry.pop(key, None)
+        return self._streams.get(key, [])
 
     async def incr(self, key: str) -> int:
         n = int((await self.get(key)) or 0) + 1
@@ -171,8 +200,12 @@ class RedisStore:
         args = [token, "1" if old is None else "0", old or b"", value, _ms(ttl)]
         return bool(await self._fenced_set(keys=[lease, key], args=args))
 
-    async def xadd(self, key: str, data: bytes, maxlen: int) -> str:
-        return (await self._r.xadd(key, {"d": data}, maxlen=maxlen, approximate=True)).decode()
+    async def xadd(self, key: str, data: bytes, maxlen: int, ttl: float) -> str:
+        async with self._r.pipeline(transaction=True) as p:  # the entry and its stream's expiry together
+            p.xadd(key, {"d": data}, maxlen=maxlen, approximate=True)
+            p.pexpire(key, _ms(ttl))
+            entry_id, _ = await p.execute()
+        return entry_id.decode()
 
     async def xread(self, after: dict[str, str], count: int) -> dict[str, list[tuple[str, bytes]]]:
         if not after:
@@ -182,8 +215,14 @@ class RedisStore:
             out[key.decode()] = [(i.decode(), f.get(b"d", b"")) for i, f in entries]
         return out
 
+    async def xtrim(self, key: str, min_id: str) -> int:
+        return int(await self._r.xtrim(key, minid=min_id, approximate=False))
+
     async def xdelete(self, key: str) -> bool:
         return bool(await self._r.delete(key))
+
+    async def pttl(self, key: str) -> int:
+        return int(await self._r.pttl(key))
 
     async def incr(self, key: str) -> int:
         return int(await self._r.incr(key))

@@ -211,7 +211,21 @@ class Automaton:
             _need(parent[v] == -1 and start[v] == -1 and not st["children"][v], f"free node {v} is still linked")
         length = int(st["length"])
         _need(length >= 0, "length")
-        # Breadth-first from the root: every node is reached at most once, through its own parent.
+        a.parent, a.token, a.freq, a.fail, a.start = parent, token, freq, fail, start
+        a._free = free
+        a.length = length
+        live = a._link_children(st["children"], freed)
+        _need(live == n - len(free), f"{n - len(free) - live} live nodes unreachable from the root")
+        a._buckets = a._checked_buckets(st["buckets"], live - 1)
+        a.frontier = a._checked_frontier(st["frontier"])
+        return a
+
+    def _link_children(self, listed: list, freed: set[int]) -> int:
+        """Builds ``children`` and ``depth`` from each node's ``listed`` child ids, breadth-first from
+        the root (every node is reached at most once, through its own parent), checking each node's
+        token, failure link and recency on the way; the number of live nodes reached."""
+        parent, token, freq, fail, start = self.parent, self.token, self.freq, self.fail, self.start
+        n, length = len(parent), self.length
         depth = [-1] * n
         depth[ROOT] = 0
         children: list[dict[int, int]] = [{} for _ in range(n)]
@@ -219,14 +233,14 @@ class Automaton:
         for u in queue:
             kids = children[u]
             du = depth[u] + 1
-            for v in st["children"][u]:
+            for v in listed[u]:
                 v = int(v)
                 _need(0 < v < n and v not in freed, f"node {u}: child id {v} out of range")
                 _need(depth[v] < 0, f"node {v} is reached twice (a cycle or a shared child)")
                 _need(parent[v] == u, f"node {v}: parent {parent[v]}, listed as a child of {u}")
                 t = token[v]
                 _need(t >= 0 and t not in kids, f"node {v}: token {t} negative or repeated among siblings")
-                _need(du <= a.window and freq[v] >= 0 and 0 <= start[v] < length, f"node {v}: depth, freq or start")
+                _need(du <= self.window and freq[v] >= 0 and 0 <= start[v] < length, f"node {v}: depth, freq or start")
                 # fail(s) = s[1:]: for s = p + t it is fail(p) + t, one level up (exact, no string walk)
                 f = ROOT if du == 1 else children[fail[u]].get(t, -1) if 0 <= fail[u] < n else -1
                 _need(fail[v] == f, f"node {v}: failure link {fail[v]}, expected {f}")
@@ -236,35 +250,40 @@ class Automaton:
                 depth[v] = du
                 kids[t] = v
                 queue.append(v)
-            children[u] = kids
-        _need(len(queue) == n - len(free), f"{n - len(free) - len(queue)} live nodes unreachable from the root")
+        self.children = children
+        self.depth = [max(d, 0) for d in depth]
+        return len(queue)
+
+    def _checked_buckets(self, listed: list, non_root: int) -> OrderedDict[int, dict[int, int]]:
+        """The recency buckets from ``(start, members)`` pairs: in order, each live node once."""
         buckets: OrderedDict[int, dict[int, int]] = OrderedDict()
         seen = 0
         last = -1
-        for s, members in st["buckets"]:
+        for s, members in listed:
             s = int(s)
-            _need(last < s < length, f"bucket {s}: out of order or range")
+            _need(last < s < self.length, f"bucket {s}: out of order or range")
             last = s
             b = buckets[s] = {}
             for v in members:
                 v = int(v)
-                _need(0 < v < n and depth[v] > 0 and start[v] == s and v not in b, f"bucket {s}: member {v}")
-                b[v] = depth[v]
+                ok = 0 < v < len(self.depth) and self.depth[v] > 0 and self.start[v] == s and v not in b
+                _need(ok, f"bucket {s}: member {v}")
+                b[v] = self.depth[v]
             seen += len(b)
-        _need(seen == len(queue) - 1, "buckets do not hold every live node once")
-        frontier = [int(v) for v in st["frontier"]]
-        _need(len(frontier) == min(length, a.window) + 1 and frontier[0] == ROOT, "frontier size")
+        _need(seen == non_root, "buckets do not hold every live node once")
+        return buckets
+
+    def _checked_frontier(self, listed: list) -> list[int]:
+        """The match state's suffix nodes by length: each the failure link's target of the next."""
+        frontier = [int(v) for v in listed]
+        _need(len(frontier) == min(self.length, self.window) + 1 and frontier[0] == ROOT, "frontier size")
         for L in range(1, len(frontier)):
             v = frontier[L]
-            _need(0 < v < n and depth[v] == L and fail[v] == frontier[L - 1], f"frontier[{L}] = {v}")
-        a.parent, a.token, a.freq, a.fail, a.start = parent, token, freq, fail, start
-        a._free = free
-        a.children = children
-        a.depth = [max(d, 0) for d in depth]
-        a._buckets = buckets
-        a.frontier = frontier
-        a.length = length
-        return a
+            _need(
+                0 < v < len(self.depth) and self.depth[v] == L and self.fail[v] == frontier[L - 1],
+                f"frontier[{L}] = {v}",
+            )
+        return frontier
 
 
 def _need(cond: bool, what: str) -> None:

@@ -1,7 +1,9 @@
 """The drafter's tenant corpora, shared by every replica through a capped stream per tenant.
 
 Each tenant that shares has one stream in the store (``racer:corpus:<tenant>``). A response is
-published to it in chunks as it streams (``append`` buffers, ``sync`` writes), and every replica
+published to it in chunks as it streams (``append`` buffers, ``sync`` writes); the stream is bounded
+in tokens like the corpus (entries whose tokens have all left the corpus are trimmed) and expires
+``stream_ttl`` seconds after its last write (each write sets it again). Every replica
 that holds the tenant's corpus reads the stream incrementally and indexes what it reads, its own
 chunks included: one path for every token, so all replicas index the same tokens in the same
 order. A replica loads a tenant's corpus (the whole stream, indexed in a worker thread) when the
@@ -23,7 +25,7 @@ import logging
 import os
 import struct
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -91,13 +93,18 @@ class TenantCorpus:
     epoch: int = 0
     writers: OrderedDict = field(default_factory=OrderedDict)  # (replica, number) -> Writer
     loading: asyncio.Task | None = None
+    # (stream id, corpus position): the first entry of each batch indexed and where its tokens
+    # began. Every token of the entries before a mark whose position is dead has left the corpus:
+    # the stream is trimmed up to that mark, so it holds the corpus's live tokens and one batch.
+    marks: deque = field(default_factory=deque)
 
 
 class Corpora:
-    def __init__(self, max_tokens: int = 1 << 20, idle_s: float = 600.0, store=None):
+    def __init__(self, max_tokens: int = 1 << 20, idle_s: float = 600.0, store=None, stream_ttl: float = 7 * 86400.0):
         self.max_tokens = max_tokens  # the default bound per tenant; 0: no corpus at all
         self.idle_s = idle_s
         self.store = store
+        self.stream_ttl = stream_ttl  # seconds a tenant's stream outlives its last write
         self.replica = int.from_bytes(os.urandom(8), "little") >> 1
         self.tenants: dict[str, TenantCorpus] = {}
         self.responses: list[Response] = []  # with tokens not yet published
@@ -181,22 +188,26 @@ class Corpora:
         except KeyError:
             pass
         M.CORPUS_TENANTS.set(len(self.tenants))
+        M.CORPUS_BYTES.set(self.nbytes())
 
     # -- the store side --------------------------------------------------------------------------
     async def _load(self, tenant: str, tc: TenantCorpus) -> None:
         t0 = time.perf_counter()
         try:
             epoch = int((await self.store.get(epoch_key(tenant))) or 0)
-            records, last = [], "0"
+            pages, last = [], "0"
             while True:
                 got = (await self.store.xread({stream_key(tenant): last}, 1000)).get(stream_key(tenant), [])
                 if not got:
                     break
-                records += got
+                pages.append(got)
                 last = got[-1][0]
             corpus = Corpus(CorpusConfig(max_tokens=tc.max_tokens))
             writers: OrderedDict = OrderedDict()
-            await asyncio.to_thread(self._index_all, corpus, writers, records, epoch)
+            marks: deque = deque()
+            for page in pages:
+                marks.append((page[0][0], corpus.total))
+                await asyncio.to_thread(self._index_all, corpus, writers, page, epoch)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the tenant drafts without a corpus until the next try
@@ -207,8 +218,11 @@ class Corpora:
         if self.tenants.get(tenant) is not tc:
             return  # erased or dropped meanwhile
         tc.corpus, tc.writers, tc.last_id, tc.epoch, tc.loading = corpus, writers, last, epoch, None
+        tc.marks = marks
+        await self._trim(tenant, tc)
         M.CORPUS_LOAD_SECONDS.observe(time.perf_counter() - t0)
         M.CORPUS_TOKENS.labels(tenant).set(len(corpus))
+        M.CORPUS_BYTES.set(self.nbytes())
 
     def _index_all(self, corpus: Corpus, writers: OrderedDict, records, epoch: int) -> int:
         """Indexes records (stream order); returns the ones skipped. Runs in a worker thread on a
@@ -247,6 +261,7 @@ class Corpora:
                 if tc is not None and tc.corpus is not None and epoch > tc.epoch:  # erased elsewhere
                     tc.corpus = Corpus(CorpusConfig(max_tokens=tc.max_tokens))
                     tc.writers.clear()
+                    tc.marks.clear()
                     tc.epoch, tc.last_id = epoch, "0"
                     M.CORPUS_TOKENS.labels(t).set(0)
             await self._publish(epochs)
@@ -261,13 +276,16 @@ class Corpora:
                 if tc is None or tc.corpus is None or not entries:
                     continue
                 t0 = time.perf_counter()
+                tc.marks.append((entries[0][0], tc.corpus.total))
                 self._index_all(tc.corpus, tc.writers, entries, tc.epoch)
                 M.CORPUS_INDEX_SECONDS.observe(time.perf_counter() - t0)
                 tc.last_id = entries[-1][0]
+                await self._trim(t, tc)
                 M.CORPUS_TOKENS.labels(t).set(len(tc.corpus))
                 ms = entries[-1][0].split("-")[0]  # Redis: the writer's clock in ms (the memory store counts)
                 if len(ms) >= 13:
                     M.CORPUS_LAG_SECONDS.observe(max(0.0, now - int(ms) / 1e3))
+            M.CORPUS_BYTES.set(self.nbytes())
 
     async def _publish(self, epochs: dict[str, int]) -> None:
         """Writes the waiting tokens of the responses of ``epochs``' tenants, tagged with the epoch;
@@ -284,11 +302,14 @@ class Corpora:
                 continue
             if epoch is not None:
                 tc = self.tenants.get(r.tenant)
-                cap = (tc.max_tokens if tc is not None else self.max_tokens) // 4 + 1  # entries: chunks of ~4+
+                # A backstop in entries that never drops a live token (an entry holds at least one);
+                # the bound in tokens is kept by ``_trim``.
+                cap = (tc.max_tokens if tc is not None else self.max_tokens) + 1
                 while r.pending:
                     chunk = r.pending[:MAX_CHUNK]
+                    record = encode(epoch, self.replica, r.number, chunk)
                     try:
-                        await self.store.xadd(stream_key(r.tenant), encode(epoch, self.replica, r.number, chunk), cap)
+                        await self.store.xadd(stream_key(r.tenant), record, cap, self.stream_ttl)
                     except Exception as e:  # noqa: BLE001 - a lost chunk costs draft quality, never output
                         M.CORPUS_RECORD_FAILURES.inc()
                         self._warnings.warning("corpus publish failed", tenant=r.tenant, error=repr(e))
@@ -297,6 +318,22 @@ class Corpora:
             if not (r.done and not r.pending):
                 keep.append(r)
         self.responses = keep
+
+    async def _trim(self, tenant: str, tc: TenantCorpus) -> None:
+        """Drops the stream's entries whose every token has left the corpus (found by the marks), so
+        the stream's bound counts tokens as the corpus's does. Every replica trims at the same
+        entries (they index the same stream in the same order); with different bounds for one
+        tenant, the smallest wins. A trim that fails is covered by the next one."""
+        marks, start, cut = tc.marks, tc.corpus.start, None
+        while len(marks) > 1 and marks[1][1] <= start:
+            marks.popleft()
+            cut = marks[0][0]
+        if cut is None:
+            return
+        try:
+            await self.store.xtrim(stream_key(tenant), cut)
+        except Exception as e:  # noqa: BLE001 - the stream keeps a few dead entries until the next trim
+            self._warnings.warning("corpus stream trim failed", tenant=tenant, error=repr(e))
 
     async def run(self, every: float = 0.25) -> None:
         """The background sync: every ``every`` seconds, until cancelled."""
@@ -308,4 +345,5 @@ class Corpora:
                 self._warnings.warning("corpus sync failed", error=repr(e))
 
     def nbytes(self) -> int:
+        """Bytes of the corpora held (their arrays), counted in the drafter's memory bound."""
         return sum(tc.corpus.nbytes() for tc in self.tenants.values() if tc.corpus is not None)

@@ -19,7 +19,8 @@ start``). Per slot:
 it) hashes to ``bucket``. A lookup walks that bucket's chain, newest first, checks the key (buckets
 collide), then extends the match backwards along ``back`` against the session's context. The
 candidates with the longest match give the continuations, read forwards along ``fwd``, and how many
-candidates agree on each continuation is its frequency.
+candidates agree on each continuation is its frequency. An occurrence with nothing after it (the end
+of a response, such as the session's own, still streaming) is no candidate.
 
 Eviction is by age: writing past the capacity drops the oldest tokens, which are the oldest
 responses' (a response keeps its newest part while its oldest tokens go). A dead position is never
@@ -193,13 +194,17 @@ class Corpus:
     def match(self, context, root: int) -> tuple[int, list[int]]:
         """(L, positions): the longest match of (context + root) in the corpus, L tokens with the
         root, and the positions of the root's occurrences that have it, newest first. (0, []) when
-        the last ``key_len`` tokens do not occur (or the context is shorter than the key)."""
+        the last ``key_len`` tokens do not occur (or the context is shorter than the key).
+
+        Only occurrences that something follows count. A session's own response streams into the
+        corpus as it is generated, so its tail is always the longest match of its context, with
+        nothing after it: counted, it would hide every other response's continuation."""
         cfg = self.config
         k = cfg.key_len
         if self.total == 0 or len(context) < k - 1:
             return 0, []
         key = [*context[len(context) - (k - 1) :], root] if k > 1 else [root]
-        tok, back, chain = self.tok, self.back, self.chain
+        tok, back, fwd, chain = self.tok, self.back, self.fwd, self.chain
         cap, start = self.capacity, self.start
         n_ctx = len(context)
         best, found = 0, []
@@ -208,6 +213,9 @@ class Corpus:
         while p >= start and scanned < cfg.max_scan:
             scanned += 1
             slot = p % cap
+            if fwd[slot] < 0:  # nothing follows it (yet): no draft, and it must not hide a shorter match that has one
+                p = int(chain[slot])
+                continue
             # the key, backwards from p (the bucket may hold other keys)
             q, i, ok = p, k - 1, True
             while i >= 0:

@@ -23,6 +23,9 @@ EVICTIONS = Counter(
 )
 # The tenant corpus (drafter/corpora.py).
 CORPUS_TOKENS = Gauge("racer_corpus_tokens", "Tokens held in a tenant's corpus on this drafter", ["tenant"])
+CORPUS_BYTES = Gauge(
+    "racer_corpus_bytes", "Bytes of the tenant corpora held by this drafter (counted in --max-memory-bytes)"
+)
 CORPUS_TENANTS = Gauge("racer_corpus_tenants", "Tenant corpora held by this drafter")
 CORPUS_INDEX_SECONDS = Histogram(
     "racer_corpus_index_latency_seconds", "Indexing what one sync read of a tenant stream", buckets=FAST_SECONDS_BUCKETS

@@ -1,18 +1,21 @@
-"""The drafter service: the ``Drafter`` RPCs over ``drafter.sessions``, protobuf in and out."""
+"""The drafter service: the ``Drafter`` RPCs over ``drafter.core``, protobuf in and out."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from dataclasses import asdict
 
 from opentelemetry import trace
 
-from common.errors import Abort, Status, draining
+from common.errors import Status
 from common.errors import check as _check
+from common.session_stream import SessionStream
 from common.v1 import drafter_pb2 as pb
 from common.v1 import drafter_pb2_grpc as pb_grpc
 
 from . import metrics as M
-from .sessions import Drafter, Entry, Open, Step
+from .core import Drafter, Entry, Open, Step
 
 tracer = trace.get_tracer("racer.drafter")
 
@@ -25,56 +28,9 @@ class DrafterService(pb_grpc.DrafterServicer):
         self.draining = False
 
     async def Session(self, request_iterator, context):
-        d = self.drafter
-        entry: Entry | None = None
-        try:
-            async for req in request_iterator:
-                if self.draining:
-                    await d.flush()  # this session's snapshot written before the gateway moves it
-                    raise draining("drafter")
-                t0 = time.perf_counter()
-                kind = req.WhichOneof("kind")
-                if kind == "open":
-                    _check(entry is None, Status.FAILED_PRECONDITION, "open: this stream already has a session")
-                    with tracer.start_as_current_span("drafter.open") as span:
-                        entry, source = await d.open(_open(req.open))
-                        span.set_attributes(
-                            {"racer.history_tokens": len(req.open.history), "racer.restored_from": source}
-                        )
-                    resp = pb.DraftResponse(tokens=len(entry.session.history), restored_from=source)
-                elif kind == "step":
-                    _check(entry is not None, Status.FAILED_PRECONDITION, "step: open the session first")
-                    st = req.step
-                    tree = d.step(
-                        entry,
-                        Step(
-                            list(st.tree_topk),
-                            list(st.accepted),
-                            st.commit,
-                            st.root,
-                            st.budget,
-                            st.mode or "racer",
-                            st.batch_rows,
-                        ),
-                    )
-                    resp = pb.DraftResponse(
-                        tree=pb.DraftTree(tokens=tree.tokens, parents=tree.parents, retrieval_nodes=tree.n_retrieval),
-                        tokens=len(entry.session.history),
-                    )
-                    M.DRAFT_SECONDS.observe(time.perf_counter() - t0)
-                elif kind == "end_turn":
-                    _check(entry is not None, Status.FAILED_PRECONDITION, "end_turn: open the session first")
-                    d.end_turn(entry)
-                    resp = pb.DraftResponse(tokens=len(entry.session.history))
-                else:
-                    raise Abort(Status.INVALID_ARGUMENT, "request: set one of open, step, end_turn")
-                resp.elapsed_ms = (time.perf_counter() - t0) * 1e3
+        async with contextlib.aclosing(_DraftStream(self).serve(request_iterator)) as responses:
+            async for resp in responses:
                 yield resp
-                if entry is not None:
-                    d.after_response(entry)
-        finally:
-            if entry is not None:
-                d.release(entry)
 
     async def Drop(self, request, context):
         return pb.DropResponse(existed=await self.drafter.drop(request.tenant, request.session_id))
@@ -83,19 +39,73 @@ class DrafterService(pb_grpc.DrafterServicer):
         return pb.EraseCorpusResponse(existed=await self.drafter.erase_corpus(request.tenant))
 
     async def Stats(self, request, context):
-        return pb.DrafterStatsResponse(
-            sessions=[
-                pb.DrafterSessionStats(
-                    session_id=s.session_id,
-                    tenant=s.tenant,
-                    tokens=s.tokens,
-                    nodes=s.nodes,
-                    memory_bytes=s.memory_bytes,
-                    streaming=s.streaming,
-                )
-                for s in self.drafter.stats()
-            ]
+        # the core's SessionStats has the message's field names
+        return pb.DrafterStatsResponse(sessions=[pb.DrafterSessionStats(**asdict(s)) for s in self.drafter.stats()])
+
+
+class _DraftStream(SessionStream[Entry]):
+    """One drafter ``Session`` stream: ``open``, then ``step`` per round and ``end_turn``."""
+
+    service = "drafter"
+
+    def __init__(self, servicer: DrafterService):
+        super().__init__()
+        self.servicer = servicer
+        self.drafter = servicer.drafter
+
+    def handlers(self):
+        return {"step": self.step, "end_turn": self.end_turn}
+
+    async def open(self, op: pb.DrafterOpen) -> pb.DraftResponse:
+        t0 = time.perf_counter()
+        with tracer.start_as_current_span("drafter.open") as span:
+            self.entry, source = await self.drafter.open(_open(op))
+            span.set_attributes({"racer.history_tokens": len(op.history), "racer.restored_from": source})
+        return self._answer(t0, restored_from=source)
+
+    async def step(self, st: pb.DraftStep) -> pb.DraftResponse:
+        t0 = time.perf_counter()
+        tree = self.drafter.step(self.entry, _step(st))
+        resp = self._answer(
+            t0, tree=pb.DraftTree(tokens=tree.tokens, parents=tree.parents, retrieval_nodes=tree.n_retrieval)
         )
+        M.DRAFT_SECONDS.observe(time.perf_counter() - t0)
+        return resp
+
+    async def end_turn(self, _msg) -> pb.DraftResponse:
+        t0 = time.perf_counter()
+        self.drafter.end_turn(self.entry)
+        return self._answer(t0)
+
+    def _answer(self, t0: float, **fields) -> pb.DraftResponse:
+        resp = pb.DraftResponse(tokens=len(self.entry.session.history), **fields)
+        resp.elapsed_ms = (time.perf_counter() - t0) * 1e3
+        return resp
+
+    def release(self, entry: Entry) -> None:
+        self.drafter.release(entry)
+
+    def draining(self) -> bool:
+        return self.servicer.draining
+
+    async def before_refusal(self) -> None:
+        await self.drafter.flush()  # this session's snapshot written before the gateway moves it
+
+    def responded(self) -> None:
+        if self.entry is not None:
+            self.drafter.after_response(self.entry)
+
+
+def _step(st: pb.DraftStep) -> Step:
+    return Step(
+        tree_topk=list(st.tree_topk),
+        accepted=list(st.accepted),
+        commit=st.commit,
+        root=st.root,
+        budget=st.budget,
+        mode=st.mode or "racer",
+        batch_rows=st.batch_rows,
+    )
 
 
 def _open(op: pb.DrafterOpen) -> Open:
@@ -106,13 +116,13 @@ def _open(op: pb.DrafterOpen) -> Open:
         )
         cost = dict(zip(op.cost.sizes, op.cost.ms))
     return Open(
-        op.tenant,
-        op.session_id,
-        list(op.history),
-        list(op.history_topk),
-        op.topk,
-        cost,
-        op.overhead_ms,
+        tenant=op.tenant,
+        session_id=op.session_id,
+        history=list(op.history),
+        history_topk=list(op.history_topk),
+        topk=op.topk,
+        cost=cost,
+        overhead_ms=op.overhead_ms,
         share=not op.no_share,
         corpus=not op.no_corpus,
         corpus_tokens=op.corpus_tokens,

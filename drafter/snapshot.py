@@ -20,7 +20,7 @@ from itertools import chain
 import numpy as np
 
 from .automaton import Automaton
-from .session import DrafterConfig, DraftSession
+from .draft_session import DrafterConfig, DraftSession
 
 FORMAT = 1
 _META = ("format", "window", "max_nodes", "topk", "length", "nodes")

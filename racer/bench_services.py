@@ -161,7 +161,7 @@ def bench_stack(args) -> int:
 def bench_snapshot(args) -> int:
     from common.priors import load_prior
     from common.store import open_store
-    from drafter.session import DrafterConfig, DraftSession
+    from drafter.draft_session import DrafterConfig, DraftSession
     from drafter.snapshot import dumps, loads
 
     cfg = DrafterConfig()

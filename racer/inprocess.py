@@ -13,7 +13,7 @@ import torch
 from common import settings
 from common.loop import Stats, generate
 from common.params import GenerationParams, SamplingParams
-from drafter.session import DrafterConfig, DraftSession
+from drafter.draft_session import DrafterConfig, DraftSession
 from verifier.engine import VerifierSession
 from verifier.model import DEFAULT_MODEL, LoadedModel, load
 

@@ -99,10 +99,10 @@ async def _start_backend(
 
 
 async def start_drafter(args) -> tuple[Server, object]:
+    from drafter.core import Drafter
     from drafter.corpora import Corpora
+    from drafter.draft_session import DrafterConfig
     from drafter.service import DrafterService
-    from drafter.session import DrafterConfig
-    from drafter.sessions import Drafter
 
     server_kw = _server_kw(args, "drafter")  # first: a drafter that cannot authenticate its callers never starts
     store = open_store(args.snapshot_url)
@@ -114,7 +114,7 @@ async def start_drafter(args) -> tuple[Server, object]:
         ttl=args.session_ttl,
         max_tokens=args.max_session_tokens,
         max_bytes=args.max_memory_bytes,
-        corpora=Corpora(args.corpus_tokens, args.corpus_idle, store),
+        corpora=Corpora(args.corpus_tokens, args.corpus_idle, store, args.corpus_ttl),
     )
 
     async def closed():
@@ -193,7 +193,11 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
     )
     log.info(
         "KV memory",
-        extra={"bytes": core.kv_memory.total, "bytes_per_token": core.kv_memory.per_token, "tokens": core.kv_memory.tokens},
+        extra={
+            "bytes": core.kv_memory.total,
+            "bytes_per_token": core.kv_memory.per_token,
+            "tokens": core.kv_memory.tokens,
+        },
     )
 
     async def closed():  # after the last RPC: the model thread finishes its job and ends

@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from drafter.corpus import Corpus, CorpusConfig
-from drafter.session import DrafterConfig, DraftSession
+from drafter.draft_session import DrafterConfig, DraftSession
 from racer.prompts import DEFAULT_PROMPTS
 from racer.stats import percentile
 
@@ -121,7 +121,7 @@ async def load_time(url: str, docs, tokens: int, chunk: int = 64) -> str:
         d = docs[i % len(docs)]
         i += 1
         for j in range(0, len(d), chunk):
-            await store.xadd(stream_key(tenant), encode(0, 1, i, d[j : j + chunk]), tokens)
+            await store.xadd(stream_key(tenant), encode(0, 1, i, d[j : j + chunk]), tokens, 3600.0)
             n += 1
         added += len(d)
     write_s = time.perf_counter() - t0

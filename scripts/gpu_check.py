@@ -26,7 +26,7 @@ import torch
 
 from common.loop import generate
 from common.params import MODES, GenerationParams
-from drafter.session import DraftSession
+from drafter.draft_session import DraftSession
 from verifier.engine import VerifierSession, measure_cost
 
 VOCAB = 96

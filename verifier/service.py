@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import asdict
+
 from opentelemetry import trace
 
-from common.errors import Abort, Status, draining
+from common.session_stream import SessionStream
 from common.v1 import common_pb2 as cpb
 from common.v1 import verifier_pb2 as pb
 from common.v1 import verifier_pb2_grpc as pb_grpc
@@ -24,82 +27,80 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.draining = False
 
     async def Session(self, request_iterator, context):
-        v = self.verifier
-        entry: Entry | None = None
-        try:
-            async for req in request_iterator:
-                if self.draining:
-                    raise draining("verifier")
-                kind = req.WhichOneof("kind")
-                if kind == "open":
-                    if entry is not None:
-                        raise Abort(Status.FAILED_PRECONDITION, "open: this stream already has a session")
-                    op = req.open
-                    s = op.sampling
-                    entry = v.claim(
-                        Open(
-                            op.tenant,
-                            op.session_id,
-                            list(op.history),
-                            (s.temperature, s.top_p or 1.0, s.top_k, s.seed if s.HasField("seed") else None),
-                            reserve_tokens=op.reserve_tokens,
-                        )
-                    )
-                    with tracer.start_as_current_span("verifier.prefill") as span:
-                        res = await v.open(entry, list(op.history), context.time_remaining(), op.reserve_tokens)
-                        span.set_attributes(
-                            {"racer.history_tokens": len(op.history), "racer.reused_tokens": res.reused_tokens}
-                        )
-                    yield pb.VerifyResponse(
-                        next_token=res.next_token,
-                        topk=res.topk,
-                        topk_width=v.topk,
-                        reused_tokens=res.reused_tokens,
-                        cache_tokens=res.cache_tokens,
-                        elapsed_ms=res.elapsed_ms,
-                        cost=self._cost_curve(),
-                    )
-                elif kind == "tree":
-                    if entry is None:
-                        raise Abort(Status.FAILED_PRECONDITION, "tree: open the session first")
-                    res = await v.verify(entry, list(req.tree.tokens), list(req.tree.parents))
-                    yield pb.VerifyResponse(
-                        next_token=res.next_token,
-                        accepted=res.accepted,
-                        topk=res.topk,
-                        topk_width=v.topk,
-                        cache_tokens=res.cache_tokens,
-                        elapsed_ms=res.elapsed_ms,
-                        batch_rows=res.batch_rows,
-                    )
-                else:
-                    raise Abort(Status.INVALID_ARGUMENT, "request: set one of open, tree")
-        finally:
-            if entry is not None:
-                v.release(entry)
-
-    def _cost_curve(self) -> cpb.CostCurve:
-        cost = self.verifier.cost
-        return cpb.CostCurve(sizes=list(cost), ms=list(cost.values()))
+        async with contextlib.aclosing(_VerifyStream(self, context).serve(request_iterator)) as responses:
+            async for resp in responses:
+                yield resp
 
     async def Drop(self, request, context):
         return pb.VerifierDropResponse(existed=self.verifier.drop(request.tenant, request.session_id))
 
     async def Stats(self, request, context):
         return pb.VerifierStatsResponse(
-            sessions=[
-                pb.VerifierSessionStats(
-                    session_id=s.session_id,
-                    tenant=s.tenant,
-                    cache_tokens=s.cache_tokens,
-                    streaming=s.streaming,
-                    idle_seconds=s.idle_seconds,
-                )
-                for s in self.verifier.stats()
-            ],
+            # the core's SessionStats has the message's field names
+            sessions=[pb.VerifierSessionStats(**asdict(s)) for s in self.verifier.stats()],
             cache_tokens=self.verifier.cache_tokens,
-            cost=self._cost_curve(),
+            cost=_cost_curve(self.verifier),
             saturation=load.of(self.verifier),
             streaming=self.verifier.streaming(),
             draining=self.draining,
         )
+
+
+class _VerifyStream(SessionStream[Entry]):
+    """One verifier ``Session`` stream: ``open`` (prefill), then a ``tree`` per round."""
+
+    service = "verifier"
+
+    def __init__(self, servicer: VerifierService, context):
+        super().__init__()
+        self.servicer = servicer
+        self.verifier = servicer.verifier
+        self.context = context  # the call's deadline bounds the prefill
+
+    def handlers(self):
+        return {"tree": self.tree}
+
+    async def open(self, op: pb.VerifierOpen) -> pb.VerifyResponse:
+        v = self.verifier
+        s = op.sampling
+        sampling = (s.temperature, s.top_p or 1.0, s.top_k, s.seed if s.HasField("seed") else None)
+        history = list(op.history)
+        self.entry = v.claim(
+            Open(
+                tenant=op.tenant,
+                session_id=op.session_id,
+                history=history,
+                sampling=sampling,
+                reserve_tokens=op.reserve_tokens,
+            )
+        )
+        with tracer.start_as_current_span("verifier.prefill") as span:
+            res = await v.open(self.entry, history, self.context.time_remaining(), op.reserve_tokens)
+            span.set_attributes({"racer.history_tokens": len(history), "racer.reused_tokens": res.reused_tokens})
+        return self._answer(res, reused_tokens=res.reused_tokens, cost=_cost_curve(v))
+
+    async def tree(self, tree: pb.VerifyTree) -> pb.VerifyResponse:
+        res = await self.verifier.verify(self.entry, list(tree.tokens), list(tree.parents))
+        return self._answer(res, accepted=res.accepted, batch_rows=res.batch_rows)
+
+    def _answer(self, res, **fields) -> pb.VerifyResponse:
+        """What every answer carries (after open: the next token; after a tree: the bonus token)."""
+        return pb.VerifyResponse(
+            next_token=res.next_token,
+            topk=res.topk,
+            topk_width=self.verifier.topk,
+            cache_tokens=res.cache_tokens,
+            elapsed_ms=res.elapsed_ms,
+            **fields,
+        )
+
+    def release(self, entry: Entry) -> None:
+        self.verifier.release(entry)
+
+    def draining(self) -> bool:
+        return self.servicer.draining
+
+
+def _cost_curve(verifier: Verifier) -> cpb.CostCurve:
+    cost = verifier.cost
+    return cpb.CostCurve(sizes=list(cost), ms=list(cost.values()))

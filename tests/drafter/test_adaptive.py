@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from drafter.adaptive import BudgetChooser
-from drafter.session import AUTO, DrafterConfig, DraftSession
+from drafter.draft_session import AUTO, DrafterConfig, DraftSession
 
 
 def _paths(tree) -> set[tuple[int, ...]]:

@@ -4,14 +4,15 @@ checked, and bad bounds are refused."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
 from common.errors import Abort, Status
-from common.store import MemoryStore
+from common.store import MemoryStore, RedisStore
+from drafter.core import Drafter, Open
 from drafter.corpora import Corpora, CorpusRecordError, decode, encode, stream_key
-from drafter.session import DrafterConfig
-from drafter.sessions import Drafter, Open
+from drafter.draft_session import DrafterConfig
 
 
 def test_records_round_trip_and_malformed_ones_are_refused():
@@ -26,9 +27,9 @@ def test_records_round_trip_and_malformed_ones_are_refused():
 def test_a_corrupted_record_in_the_stream_is_skipped_and_the_rest_indexed():
     async def go():
         store = MemoryStore()
-        await store.xadd(stream_key("t"), encode(0, 1, 1, [5, 6, 7, 8]), 100)
-        await store.xadd(stream_key("t"), b"RC1 not a record", 100)
-        await store.xadd(stream_key("t"), encode(0, 1, 1, [9, 10]), 100)  # same response: continues it
+        await store.xadd(stream_key("t"), encode(0, 1, 1, [5, 6, 7, 8]), 100, 60.0)
+        await store.xadd(stream_key("t"), b"RC1 not a record", 100, 60.0)
+        await store.xadd(stream_key("t"), encode(0, 1, 1, [9, 10]), 100, 60.0)  # same response: continues it
         corpora = Corpora(1000, store=store)
         await corpora.open("t", share=False)
         await corpora.tenants["t"].loading
@@ -45,5 +46,77 @@ def test_an_absurd_corpus_bound_is_refused():
             with pytest.raises(Abort) as e:
                 await d.open(Open("t", "s", [1, 2, 3], [], corpus_tokens=bad))
             assert e.value.code == Status.INVALID_ARGUMENT and "corpus_tokens" in e.value.message
+
+    asyncio.run(go())
+
+
+async def _stream_tokens(store, tenant: str) -> list[int]:
+    """Every token the tenant's stream holds, in order."""
+    out, last = [], "0"
+    while got := (await store.xread({stream_key(tenant): last}, 100)).get(stream_key(tenant)):
+        out += [t for _, data in got for t in decode(data)[3].tolist()]
+        last = got[-1][0]
+    return out
+
+
+@pytest.mark.parametrize("chunk", [1, 7])
+def test_the_stream_is_bounded_in_tokens_like_the_corpus(chunk):
+    """One chunk per sync: the stream keeps the corpus's live tokens (and at most one chunk more),
+    whether a chunk holds one token or many, and a replica loading it gets the same corpus."""
+
+    async def go():
+        store = MemoryStore()
+        corpora = Corpora(100, store=store)
+        resp = await corpora.open("t")
+        await corpora.tenants["t"].loading
+        written = []
+        for i in range(400 // chunk):
+            tokens = [(i * chunk + j) % 997 for j in range(chunk)]
+            corpora.append(resp, tokens)
+            written += tokens
+            await corpora.sync()
+        held = await _stream_tokens(store, "t")
+        assert 100 <= len(held) <= 100 + chunk and held == written[-len(held) :]
+        fresh = Corpora(100, store=store)
+        await fresh.open("t", share=False)
+        await fresh.tenants["t"].loading
+        c, f = corpora.current("t"), fresh.current("t")
+        assert len(c) == len(f) == 100
+        assert f.continuation(f.match(written[-60:-52], written[-52])[1][0], 51) == written[-51:]
+
+    asyncio.run(go())
+
+
+def test_the_stream_expires_after_its_last_write_and_each_write_sets_it_again():
+    async def go():
+        store = MemoryStore()
+        corpora = Corpora(100, store=store, stream_ttl=1000.0)
+        resp = await corpora.open("t")
+        await corpora.tenants["t"].loading
+        corpora.append(resp, [1, 2, 3])
+        await corpora.sync()
+        assert 900_000 < await store.pttl(stream_key("t")) <= 1_000_000
+        corpora.stream_ttl = 5000.0
+        corpora.append(resp, [4, 5])
+        await corpora.sync()
+        assert 4_900_000 < await store.pttl(stream_key("t")) <= 5_000_000
+
+    asyncio.run(go())
+
+
+def test_redis_streams_carry_their_ttl_and_trim_by_id(redis_url):
+    async def go():
+        store = RedisStore(redis_url)
+        key = stream_key(f"ttl-and-trim-{os.urandom(4).hex()}")  # the Redis is shared with other tests
+        try:
+            ids = [await store.xadd(key, encode(0, 1, 1, [i]), 100, 30.0) for i in range(5)]
+            assert 29_000 < await store.pttl(key) <= 30_000
+            await store.xadd(key, encode(0, 1, 1, [5]), 100, 600.0)
+            assert 590_000 < await store.pttl(key) <= 600_000, "a write sets the stream's TTL again"
+            assert await store.xtrim(key, ids[3]) == 3
+            assert [decode(d)[3].tolist() for _, d in (await store.xread({key: "0"}, 10))[key]] == [[3], [4], [5]]
+        finally:
+            await store.xdelete(key)
+            await store.close()
 
     asyncio.run(go())

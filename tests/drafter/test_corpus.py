@@ -2,7 +2,7 @@
 
 The reference numbers every token in the order the chunks were appended (so streams interleave),
 keeps only the last ``capacity`` positions alive, and finds the longest match by comparing the
-context backwards with each live occurrence of the root in its own response.
+context backwards with each live occurrence of the root in its own response that has a next token.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from drafter.corpus import Corpus, CorpusConfig
-from drafter.session import DrafterConfig, DraftSession
+from drafter.draft_session import DrafterConfig, DraftSession
 from drafter.tree import _Trie, add_corpus, corpus_candidates
 
 
@@ -48,6 +48,8 @@ class Reference:
                 continue
             w, i = self.where[pos]
             resp = self.responses[w]
+            if i + 1 >= len(resp):
+                continue  # nothing follows it: no candidate
             length = 0
             while length < cfg.max_match and i - length >= 0 and length < len(want):
                 p, t = resp[i - length]
@@ -118,7 +120,8 @@ def test_eviction_at_the_bound_drops_the_oldest_response_first():
     assert len(corpus) == 20
     assert corpus.match([12], 13) == (0, [])
     assert corpus.match([128, 129], 130)[0] == 0  # key 129,130 is older than the bound
-    assert corpus.match([147, 148], 149)[0] == 3
+    assert corpus.match([146, 147], 148)[0] == 3
+    assert corpus.match([147, 148], 149) == (0, []), "the response's last token: nothing follows it"
     assert corpus.continuation(corpus.match([146], 147)[1][0], 5) == [148, 149]
 
 
@@ -199,3 +202,18 @@ def test_the_sessions_own_corpus_acceptance_sets_how_deep_corpus_paths_go():
     assert depth((40, 40)) > prior + 10  # every corpus node it drafted was accepted: go deep
     assert depth((0, 40)) < prior  # none was: a short path at most
     assert not [v for v, _ in corpus_candidates(corpus, ctx, root, 30, 4, (0, 400)) if v >= 0.25]
+
+
+def test_the_sessions_own_streaming_response_does_not_hide_an_earlier_answer():
+    """The session's response streams into the corpus as it is generated: its tail is the longest
+    match of its own context, with nothing after it yet, and must not shadow an earlier answer."""
+    corpus = Corpus(CorpusConfig(max_tokens=1000))
+    corpus.add([50, 1, 2, 3, 4, 5, 6, 7, 8, 9])  # an earlier answer of the tenant
+    s = DraftSession(DrafterConfig(window=4))
+    s.corpus = corpus
+    prompt, mine = [70, 71], [60, 61, 62, 1, 2, 3, 4]
+    corpus.append(corpus.writer(), mine)  # this turn's response so far, root (4) included
+    s.extend(prompt + mine[:-1])
+    assert corpus.match(s.history, 4) == (4, [4]), "the earlier answer's 1 2 3 4, not the session's own tail"
+    tree = s.draft(4, 16)
+    assert [tree.tokens[i] for i in tree.corpus_nodes] == [5, 6, 7]  # 4/6, (4/6)**2, (4/6)**3 >= 0.25

@@ -8,8 +8,9 @@ import random
 
 from common.store import MemoryStore
 from drafter import metrics as M
-from drafter.session import DrafterConfig
-from drafter.sessions import Drafter, Open, Step, snapshot_key
+from drafter.core import Drafter, Open, Step, snapshot_key
+from drafter.corpora import Corpora
+from drafter.draft_session import DrafterConfig
 
 CFG = DrafterConfig(window=4, max_nodes=400, topk=3)
 VOCAB = 12
@@ -79,5 +80,31 @@ def test_a_session_closed_while_its_stream_ends_writes_no_snapshot_after_the_clo
         await d.flush()
         assert await store.get(snapshot_key("t", "s")) is None, "the closed session's snapshot came back"
         assert ("t", "s") not in d.sessions
+
+    asyncio.run(go())
+
+
+def test_the_tenant_corpus_counts_in_the_memory_bound_and_its_metric():
+    async def go():
+        free = Drafter(CFG, MemoryStore())
+        await _turn(free, "s0", _history(0))
+        one = free.sessions.get(("t", "s0")).session.memory_estimate()
+        store = MemoryStore()
+        corpora = Corpora(1 << 16, store=store)
+        d = Drafter(CFG, store, max_bytes=1, corpora=corpora)
+        await corpora.open("t", share=False)
+        await corpora.tenants["t"].loading
+        corpora.current("t").add(_history(99, 20_000))  # a corpus of several sessions' size
+        held = corpora.nbytes()
+        assert held > 2 * one
+        d.max_bytes = held + int(2.5 * one)  # room for the corpus and two sessions, not four
+        evicted = M.EVICTIONS._value.get()
+        for i in range(4):
+            await _turn(d, f"s{i}", _history(i))
+        assert {e.session_id for e in d.sessions} == {"s2", "s3"}, "the corpus left room for two sessions"
+        assert M.EVICTIONS._value.get() - evicted == 2
+        assert d.memory_bytes() == sum(e.bytes for e in d.sessions) + held <= d.max_bytes
+        assert M.CORPUS_BYTES._value.get() == held
+        assert M.DRAFTER_BYTES._value.get() == sum(e.bytes for e in d.sessions)
 
     asyncio.run(go())

@@ -1,4 +1,4 @@
-"""Property tests for drafter.session.DraftSession: every mode against brute force on the history.
+"""Property tests for drafter.draft_session.DraftSession: every mode against brute force on the history.
 
 Sessions here use an unbounded automaton (max_nodes far above the distinct substrings), so the
 retrieval references are exact.
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import drafter.tree as tree_mod
 from common.params import MODES
-from drafter.session import DrafterConfig, DraftSession
+from drafter.draft_session import DrafterConfig, DraftSession
 
 from .refs import (
     best_first_frontier,

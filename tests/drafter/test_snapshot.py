@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.params import MODES
-from drafter.session import DrafterConfig, DraftSession
+from drafter.draft_session import DrafterConfig, DraftSession
 from drafter.snapshot import SnapshotError, dumps, loads, snapshot_length
 from tests.support import snapshots as snaps
 

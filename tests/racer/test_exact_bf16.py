@@ -14,7 +14,7 @@ import torch
 
 from common.loop import generate
 from common.params import MODES, GenerationParams
-from drafter.session import DraftSession
+from drafter.draft_session import DraftSession
 from tests.support.models import make_tiny_llama
 from tests.verifier.test_batch_invariance import make_wide_llama
 from verifier.engine import VerifierSession

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from common.params import MODES, GenerationParams
-from drafter.session import DraftSession
+from drafter.draft_session import DraftSession
 from tests.support.engine import RecordingVerifier, ScriptedDrafter, Tree, hf_greedy, run, run_racer, single_thread
 from verifier.engine import VerifierSession
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from common.params import GenerationParams, SamplingParams
-from drafter.session import DraftSession
+from drafter.draft_session import DraftSession
 from tests.support.engine import Tree, hf_greedy, run, single_thread
 from verifier.engine import VerifierSession
 from verifier.sampling import Sampler, processed_probs

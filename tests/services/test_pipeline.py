@@ -17,7 +17,7 @@ from common.loop import generate
 from common.params import MODES, GenerationParams, SamplingParams
 from common.v1 import verifier_pb2 as vpb
 from common.v1 import verifier_pb2_grpc as vgrpc
-from drafter.session import DraftSession
+from drafter.draft_session import DraftSession
 from racer.client import Client
 from tests.support.engine import hf_greedy
 from tests.support.stack import backend_channel, prompt, start_stack, wait_until

@@ -10,7 +10,7 @@ import pytest
 import redis
 from prometheus_client import REGISTRY
 
-from drafter.sessions import snapshot_key
+from drafter.core import snapshot_key
 from gateway.records import record_key
 from racer.client import Client
 from tests.support import snapshots as snaps

@@ -9,7 +9,7 @@ import torch
 
 from common.loop import Stats, generate
 from common.params import GenerationParams
-from drafter.session import DraftSession
+from drafter.draft_session import DraftSession
 from verifier.engine import VerifierSession
 
 from .models import single_thread  # noqa: F401  (module-scoped fixtures use it)

@@ -6,7 +6,7 @@ import random
 
 from common.loop import cut, generate, settle
 from common.params import GenerationParams, SamplingParams
-from drafter.session import DraftSession
+from drafter.draft_session import DraftSession
 from verifier.engine import VerifierSession, verify_batch
 
 N = 30

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from drafter.copy_logits import CopyLogitTable
-from drafter.session import DraftSession
+from drafter.draft_session import DraftSession
 from verifier.prior import compute_prior, find_or_compute
 
 

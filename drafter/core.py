@@ -1,12 +1,13 @@
-"""The drafter's sessions: per (tenant, session) automaton and copy-logit table, with snapshots.
+"""The drafter's service core, ``Drafter``: every session of this replica (one ``DraftSession`` per
+(tenant, session)), their snapshots, memory bound and tenant corpora.
 
 A session's snapshot goes to the store at every turn end and every ``snapshot_every`` rounds, after
 the response is sent; another replica that is handed the session restores the snapshot and replays
 the tokens after it, or rebuilds from the history. No grpc: the service converts its messages.
 
-Memory is bounded in bytes (``max_bytes``, each session's estimate taken when it enters memory and
-when its stream ends): past the bound the least recently used idle sessions leave memory, their snapshot
-written first, and their next turn restores from it.
+Memory is bounded in bytes (``max_bytes``: each session's estimate taken when it enters memory and
+when its stream ends, plus the tenant corpora held): past the bound the least recently used idle
+sessions leave memory, their snapshot written first, and their next turn restores from it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from common.sessions import Holder, SessionTable
 
 from . import metrics as M
 from .corpora import Corpora, Response
-from .session import DrafterConfig, DraftSession
+from .draft_session import DrafterConfig, DraftSession
 from .snapshot import SnapshotError, dumps, loads
 from .tree import DraftTree
 
@@ -125,29 +126,8 @@ class Drafter(Holder):
     async def open(self, req: Open) -> tuple[Entry, str]:
         """The session's entry, caught up with ``req.history``, held by the calling stream; and where
         it came from: memory, snapshot or new."""
-        _check(bool(req.session_id), Status.INVALID_ARGUMENT, "open.session_id: required")
-        _check(bool(req.tenant), Status.INVALID_ARGUMENT, "open.tenant: required")
+        rows = self._checked_rows(req)
         history = list(req.history)
-        _check(len(history) > 0, Status.INVALID_ARGUMENT, "open.history: empty")
-        _check(
-            len(history) <= self.max_tokens,
-            Status.RESOURCE_EXHAUSTED,
-            f"open.history: {len(history)} tokens, this drafter holds at most {self.max_tokens} per session",
-        )
-        _check(all(t >= 0 for t in history), Status.INVALID_ARGUMENT, "open.history: negative token id")
-        k = self.config.topk
-        _check(req.topk in (0, k), Status.INVALID_ARGUMENT, f"open.topk: {req.topk}, this drafter uses {k}")
-        _check(
-            len(req.history_topk) % k == 0, Status.INVALID_ARGUMENT, f"open.history_topk: not a multiple of topk={k}"
-        )
-        _check(all(t >= 0 for t in req.history_topk), Status.INVALID_ARGUMENT, "open.history_topk: negative token id")
-        n_rows = len(req.history_topk) // k
-        _check(n_rows <= len(history), Status.INVALID_ARGUMENT, "open.history_topk: more rows than history tokens")
-        _check(
-            0 <= req.corpus_tokens <= MAX_CORPUS_TOKENS,
-            Status.INVALID_ARGUMENT,
-            f"open.corpus_tokens: {req.corpus_tokens}, expected 0 (the default) .. {MAX_CORPUS_TOKENS}",
-        )
         entry = self.sessions.get((req.tenant, req.session_id))
         if entry is not None:
             _check(not entry.streaming, Status.ABORTED, f"session {req.session_id}: another stream is open on it")
@@ -167,78 +147,59 @@ class Drafter(Holder):
                 raise Abort(Status.INVALID_ARGUMENT, f"open.cost: {e}") from None
         entry.touch()
         entry.tree = []
-        s = entry.session
-        have = len(s.history)
-        rows = np.asarray(req.history_topk, dtype=np.int64).reshape(n_rows, k).tolist()
-        first_row = len(history) - n_rows  # position of rows[0]
-        plain_end = max(have, first_row)
-        s.extend(history[have:plain_end])
-        if plain_end < len(history):
-            s.extend(history[plain_end:], rows[plain_end - first_row :])
-        if entry.response is not None:
-            self.corpora.finish(entry.response)
-        entry.corpus_on = req.corpus and self.corpora.enabled
-        entry.response = await self.corpora.open(req.tenant, req.corpus_tokens, req.share) if req.corpus else None
-        s.corpus = self.corpora.current(req.tenant) if entry.corpus_on else None
+        _catch_up(entry.session, history, rows)
+        await self._open_corpus(entry, req)
         self.sessions.claim(entry)  # only once the open succeeded: a failed one leaves no stream behind
         self._bound(entry, estimate=source != "memory")  # (~5 ms for a full session: not before every turn)
         return entry, source
 
+    def _checked_rows(self, req: Open) -> list[list[int]]:
+        """Checks an open's fields; the top-k rows of the history's last positions."""
+        _check(bool(req.session_id), Status.INVALID_ARGUMENT, "open.session_id: required")
+        _check(bool(req.tenant), Status.INVALID_ARGUMENT, "open.tenant: required")
+        n = len(req.history)
+        _check(n > 0, Status.INVALID_ARGUMENT, "open.history: empty")
+        _check(
+            n <= self.max_tokens,
+            Status.RESOURCE_EXHAUSTED,
+            f"open.history: {n} tokens, this drafter holds at most {self.max_tokens} per session",
+        )
+        _check(all(t >= 0 for t in req.history), Status.INVALID_ARGUMENT, "open.history: negative token id")
+        k = self.config.topk
+        _check(req.topk in (0, k), Status.INVALID_ARGUMENT, f"open.topk: {req.topk}, this drafter uses {k}")
+        _check(
+            len(req.history_topk) % k == 0, Status.INVALID_ARGUMENT, f"open.history_topk: not a multiple of topk={k}"
+        )
+        _check(all(t >= 0 for t in req.history_topk), Status.INVALID_ARGUMENT, "open.history_topk: negative token id")
+        n_rows = len(req.history_topk) // k
+        _check(n_rows <= n, Status.INVALID_ARGUMENT, "open.history_topk: more rows than history tokens")
+        _check(
+            0 <= req.corpus_tokens <= MAX_CORPUS_TOKENS,
+            Status.INVALID_ARGUMENT,
+            f"open.corpus_tokens: {req.corpus_tokens}, expected 0 (the default) .. {MAX_CORPUS_TOKENS}",
+        )
+        return np.asarray(req.history_topk, dtype=np.int64).reshape(n_rows, k).tolist()
+
+    async def _open_corpus(self, entry: Entry, req: Open) -> None:
+        """This turn's use of the tenant corpus: whether it drafts from it, and its response going in."""
+        if entry.response is not None:
+            self.corpora.finish(entry.response)
+        entry.corpus_on = req.corpus and self.corpora.enabled
+        entry.response = await self.corpora.open(req.tenant, req.corpus_tokens, req.share) if req.corpus else None
+        entry.session.corpus = self.corpora.current(req.tenant) if entry.corpus_on else None
+
     def step(self, entry: Entry, st: Step) -> DraftTree:
         """Learns from the last tree's feedback and builds the next tree."""
-        s = entry.session
-        k = self.config.topk
         if entry.tree:
-            n = len(entry.tree)
-            _check(
-                len(st.tree_topk) == n * k,
-                Status.INVALID_ARGUMENT,
-                f"step.tree_topk: {len(st.tree_topk)} ids, expected {n} nodes x topk {k}",
-            )
-            acc = list(st.accepted)
-            _check(bool(acc) and acc[0] == 0, Status.INVALID_ARGUMENT, "step.accepted: must start at the root (0)")
-            _check(all(0 <= a < n for a in acc), Status.INVALID_ARGUMENT, "step.accepted: index outside the tree")
-            parents = entry.parents
-            _check(
-                all(parents[acc[i + 1]] == acc[i] for i in range(len(acc) - 1)),
-                Status.INVALID_ARGUMENT,
-                "step.accepted: not a root-to-node path of the last tree",
-            )
-            _check(
-                1 <= st.commit <= len(acc), Status.INVALID_ARGUMENT, f"step.commit: {st.commit}, accepted {len(acc)}"
-            )
-            _check(all(t >= 0 for t in st.tree_topk), Status.INVALID_ARGUMENT, "step.tree_topk: negative token id")
-            rows = np.asarray(st.tree_topk, dtype=np.int64).reshape(n, k).tolist()
-            before = dict(s.accepted)
-            s.observe_tree(entry.tree, rows, acc)
-            for source, count in s.accepted.items():
-                if count > before[source]:
-                    M.DRAFT_ACCEPTED.labels(source).inc(count - before[source])
-            committed = [entry.tree[i] for i in acc[: st.commit]]
-            s.extend(committed)
-            if entry.response is not None:
-                self.corpora.append(entry.response, committed)
-            entry.rounds_since_save += 1
+            self._learn(entry, st)
         else:
             _check(
                 not st.tree_topk and not st.accepted,
                 Status.INVALID_ARGUMENT,
                 "step: feedback for a tree this stream never sent",
             )
-        _check(st.root >= 0, Status.INVALID_ARGUMENT, f"step.root: {st.root}")
-        _check(
-            0 <= st.budget <= MAX_BUDGET,
-            Status.INVALID_ARGUMENT,
-            f"step.budget: {st.budget}, expected 0 (adaptive) or 1..{MAX_BUDGET}",
-        )
-        _check(
-            st.budget > 0 or s.chooser is not None or (st.mode or "racer") == "off",
-            Status.FAILED_PRECONDITION,
-            "step.budget: 0 (adaptive) needs a cost curve at open",
-        )
-        mode = st.mode or "racer"
-        _check(mode in MODES, Status.INVALID_ARGUMENT, f"step.mode: {mode!r}, expected one of {', '.join(MODES)}")
-        _check(st.batch_rows >= 0, Status.INVALID_ARGUMENT, f"step.batch_rows: {st.batch_rows}")
+        s = entry.session
+        mode = _checked_mode(st, adaptive_ok=s.chooser is not None)
         # the corpus as it is now: loaded meanwhile, replaced when erased, gone when dropped
         s.corpus = self.corpora.current(entry.tenant) if entry.corpus_on else None
         tree = s.draft(st.root, st.budget, mode, st.batch_rows)
@@ -250,6 +211,39 @@ class Drafter(Holder):
         entry.parents = list(tree.parents)
         entry.touch()
         return tree
+
+    def _learn(self, entry: Entry, st: Step) -> None:
+        """Checks the feedback on the last tree sent, learns from it and commits its accepted tokens."""
+        s = entry.session
+        k = self.config.topk
+        n = len(entry.tree)
+        _check(
+            len(st.tree_topk) == n * k,
+            Status.INVALID_ARGUMENT,
+            f"step.tree_topk: {len(st.tree_topk)} ids, expected {n} nodes x topk {k}",
+        )
+        acc = list(st.accepted)
+        _check(bool(acc) and acc[0] == 0, Status.INVALID_ARGUMENT, "step.accepted: must start at the root (0)")
+        _check(all(0 <= a < n for a in acc), Status.INVALID_ARGUMENT, "step.accepted: index outside the tree")
+        parents = entry.parents
+        _check(
+            all(parents[acc[i + 1]] == acc[i] for i in range(len(acc) - 1)),
+            Status.INVALID_ARGUMENT,
+            "step.accepted: not a root-to-node path of the last tree",
+        )
+        _check(1 <= st.commit <= len(acc), Status.INVALID_ARGUMENT, f"step.commit: {st.commit}, accepted {len(acc)}")
+        _check(all(t >= 0 for t in st.tree_topk), Status.INVALID_ARGUMENT, "step.tree_topk: negative token id")
+        rows = np.asarray(st.tree_topk, dtype=np.int64).reshape(n, k).tolist()
+        before = dict(s.accepted)
+        s.observe_tree(entry.tree, rows, acc)
+        for source, count in s.accepted.items():
+            if count > before[source]:
+                M.DRAFT_ACCEPTED.labels(source).inc(count - before[source])
+        committed = [entry.tree[i] for i in acc[: st.commit]]
+        s.extend(committed)
+        if entry.response is not None:
+            self.corpora.append(entry.response, committed)
+        entry.rounds_since_save += 1
 
     def end_turn(self, entry: Entry) -> None:
         entry.rounds_since_save = self.snapshot_every  # saved right after the response
@@ -273,25 +267,30 @@ class Drafter(Holder):
 
     # -- memory -------------------------------------------------------------------------------
     def memory_bytes(self) -> int:
-        """Estimated bytes of the sessions in memory (as of their last open or release)."""
-        return sum(e.bytes for e in self.sessions)
+        """Estimated bytes held: the sessions in memory (as of their last open or release) and the
+        tenant corpora (as they are now)."""
+        return sum(e.bytes for e in self.sessions) + self.corpora.nbytes()
 
     def _bound(self, entry: Entry, estimate: bool = True) -> None:
-        """Re-estimates ``entry`` (unless told not to); while the sessions are over ``max_bytes``, the
-        least recently used idle one (never ``entry``) is snapshotted and dropped from memory."""
+        """Re-estimates ``entry`` (unless told not to); while the sessions and the tenant corpora are
+        over ``max_bytes``, the least recently used idle session (never ``entry``) is snapshotted and
+        dropped from memory. (Corpora are not evicted for sessions: they leave when their tenant has
+        been idle, ``Corpora.expire``; corpora alone over the bound leave only busy sessions.)"""
         if estimate:
             entry.bytes = entry.session.memory_estimate() if self.max_bytes else 0
-        total = self.memory_bytes()
-        while self.max_bytes and total > self.max_bytes:
+        sessions = sum(e.bytes for e in self.sessions)
+        corpora = self.corpora.nbytes()
+        while self.max_bytes and sessions + corpora > self.max_bytes:
             victim = self.sessions.idle_lru(keep=entry.key)
             if victim is None:
                 break
             if len(victim.session.history) != victim.saved_length:
                 self._save_later(victim)  # serialized now; the write finishes after it has left memory
             self.sessions.pop(victim.key)
-            total -= victim.bytes
+            sessions -= victim.bytes
             M.EVICTIONS.inc()
-        M.DRAFTER_BYTES.set(total)
+        M.DRAFTER_BYTES.set(sessions)
+        M.CORPUS_BYTES.set(corpora)
         M.DRAFTER_SESSIONS.set(len(self.sessions))
 
     # -- snapshots ----------------------------------------------------------------------------
@@ -412,6 +411,36 @@ class Drafter(Holder):
             )
             for e in self.sessions
         ]
+
+
+def _catch_up(s: DraftSession, history: list[int], rows: list[list[int]]) -> None:
+    """Extends ``s`` to ``history``; ``rows`` are the target's top-k at the history's last positions
+    (those of them ``s`` does not hold yet go into its copy-logit table)."""
+    have = len(s.history)
+    first_row = len(history) - len(rows)  # position of rows[0]
+    plain_end = max(have, first_row)
+    s.extend(history[have:plain_end])
+    if plain_end < len(history):
+        s.extend(history[plain_end:], rows[plain_end - first_row :])
+
+
+def _checked_mode(st: Step, adaptive_ok: bool) -> str:
+    """Checks what the next tree is asked to be; its drafting mode."""
+    _check(st.root >= 0, Status.INVALID_ARGUMENT, f"step.root: {st.root}")
+    _check(
+        0 <= st.budget <= MAX_BUDGET,
+        Status.INVALID_ARGUMENT,
+        f"step.budget: {st.budget}, expected 0 (adaptive) or 1..{MAX_BUDGET}",
+    )
+    mode = st.mode or "racer"
+    _check(
+        st.budget > 0 or adaptive_ok or mode == "off",
+        Status.FAILED_PRECONDITION,
+        "step.budget: 0 (adaptive) needs a cost curve at open",
+    )
+    _check(mode in MODES, Status.INVALID_ARGUMENT, f"step.mode: {mode!r}, expected one of {', '.join(MODES)}")
+    _check(st.batch_rows >= 0, Status.INVALID_ARGUMENT, f"step.batch_rows: {st.batch_rows}")
+    return mode
 
 
 def _is_prefix(a: list[int], b: list[int]) -> bool:

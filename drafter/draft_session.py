@@ -1,10 +1,11 @@
-"""The drafter's per-session façade: learn from verified positions, build the next draft tree.
+"""One session's drafting state, ``DraftSession``: learn from verified positions, build the next draft tree.
 
 Pure: no I/O, no clocks. The service layer owns sessions, snapshots and timing.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from common.params import MODES
@@ -181,8 +182,6 @@ class DraftSession:
     # -- introspection ----------------------------------------------------------------------------
     def memory_estimate(self) -> int:
         """Rough bytes held by this session (automaton lists and dicts, table rows, history)."""
-        import sys
-
         a = self.automaton
         total = sum(sys.getsizeof(d) for d in a.children)
         total += sum(sys.getsizeof(x) for x in (a.parent, a.token, a.depth, a.freq, a.fail, a.start))
