@@ -94,6 +94,11 @@ class Proc:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def stopped(self) -> bool:
+        """Whether the process is stopped by a signal (SIGSTOP): state T in /proc (Linux)."""
+        with open(f"/proc/{self.proc.pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
