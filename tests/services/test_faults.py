@@ -19,7 +19,7 @@ import pytest
 from drafter.snapshot import snapshot_length
 from racer.client import Client
 from tests.support.engine import hf_greedy
-from tests.support.procs import Proc, RedisProc, reap
+from tests.support.procs import Proc, RedisProc, drafter_procs, reap, verifier_procs
 from tests.support.stack import prompt, wait_until
 
 N = 240  # long enough that a turn is still running when a fault lands right after its first chunk
@@ -40,24 +40,8 @@ class Cluster:
         self.tmp = tmp
         self.redis = RedisProc(tmp / "redis").start()
         common = {"RACER_DRAIN_SECONDS": "1", "RACER_KEEPALIVE_SECONDS": "1"}
-        self.verifiers = [
-            Proc(
-                "verifier",
-                dict(common, RACER_MODEL=str(model_dir), RACER_THREADS="1", RACER_BACKEND="fast"),
-                tmp,
-                f"verifier{i}",
-            )
-            for i in range(2)
-        ]
-        self.drafters = [
-            Proc(
-                "drafter",
-                dict(common, RACER_SNAPSHOT_URL=self.redis.url, RACER_SNAPSHOT_EVERY="2", RACER_PRIOR="none"),
-                tmp,
-                f"drafter{i}",
-            )
-            for i in range(2)
-        ]
+        self.verifiers = verifier_procs(2, model_dir, tmp, common)
+        self.drafters = drafter_procs(2, self.redis.url, tmp, dict(common, RACER_SNAPSHOT_EVERY="2"))
         self.gateway = self.make_gateway("gateway", self.verifiers)
         self.extra: list[Proc] = []
 

@@ -128,6 +128,19 @@ class Proc:
             )
 
 
+def verifier_procs(n: int, model_dir: Path, log_dir: Path, env: dict[str, str]) -> list[Proc]:
+    """``n`` verifier processes (not started) of the model saved in ``model_dir``: one thread each, the
+    hand-written Llama forward, ``env`` added."""
+    backend = {"RACER_MODEL": str(model_dir), "RACER_THREADS": "1", "RACER_BACKEND": "fast"}
+    return [Proc("verifier", dict(env, **backend), log_dir, f"verifier{i}") for i in range(n)]
+
+
+def drafter_procs(n: int, snapshot_url: str, log_dir: Path, env: dict[str, str]) -> list[Proc]:
+    """``n`` drafter processes (not started) snapshotting to ``snapshot_url``, with no prior, ``env`` added."""
+    store = {"RACER_SNAPSHOT_URL": snapshot_url, "RACER_PRIOR": "none"}
+    return [Proc("drafter", dict(env, **store), log_dir, f"drafter{i}") for i in range(n)]
+
+
 class RedisProc:
     """redis-server with an append-only file, so a stop and restart keeps the data (as deployed);
     with ``password``, ``requirepass`` as deployed (``url`` carries it)."""
