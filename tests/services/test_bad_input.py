@@ -27,10 +27,9 @@ from common.v1 import drafter_pb2_grpc as dgrpc
 from common.v1 import generation_pb2 as pb
 from common.v1 import verifier_pb2 as vpb
 from common.v1 import verifier_pb2_grpc as vgrpc
-from racer import launch as services
 from racer.client import Client
 from tests.support.engine import hf_greedy
-from tests.support.stack import INTERNAL_TOKEN, backend_channel, start_stack, wait_until
+from tests.support.stack import INTERNAL_TOKEN, backend_channel, start_drafter, start_stack, wait_until
 from tests.support.tinytok import make_char_tokenizer
 
 IA, NF, RE, FP, UA, AB = (
@@ -653,19 +652,7 @@ def test_drafter_stream_fuzz(env):
 
 
 def test_internal_oversized_message_is_refused(loop_thread):
-    async def go():
-        return await services.start_drafter(
-            services.defaults(
-                "drafter",
-                host="127.0.0.1",
-                port=0,
-                prior="none",
-                max_message_bytes=4096,
-                internal_token=INTERNAL_TOKEN,
-            )
-        )
-
-    srv, svc = loop_thread.run(go())
+    srv, svc = start_drafter(loop_thread, max_message_bytes=4096, internal_token=INTERNAL_TOKEN)
     try:
         with backend_channel(f"127.0.0.1:{srv.port}") as ch:
             s = _Stream(dgrpc.DrafterStub(ch).Session)
