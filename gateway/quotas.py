@@ -200,11 +200,12 @@ class _Tenant:  # the in-memory store's counts of one tenant
 class Quotas:
     """The quotas of every tenant, counted in ``store`` (through ``call``: the records' retried calls)."""
 
-    def __init__(self, store, limits: TenantLimits, ttl_s: float, call):
+    def __init__(self, store, limits: TenantLimits, ttl_s: float, call, clock=time.time):
         self._store = store
         self.limits = limits
         self.ttl_s = ttl_s  # a session record's TTL: how long an idle session counts
         self._call = call
+        self._clock = clock  # seconds, shared by every gateway (entries expire by it): wall-clock time
         script = getattr(store, "script", None)
         if script is not None:
             self._admit, self._renew, self._end = script(_ADMIT), script(_RENEW), script(_END)
@@ -215,7 +216,7 @@ class Quotas:
 
     def _t(self, tenant: str) -> _Tenant:
         t = self._mem.setdefault(tenant, _Tenant({}, {}, {}))
-        t.prune(time.time())
+        t.prune(self._clock())
         return t
 
     async def admit(
@@ -229,7 +230,7 @@ class Quotas:
         A new session counts as long as its turn's lease (renewed with it) until a save gives it the
         record's TTL: a turn whose gateway died leaves nothing counted past its lease."""
         q = self.limits.of(tenant)
-        now = time.time()
+        now = self._clock()
         expiry = now + lease_s if new else now + self.ttl_s + lease_s
         if self._mem is None:
             args = [now, session_id, need, turn_id, now + lease_s, expiry]
@@ -279,7 +280,7 @@ class Quotas:
         return 0, 0
 
     async def renew(self, tenant: str, session_id: str, turn_id: str, lease_s: float) -> None:
-        now = time.time()
+        now = self._clock()
         if self._mem is None:
             args = [turn_id, now + lease_s, int((self.ttl_s + lease_s) * 1000), session_id]
             await self._call("quota", self._renew, quota_keys(tenant), args, retry=False)
@@ -294,7 +295,7 @@ class Quotas:
         """The turn (which reserved ``need``) ended: ``outcome`` 'saved' (the session now holds
         ``tokens``), 'kept' (not saved: back to ``tokens``, unless a later turn of the session changed
         the count) or 'new' (not saved, and the session never existed: it stops counting)."""
-        now = time.time()
+        now = self._clock()
         if self._mem is None:
             args = [turn_id, session_id, outcome, tokens, now + self.ttl_s, int(self.ttl_s * 1000), need]
             await self._call("quota", self._end, quota_keys(tenant), args)
@@ -323,7 +324,7 @@ class Quotas:
     async def usage(self, tenant: str) -> tuple[int, int, int]:
         """(sessions kept, tokens held or reserved, turns running) of ``tenant`` now."""
         if self._mem is None:
-            args = [time.time()]
+            args = [self._clock()]
             s, tok, turns = await self._call("quota", self._usage, quota_keys(tenant), args, retry=False)
             return int(s), int(tok), int(turns)
         t = self._t(tenant)

@@ -47,7 +47,7 @@ def main() -> int:
         times: dict[str, list[float]] = {"alone": [], "together": []}
         for rep in range(args.reps + 1):
             for kind in ("alone", "together") if rep % 2 == 0 else ("together", "alone"):
-                sessions = [VerifierSession(model, backend="fast", capacity=0) for _ in prompts]
+                sessions = [VerifierSession(model, backend="llama", capacity=0) for _ in prompts]
                 t0 = time.perf_counter()
                 if kind == "alone":
                     for s, p in zip(sessions, prompts):

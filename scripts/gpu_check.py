@@ -54,7 +54,7 @@ def _llama(hidden: int, layers: int, heads: int, kv_heads: int, inter: int, voca
 
 
 def _generate(model, prompt, mode, budget, n):
-    v = VerifierSession(model, backend="fast")
+    v = VerifierSession(model, backend="llama")
     params = GenerationParams(max_new_tokens=n, mode=mode, budget=budget)
     return [t for c in generate(DraftSession(), v, prompt, params) for t in c]
 
@@ -80,7 +80,7 @@ def lossless_rows(device: str, smoke: bool) -> list[dict]:
     prompt = [rng.randrange(3, VOCAB) for _ in range(60)]
     tokens = [rng.randrange(3, VOCAB) for _ in range(16)]
     parents = [-1] + [rng.randrange(i) for i in range(1, 16)]
-    s = VerifierSession(model, backend="fast")
+    s = VerifierSession(model, backend="llama")
     s.prefill(prompt)
     ids, positions, mask = s._inputs(tokens, parents)
     with torch.inference_mode():

@@ -4,6 +4,7 @@ style, and handlers it does not know (grpc's own health Watch) keep working."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -42,36 +43,48 @@ def _register(server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.T", handlers),))
 
 
+@contextlib.asynccontextmanager
+async def _serving(register):
+    """A server with ``register``'s handlers on a free port, and a channel to it."""
+    srv = await start_server("drafter", register, port=0)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            yield ch
+    finally:
+        await srv.stop(0)
+
+
+async def _bidi_error(ch) -> grpc.aio.AioRpcError:
+    """The Bidi handler echoes b"ok", then fails on b"bad": the error its client reads."""
+    bidi = ch.stream_stream("/test.T/Bidi", _ident, _ident)(timeout=10)
+    await bidi.write(b"ok")
+    assert await bidi.read() == b"ok"
+    await bidi.write(b"bad")
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await bidi.read()
+    return e.value
+
+
 def test_abort_becomes_its_status_in_every_handler_style_and_health_watch_still_streams():
     async def go():
-        srv = await start_server("drafter", _register, port=0)
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await ch.unary_unary("/test.T/Unary", _ident, _ident)(b"x", timeout=10)
-                assert e.value.code() == grpc.StatusCode.NOT_FOUND and "no such session" in e.value.details()
+        async with _serving(_register) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await ch.unary_unary("/test.T/Unary", _ident, _ident)(b"x", timeout=10)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND and "no such session" in e.value.details()
 
-                call = ch.unary_stream("/test.T/Stream", _ident, _ident)(b"x", timeout=10)
-                assert await call.read() == b"first"
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await call.read()
-                assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            call = ch.unary_stream("/test.T/Stream", _ident, _ident)(b"x", timeout=10)
+            assert await call.read() == b"first"
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await call.read()
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
-                bidi = ch.stream_stream("/test.T/Bidi", _ident, _ident)(timeout=10)
-                await bidi.write(b"ok")
-                assert await bidi.read() == b"ok"
-                await bidi.write(b"bad")
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await bidi.read()
-                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert (await _bidi_error(ch)).code() == grpc.StatusCode.INVALID_ARGUMENT
 
-                # grpc's health Watch sends with context.write and yields nothing
-                watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
-                first = await watch.read()
-                assert first.status == health_pb2.HealthCheckResponse.SERVING
-                watch.cancel()
-        finally:
-            await srv.stop(0)
+            # grpc's health Watch sends with context.write and yields nothing
+            watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            first = await watch.read()
+            assert first.status == health_pb2.HealthCheckResponse.SERVING
+            watch.cancel()
 
     asyncio.run(go())
 
@@ -116,28 +129,19 @@ def test_an_unexpected_exception_is_internal_without_details_and_logged(caplog):
         assert "internal error" in e.details() and "hunter2" not in e.details() and "Error" not in e.details()
 
     async def go():
-        srv = await start_server("drafter", _register_bugs, port=0)
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+        async with _serving(_register_bugs) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await ch.unary_unary("/test.T/Unary", _ident, _ident)(b"x", timeout=10)
+            check(e.value)
+            for name in ("Stream", "Writes"):
+                call = ch.unary_stream(f"/test.T/{name}", _ident, _ident)(b"x", timeout=10)
+                assert await call.read() == b"first"
                 with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await ch.unary_unary("/test.T/Unary", _ident, _ident)(b"x", timeout=10)
+                    await call.read()
                 check(e.value)
-                for name in ("Stream", "Writes"):
-                    call = ch.unary_stream(f"/test.T/{name}", _ident, _ident)(b"x", timeout=10)
-                    assert await call.read() == b"first"
-                    with pytest.raises(grpc.aio.AioRpcError) as e:
-                        await call.read()
-                    check(e.value)
-                bidi = ch.stream_stream("/test.T/Bidi", _ident, _ident)(timeout=10)
-                await bidi.write(b"ok")
-                assert await bidi.read() == b"ok"
-                await bidi.write(b"bad")
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await bidi.read()
-                check(e.value)
-                return e.value.details()
-        finally:
-            await srv.stop(0)
+            e = await _bidi_error(ch)
+            check(e)
+            return e.details()
 
     with caplog.at_level("ERROR", logger="racer"):
         details = asyncio.run(go())

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from verifier import load
 
-from . import kustomize
+from . import kustomize, promtool
 from .manifests import K8S, ROOT, container, find, of_kind, render, selects, without_generated_suffixes, workload
 from .test_monitoring import exported_series, metric_names
 
@@ -279,9 +279,6 @@ def scrape_samples() -> dict[str, float]:
 def promtool_case(tmp: Path, expected_verifier: float) -> subprocess.CompletedProcess:
     """Two verifier pods (the recorded one, and one whose KV reservation dominates) and a drafter
     drafting half of each second, evaluated at 2 minutes."""
-    assert shutil.which("promtool"), "promtool is missing: run scripts/setup.sh (Debian package prometheus)"
-    rule = yaml.safe_load(RULES.read_text())
-    (tmp / "rules.yaml").write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
     s = scrape_samples()
     pods = {
         "racer-verifier-0": {
@@ -308,10 +305,10 @@ def promtool_case(tmp: Path, expected_verifier: float) -> subprocess.CompletedPr
         for pod, v in pods.items()
     }
     sat["racer-verifier-0"] = expected_verifier
-    test = {
-        "rule_files": ["rules.yaml"],
-        "evaluation_interval": "15s",
-        "tests": [
+    return promtool.test_rules(
+        tmp,
+        RULES,
+        [
             {
                 "interval": "15s",
                 "input_series": series,
@@ -344,10 +341,6 @@ def promtool_case(tmp: Path, expected_verifier: float) -> subprocess.CompletedPr
                 ],
             }
         ],
-    }
-    (tmp / "test.yaml").write_text(yaml.safe_dump(test))
-    return subprocess.run(
-        ["promtool", "test", "rules", "test.yaml"], cwd=tmp, capture_output=True, text=True, timeout=60
     )
 
 

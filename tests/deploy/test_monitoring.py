@@ -17,7 +17,7 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY
 
-from . import kustomize
+from . import kustomize, promtool
 from .manifests import K8S, SERVICES, find, of_kind, render, selects, without_generated_suffixes, workload
 
 COMPONENT = K8S / "components" / "monitoring"
@@ -132,6 +132,145 @@ def test_the_alerts_the_operators_need():
         for r in group["rules"]:
             assert r["labels"]["severity"] in {"critical", "warning"} and r["annotations"]["summary"]
             assert re.fullmatch(r"\d+[smh]", r["for"])
+
+
+# --- the alerts, evaluated by promtool -----------------------------------------------------------------
+
+NS = 'namespace="racer"'
+
+
+def _series(name: str, labels: str, values: str) -> dict:
+    return {"series": f"{name}{{{NS},{labels}}}", "values": values}
+
+
+def _alert(name: str, at: str, fired: list[dict]) -> dict:
+    return {"alertname": name, "eval_time": at, "exp_alerts": fired}
+
+
+def _firing(alert: str, summary: str, **labels) -> dict:
+    """The alert as promtool must see it: its severity and labels, its summary as rendered."""
+    rule = next(r for g in rules()["spec"]["groups"] for r in g["rules"] if r["alert"] == alert)
+    return {
+        "exp_labels": {"severity": rule["labels"]["severity"], **labels},
+        "exp_annotations": {"summary": summary, "description": rule["annotations"]["description"]},
+    }
+
+
+STORE_SUMMARY = "Session store or snapshot calls are failing"
+KV_FULL = _firing("RacerKVCacheNearFull", "Verifier v-0 holds 95% of its KV budget", namespace="racer", pod="v-0")
+# Each alert against series that must fire it (after its `for`, not before) and series that must
+# not. Counters grow per 1-minute sample; a labelled counter has no series until its first
+# increment, as prometheus_client exports it.
+ALERT_CASES = {
+    "RacerNoHealthyVerifier": [
+        {  # two gateways, neither sees a verifier: fires once it lasted 1m
+            "input_series": [
+                _series("racer_gateway_healthy_endpoints", 'kind="verifier",pod="gw-0"', "0x10"),
+                _series("racer_gateway_healthy_endpoints", 'kind="verifier",pod="gw-1"', "0x10"),
+                _series("racer_gateway_healthy_endpoints", 'kind="drafter",pod="gw-0"', "2x10"),
+            ],
+            "alerts": [
+                _alert("RacerNoHealthyVerifier", "30s", []),
+                _alert(
+                    "RacerNoHealthyVerifier",
+                    "3m",
+                    [_firing("RacerNoHealthyVerifier", "No gateway sees a healthy verifier")],
+                ),
+            ],
+        },
+        {  # one gateway still routes to a verifier
+            "input_series": [
+                _series("racer_gateway_healthy_endpoints", 'kind="verifier",pod="gw-0"', "0x10"),
+                _series("racer_gateway_healthy_endpoints", 'kind="verifier",pod="gw-1"', "1x10"),
+            ],
+            "alerts": [_alert("RacerNoHealthyVerifier", "5m", [])],
+        },
+    ],
+    "RacerFailoverRate": [
+        {  # 10 turns a minute, one failover a minute: 10% of turns
+            "input_series": [
+                _series("racer_requests_total", 'code="OK",pod="gw-0"', "0+10x40"),
+                _series("racer_failovers_total", 'kind="verifier",pod="gw-0"', "0+1x40"),
+            ],
+            "alerts": [
+                _alert("RacerFailoverRate", "5m", []),
+                _alert("RacerFailoverRate", "30m", [_firing("RacerFailoverRate", "10% of turns fail over")]),
+            ],
+        },
+        {  # one failover in 50 turns: 2%, under the 5% bound
+            "input_series": [
+                _series("racer_requests_total", 'code="OK",pod="gw-0"', "0+50x40"),
+                _series("racer_failovers_total", 'kind="drafter",pod="gw-0"', "0+1x40"),
+            ],
+            "alerts": [_alert("RacerFailoverRate", "30m", [])],
+        },
+    ],
+    "RacerStoreFailures": [
+        {  # the gateways' store calls fail; no drafter ever failed a snapshot
+            "input_series": [_series("racer_store_failures_total", 'op="save",pod="gw-0"', "0+3x20")],
+            "alerts": [
+                _alert("RacerStoreFailures", "2m", []),
+                _alert("RacerStoreFailures", "12m", [_firing("RacerStoreFailures", STORE_SUMMARY)]),
+            ],
+        },
+        {  # the drafters' snapshots fail; no gateway ever failed a store call
+            "input_series": [_series("racer_snapshot_failures_total", 'op="save",pod="drafter-0"', "0+3x20")],
+            "alerts": [_alert("RacerStoreFailures", "12m", [_firing("RacerStoreFailures", STORE_SUMMARY)])],
+        },
+        {  # failures long ago, none in the last 5 minutes
+            "input_series": [
+                _series("racer_store_failures_total", 'op="save",pod="gw-0"', "0 5 5x30"),
+                _series("racer_snapshot_failures_total", 'op="save",pod="drafter-0"', "0 0 0x30"),
+            ],
+            "alerts": [_alert("RacerStoreFailures", "25m", [])],
+        },
+    ],
+    "RacerKVCacheNearFull": [
+        {  # one verifier at 95% of its KV budget for 20 minutes, another at 50%
+            "input_series": [
+                _series("racer_verifier_kv_reserved_bytes", 'pod="v-0"', "950x25"),
+                _series("racer_verifier_kv_budget_bytes", 'pod="v-0"', "1000x25"),
+                _series("racer_verifier_kv_reserved_bytes", 'pod="v-1"', "500x25"),
+                _series("racer_verifier_kv_budget_bytes", 'pod="v-1"', "1000x25"),
+            ],
+            "alerts": [
+                _alert("RacerKVCacheNearFull", "10m", []),
+                _alert("RacerKVCacheNearFull", "20m", [KV_FULL]),
+            ],
+        },
+        {  # 90% exactly is not past the bound
+            "input_series": [
+                _series("racer_verifier_kv_reserved_bytes", 'pod="v-0"', "900x25"),
+                _series("racer_verifier_kv_budget_bytes", 'pod="v-0"', "1000x25"),
+            ],
+            "alerts": [_alert("RacerKVCacheNearFull", "20m", [])],
+        },
+    ],
+}
+
+
+def _alert_tests(cases: dict) -> list[dict]:
+    return [
+        {"interval": "1m", "input_series": c["input_series"], "alert_rule_test": c["alerts"]}
+        for per_alert in cases.values()
+        for c in per_alert
+    ]
+
+
+@pytest.mark.parametrize("alert", sorted(ALERT_CASES))
+def test_each_alert_fires_after_its_for_and_not_on_healthy_series(alert, tmp_path):
+    assert alert in rule_queries()
+    out = promtool.test_rules(tmp_path, COMPONENT / "prometheusrule.yaml", _alert_tests({alert: ALERT_CASES[alert]}))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout
+
+
+def test_promtool_reports_an_alert_that_should_have_fired(tmp_path):
+    """The cases above could fail: a healthy verifier expected to fire the KV alert is reported."""
+    case = ALERT_CASES["RacerKVCacheNearFull"][1]
+    wrong = dict(case, alerts=[_alert("RacerKVCacheNearFull", "20m", [KV_FULL])])
+    out = promtool.test_rules(tmp_path, COMPONENT / "prometheusrule.yaml", _alert_tests({"x": [wrong]}))
+    assert out.returncode != 0 and "RacerKVCacheNearFull" in out.stdout + out.stderr
 
 
 # --- Prometheus conventions ---------------------------------------------------------------------------

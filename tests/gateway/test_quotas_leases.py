@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 import uuid
 
 import pytest
@@ -51,7 +52,8 @@ def test_lease_and_fenced_set(run):
         assert not await store.release(L, "t2") and await store.release(L, "t1")
         assert not await store.fenced_set(L, "t1", K, b"v2", b"v3", 30)  # released: fenced off
         assert await store.acquire(L, "t3", 0.05)
-        await asyncio.sleep(0.2)  # a TTL is the behaviour under test: it has to run out
+        while await store.get(L) is not None:  # the store's own TTL (Redis's clock) runs out
+            await asyncio.sleep(0.01)
         assert not await store.renew(L, "t3", 30) and await store.acquire(L, "t4", 30)
         assert await store.get(K) == b"v2"
 
@@ -62,12 +64,27 @@ async def _call(op, fn, *args, retry=True):
     return await fn(*args)
 
 
+class Clock:
+    """The quotas' clock, moved by the test: a lease runs out when the test says, and never while a
+    slow step runs."""
+
+    def __init__(self):
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def test_quotas_admit_end_and_forget(run):
     a, b = f"a{uuid.uuid4().hex[:8]}", f"b{uuid.uuid4().hex[:8]}"
     limits = TenantLimits(Quota(0, 0, 0), ((a, Quota(sessions=2, tokens=100, turns=1)),))
 
     async def go(store):
-        q = Quotas(store, limits, 60.0, _call)
+        clock = Clock()
+        q = Quotas(store, limits, 60.0, _call, clock=clock)
 
         async def refused(*args):
             with pytest.raises(Abort) as e:
@@ -101,7 +118,8 @@ def test_quotas_admit_end_and_forget(run):
         await q.end(a, "s1", "t-late", "saved", 50, 50)  # a late end of a closed session does not bring it back
         assert await q.usage(a) == (1, 10, 0)
         await q.admit(a, "s1", 5, "t5", 0.05)  # a turn whose gateway died stops counting when its lease ends
-        await asyncio.sleep(0.2)  # the lease TTL running out is the behaviour under test
+        assert (await q.usage(a))[2] == 1
+        clock.advance(0.2)
         assert (await q.usage(a))[2] == 0
 
     run(go)
@@ -112,17 +130,19 @@ def test_a_dead_turns_new_session_stops_counting_with_its_lease_and_a_closed_ses
     limits = TenantLimits(Quota(sessions=2, tokens=0, turns=0))
 
     async def go(store):
-        q = Quotas(store, limits, 60.0, _call)
+        clock = Clock()
+        q = Quotas(store, limits, 60.0, _call, clock=clock)
         # a new session's first turn whose gateway died (no renewal, no end): counted for its lease only
         await q.admit(a, "s1", 10, "t1", 0.05, new=True)
         await q.admit(a, "s2", 10, "t2", 0.05, new=True)
         assert (await q.usage(a))[0] == 2
-        await asyncio.sleep(0.2)  # the lease TTL running out is the behaviour under test
+        clock.advance(0.2)
         assert await q.usage(a) == (0, 0, 0)
         # renewed while it runs, a new session keeps counting past its first lease
         await q.admit(a, "s3", 10, "t3", 0.05, new=True)
+        clock.advance(0.04)
         await q.renew(a, "s3", "t3", 60.0)
-        await asyncio.sleep(0.2)
+        clock.advance(0.2)
         assert (await q.usage(a))[0] == 1
         await q.end(a, "s3", "t3", "saved", 10, 10)
         # an existing session is admitted only while its record is there (closed since read: NOT_FOUND)

@@ -121,15 +121,30 @@ def test_same_seed_same_tokens_as_plain_sampling(tiny_llama, echo_prompt, backen
     assert accepted > 0, "the walk never descended: nothing was tested"
 
 
-def test_different_seeds_differ(tiny_llama):
+@torch.inference_mode()
+def _seeded_reference(model, prompt: list[int], n: int, seed: int) -> list[int]:
+    """Plain sampling from transformers' logits, one draw per token from a generator seeded with
+    ``seed``: what a seeded request must produce (the verifier's walk draws once per emitted token)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = list(prompt)
+    for _ in range(n):
+        logits = model(torch.tensor([ids])).logits[0, -1]
+        ids.append(int(torch.multinomial(logits.float().softmax(-1), 1, generator=gen)))
+    return ids[len(prompt) :]
+
+
+def test_a_seed_gives_its_own_draws_and_different_seeds_differ(tiny_llama):
+    """Fails if the seed is ignored (an unseeded generator does not repeat the reference's draws)
+    or if every seed gives the same tokens."""
     outs = set()
     for seed in range(4):
         sp = SamplingParams(temperature=1.0, seed=seed)
         out, _, _ = run(
             DraftSession(), VerifierSession(tiny_llama, sampling=sp), [1, 7], GenerationParams(max_new_tokens=12)
         )
+        assert out == _seeded_reference(tiny_llama, [1, 7], 12, seed), f"seed {seed}"
         outs.add(tuple(out))
-    assert len(outs) > 1
+    assert len(outs) == 4
 
 
 # -- (b) the distribution of the emitted tokens is exactly the target's ---------------------------------------

@@ -27,10 +27,9 @@ from common.v1 import drafter_pb2_grpc as dgrpc
 from common.v1 import generation_pb2 as pb
 from common.v1 import verifier_pb2 as vpb
 from common.v1 import verifier_pb2_grpc as vgrpc
-from racer import launch as services
 from racer.client import Client
 from tests.support.engine import hf_greedy
-from tests.support.stack import INTERNAL_TOKEN, backend_channel, start_stack, wait_until
+from tests.support.stack import INTERNAL_TOKEN, backend_channel, start_drafter, start_stack, wait_until
 from tests.support.tinytok import make_char_tokenizer
 
 IA, NF, RE, FP, UA, AB = (
@@ -465,14 +464,8 @@ def test_verifier_stream_fuzz(env, tiny_llama):
                 first, want = vpb.VerifyRequest(tree=vpb.VerifyTree(tokens=[1], parents=[-1])), (FP, "open")
             elif open_kind == "kind":
                 first, want = vpb.VerifyRequest(), (IA, "request")
-            if want:
-                _expect(lambda: s.send(first), *want, counts)
+            if not _open(stub, s, first, want, vpb.VerifyRequest(open=op) if twice else None, counts):
                 return
-            s.send(first)
-            if twice:  # the same session on a second stream while this one is open
-                s2 = _Stream(stub.Session)
-                _expect(lambda: s2.send(vpb.VerifyRequest(open=op)), AB, "session", counts)
-                s2.close()
             for toks, parents, field in trees:
                 req = vpb.VerifyRequest(tree=vpb.VerifyTree(tokens=toks, parents=parents))
                 if field:
@@ -500,6 +493,21 @@ def _expect(call, code, field, counts):
         call()
     assert e.value.code() == code and field in e.value.details(), (e.value.code(), e.value.details(), code, field)
     counts[code.name] = counts.get(code.name, 0) + 1
+
+
+def _open(stub, s, first, want, again, counts) -> bool:
+    """Sends a stream's first message: False once it got the refusal ``want`` (None: it must be
+    accepted) and the case ends there. ``again``: the same open on a second stream while this one
+    is open, which must be ABORTED (one stream per session)."""
+    if want:
+        _expect(lambda: s.send(first), *want, counts)
+        return False
+    s.send(first)
+    if again is not None:
+        s2 = _Stream(stub.Session)
+        _expect(lambda: s2.send(again), AB, "session", counts)
+        s2.close()
+    return True
 
 
 def test_drafter_stream_fuzz(env):
@@ -588,14 +596,8 @@ def test_drafter_stream_fuzz(env):
                 first, want = dpb.DraftRequest(end_turn=dpb.EndTurn()), (FP, "open")
             elif open_kind == "kind":
                 first, want = dpb.DraftRequest(), (IA, "request")
-            if want:
-                _expect(lambda: s.send(first), *want, counts)
+            if not _open(stub, s, first, want, dpb.DraftRequest(open=op) if twice else None, counts):
                 return
-            s.send(first)
-            if twice:
-                s2 = _Stream(stub.Session)
-                _expect(lambda: s2.send(dpb.DraftRequest(open=op)), AB, "session", counts)
-                s2.close()
             tree = None
             for how in plan:
                 if how == "end":
@@ -653,19 +655,7 @@ def test_drafter_stream_fuzz(env):
 
 
 def test_internal_oversized_message_is_refused(loop_thread):
-    async def go():
-        return await services.start_drafter(
-            services.defaults(
-                "drafter",
-                host="127.0.0.1",
-                port=0,
-                prior="none",
-                max_message_bytes=4096,
-                internal_token=INTERNAL_TOKEN,
-            )
-        )
-
-    srv, svc = loop_thread.run(go())
+    srv, svc = start_drafter(loop_thread, max_message_bytes=4096, internal_token=INTERNAL_TOKEN)
     try:
         with backend_channel(f"127.0.0.1:{srv.port}") as ch:
             s = _Stream(dgrpc.DrafterStub(ch).Session)

@@ -7,11 +7,10 @@ import pytest
 
 from common.v1 import drafter_pb2 as dpb
 from common.v1 import drafter_pb2_grpc as dgrpc
-from racer import launch as services
 from racer.client import Client
 from tests.support.corpus import drafts_after
 from tests.support.engine import hf_greedy
-from tests.support.stack import INTERNAL_TOKEN, backend_channel, prompt, start_stack
+from tests.support.stack import INTERNAL_TOKEN, backend_channel, prompt, start_drafter, start_stack
 
 N = 40
 
@@ -31,8 +30,7 @@ def stack(loop_thread, tiny_llama, tmp_path_factory):
 @pytest.fixture(scope="module")
 def fresh_drafter(loop_thread):
     """A drafter no gateway talks to: it never sees any tenant's text but what a test sends it."""
-    args = services.defaults("drafter", host="127.0.0.1", port=0, prior="none", internal_token=INTERNAL_TOKEN)
-    srv, _ = loop_thread.run(services.start_drafter(args))
+    srv, _ = start_drafter(loop_thread, internal_token=INTERNAL_TOKEN)
     yield f"127.0.0.1:{srv.port}"
     loop_thread.run(srv.stop(0))
 

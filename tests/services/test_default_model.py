@@ -85,8 +85,11 @@ def _free(port: int) -> bool:
     return True
 
 
-def test_stack_command_streams_an_answer_and_stops_cleanly():
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def test_stack_command_streams_an_answer_and_stops_cleanly(default_model):
+    question = "Name three primary colors."
+    tok, eos = default_model.tokenizer, default_model.eos_token_ids
+    greedy = hf_greedy(default_model.model, chat_ids(tok, question, DEFAULT_SYSTEM), 16, eos)
+    env = dict(os.environ, OMP_NUM_THREADS="1", RACER_DTYPE="float32")  # float32: equal to HF greedy
     http_port = free_port()
     proc = subprocess.run(
         [
@@ -94,7 +97,7 @@ def test_stack_command_streams_an_answer_and_stops_cleanly():
             "-m",
             "racer.cli",
             "stack",
-            "Name three primary colors.",
+            question,
             "--max-new-tokens",
             "16",
             "--port-base",
@@ -110,7 +113,7 @@ def test_stack_command_streams_an_answer_and_stops_cleanly():
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip(), "no answer streamed"
-    assert "tokens=16" in proc.stderr and "MAT=" in proc.stderr
+    assert proc.stdout == tok.decode(greedy, skip_special_tokens=True) + "\n", "the answer is not greedy's"
+    assert f"tokens={len(greedy)} " in proc.stderr and "MAT=" in proc.stderr
     assert "did not stop" not in proc.stderr
     assert f"OpenAI API http://127.0.0.1:{http_port}/v1" in proc.stderr  # in the "stack up" line

@@ -26,7 +26,7 @@ from gateway.auth import ApiKeys
 from racer.client import Client
 from tests.support.engine import hf_greedy
 from tests.support.procs import Proc, RedisProc, reap
-from tests.support.stack import prompt, wait_until
+from tests.support.stack import prompt, start_gateway, wait_until
 
 UNAUTH = grpc.StatusCode.UNAUTHENTICATED
 
@@ -198,22 +198,14 @@ def test_api_keys_are_held_as_digests_and_reloaded_on_change_and_on_sighup(clust
 def test_a_gateway_with_the_wrong_token_fails_the_turn_clearly_and_says_why_in_its_log(
     cluster, loop_thread, tiny_llama, caplog
 ):
-    from racer import launch as services
-
-    async def go():
-        args = services.defaults(
-            "gateway",
-            host="127.0.0.1",
-            port=0,
-            model="none",
-            drafters=cluster["drafter"].target,
-            verifiers=cluster["verifier"].target,
-            internal_token="not-the-cluster-token-0123456789",
-            reconnect_seconds=0.3,
-        )
-        return await services.start_gateway(args, vocab_size=tiny_llama.config.vocab_size)
-
-    srv, _ = loop_thread.run(go())
+    srv, _ = start_gateway(
+        loop_thread,
+        tiny_llama.config.vocab_size,
+        drafters=cluster["drafter"].target,
+        verifiers=cluster["verifier"].target,
+        internal_token="not-the-cluster-token-0123456789",
+        reconnect_seconds=0.3,
+    )
     verifier = cluster["verifier"]
     before = verifier.metric("racer_internal_auth_failures_total", method="/racer.v1.Verifier/Session")
     try:

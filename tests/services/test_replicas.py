@@ -22,7 +22,11 @@ from tests.support.stack import prompt, redis_server, start_stack, wait_until
 
 AB, RE, NF = grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND
 QUOTAS = ("sessions", "tokens", "turns")
-LEASE_S = 0.6  # short, so an expired lease is seen within a test
+# A turn's lease on its session: long, so that no turn loses it because a renewal came late on a
+# busy machine. A test that needs a lease to run out or a renewal to come soon shortens it for the
+# one turn whose outcome is the same whether the lease ran out on time or early.
+LEASE_S = 30.0
+SHORT_LEASE_S = 0.6
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +89,16 @@ def held_save(lt, gw, cut_streams: bool = False):
         lt.loop.call_soon_threadsafe(go.set)
 
 
+@contextlib.contextmanager
+def short_lease(gw):
+    """Turns that start on gateway ``gw`` inside take a lease of ``SHORT_LEASE_S``."""
+    gw.lease_s = SHORT_LEASE_S
+    try:
+        yield
+    finally:
+        gw.lease_s = LEASE_S
+
+
 def _status(fut) -> grpc.StatusCode:
     try:
         fut.result(60)
@@ -105,7 +119,12 @@ def test_close_on_b_during_a_turn_on_a_ends_it_and_nothing_resurrects(env, loop_
     p = prompt(1, 10)
     with Client(_target(gws, 0), api_key="key-b", timeout=60) as a, Client(_target(gws, 1), api_key="key-b") as b:
         sid = a.complete(p, max_new_tokens=4)[2].session_id
-        with ThreadPoolExecutor(1) as pool, held_save(loop_thread, gws[0][1]) as (reached, release):
+        # a short lease: A's next renewal comes soon (expiring first would end the turn the same way)
+        with (
+            ThreadPoolExecutor(1) as pool,
+            held_save(loop_thread, gws[0][1]) as (reached, release),
+            short_lease(gws[0][1]),
+        ):
             fut = pool.submit(a.complete, prompt(2, 4), session_id=sid, max_new_tokens=6)
             assert reached.wait(60), "the turn on A never reached its save"
             lost = REGISTRY.get_sample_value("racer_session_leases_lost_total") or 0
@@ -185,7 +204,11 @@ def test_a_frozen_gateways_lease_expires_and_its_late_save_is_refused(env, loop_
 
         store.renew = frozen
         try:
-            with ThreadPoolExecutor(1) as pool, held_save(loop_thread, gw_a, cut_streams=True) as (reached, release):
+            with (
+                ThreadPoolExecutor(1) as pool,
+                held_save(loop_thread, gw_a, cut_streams=True) as (reached, release),
+                short_lease(gw_a),  # the lease A no longer renews runs out soon
+            ):
                 fut = pool.submit(a.complete, p2, session_id=sid, max_new_tokens=6)
                 assert reached.wait(60)
                 wait_until(lambda: not r.exists(f"racer:lease:globex:{sid}"), timeout=30, what="the lease expired")

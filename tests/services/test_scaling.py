@@ -28,7 +28,7 @@ import pytest
 
 from racer.client import Client
 from tests.support.engine import hf_greedy
-from tests.support.procs import Proc, RedisProc, reap
+from tests.support.procs import Proc, RedisProc, drafter_procs, reap, verifier_procs
 from tests.support.stack import prompt, wait_until
 
 CLIENTS = int(os.environ.get("SCALE_CLIENTS", "3"))
@@ -136,24 +136,8 @@ def model_dir(tmp_path_factory, tiny_llama):
 def test_verifiers_two_three_one_and_drafters_two_one_under_load(tmp_path, model_dir, tiny_llama):
     redis = RedisProc(tmp_path / "redis").start()
     common = {"RACER_DRAIN_SECONDS": "20", "RACER_KEEPALIVE_SECONDS": "2"}
-    verifiers = [
-        Proc(
-            "verifier",
-            dict(common, RACER_MODEL=str(model_dir), RACER_THREADS="1", RACER_BACKEND="llama"),
-            tmp_path,
-            f"verifier{i}",
-        )
-        for i in range(3)
-    ]
-    drafters = [
-        Proc(
-            "drafter",
-            dict(common, RACER_SNAPSHOT_URL=redis.url, RACER_SNAPSHOT_EVERY="4", RACER_PRIOR="none"),
-            tmp_path,
-            f"drafter{i}",
-        )
-        for i in range(2)
-    ]
+    verifiers = verifier_procs(3, model_dir, tmp_path, common)
+    drafters = drafter_procs(2, redis.url, tmp_path, dict(common, RACER_SNAPSHOT_EVERY="4"))
     gateway = Proc(
         "gateway",
         {

@@ -14,7 +14,7 @@ from common.tls import channel_credentials
 from common.v1 import drafter_pb2, drafter_pb2_grpc
 from racer.client import Client
 from tests.support.engine import hf_greedy
-from tests.support.stack import prompt, start_stack
+from tests.support.stack import prompt, start_drafter, start_gateway, start_stack
 
 
 def _cert(name: str, issuer=None, ca: bool = False):
@@ -124,28 +124,20 @@ def test_without_the_right_certificates_nothing_connects(tls_stack, pki):
 
 
 def test_a_gateway_without_a_client_certificate_cannot_use_mtls_backends(loop_thread, tiny_llama, tls_stack, pki):
-    from racer import launch as services
-
-    async def go():
-        args = services.defaults(
-            "gateway",
-            host="127.0.0.1",
-            port=0,
-            model="none",
-            tls_ca=pki["ca"],
-            reconnect_seconds=0.3,
-            drafters=tls_stack.drafter_target(0),
-            verifiers=tls_stack.verifier_target(0),
-        )
-        return await services.start_gateway(args, vocab_size=96)
-
-    srv, _ = loop_thread.run(go())
+    srv, _ = start_gateway(
+        loop_thread,
+        96,
+        tls_ca=pki["ca"],
+        reconnect_seconds=0.3,
+        drafters=tls_stack.drafter_target(0),
+        verifiers=tls_stack.verifier_target(0),
+    )
     try:
-        t0 = time.monotonic()
-        with Client(f"127.0.0.1:{srv.port}", timeout=20) as c, pytest.raises(grpc.RpcError) as e:
+        with Client(f"127.0.0.1:{srv.port}", timeout=60) as c, pytest.raises(grpc.RpcError) as e:
             c.complete([5, 6], max_new_tokens=2)
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "verifier" in e.value.details()
-        assert time.monotonic() - t0 < 5, "the wait for a reachable verifier is bounded by reconnect_seconds"
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        # the wait for a reachable verifier was bounded by reconnect_seconds, not the client's deadline
+        assert "no verifier reachable for 0.3 s" in e.value.details(), e.value.details()
     finally:
         loop_thread.run(srv.stop(0))
 
@@ -170,27 +162,11 @@ def test_probes_without_a_certificate_pass_on_the_health_port_of_a_mutual_tls_ba
     """What the kubelet does in k8s/overlays/mtls: a plaintext gRPC health check without a
     certificate. It fails on the gRPC port (mutual TLS) and passes on the health-only port."""
     from common.health import status
-    from racer import launch as services
     from tests.support.stack import free_port
 
     cert, key = pki["server"]
     health_port = free_port()
-
-    async def go():
-        return await services.start_drafter(
-            services.defaults(
-                "drafter",
-                host="127.0.0.1",
-                port=0,
-                prior="none",
-                tls_cert=cert,
-                tls_key=key,
-                tls_client_ca=pki["ca"],
-                health_port=health_port,
-            )
-        )
-
-    srv, _ = loop_thread.run(go())
+    srv, _ = start_drafter(loop_thread, tls_cert=cert, tls_key=key, tls_client_ca=pki["ca"], health_port=health_port)
     try:
         assert status(f"127.0.0.1:{srv.port}", "racer.v1.Drafter") == "UNAVAILABLE"
         assert status(f"127.0.0.1:{health_port}", "racer.v1.Drafter") == "SERVING"

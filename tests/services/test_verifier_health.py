@@ -2,12 +2,15 @@
 with UNAVAILABLE and the gateway opens them on another verifier; SERVING again once it runs.
 
 The thread is wedged by a job that waits on an Event; health changes are read from the standard
-``grpc.health.v1`` Watch stream, never waited for with a sleep.
+``grpc.health.v1`` Watch stream, never waited for with a sleep. The stall bound is 0 only while the
+thread is wedged on purpose (any work not finished counts as a stall: the Event, not the clock,
+decides when), and the default otherwise, so that no ordinary forward on a slow machine counts as one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 import grpc
@@ -21,7 +24,7 @@ from racer.client import Client
 from tests.support.engine import hf_greedy
 from tests.support.stack import INTERNAL_TOKEN, backend_channel, prompt, start_stack
 
-STALL = 0.3  # seconds: the test's bound
+WEDGED = 0.0  # seconds: the stall bound while the thread is wedged on purpose
 
 
 def _watch(target: str):
@@ -40,11 +43,19 @@ def _next_status(statuses, want: str) -> None:
     raise AssertionError(f"health stream ended before {want}")
 
 
+@contextlib.contextmanager
+def stall_bound(core, seconds: float):
+    before = core.stall_seconds
+    core.stall_seconds = seconds
+    try:
+        yield
+    finally:
+        core.stall_seconds = before
+
+
 @pytest.fixture
 def verifier(loop_thread, tiny_llama):
-    args = services.defaults(
-        "verifier", host="127.0.0.1", port=0, stall_seconds=STALL, measure_cost=0, internal_token=INTERNAL_TOKEN
-    )
+    args = services.defaults("verifier", host="127.0.0.1", port=0, measure_cost=0, internal_token=INTERNAL_TOKEN)
     srv, core = loop_thread.run(services.start_verifier(args, model=tiny_llama))
     yield f"127.0.0.1:{srv.port}", core
     loop_thread.run(srv.stop(0))
@@ -57,16 +68,19 @@ def test_a_wedged_model_thread_turns_health_not_serving_and_refuses_new_sessions
     gate = threading.Event()
     try:
         _next_status(statuses, "SERVING")
-        wedge = asyncio.run_coroutine_threadsafe(core._run(gate.wait, 60, tenant="t", kind="hold"), loop_thread.loop)
-        _next_status(statuses, "NOT_SERVING")
-        with backend_channel(target) as vch:
-            req = vpb.VerifyRequest(open=vpb.VerifierOpen(session_id="s", tenant="t", history=prompt(1)))
-            with pytest.raises(grpc.RpcError) as err:
-                list(vgrpc.VerifierStub(vch).Session(iter([req]), timeout=30))
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "stalled" in err.value.details()
-        gate.set()
-        wedge.result(30)
-        _next_status(statuses, "SERVING")
+        req = vpb.VerifyRequest(open=vpb.VerifierOpen(session_id="s", tenant="t", history=prompt(1)))
+        with stall_bound(core, WEDGED):
+            wedge = asyncio.run_coroutine_threadsafe(
+                core._run(gate.wait, 60, tenant="t", kind="hold"), loop_thread.loop
+            )
+            _next_status(statuses, "NOT_SERVING")
+            with backend_channel(target) as vch:
+                with pytest.raises(grpc.RpcError) as err:
+                    list(vgrpc.VerifierStub(vch).Session(iter([req]), timeout=30))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "stalled" in err.value.details()
+            gate.set()
+            wedge.result(30)
+            _next_status(statuses, "SERVING")  # idle again: no stall, whatever the bound
         with backend_channel(target) as vch:
             assert len(list(vgrpc.VerifierStub(vch).Session(iter([req]), timeout=30))) == 1
     finally:
@@ -79,7 +93,7 @@ def test_the_gateway_opens_new_sessions_on_another_verifier_while_one_is_wedged(
     gate = threading.Event()
     try:
         wedged = st.verifiers[0][1]
-        wedged.stall_seconds = STALL
+        wedged.stall_seconds = WEDGED  # wedged until the gate opens; the other verifier keeps its default
         ch, statuses = _watch(st.verifier_target(0))
         _next_status(statuses, "SERVING")
         asyncio.run_coroutine_threadsafe(wedged._run(gate.wait, 60, tenant="x", kind="hold"), loop_thread.loop)

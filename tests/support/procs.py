@@ -94,6 +94,11 @@ class Proc:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def stopped(self) -> bool:
+        """Whether the process is stopped by a signal (SIGSTOP): state T in /proc (Linux)."""
+        with open(f"/proc/{self.proc.pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
@@ -121,6 +126,19 @@ class Proc:
                 .Stats(verifier_pb2.VerifierStatsRequest(), timeout=5, metadata=BACKEND_METADATA)
                 .sessions
             )
+
+
+def verifier_procs(n: int, model_dir: Path, log_dir: Path, env: dict[str, str]) -> list[Proc]:
+    """``n`` verifier processes (not started) of the model saved in ``model_dir``: one thread each, the
+    hand-written Llama forward, ``env`` added."""
+    backend = {"RACER_MODEL": str(model_dir), "RACER_THREADS": "1", "RACER_BACKEND": "llama"}
+    return [Proc("verifier", dict(env, **backend), log_dir, f"verifier{i}") for i in range(n)]
+
+
+def drafter_procs(n: int, snapshot_url: str, log_dir: Path, env: dict[str, str]) -> list[Proc]:
+    """``n`` drafter processes (not started) snapshotting to ``snapshot_url``, with no prior, ``env`` added."""
+    store = {"RACER_SNAPSHOT_URL": snapshot_url, "RACER_PRIOR": "none"}
+    return [Proc("drafter", dict(env, **store), log_dir, f"drafter{i}") for i in range(n)]
 
 
 class RedisProc:

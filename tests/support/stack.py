@@ -154,17 +154,8 @@ class Stack:
     def another_gateway(self, vocab_size: int, **settings):
         """One more gateway (a second replica) over this stack's first drafter and verifier, with the
         shared internal token; ``settings``: its own (session_url, api_keys, quotas...). (server, core)."""
-        args = services.defaults(
-            "gateway",
-            host="127.0.0.1",
-            port=0,
-            model="none",
-            drafters=self.drafter_target(0),
-            verifiers=self.verifier_target(0),
-            internal_token=INTERNAL_TOKEN,
-            **settings,
-        )
-        return self.lt.run(services.start_gateway(args, vocab_size=vocab_size))
+        settings = dict(drafters=self.drafter_target(0), verifiers=self.verifier_target(0), **settings)
+        return start_gateway(self.lt, vocab_size, internal_token=INTERNAL_TOKEN, **settings)
 
     def stop_drafter(self, i: int, grace: float = 0.0):
         self.lt.run(self.drafters[i][0].stop(grace))
@@ -175,6 +166,19 @@ class Stack:
             self.lt.run(srv.stop(0))
         for _, svc in self.verifiers:
             svc.close()
+
+
+def start_drafter(lt: LoopThread, **settings):
+    """One drafter on a free port of 127.0.0.1, without a prior; ``settings``: its own. (server, core)."""
+    args = services.defaults("drafter", host="127.0.0.1", port=0, **dict({"prior": "none"}, **settings))
+    return lt.run(services.start_drafter(args))
+
+
+def start_gateway(lt: LoopThread, vocab_size: int, **settings):
+    """One gateway on a free port of 127.0.0.1 that loads no tokenizer; ``settings``: its own (its
+    drafters and verifiers among them). (server, core)."""
+    args = services.defaults("gateway", host="127.0.0.1", port=0, model="none", **settings)
+    return lt.run(services.start_gateway(args, vocab_size=vocab_size))
 
 
 def start_stack(

@@ -207,6 +207,13 @@ def make_session(model, backend: str) -> VerifierSession:
     return VerifierSession(model, backend=backend)
 
 
+def prefilled(model, backend: str, rng: random.Random, ctx_len: int):
+    """A session prefilled with a random context of ``ctx_len`` tokens: (context, session, root)."""
+    context = [rng.randrange(model.config.vocab_size) for _ in range(ctx_len)]
+    session = make_session(model, backend)
+    return context, session, session.prefill(context).next_token
+
+
 def assert_same_continuation(model, backend: str, session: VerifierSession, committed: list[int], rng) -> None:
     """``session`` must continue exactly like a fresh session prefilled with ``committed``."""
     assert session.length == len(committed)
@@ -226,9 +233,7 @@ def test_kv_after_verify_holds_context_plus_accepted_path(tiny_llama, backend, s
     model = tiny_llama
     vocab = model.config.vocab_size
     rng = random.Random(100 + seed)
-    context = [rng.randrange(vocab) for _ in range(rng.randint(3, 10))]
-    session = make_session(model, backend)
-    root = session.prefill(context).next_token
+    context, session, root = prefilled(model, backend, rng, rng.randint(3, 10))
     committed = list(context)
     total_accepted = 0
     for _round in range(3):
@@ -253,9 +258,7 @@ def test_kv_after_rejecting_everything_but_the_root(tiny_llama, backend):
     model = tiny_llama
     vocab = model.config.vocab_size
     rng = random.Random(7)
-    context = [rng.randrange(vocab) for _ in range(6)]
-    session = make_session(model, backend)
-    root = session.prefill(context).next_token
+    context, session, root = prefilled(model, backend, rng, 6)
     right = greedy_continuation(model, context + [root], 1)[0]
     tokens = [root] + [t for t in range(vocab) if t != right][:20]
     parents = [-1] + [0] * 20
@@ -270,9 +273,7 @@ def test_truncate_then_continue(tiny_llama, backend):
     model = tiny_llama
     vocab = model.config.vocab_size
     rng = random.Random(3)
-    context = [rng.randrange(vocab) for _ in range(9)]
-    session = make_session(model, backend)
-    root = session.prefill(context).next_token
+    context, session, root = prefilled(model, backend, rng, 9)
     truth = greedy_continuation(model, context + [root], 5)
     res = session.verify([root, *truth[:4]], [-1, 0, 1, 2, 3])
     assert len(res.accepted) == 5
