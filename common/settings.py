@@ -344,6 +344,15 @@ SERVICE = {
             int,
         ),
         Setting(
+            "--prefill-lead",
+            "RACER_PREFILL_LEAD",
+            2048,
+            "prompt tokens prefilled ahead of a waiting round of running streams: a burst gets its first "
+            "tokens sooner, and a running stream waits behind at most this much prefill (plus one chunk); "
+            "0: rounds always go first",
+            int,
+        ),
+        Setting(
             "--stall-seconds",
             "RACER_STALL_SECONDS",
             60.0,

@@ -97,46 +97,21 @@ class TurnQueue:
         """Runs ``attempt`` (which raises ``TurnsFull`` while the tenant's turns are full) until it
         succeeds: yields ``Queued`` while the turn waits (at once, then every ``keepalive_s``) and,
         last, what ``attempt`` returned. ``deadline_s``: seconds the client still waits, if it said."""
-        q = self._queues.get(tenant)
-        if not q:  # nobody of the tenant waits here: no queue to respect
+        if not self._queues.get(tenant):  # nobody of the tenant waits here: no queue to respect
             try:
                 yield await attempt()
                 return
             except TurnsFull as e:
                 self._full[tenant] = e
-        q = self._queues.setdefault(tenant, deque())
-        if len(q) >= self.cfg.max_waiters:
-            M.QUEUE_REFUSALS.labels("full").inc()
-            M.QUOTA_REFUSALS.labels("turns").inc()
-            why = f"its queue on this gateway is full ({len(q)} waiting, queue_max_waiters={self.cfg.max_waiters})"
-            refusal = self._refusal(tenant, why, len(q))
-            if not q:  # no queue at all (max_waiters=0)
-                del self._queues[tenant]
-                self._full.pop(tenant, None)
-            raise refusal
+        q, w = self._join(tenant)
         bound = self.cfg.wait_s if deadline_s is None else min(self.cfg.wait_s, deadline_s)
         loop_time = asyncio.get_running_loop().time
         start, began = loop_time(), time.monotonic()
-        w = _Waiter()
-        q.append(w)
-        M.QUEUE_WAITERS.labels(tenant).set(len(q))
-        self._listen()
-        admitted = False
+        admitted: list = []  # what ``attempt`` returned, once it did
         try:
             yield Queued(session_id, len(q) - 1, 0.0, began)
             next_report = start + self.cfg.keepalive_s
-            while True:
-                if self.stopping:
-                    raise Abort(Status.UNAVAILABLE, self.stopping)
-                if q[0] is w:
-                    w.wake.clear()  # before the try: a slot freed during it wakes the next wait
-                    try:
-                        result = await attempt()
-                    except TurnsFull as e:
-                        self._full[tenant] = e
-                    else:
-                        admitted = True
-                        break
+            while not await self._head_tries(tenant, q, w, attempt, admitted):
                 now = loop_time()
                 if now - start >= bound:
                     M.QUEUE_REFUSALS.labels("timeout").inc()
@@ -149,21 +124,57 @@ class TurnQueue:
                     next_report = loop_time() + self.cfg.keepalive_s
                     yield Queued(session_id, q.index(w), loop_time() - start, began)
         finally:
-            M.QUEUE_WAIT_SECONDS.observe(loop_time() - start)
-            q.remove(w)
-            if q:
-                M.QUEUE_WAITERS.labels(tenant).set(len(q))
-                q[0].wake.set()  # the next head tries now (another slot may be free)
-            else:
+            self._leave(tenant, q, w, loop_time() - start)
+        yield admitted[0]
+
+    def _join(self, tenant: str) -> tuple[deque[_Waiter], _Waiter]:
+        """A new waiter at the end of ``tenant``'s queue, or the refusal when that queue is full."""
+        q = self._queues.setdefault(tenant, deque())
+        if len(q) >= self.cfg.max_waiters:
+            M.QUEUE_REFUSALS.labels("full").inc()
+            M.QUOTA_REFUSALS.labels("turns").inc()
+            why = f"its queue on this gateway is full ({len(q)} waiting, queue_max_waiters={self.cfg.max_waiters})"
+            refusal = self._refusal(tenant, why, len(q))
+            if not q:  # no queue at all (max_waiters=0)
                 del self._queues[tenant]
                 self._full.pop(tenant, None)
-                with contextlib.suppress(KeyError):
-                    M.QUEUE_WAITERS.remove(tenant)  # the label goes with the queue: tenants are unbounded
-            if not self._queues and self._listener is not None:
-                self._listener.cancel()
-                self._listener = None
-        if admitted:
-            yield result
+            raise refusal
+        w = _Waiter()
+        q.append(w)
+        M.QUEUE_WAITERS.labels(tenant).set(len(q))
+        self._listen()
+        return q, w
+
+    async def _head_tries(self, tenant: str, q: deque[_Waiter], w: _Waiter, attempt, admitted: list) -> bool:
+        """When ``w`` heads its queue, ``attempt`` once: True (its result appended to ``admitted``) when
+        it got a slot. A draining gateway ends the wait with UNAVAILABLE."""
+        if self.stopping:
+            raise Abort(Status.UNAVAILABLE, self.stopping)
+        if q[0] is not w:
+            return False
+        w.wake.clear()  # before the try: a slot freed during it wakes the next wait
+        try:
+            admitted.append(await attempt())
+        except TurnsFull as e:
+            self._full[tenant] = e
+            return False
+        return True
+
+    def _leave(self, tenant: str, q: deque[_Waiter], w: _Waiter, waited_s: float) -> None:
+        """``w`` leaves its queue (admitted, refused or gone): the next head tries at once."""
+        M.QUEUE_WAIT_SECONDS.observe(waited_s)
+        q.remove(w)
+        if q:
+            M.QUEUE_WAITERS.labels(tenant).set(len(q))
+            q[0].wake.set()  # the next head tries now (another slot may be free)
+        else:
+            del self._queues[tenant]
+            self._full.pop(tenant, None)
+            with contextlib.suppress(KeyError):
+                M.QUEUE_WAITERS.remove(tenant)  # the label goes with the queue: tenants are unbounded
+        if not self._queues and self._listener is not None:
+            self._listener.cancel()
+            self._listener = None
 
     def retry_after(self, tenant: str, ahead: int, slots: int) -> float:
         """Seconds until a turn with ``ahead`` turns before it could expect a slot."""

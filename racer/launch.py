@@ -190,6 +190,7 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
         wait_seconds=args.admission_wait_seconds,
         stall_seconds=args.stall_seconds,
         prefill_batch=args.prefill_batch,
+        prefill_lead=args.prefill_lead,
     )
     log.info(
         "KV memory",

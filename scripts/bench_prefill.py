@@ -1,10 +1,11 @@
 """Prompts of several sessions prefilled one at a time and in one forward (``prefill_batch``).
 
 The verifier's own kernels (the measured plan) and llama backend, the default model in float32 unless
-``--model`` says otherwise; for each shape (prompts x tokens) both ways, interleaved within each
-repetition (the first pass is not counted), medians in ms and their ratio.
+``--model`` or ``--dtype`` say otherwise; for each shape (prompts x tokens) both ways, interleaved
+within each repetition (the first pass is not counted), medians in ms and their ratio.
 
     PYTHONPATH=. python scripts/bench_prefill.py [--threads 1] [--shapes 16x32,16x8,8x64] [--reps 3]
+        [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--shapes", default="16x32,16x8,8x64", help="prompts x tokens, comma separated")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -38,7 +40,7 @@ def main() -> int:
     kernel_plan(model)
     rng = random.Random(0)
     vocab = model.config.vocab_size
-    print(f"threads={torch.get_num_threads()} model={args.model} float32")
+    print(f"threads={torch.get_num_threads()} model={args.model} {args.dtype}")
     print("| prompts x tokens | one at a time ms | one forward ms | ratio |")
     print("|---|---|---|---|")
     for shape in args.shapes.split(","):

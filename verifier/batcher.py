@@ -23,7 +23,8 @@ from .fair import ModelThread
 INLINE_NODES = 64
 INLINE_MS = 250.0
 
-# The model thread's flow of tree batches (no tenant's name: tenants match [A-Za-z0-9_.@-]+).
+# The tenant named on tree batches' jobs (no tenant's name: tenants match [A-Za-z0-9_.@-]+): a batch
+# holds trees of several tenants, and runs as a round (``fair.py``), in no tenant's flow.
 TREES = " trees"
 
 
@@ -79,10 +80,9 @@ class Batcher:
         return await fut
 
     async def _forward(self, items, here: bool = False):
-        """One ``verify_batch`` of ``items``, on this loop when ``here``, else on the model thread in
-        the fair turn of the tree batches' own flow (``TREES``, charged by rows: a batch holds trees
-        of several tenants, and in no tenant's flow it waits behind no tenant's queued prefills),
-        with its bookkeeping: (results, milliseconds)."""
+        """One ``verify_batch`` of ``items``, on this loop when ``here``, else on the model thread as a
+        round (``fair.py``: it waits behind a bounded amount of prompt work, and behind no tenant's
+        flow), with its bookkeeping: (results, milliseconds)."""
         rows = sum(len(item[1]) for item in items)
         if here:
             results, ms = _timed_verify(items)
@@ -144,9 +144,10 @@ class PrefillBatcher:
     Every chunk is still its own job in its tenant's fair turn on the model thread (``fair.py``).
     When one runs, it takes along the chunks of other sessions that wait, round robin across
     tenants, up to ``max_sessions`` prompts and ``max_rows`` tokens in all (the prefill chunk: a
-    batch costs the model no more than one chunk did, so running sessions' tree batches still pass
-    between prefills). A chunk taken along makes its own job a no-op when that job's turn comes,
-    which charges its tenant for the work then. ``max_sessions=1``: one prompt per forward.
+    batch costs the model no more than one chunk did, so a waiting round is held up by at most one
+    chunk past the model thread's lead). A chunk taken along makes its own job a no-op when that
+    job's turn comes, which charges its tenant for the work then; the rounds' wait is charged the
+    batch's tokens at once (``ModelThread.worked``). ``max_sessions=1``: one prompt per forward.
     """
 
     def __init__(self, model_thread: ModelThread, max_sessions: int = 16, max_rows: int = 512):
@@ -210,6 +211,8 @@ class PrefillBatcher:
         the model thread no longer busy with it, as after any job."""
         with self._lock:
             batch = self._take(own)
+        # what the rounds waiting meanwhile are held up by: the whole batch, or nothing (taken along)
+        self.model_thread.worked(sum(len(item.tokens) for item in batch))
         out: list[tuple[_Prompt, object]] = []
         ready = []
         for item in batch:

@@ -33,6 +33,12 @@ ADMISSIONS = Counter(
 )
 ADMISSION_WAITING = Gauge("racer_verifier_admission_waiting", "Requests waiting for KV memory")
 MODEL_QUEUE = Gauge("racer_verifier_model_queue", "Jobs (prefill chunks, tree batches) waiting for the model thread")
+ROUND_WAIT_TOKENS = Histogram(
+    "racer_verifier_round_wait_tokens",
+    "Prompt tokens prefilled ahead of a round (a batch of trees) while it waited: at most --prefill-lead "
+    "plus one prefill chunk",
+    buckets=(0, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
+)
 MODEL_STALLED = Gauge("racer_verifier_model_stalled", "1 while the model thread has work but finished none lately")
 SATURATION = Gauge(
     "racer_verifier_saturation",

@@ -9,9 +9,10 @@ prefills only its new tokens. They are bounded by count and by KV memory in byte
 rows (a tree) before any of it is allocated, a cache grows only by a further reservation, and an idle cache gives its
 spare rows back. The least recently used idle cache is evicted for room (an evicted session is
 simply re-prefilled when it comes back); what still does not fit waits in a bounded queue.
-The model thread (``fair.py``) serves tenants in fair turns; a long prefill runs in chunks of
-``prefill_chunk`` tokens, so other tenants' prefills and trees pass between them, and prompts that
-wait together are prefilled in one forward of at most that many tokens (``PrefillBatcher``).
+The model thread (``fair.py``) serves tenants' prompts in fair turns, ahead of the running streams'
+rounds for at most ``prefill_lead`` tokens; a long prefill runs in chunks of ``prefill_chunk`` tokens,
+so other tenants' prefills and rounds pass between them, and prompts that wait together are
+prefilled in one forward of at most that many tokens (``PrefillBatcher``).
 No grpc: ``verifier/service.py`` converts its messages.
 """
 
@@ -110,6 +111,7 @@ class Verifier(Holder):
         wait_seconds: float = 20.0,
         stall_seconds: float = 60.0,
         prefill_batch: int = 16,
+        prefill_lead: int = 2048,
     ):
         self.model = model
         self.topk = topk
@@ -126,7 +128,7 @@ class Verifier(Holder):
         # ms per verification by tree size: measured at start-up, kept current by unbatched verifications
         self.cost: dict[int, float] = dict(cost or {})
         # OpenMP thread settings are per thread: the worker takes the creating thread's count.
-        self.model_thread = ModelThread(self.prefill_chunk, torch.get_num_threads())
+        self.model_thread = ModelThread(self.prefill_chunk, torch.get_num_threads(), lead=prefill_lead)
         self.batcher = Batcher(self.model_thread, self.streaming, max_batch, max_wait_ms)
         self.prefills = PrefillBatcher(self.model_thread, prefill_batch, self.prefill_chunk)
 

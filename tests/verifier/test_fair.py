@@ -1,4 +1,5 @@
-"""The model thread's fair turns: deficit round robin over tenants, chunked prefills interleaved.
+"""The model thread's turns: deficit round robin over tenants' prompts, chunked prefills interleaved,
+and rounds that wait behind prompts for a bounded lead.
 
 Orderings are read from the thread's own events; the thread is held by a job that waits on an
 Event, so every job of the scenario is queued before any of them runs.
@@ -9,8 +10,12 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
+
 from tests.support.aio import until
 from tests.support.stack import prompt
+from verifier import metrics as M
+from verifier.batcher import TREES
 from verifier.engine import VerifierSession
 from verifier.fair import ModelThread
 from verifier.sessions import Open, Verifier
@@ -111,36 +116,80 @@ def test_a_tenants_short_prefill_passes_another_tenants_long_chunked_prefills(ti
         assert res.topk == [t for row in ref.topk for t in row]
 
 
-def test_a_batch_of_trees_waits_for_one_chunk_not_for_its_tenants_queued_prefills(tiny_llama):
-    """Tenant A streams one session and prefills long prompts in four others (four chunks queued in
-    A's flow at any time): A's next tree (and so the batch that carries it, other tenants' trees
-    included) runs after at most one of A's chunks, not after all of those queued."""
-    chunk, long_n, opens = 8, 32, 4
+def _round_after_prompts(lead: int, chunk: int = 8, jobs: int = 6) -> tuple[list[str], list[int]]:
+    """A round queued behind ``jobs`` prompt jobs of ``chunk`` tokens (the thread held meanwhile):
+    the start order, and the prompt tokens each round waited behind (the metric's observations)."""
+    mt = ModelThread(quantum=chunk, lead=lead)
+    rec = Recorder(mt)
+    gate = threading.Event()
+    waited: list[int] = []
+    observe = M.ROUND_WAIT_TOKENS.observe
+    M.ROUND_WAIT_TOKENS.observe = waited.append
+    try:
+        running = threading.Event()
+        # running when the round comes: its chunk counts toward the round's wait
+        hold = mt.submit("A", chunk, "prefill", lambda: running.set() or gate.wait())
+        running.wait(30)
+        prompts = [mt.submit(t, chunk, "prefill", lambda: None) for t in ("A", "B") * (jobs // 2)]
+        tree = mt.submit(TREES, 64, "verify", lambda: None)
+        gate.set()
+        for f in [hold, *prompts, tree]:
+            f.result(30)
+        return [k for e, _, k in rec.events if e == "start"], waited
+    finally:
+        M.ROUND_WAIT_TOKENS.observe = observe
+        mt.close()
 
-    async def go():
-        v = Verifier(tiny_llama, kv_memory_bytes=1 << 24, prefill_chunk=chunk)
+
+@pytest.mark.parametrize("lead", [0, 8, 16, 20, 1000])
+def test_prompts_run_ahead_of_a_waiting_round_up_to_the_lead_then_it_runs(lead):
+    """Prompt jobs queued before a round go first while the round has waited behind fewer than
+    ``lead`` tokens of prompt work, the job running when it came included; the round then runs
+    next, so it never waits behind more than ``lead`` plus one chunk. ``lead=0``: rounds first."""
+    chunk = 8
+    order, waited = _round_after_prompts(lead, chunk)
+    ahead = order.index("verify") - 1  # prompt jobs started between the holder and the round
+    expect = min(6, max(0, -(-lead // chunk) - 1))  # while the wait (holder's chunk + those) < lead
+    assert ahead == expect, order
+    assert waited == [chunk * (1 + ahead)]
+    assert waited[0] <= lead + chunk  # the bound
+
+
+def test_a_round_waits_for_the_lead_in_tokens_prefilled_not_in_jobs_charged(tiny_llama):
+    """Eight 4-token prompts wait behind a held thread with a running stream's tree; 16-token
+    chunks take them four to a forward. With a 16-token lead the tree runs after the first batched
+    forward (its 16 tokens count, though the job that ran it was charged 4); with a lead past the
+    burst's 32 tokens, after both: every prompt of the burst gets its first token before the round."""
+
+    async def go(lead):
+        v = Verifier(tiny_llama, backend="llama", kv_memory_bytes=1 << 24, prefill_chunk=16, prefill_lead=lead)
         rec = Recorder(v.model_thread)
         p = prompt(40, 6)
         e = v.claim(Open("A", "a0", p))
         first = (await v.open(e, p)).next_token
-        with rec._lock:
-            rec.events.clear()  # from here on
+        forwards_before: list[int] = []  # prefill forwards done when a round starts
+
+        def on(event, job):
+            if (event, job.kind) == ("start", "verify"):
+                forwards_before.append(len(v.prefills.sizes))
+
+        v.model_thread.hooks.append(on)
         gate = threading.Event()
         hold = asyncio.ensure_future(v._run(gate.wait, tenant="hold", kind="hold"))
-        prefills = []
-        for i in range(opens):
-            long = prompt(41 + i, long_n)
-            prefills.append(asyncio.ensure_future(v.open(v.claim(Open("A", f"a{i + 1}", long)), long)))
-        await until(lambda: rec.count("queued", "A", "prefill") == opens)
+        opens = []
+        for i in range(8):
+            q = prompt(50 + i, 4)
+            opens.append(asyncio.ensure_future(v.open(v.claim(Open("B", f"b{i}", q)), q)))
+        await until(lambda: rec.count("queued", "B", "prefill") == 8)
         tree = asyncio.ensure_future(v.verify(e, [first], [-1]))
         await until(lambda: any(k == "verify" for _, _, k in rec.events))
         gate.set()
         await hold
-        await asyncio.gather(*prefills, tree)
+        await asyncio.gather(*opens, tree)
         v.close()
-        with rec._lock:
-            return [k for ev, _, k in rec.events if ev == "start" and k in ("prefill", "verify")]
+        return forwards_before, v.prefills.sizes[1:]
 
-    kinds = asyncio.run(go())
-    assert kinds.count("prefill") == opens * long_n // chunk
-    assert kinds.index("verify") <= 1, kinds  # in A's own flow it would follow the chunks queued before it
+    forwards, sizes = asyncio.run(go(16))
+    assert sizes == [4, 4] and forwards == [1 + 1]  # the first session's own prefill, then one batch
+    forwards, sizes = asyncio.run(go(10_000))
+    assert sizes == [4, 4] and forwards == [1 + 2]
