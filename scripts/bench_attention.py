@@ -1,12 +1,13 @@
-"""Invariant tree attention alone, one layer, by tree size and context: native (context read in place)
+"""Invariant tree attention alone, one layer, by tree size and context: native (context read in place;
+each of its paths that runs here: ``native-amx``, AMX tiles, and ``native-vector``, float32 vectors)
 against gathered rows (each row's keys copied), and fused SDPA (not invariant) for scale.
 
-    PYTHONPATH=. python scripts/bench_attention.py --threads 2 --contexts 256,2000 --dtype bfloat16
+    PYTHONPATH=. python scripts/bench_attention.py --threads 2 --contexts 256,800,2000 --dtype bfloat16
 
 Heads as SmolLM2-135M's (9 query heads over 3 KV heads of 64). Trees are random (every node's
 parent drawn among the earlier ones), one per size; times are medians of ``--reps`` calls, the
 sizes and ways interleaved within each repetition. Prints ms per layer call and the ratio to the
-same way's one-token call.
+same way's one-token call, and which native path this process would pick at start-up.
 """
 
 from __future__ import annotations
@@ -19,21 +20,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from tests.support.trees import random_tree
 from verifier import llama, native
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
-
-
-def tree_mask(rng: random.Random, past: int, n: int) -> torch.Tensor:
-    parents = [-1] + [rng.randrange(i) for i in range(1, n)]
-    mask = torch.zeros((n, past + n), dtype=torch.bool)
-    mask[:, :past] = True
-    for i in range(n):
-        j = i
-        while j >= 0:
-            mask[i, past + j] = True
-            j = parents[j]
-    return mask
 
 
 def main() -> None:
@@ -48,19 +38,22 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     heads, kv_heads, dim = 9, 3, 64
     rng = random.Random(0)
-    ways = (
-        ["native", "gathered", "sdpa"]
+    paths = (
+        native.attention_paths(dtype, heads, kv_heads, dim)
         if native.attention_usable(dtype, torch.device("cpu"), dim)
-        else ["gathered", "sdpa"]
+        else ()
     )
+    ways = [f"native-{p}" for p in paths] + ["gathered", "sdpa"]
     print(f"{torch.get_num_threads()} threads, {args.dtype}, one layer, ms (x its one-token call)")
+    if paths:
+        print(f"native path picked at start-up here: {native.attention_path(dtype, heads, kv_heads, dim)}")
     print("| context | way | " + " | ".join(str(n) for n in SIZES) + " |")
     print("|---|---|" + "---|" * len(SIZES))
     for past in (int(c) for c in args.contexts.split(",")):
         kv = torch.randn((2, kv_heads, past + max(SIZES) + llama._KEY_BLOCK, dim)).to(dtype)
         cases = {}
         for n in SIZES:
-            mask = tree_mask(rng, past, n)
+            mask, _ = random_tree(rng, past, n)
             q = torch.randn((n, heads, dim)).to(dtype)
             keys = llama._row_keys(mask, past, n)
             groups = llama._row_groups(mask, past, n, "cpu", dtype)
@@ -69,8 +62,8 @@ def main() -> None:
 
         def run(way, n):
             q, keys, groups, add = cases[n]
-            if way == "native":
-                native.attention(q, kv, *keys, 0.125)
+            if way.startswith("native-"):
+                native.attention(q, kv, *keys, 0.125, path=way.removeprefix("native-"))
             elif way == "gathered":
                 llama._rows_attention(q.transpose(0, 1)[None], kv, groups, 0.125, True)
             else:

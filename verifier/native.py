@@ -23,10 +23,12 @@ import hashlib
 import logging
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_linear.c")
 ATTENTION_SOURCE = Path(__file__).with_name("native_attention.c")
+HEADER = Path(__file__).with_name("native_vec.h")  # included by both sources
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 
 # name -> (weight rows, x rows) per tile, and the vector width (bits) the shape is meant for: a
@@ -98,7 +101,15 @@ def _load(machine: str) -> ctypes.CDLL | None:
         return None
     digest = hashlib.sha256(
         b"\0".join(
-            x.encode() for x in (SOURCE.read_text(), ATTENTION_SOURCE.read_text(), version, " ".join(FLAGS), machine)
+            x.encode()
+            for x in (
+                SOURCE.read_text(),
+                ATTENTION_SOURCE.read_text(),
+                HEADER.read_text(),
+                version,
+                " ".join(FLAGS),
+                machine,
+            )
         )
     ).hexdigest()[:20]
     before = _openmp_runtimes()
@@ -130,6 +141,9 @@ def _load(machine: str) -> ctypes.CDLL | None:
     lib.racer_attention.restype = ctypes.c_int
     lib.racer_attention.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5
     lib.racer_attention.argtypes += [ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_float, ctypes.c_int]
+    lib.racer_attention_amx.restype = ctypes.c_int
+    lib.racer_attention_tiles.restype = ctypes.c_int
+    lib.racer_attention_tiles.argtypes = lib.racer_attention.argtypes[1:]
     return lib
 
 
@@ -146,7 +160,7 @@ def library(machine: str = "") -> ctypes.CDLL | None:
 
 def source_digest() -> str:
     """Identifies the kernels' source: a choice measured on other kernels is measured again."""
-    return hashlib.sha256(SOURCE.read_bytes() + ATTENTION_SOURCE.read_bytes()).hexdigest()[:16]
+    return hashlib.sha256(SOURCE.read_bytes() + ATTENTION_SOURCE.read_bytes() + HEADER.read_bytes()).hexdigest()[:16]
 
 
 def why() -> str | None:
@@ -218,39 +232,113 @@ def linear(name: str):
 
 _ATTENTION_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
+# How a block's products are made: "amx" (bfloat16 caches, AMX tiles, where the CPU has them and Linux
+# lets the process use them) or "vector" (float32 vector arithmetic, any dtype, any CPU). The two
+# give different bits, so a process picks one per cache dtype and head shape and keeps it
+# (``attention_path``): a tree node and a one-token step must make the same computation.
+PATHS = ("amx", "vector")
+_paths_chosen: dict = {}
+
+
+def _off() -> bool:
+    return os.environ.get("RACER_NATIVE", "on").lower() in ("off", "0", "no", "false")
+
 
 def attention_usable(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
     """Whether ``attention`` runs here for a cache of ``dtype`` (CPU, built library, not switched
     off with ``RACER_NATIVE=off``, heads a whole number of vectors of at most 256)."""
-    if os.environ.get("RACER_NATIVE", "on").lower() in ("off", "0", "no", "false"):
-        return False
-    if device.type != "cpu" or dtype not in _ATTENTION_TYPES:
+    if _off() or device.type != "cpu" or dtype not in _ATTENTION_TYPES:
         return False
     lib = library()
     return lib is not None and head_dim <= 256 and head_dim % (lib.racer_vector_bits() // 32) == 0
 
 
+def attention_paths(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> tuple[str, ...]:
+    """The paths that run here for this cache dtype and head shape (``attention_usable`` first)."""
+    lib = library()
+    if lib is None:
+        return ()
+    amx = (
+        dtype == torch.bfloat16
+        and head_dim % 32 == 0
+        and heads % kv_heads == 0
+        and heads // kv_heads <= 16
+        and bool(lib.racer_attention_amx())
+    )
+    return ("amx", "vector") if amx else ("vector",)
+
+
+def attention_path(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str:
+    """The path this process uses for this cache dtype and head shape, picked once: the one named by
+    ``RACER_ATTENTION`` (amx or vector) where it runs, else the faster here of those that run,
+    measured on a one-token step and a 16-row chain at 512 keys (both shapes a verifier runs all the
+    time), median of 5 interleaved calls each."""
+    key = (dtype, heads, kv_heads, head_dim)
+    with _lock:
+        if key in _paths_chosen:
+            return _paths_chosen[key]
+    paths = attention_paths(dtype, heads, kv_heads, head_dim)
+    if not paths:
+        raise TypeError(f"native attention not available: {why()}")
+    wanted = os.environ.get("RACER_ATTENTION", "").lower()
+    if wanted in paths:
+        chosen = wanted
+    elif len(paths) == 1:
+        chosen = paths[0]
+    else:
+        chosen = _fastest(paths, dtype, heads, kv_heads, head_dim)
+    log.info("native attention for %s, %d heads over %d of %d: %s", dtype, heads, kv_heads, head_dim, chosen)
+    with _lock:
+        return _paths_chosen.setdefault(key, chosen)
+
+
+def _fastest(paths, dtype, heads: int, kv_heads: int, head_dim: int) -> str:
+    gen = torch.Generator().manual_seed(0)
+    past = 512
+    kv = torch.randn((2, kv_heads, past + 16, head_dim), generator=gen).to(dtype)
+    cases = []
+    for n in (1, 16):
+        counts = torch.arange(past + 1, past + n + 1, dtype=torch.long)
+        q = torch.randn((n, heads, head_dim), generator=gen).to(dtype)
+        cases.append((q, counts, counts.clone(), torch.zeros((n, 0), dtype=torch.long)))
+    times: dict = {p: [[] for _ in cases] for p in paths}
+    for rep in range(6):
+        for i, (q, counts, inplace, tail) in enumerate(cases):
+            for p in paths:
+                t0 = time.perf_counter()
+                attention(q, kv, counts, inplace, tail, head_dim**-0.5, path=p)
+                if rep:  # the first call of each warms caches and threads
+                    times[p][i].append(time.perf_counter() - t0)
+    cost = {p: sum(statistics.median(t) for t in times[p]) for p in paths}
+    return min(paths, key=lambda p: cost[p])
+
+
 def attention(
-    q: torch.Tensor, kv: torch.Tensor, counts: torch.Tensor, inplace: torch.Tensor, tail: torch.Tensor, scale: float
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    counts: torch.Tensor,
+    inplace: torch.Tensor,
+    tail: torch.Tensor,
+    scale: float,
+    path: str | None = None,
 ) -> torch.Tensor:
     """Invariant attention (``native_attention.c``) of query rows over one layer's cache, in place.
 
     q [n, H, D]; kv [2, kv_heads, capacity, D] (contiguous); counts, inplace [n] int64: keys row r
     sees, and how many of them are cache rows 0, 1, ...; tail [n, T] int64: the cache rows of its
-    other keys in position order. Returns [n, H, D] in q's dtype."""
-    lib = _state.get("lib")
+    other keys in position order. ``path``: "amx" or "vector"; None: this process's choice
+    (``attention_path``). Returns [n, H, D] in q's dtype."""
+    lib = library()
     if lib is None:
         raise TypeError(f"native attention not available: {why()}")
     n, h, d = q.shape
     if kv.dtype not in _ATTENTION_TYPES or not kv.is_contiguous() or kv.device.type != "cpu":
         raise TypeError("native attention: a contiguous float32, bfloat16 or float16 CPU cache only")
-    q32 = q.float().contiguous()
+    path = path or attention_path(kv.dtype, h, kv.shape[1], d)
+    if path not in attention_paths(kv.dtype, h, kv.shape[1], d):
+        raise TypeError(f"native attention: no {path} path here for {kv.dtype}, {h} heads over {kv.shape[1]} of {d}")
     out = torch.empty((n, h, d), dtype=torch.float32)
-    rc = lib.racer_attention(
-        _ATTENTION_TYPES[kv.dtype],
-        q32.data_ptr(),
-        kv[0].data_ptr(),
-        kv[1].data_ptr(),
+    rest = (
         out.data_ptr(),
         n,
         h,
@@ -264,6 +352,12 @@ def attention(
         scale,
         torch.get_num_threads(),
     )
+    if path == "amx":
+        qb = q.to(torch.bfloat16).contiguous()
+        rc = lib.racer_attention_tiles(qb.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(), *rest)
+    else:
+        q32 = q.float().contiguous()
+        rc = lib.racer_attention(_ATTENTION_TYPES[kv.dtype], q32.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(), *rest)
     if rc:
-        raise RuntimeError(f"native attention: {h} heads over {kv.shape[1]} kv heads of {d} not supported")
+        raise RuntimeError(f"native attention ({path}): {h} heads over {kv.shape[1]} kv heads of {d} not supported")
     return out.to(q.dtype)

@@ -20,48 +20,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "native_vec.h"
+
 #define BLOCK 64
 #define MAXD 256
-
-#if defined(__AVX512F__)
-#define VL 16
-#else
-#define VL 8
-#endif
-
-typedef float vf __attribute__((vector_size(VL * 4)));
-typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));
-typedef uint16_t vh __attribute__((vector_size(VL * 2), aligned(2)));
-typedef uint32_t vu __attribute__((vector_size(VL * 4)));
-typedef int32_t vi __attribute__((vector_size(VL * 4)));
-typedef _Float16 vhf __attribute__((vector_size(VL * 2), aligned(2)));
-
-enum { F32 = 0, BF16 = 1, F16 = 2 };
-
-/* VL elements of row ``p`` from ``d`` on, as float32. */
-static inline vf load_as_f32(const void *p, long d, int type)
-{
-    if (type == F32) return *(const vfu *)((const float *)p + d);
-    if (type == BF16) {
-        vu u = __builtin_convertvector(*(const vh *)((const uint16_t *)p + d), vu) << 16;
-        vf f;
-        memcpy(&f, &u, sizeof f);
-        return f;
-    }
-    return __builtin_convertvector(*(const vhf *)((const _Float16 *)p + d), vf);
-}
-
-static inline float scalar_as_f32(const void *p, long d, int type)
-{
-    if (type == F32) return ((const float *)p)[d];
-    if (type == BF16) {
-        uint32_t u = (uint32_t)((const uint16_t *)p)[d] << 16;
-        float f;
-        memcpy(&f, &u, sizeof f);
-        return f;
-    }
-    return (float)((const _Float16 *)p)[d];
-}
 
 /* exp(x) for x <= 0 (softmax terms): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6
  * polynomial (relative error ~2e-7); below -87 it is 0. The same operations for every lane. */
@@ -93,13 +55,6 @@ static inline vf vexp(vf x)
     bits &= ~under;
     memcpy(&out, &bits, sizeof out);
     return out;
-}
-
-static inline float hsum(vf v)
-{
-    float s = 0.f;
-    for (int i = 0; i < VL; i++) s += v[i];
-    return s;
 }
 
 /* One block of a KV head converted to float32: kt[d][j] = K[key j][d] (keys along the vector lanes,
@@ -239,3 +194,324 @@ int racer_attention(int type, const float *q, const void *k, const void *v, floa
     }
     return 0;
 }
+
+/* ---- The same attention on AMX tiles (bfloat16 caches, x86 CPUs with AMX-BF16) ----
+ *
+ * The blocks, their ordinals and the order of their merge are the ones above; what differs is how a
+ * block's two products are made. Query and key rows are bfloat16 and multiply in AMX tiles
+ * (``tdpbf16ps``: bfloat16 pairs, float32 sums in a fixed order per output element); the block's
+ * softmax weights are rounded to bfloat16 and multiply the values in tiles too. A tile's output row
+ * depends on its own query row only, so a row's bits still do not depend on the rows beside it,
+ * on where its keys lie in the cache or on the thread count. They differ from the vector path's
+ * bits (other products, other sums), so a process uses one path for every call (verifier/native.py
+ * picks it once): a tree node then still computes what a one-token step at its position computes.
+ *
+ * Tiles (16 rows of 64 bytes): one query tile holds up to 16 head rows (the query heads of a few
+ * rows that share one KV head); a block's keys are laid out for the scores as pairs of dimensions
+ * (kp: dimension pair x key) and its values as pairs of keys (vp: key pair x dimension), once per
+ * block for all rows that read it in place. */
+#if defined(__x86_64__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* Whether the CPU has AMX-BF16 and Linux lets this process use the tile registers (asked once). */
+int racer_attention_amx(void)
+{
+    static int state = -1;
+    if (state < 0) {
+        unsigned a, b, c, d;
+        __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+        int cpu = (d >> 22 & 1) && (d >> 24 & 1); /* AMX-BF16, AMX-TILE */
+        state = cpu && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }
+    return state;
+}
+
+struct tilecfg {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+static void tiles_on(void)
+{
+    struct tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* One block of a KV head laid out for tiles: kp[c][j] = dims 2c, 2c + 1 of key j; vp[c][d] = dim d of
+ * keys 2c, 2c + 1 (the low half the first); keys past ``nb`` are zero. ``off``: each key's cache row,
+ * in elements. */
+struct amx_block {
+    uint32_t kp[MAXD / 2 * BLOCK] __attribute__((aligned(64)));
+    uint32_t vp[BLOCK / 2 * MAXD] __attribute__((aligned(64)));
+};
+
+static void amx_convert(struct amx_block *blk, const uint16_t *kb, const uint16_t *vb, const long *off, long nb,
+                        long D)
+{
+    for (long j0 = 0; j0 < BLOCK; j0 += 16) {
+        __mmask16 live = 0;
+        int32_t idx[16];
+        for (int i = 0; i < 16; i++) {
+            live |= (__mmask16)((j0 + i < nb) << i);
+            idx[i] = j0 + i < nb ? (int32_t)(off[j0 + i] / 2) : 0;
+        }
+        __m512i base = _mm512_loadu_si512(idx);
+        for (long c = 0; c < D / 2; c++) {
+            __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live,
+                                                    _mm512_add_epi32(base, _mm512_set1_epi32((int)c)), kb, 4);
+            _mm512_store_si512(blk->kp + c * BLOCK + j0, g);
+        }
+    }
+    for (long c = 0; c < BLOCK / 2; c++) {
+        const uint16_t *lo = 2 * c < nb ? vb + off[2 * c] : NULL, *hi = 2 * c + 1 < nb ? vb + off[2 * c + 1] : NULL;
+        for (long d = 0; d < D; d += 16) {
+            __m512i a = lo ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(lo + d))) : _mm512_setzero_si512();
+            __m512i b = hi ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(hi + d))) : _mm512_setzero_si512();
+            _mm512_store_si512(blk->vp + c * D + d, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+        }
+    }
+}
+
+struct amx_work {
+    float s[16 * BLOCK] __attribute__((aligned(64)));   /* scores [16, BLOCK] */
+    uint16_t p[16 * BLOCK] __attribute__((aligned(64))); /* softmax weights, bfloat16 [16, BLOCK] */
+    float o[16 * MAXD] __attribute__((aligned(64)));     /* weighted values [16, D] */
+};
+
+/* Scores of a tile's 16 head rows (q [16, D] bfloat16) against the block's keys: w->s = q kp. */
+static void amx_scores(struct amx_work *w, const uint16_t *q, const struct amx_block *blk, long D)
+{
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (long c = 0; c < D / 32; c++) { /* 32 dims at a time, in order */
+        _tile_loadd(4, q + 32 * c, D * 2);
+        const uint32_t *kp = blk->kp + 16 * c * BLOCK;
+        _tile_loadd(5, kp, BLOCK * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(5, kp + 16, BLOCK * 4);
+        _tile_dpbf16ps(1, 4, 5);
+        _tile_loadd(5, kp + 32, BLOCK * 4);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(5, kp + 48, BLOCK * 4);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, w->s, BLOCK * 4);
+    _tile_stored(1, w->s + 16, BLOCK * 4);
+    _tile_stored(2, w->s + 32, BLOCK * 4);
+    _tile_stored(3, w->s + 48, BLOCK * 4);
+}
+
+/* Weighted values of the block: w->o = p vp, 64 dims at a time (keys in order within each). */
+static void amx_values(struct amx_work *w, const struct amx_block *blk, long D)
+{
+    for (long d0 = 0; d0 < D; d0 += 64) {
+        long nd = D - d0 < 64 ? (D - d0) / 16 : 4;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (long g = 0; g < BLOCK / 32; g++) {
+            _tile_loadd(4, w->p + 32 * g, BLOCK * 2);
+            const uint32_t *vp = blk->vp + 16 * g * D + d0;
+            _tile_loadd(5, vp, D * 4);
+            _tile_dpbf16ps(0, 4, 5);
+            if (nd > 1) {
+                _tile_loadd(5, vp + 16, D * 4);
+                _tile_dpbf16ps(1, 4, 5);
+            }
+            if (nd > 2) {
+                _tile_loadd(5, vp + 32, D * 4);
+                _tile_dpbf16ps(2, 4, 5);
+            }
+            if (nd > 3) {
+                _tile_loadd(5, vp + 48, D * 4);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+        }
+        _tile_stored(0, w->o + d0, D * 4);
+        if (nd > 1) _tile_stored(1, w->o + d0 + 16, D * 4);
+        if (nd > 2) _tile_stored(2, w->o + d0 + 32, D * 4);
+        if (nd > 3) _tile_stored(3, w->o + d0 + 48, D * 4);
+    }
+}
+
+/* Head row ``m``'s softmax weights over the block's first ``nb`` keys (bfloat16, into w->p): returns
+ * the block's max score, and its sum of the weights as rounded. */
+static float amx_weights(struct amx_work *w, long m, long nb, float scale, float *sum)
+{
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 s[BLOCK / 16], top = ninf;
+    for (int c = 0; c < BLOCK / 16; c++) {
+        __mmask16 live = _mm512_cmplt_epi32_mask(_mm512_add_epi32(iota, _mm512_set1_epi32(16 * c)),
+                                                  _mm512_set1_epi32((int)nb));
+        s[c] = _mm512_mask_mul_ps(ninf, live, _mm512_load_ps(w->s + m * BLOCK + 16 * c), _mm512_set1_ps(scale));
+        top = _mm512_max_ps(top, s[c]);
+    }
+    float mb = _mm512_reduce_max_ps(top); /* a max is exact in any order */
+    vf l = (vf){0};
+    for (int c = 0; c < BLOCK / 16; c++) {
+        vf x = vexp((vf)_mm512_sub_ps(s[c], _mm512_set1_ps(mb)));
+        __m256bh h = _mm512_cvtneps_pbh((__m512)x);
+        _mm256_store_si256((__m256i *)(w->p + m * BLOCK + 16 * c), (__m256i)h);
+        l += (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16);
+    }
+    *sum = reduce(l);
+    return mb;
+}
+
+/* A block's state (max ``mb``, weight sum ``lb``, weighted values ``o``) merged into a row's. */
+static void amx_merge(struct state *s, const float *o, float mb, float lb, long D)
+{
+    float mn = mb > s->m ? mb : s->m;
+    float a = vexp((vf){0} + (s->m - mn))[0], c = vexp((vf){0} + (mb - mn))[0];
+    s->l = s->l * a + lb * c;
+    for (long d = 0; d < D; d += VL) *(vf *)(s->acc + d) = *(vf *)(s->acc + d) * a + *(const vf *)(o + d) * c;
+    s->m = mn;
+}
+
+/* As racer_attention, for bfloat16 q, k and v (q [n, H, D], D a multiple of 32); call only where
+ * racer_attention_amx() said yes. A work item is one KV head and a run of query tiles (16 head rows
+ * each): a block read in place is laid out once for all of them. */
+int racer_attention_tiles(const uint16_t *q, const uint16_t *k, const uint16_t *v, float *out, long n, long H,
+                          long Hkv, long D, long cap, const int64_t *counts, const int64_t *inplace, const int64_t *tail,
+                          long T, float scale, int threads)
+{
+    if (D > MAXD || D % 32 || H % Hkv || H / Hkv > 16 || !racer_attention_amx()) return -1;
+    const long group = H / Hkv, per = 16 / group, tiles = (n + per - 1) / per;
+    /* Enough items for the threads (speed only: a row's bits do not depend on its item). */
+    long runs = (2 * threads + Hkv - 1) / Hkv;
+    runs = runs < tiles ? runs : tiles;
+    const long span = (tiles + runs - 1) / runs;
+    runs = (tiles + span - 1) / span;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        struct amx_block *shared = aligned_alloc(64, sizeof(struct amx_block));
+        struct amx_block *own = aligned_alloc(64, sizeof(struct amx_block));
+        struct amx_work *w = aligned_alloc(64, sizeof(struct amx_work));
+        struct state *st = aligned_alloc(64, sizeof(struct state) * 16 * span);
+        uint16_t *qt = aligned_alloc(64, sizeof(uint16_t) * 16 * D * span); /* [span, 16, D] */
+        if (!shared || !own || !w || !st || !qt) failed = 1;
+        else {
+            memset(w, 0, sizeof *w);
+            tiles_on();
+        }
+#pragma omp for schedule(static) collapse(2)
+        for (long kh = 0; kh < Hkv; kh++)
+            for (long u = 0; u < runs; u++) {
+                if (failed) continue;
+                const uint16_t *kb = k + kh * cap * D, *vb = v + kh * cap * D;
+                /* rows [r0, r1); head row m of the run: row r0 + m / group, head kh * group + m % group,
+                 * in tile m / 16 at m % 16 (a tile holds ``per`` whole rows) */
+                long r0 = u * span * per, r1 = r0 + span * per < n ? r0 + span * per : n, most = 0;
+                memset(qt, 0, sizeof(uint16_t) * 16 * D * span);
+#define HEAD_ROW(r, g) (((r) - r0) / per * 16 + ((r) - r0) % per * group + (g))
+                for (long r = r0; r < r1; r++) {
+                    most = counts[r] > most ? counts[r] : most;
+                    for (long g = 0; g < group; g++) {
+                        long m = HEAD_ROW(r, g);
+                        memcpy(qt + m * D, q + (r * H + kh * group + g) * D, D * 2);
+                        st[m].m = -INFINITY;
+                        st[m].l = 0.f;
+                        for (long d = 0; d < D; d++) st[m].acc[d] = 0.f;
+                    }
+                }
+                for (long b0 = 0; b0 < most; b0 += BLOCK) {
+                    /* Rows whose whole block is cache rows b0, b0 + 1, ... share one layout of it and
+                     * one pair of products per tile; each other row gets its own (its ancestors,
+                     * named by ``tail``). */
+                    long shared_nb = 0, off[BLOCK];
+                    for (long r = r0; r < r1; r++) {
+                        long nb = counts[r] - b0 < BLOCK ? counts[r] - b0 : BLOCK;
+                        if (nb > 0 && b0 + nb <= inplace[r] && nb > shared_nb) shared_nb = nb;
+                    }
+                    if (shared_nb) {
+                        for (long j = 0; j < shared_nb; j++) off[j] = (b0 + j) * D;
+                        amx_convert(shared, kb, vb, off, shared_nb, D);
+                        for (long t0 = r0; t0 < r1; t0 += per) {
+                            long t1 = t0 + per < r1 ? t0 + per : r1, any = 0;
+                            for (long r = t0; r < t1; r++) {
+                                long nb = counts[r] - b0 < BLOCK ? counts[r] - b0 : BLOCK;
+                                any |= nb > 0 && b0 + nb <= inplace[r];
+                            }
+                            if (!any) continue;
+                            long tile = HEAD_ROW(t0, 0);
+                            float mb[16], lb[16]; /* each head row's block max and weight sum */
+                            amx_scores(w, qt + tile * D, shared, D);
+                            for (long r = t0; r < t1; r++) {
+                                long nb = counts[r] - b0 < BLOCK ? counts[r] - b0 : BLOCK;
+                                if (nb > 0 && b0 + nb <= inplace[r])
+                                    for (long m = HEAD_ROW(r, 0) - tile; m < HEAD_ROW(r, group) - tile; m++)
+                                        mb[m] = amx_weights(w, m, nb, scale, &lb[m]);
+                            }
+                            amx_values(w, shared, D);
+                            for (long r = t0; r < t1; r++) {
+                                long nb = counts[r] - b0 < BLOCK ? counts[r] - b0 : BLOCK;
+                                if (nb > 0 && b0 + nb <= inplace[r])
+                                    for (long m = HEAD_ROW(r, 0) - tile; m < HEAD_ROW(r, group) - tile; m++)
+                                        amx_merge(&st[tile + m], w->o + m * D, mb[m], lb[m], D);
+                            }
+                        }
+                    }
+                    for (long r = r0; r < r1; r++) {
+                        long nb = counts[r] - b0 < BLOCK ? counts[r] - b0 : BLOCK;
+                        if (nb <= 0 || b0 + nb <= inplace[r]) continue;
+                        for (long j = 0; j < nb; j++) {
+                            long o = b0 + j;
+                            off[j] = (o < inplace[r] ? o : tail[r * T + o - inplace[r]]) * D;
+                        }
+                        long tile = HEAD_ROW(r, 0) / 16 * 16;
+                        float mb[16], lb[16];
+                        amx_convert(own, kb, vb, off, nb, D);
+                        amx_scores(w, qt + tile * D, own, D);
+                        for (long m = HEAD_ROW(r, 0) - tile; m < HEAD_ROW(r, group) - tile; m++)
+                            mb[m] = amx_weights(w, m, nb, scale, &lb[m]);
+                        amx_values(w, own, D);
+                        for (long m = HEAD_ROW(r, 0) - tile; m < HEAD_ROW(r, group) - tile; m++)
+                            amx_merge(&st[tile + m], w->o + m * D, mb[m], lb[m], D);
+                    }
+                }
+                for (long r = r0; r < r1; r++)
+                    for (long g = 0; g < group; g++) {
+                        const struct state *s = &st[HEAD_ROW(r, g)];
+                        float inv = s->l > 0.f ? 1.0f / s->l : 0.f;
+                        for (long d = 0; d < D; d++) out[(r * H + kh * group + g) * D + d] = s->acc[d] * inv;
+                    }
+#undef HEAD_ROW
+            }
+        if (!failed) _tile_release();
+        free(shared);
+        free(own);
+        free(w);
+        free(st);
+        free(qt);
+    }
+    return failed ? -2 : 0;
+}
+#else
+#define HAVE_AMX 0
+int racer_attention_amx(void) { return 0; }
+int racer_attention_tiles(const uint16_t *q, const uint16_t *k, const uint16_t *v, float *out, long n, long H,
+                          long Hkv, long D, long cap, const int64_t *counts, const int64_t *inplace, const int64_t *tail,
+                          long T, float scale, int threads)
+{
+    return -1;
+}
+#endif

@@ -17,49 +17,8 @@
  * AVX2, 512-bit with AVX-512), and the tuner measures which tile shape wins for each row count.
  */
 #include <stddef.h>
-#include <stdint.h>
-#include <string.h>
 
-#if defined(__AVX512F__)
-#define VL 16
-#else
-#define VL 8
-#endif
-
-typedef float vf __attribute__((vector_size(VL * 4)));
-typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));
-typedef uint16_t vh __attribute__((vector_size(VL * 2), aligned(2)));
-typedef uint32_t vu __attribute__((vector_size(VL * 4)));
-typedef _Float16 vhf __attribute__((vector_size(VL * 2), aligned(2)));
-
-/* Weights as float32 (f32), bfloat16 (bf16: the high half of a float32) or float16 (f16), widened
- * to float32 as they are loaded: half-width weights are read at half the bytes, and the products
- * and sums are the same float32 operations in the same order as for float32 weights. */
-static inline vf load_f32(const float *p) { return *(const vfu *)p; }
-static inline float one_f32(const float *p) { return *p; }
-static inline vf load_bf16(const uint16_t *p)
-{
-    vu u = __builtin_convertvector(*(const vh *)p, vu) << 16;
-    vf f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-static inline float one_bf16(const uint16_t *p)
-{
-    uint32_t u = (uint32_t)*p << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-static inline vf load_f16(const _Float16 *p) { return __builtin_convertvector(*(const vhf *)p, vf); }
-static inline float one_f16(const _Float16 *p) { return (float)*p; }
-
-static inline float reduce(vf v)
-{
-    float s = 0.f;
-    for (int i = 0; i < VL; i++) s += v[i];
-    return s;
-}
+#include "native_vec.h"
 
 typedef void (*tile_fn)(const float *restrict x, const void *restrict w, const float *restrict bias,
                         float *restrict y, long N, long K, long n0, long m0, const void *next);
@@ -148,7 +107,7 @@ DEFTILE_DP(8, 1) DEFTILE_DP(8, 2) DEFTILE_DP(8, 3)
 #define HAVE_DP 0
 #endif
 
-enum { F32 = 0, BF16 = 1, F16 = 2, BF16_PAIRS = 3 };
+enum { BF16_PAIRS = 3 }; /* beside F32, BF16, F16 (native_vec.h) */
 
 struct variant {
     int nr, mr, type, esize;

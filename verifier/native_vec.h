@@ -1,0 +1,68 @@
+/* What both native kernels share (native_linear.c, native_attention.c): the vector type of this
+ * build and the loads that widen float32, bfloat16 or float16 values to float32.
+ *
+ * The vector width follows the CPU the library is built for (-march=native): 16 float32 lanes with
+ * AVX-512, 8 elsewhere. Half-width values are widened exactly as they are loaded (a bfloat16 is the
+ * high half of a float32; a float16 converts exactly), so every product and sum after a load is the
+ * same float32 operation whatever width the data is stored at.
+ */
+#ifndef RACER_NATIVE_VEC_H
+#define RACER_NATIVE_VEC_H
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
+
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));
+typedef uint16_t vh __attribute__((vector_size(VL * 2), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+typedef _Float16 vhf __attribute__((vector_size(VL * 2), aligned(2)));
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+
+/* VL values from p on, as float32. */
+static inline vf load_f32(const float *p) { return *(const vfu *)p; }
+static inline vf load_bf16(const uint16_t *p)
+{
+    vu u = __builtin_convertvector(*(const vh *)p, vu) << 16;
+    vf f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline vf load_f16(const _Float16 *p) { return __builtin_convertvector(*(const vhf *)p, vf); }
+
+/* One value, as float32. */
+static inline float one_f32(const float *p) { return *p; }
+static inline float one_bf16(const uint16_t *p)
+{
+    uint32_t u = (uint32_t)*p << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline float one_f16(const _Float16 *p) { return (float)*p; }
+
+/* VL values of element type ``type`` from p[d] on, as float32. */
+static inline vf load_as_f32(const void *p, long d, int type)
+{
+    if (type == F32) return load_f32((const float *)p + d);
+    if (type == BF16) return load_bf16((const uint16_t *)p + d);
+    return load_f16((const _Float16 *)p + d);
+}
+
+/* The lanes summed in lane order: the same additions whatever the data. */
+static inline float reduce(vf v)
+{
+    float s = 0.f;
+    for (int i = 0; i < VL; i++) s += v[i];
+    return s;
+}
+
+#endif
