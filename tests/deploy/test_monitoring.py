@@ -282,7 +282,7 @@ def test_metric_names_follow_prometheus_conventions():
     for m in families:
         assert not re.search(r"_(ms|millis|milliseconds)(_|$)", m.name), f"{m.name}: base units (seconds)"
         if m.type == "histogram":
-            assert m.name.endswith(("_seconds", "_bytes", "_size")), f"{m.name}: unit suffix"
+            assert m.name.endswith(("_seconds", "_bytes", "_size", "_tokens")), f"{m.name}: unit suffix"
         if m.type == "counter":  # prometheus_client exports it as <name>_total
             assert not m.name.endswith("_total")
     latencies = [m for m in families if "latency" in m.name or "token_seconds" in m.name]
