@@ -510,6 +510,121 @@ def _open(stub, s, first, want, again, counts) -> bool:
     return True
 
 
+DRAFTER_STEPS = st.lists(
+    st.sampled_from(
+        [
+            "ok",
+            "ok",
+            "ok",
+            "topk-size",
+            "topk-neg",
+            "accepted-root",
+            "accepted-range",
+            "accepted-path",
+            "commit",
+            "budget",
+            "mode",
+            "root",
+            "end",
+        ]
+    ),
+    min_size=1,
+    max_size=4,
+)
+
+
+DRAFTER_OPENS = st.sampled_from(
+    [
+        "ok",
+        "ok",
+        "no-id",
+        "no-tenant",
+        "empty",
+        "negative",
+        "topk",
+        "rows",
+        "rows-neg",
+        "too-many-rows",
+        "huge",
+        "step-first",
+        "end-first",
+        "kind",
+    ]
+)
+
+
+def _drafter_first(op, kind: str, k: int):
+    """The first message of a fuzzed drafter stream, ``op`` spoiled by ``kind``, and the (status,
+    field) it must get (None: a good open)."""
+    want = _spoil_open(op, kind)
+    if kind == "negative":
+        op.history.append(-4)
+        want = (IA, "open.history")
+    elif kind == "topk":
+        op.topk, want = 3, (IA, "open.topk")
+    elif kind == "rows":
+        op.history_topk.append(1)
+        want = (IA, "open.history_topk")
+    elif kind == "rows-neg":
+        op.history_topk[3] = -1
+        want = (IA, "open.history_topk")
+    elif kind == "too-many-rows":
+        op.history_topk.extend([7] * (k * 10))
+        want = (IA, "open.history_topk")
+    elif kind == "huge":
+        op.history.extend([7] * 65_536)
+        want = (RE, "open.history")
+    if kind == "step-first":
+        return dpb.DraftRequest(step=dpb.DraftStep(root=1, budget=4)), (FP, "open")
+    if kind == "end-first":
+        return dpb.DraftRequest(end_turn=dpb.EndTurn()), (FP, "open")
+    if kind == "kind":
+        return dpb.DraftRequest(), (IA, "request")
+    return dpb.DraftRequest(open=op), want
+
+
+def _drafter_step(how: str, tree, k: int):
+    """A step after ``tree`` (the previous step's draft, or None), spoiled by ``how``, and the field
+    it must be refused for (None: a good step)."""
+    step = dpb.DraftStep(root=9, budget=6, mode="racer")
+    if tree is not None:
+        n = len(tree.tokens)
+        step.tree_topk.extend([11] * (n * k))
+        step.accepted.append(0)
+        step.commit = 1
+    if how == "topk-size":
+        step.tree_topk.append(3)
+        return step, "step.tree_topk" if tree is not None else "step"
+    if how in ("budget", "mode", "root"):
+        if how == "budget":
+            step.budget = -1  # 0 is adaptive
+        elif how == "mode":
+            step.mode = "magic"
+        else:
+            step.root = -7
+        return step, f"step.{how}"
+    if tree is None:
+        return step, None
+    if how == "topk-neg":
+        step.tree_topk[0] = -1
+        return step, "step.tree_topk"
+    if how == "accepted-root":
+        step.accepted[0] = 1 if len(tree.tokens) > 1 else 5
+        return step, "step.accepted"
+    if how == "accepted-range":
+        step.accepted.append(len(tree.tokens) + 2)
+        return step, "step.accepted"
+    if how == "accepted-path" and len(tree.tokens) > 2:
+        bad = next((i for i in range(2, len(tree.tokens)) if tree.parents[i] != 0), None)
+        if bad is not None:
+            step.accepted.append(bad)
+            return step, "step.accepted"
+    if how == "commit":
+        step.commit = 2
+        return step, "step.commit"
+    return step, None
+
+
 def test_drafter_stream_fuzz(env):
     stack, *_ = env
     ch = backend_channel(stack.drafter_target(0))
@@ -517,49 +632,11 @@ def test_drafter_stream_fuzz(env):
     k = 8
     counts: dict[str, int] = {}
     n_case = [0]
-    steps = st.lists(
-        st.sampled_from(
-            [
-                "ok",
-                "ok",
-                "ok",
-                "topk-size",
-                "topk-neg",
-                "accepted-root",
-                "accepted-range",
-                "accepted-path",
-                "commit",
-                "budget",
-                "mode",
-                "root",
-                "end",
-            ]
-        ),
-        min_size=1,
-        max_size=4,
-    )
 
     @FUZZ
     @given(
-        st.sampled_from(
-            [
-                "ok",
-                "ok",
-                "no-id",
-                "no-tenant",
-                "empty",
-                "negative",
-                "topk",
-                "rows",
-                "rows-neg",
-                "too-many-rows",
-                "huge",
-                "step-first",
-                "end-first",
-                "kind",
-            ]
-        ),
-        steps,
+        DRAFTER_OPENS,
+        DRAFTER_STEPS,
         st.booleans(),
     )
     @example("huge", ["ok"], False)  # the statuses asserted below must not hang on what the draws happen to be
@@ -571,31 +648,7 @@ def test_drafter_stream_fuzz(env):
             op = dpb.DrafterOpen(
                 session_id=f"fz{n_case[0]}", tenant="fuzz", history=hist, topk=k, history_topk=[7] * (k * 2)
             )
-            want = _spoil_open(op, open_kind)
-            if open_kind == "negative":
-                op.history.append(-4)
-                want = (IA, "open.history")
-            elif open_kind == "topk":
-                op.topk, want = 3, (IA, "open.topk")
-            elif open_kind == "rows":
-                op.history_topk.append(1)
-                want = (IA, "open.history_topk")
-            elif open_kind == "rows-neg":
-                op.history_topk[3] = -1
-                want = (IA, "open.history_topk")
-            elif open_kind == "too-many-rows":
-                op.history_topk.extend([7] * (k * 10))
-                want = (IA, "open.history_topk")
-            elif open_kind == "huge":
-                op.history.extend([7] * 65_536)
-                want = (RE, "open.history")
-            first = dpb.DraftRequest(open=op)
-            if open_kind == "step-first":
-                first, want = dpb.DraftRequest(step=dpb.DraftStep(root=1, budget=4)), (FP, "open")
-            elif open_kind == "end-first":
-                first, want = dpb.DraftRequest(end_turn=dpb.EndTurn()), (FP, "open")
-            elif open_kind == "kind":
-                first, want = dpb.DraftRequest(), (IA, "request")
+            first, want = _drafter_first(op, open_kind, k)
             if not _open(stub, s, first, want, dpb.DraftRequest(open=op) if twice else None, counts):
                 return
             tree = None
@@ -603,39 +656,7 @@ def test_drafter_stream_fuzz(env):
                 if how == "end":
                     s.send(dpb.DraftRequest(end_turn=dpb.EndTurn()))
                     continue
-                step = dpb.DraftStep(root=9, budget=6, mode="racer")
-                field = None
-                if tree is not None:
-                    n = len(tree.tokens)
-                    step.tree_topk.extend([11] * (n * k))
-                    step.accepted.append(0)
-                    step.commit = 1
-                if how == "topk-size":
-                    step.tree_topk.append(3)
-                    field = "step.tree_topk" if tree is not None else "step"
-                elif how == "topk-neg" and tree is not None:
-                    step.tree_topk[0] = -1
-                    field = "step.tree_topk"
-                elif how == "accepted-root" and tree is not None:
-                    step.accepted[0] = 1 if len(tree.tokens) > 1 else 5
-                    field = "step.accepted"
-                elif how == "accepted-range" and tree is not None:
-                    step.accepted.append(len(tree.tokens) + 2)
-                    field = "step.accepted"
-                elif how == "accepted-path" and tree is not None and len(tree.tokens) > 2:
-                    bad = next((i for i in range(2, len(tree.tokens)) if tree.parents[i] != 0), None)
-                    if bad is not None:
-                        step.accepted.append(bad)
-                        field = "step.accepted"
-                elif how == "commit" and tree is not None:
-                    step.commit = 2
-                    field = "step.commit"
-                elif how == "budget":
-                    step.budget, field = -1, "step.budget"  # 0 is adaptive
-                elif how == "mode":
-                    step.mode, field = "magic", "step.mode"
-                elif how == "root":
-                    step.root, field = -7, "step.root"
+                step, field = _drafter_step(how, tree, k)
                 if field:
                     _expect(lambda: s.send(dpb.DraftRequest(step=step)), IA, field, counts)
                     return
