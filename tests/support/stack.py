@@ -111,7 +111,9 @@ class LoopThread:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
 
-    def run(self, coro, timeout: float = 60):
+    def run(self, coro, timeout: float = 600):
+        """``timeout`` guards against a hang only: a stack's start-up tunes kernels, which on a loaded
+        two-core machine can take minutes."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def close(self):
