@@ -382,3 +382,15 @@ def test_an_invariant_plan_never_pays_for_padding_on_a_one_token_step():
     assert _option(1.0) == ("native4x3", 0)
     # chunks that cost a one-token step no more than the slack allows stay eligible, and win
     assert _option(0.5 * tuning.ONE_ROW_SLACK) == ("chunky", 16)
+
+
+def test_one_row_chunks_stay_the_fallback_when_a_padded_chunk_times_faster_than_one_row():
+    def leaky(x, w, b):  # fails the position check for every chunk of more than one row
+        y = F.linear(x, w, b)
+        return y + 1e-3 * torch.roll(y, 1, 0)
+
+    w = torch.randn(32, 64).to(torch.bfloat16)
+    buckets = (1, 2, 4)
+    ms = {("linear", "row", 1): 1.0, ("linear", "row", 2): 0.5, ("linear", "row", 4): 0.6}  # noise: 2 rows < 1
+    best = tuning._best_per_bucket(ms, "row", buckets)
+    assert tuning._invariant_option({"linear": leaky}, w, best, ms, buckets) == ("linear", 1)
