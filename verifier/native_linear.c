@@ -40,6 +40,15 @@ static inline float reduce_tree(vf v)
     return a[0];
 }
 
+/* A weight vector loaded once into a register for the MR FMAs that use it: left alone, GCC folds
+ * the load into each FMA, MR loads where one does, and a float32 tile then waits on the load ports
+ * (measured on an AVX2 Zen 3: 1.3-1.6x faster tiles at 16-64 rows). No effect on the arithmetic. */
+#if defined(__AVX__)
+#define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
+#else
+#define KEEP_IN_REGISTER(v) (void)0
+#endif
+
 /* NR weight rows from ``w`` on against MR rows of x from ``x`` on, into y (row stride N) and bias
  * from the tile's first output on; ``next``: the following tile's first weight row (NULL for none),
  * prefetched meanwhile, one line at a time: a call of at most MR rows makes one pass per tile, and
@@ -61,6 +70,7 @@ static inline float reduce_tree(vf v)
                 for (int i = 0; i < NR; i++) __builtin_prefetch(next + i * K + k, 0, 3);                   \
             for (int i = 0; i < NR; i++) {                                                                 \
                 vf wv = load_##T(w + i * K + k);                                                           \
+                KEEP_IN_REGISTER(wv);                                                                      \
                 for (int j = 0; j < MR; j++) acc[i][j] += wv * xv[j];                                      \
             }                                                                                              \
         }                                                                                                  \
