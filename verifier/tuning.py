@@ -234,7 +234,13 @@ def _invariant_option(cands: dict, w: torch.Tensor, best: dict, ms: dict, bucket
     def cost(n, r):
         return math.ceil(n / r) * best[r][0]
 
-    options = {("chunks", r, best[r][1]): [cost(n, r) for n in buckets] for r in buckets}
+    # chunks of a row-invariant kernel are that kernel unchunked, timed at every bucket itself: only
+    # its one-row chunks (the fallback) are kept, so noise cannot pick padded chunks of it
+    options = {
+        ("chunks", r, best[r][1]): [cost(n, r) for n in buckets]
+        for r in buckets
+        if r == 1 or not kernels.row_invariant(best[r][1])
+    }
     for name in cands:
         if kernels.row_invariant(name) and all((name, "row", n) in ms for n in buckets):
             options[("whole", 0, name)] = [ms[(name, "row", n)] for n in buckets]

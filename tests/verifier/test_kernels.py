@@ -394,3 +394,12 @@ def test_one_row_chunks_stay_the_fallback_when_a_padded_chunk_times_faster_than_
     ms = {("linear", "row", 1): 1.0, ("linear", "row", 2): 0.5, ("linear", "row", 4): 0.6}  # noise: 2 rows < 1
     best = tuning._best_per_bucket(ms, "row", buckets)
     assert tuning._invariant_option({"linear": leaky}, w, best, ms, buckets) == ("linear", 1)
+
+
+def test_a_row_invariant_kernel_runs_unchunked_not_in_padded_chunks_of_itself():
+    # noise: two rows of the native kernel timed as fast as one, so 2-row chunks of it would win
+    w = torch.randn(16, 32).to(torch.bfloat16)
+    buckets = (1, 2, 4)
+    ms = {("native4x3", "row", 1): 1.0, ("native4x3", "row", 2): 0.9, ("native4x3", "row", 4): 2.4}
+    best = tuning._best_per_bucket(ms, "row", buckets)
+    assert tuning._invariant_option({"native4x3": _per_row}, w, best, ms, buckets) == ("native4x3", 0)
