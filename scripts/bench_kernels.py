@@ -30,8 +30,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from verifier.engine import VerifierSession  # noqa: E402
+from verifier.kernels import Timing  # noqa: E402
 from verifier.model import DEFAULT_MODEL, load  # noqa: E402
 from verifier.tuning import kernel_plan  # noqa: E402
+
+
+def shape_table(plan) -> None:
+    """The tuner's own medians (ms per call of one shape alone, weight stored as the plan keeps it),
+    one row per kernel, one column per bucket; the kept kernel marked."""
+    for (o, i), sp in plan.shapes.items():
+        timed = {t for t in sp.ms if not t.forward and t.layout == sp.layout}
+        rows = sorted({t.rows for t in timed})
+        kept = {sp.kernel} if plan.invariant else set(sp.by_bucket.values())
+        print(f"\n{o}x{i} ({sp.layout}): ms per call by rows")
+        print("| kernel | " + " | ".join(map(str, rows)) + " |")
+        print("|---|" + "---|" * len(rows))
+        for k in sorted({t.kernel for t in timed}):
+            cells = [sp.ms.get(Timing(k, sp.layout, r)) for r in rows]
+            chunks = f", {sp.rows}-row chunks" if plan.invariant and sp.rows else ""
+            mark = f" (kept{chunks})" if k in kept else ""
+            print(f"| {k}{mark} | " + " | ".join("-" if c is None else f"{c:.3f}" for c in cells) + " |")
+    print(flush=True)
 
 
 def main() -> None:
@@ -43,6 +62,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,2,4,8,16,32,64")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--shapes", action="store_true", help="also print each plan's per-shape tuner timings")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -58,6 +78,8 @@ def main() -> None:
         t0 = time.perf_counter()
         plan = kernel_plan(model)
         print(f"{name}: {plan.describe()} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        if args.shapes:
+            shape_table(plan)
         vocab = model.config.vocab_size
         session = VerifierSession(model)
         assert session.backend.plan is plan, "the session must run the plan it is named after"

@@ -8,10 +8,12 @@ shape's layout is the one whose per-bucket best times lose least to the other's.
 choices are then checked over a whole forward's projections (``compose``). The choice is cached
 per (machine, model, dtype, threads) by ``verifier/plan_cache.py``.
 
-An invariant plan (reduced precision) picks, per shape, the option with the smallest sum of
-slowdowns against the best option at each tree size the verifier uses; a chunked choice is checked
-at tuning: a row must come out bit-identical at any position of its chunk, or the next option is
-taken (one row is invariant by construction).
+An invariant plan (reduced precision) keeps one option per shape for every row count (a row's bits
+may not depend on how many rows share the call): among the options whose one-row call is within
+``ONE_ROW_SLACK`` of the fastest one-row call (a decode step never pays for padding to a chunk),
+the one with the smallest sum of slowdowns against the best option at each tree size the verifier
+uses; a chunked choice is checked at tuning: a row must come out bit-identical at any position of
+its chunk, or the next option is taken (one row is invariant by construction).
 
 Environment: ``RACER_KERNELS`` = ``auto`` (default: cached choice or tune), ``tune`` (tune again),
 or a kernel name, optionally with chunk rows and a layout (``linear``, ``linear:4``, ``blas@col``),
@@ -38,6 +40,7 @@ log = logging.getLogger(__name__)
 
 TUNE_SECONDS = 30.0  # soft bound on the whole tuning (few reps, interleaved, medians)
 SLOW_CALL_S = 0.1  # a candidate's call slower than this is not timed at larger buckets
+ONE_ROW_SLACK = 1.1  # an invariant plan's one-row call may cost at most this much over the fastest one
 
 
 def kernel_plan(
@@ -218,24 +221,37 @@ def _best_per_bucket(ms: dict, layout: str, buckets) -> dict[int, tuple[float, s
 def _invariant_option(cands: dict, w: torch.Tensor, best: dict, ms: dict, buckets) -> tuple[str, int]:
     """(kernel, rows per chunk) of an invariant plan: fixed chunks of r rows (the fastest kernel at
     r, checked to be position invariant, else the next option; one row always is), or a
-    row-invariant kernel unchunked (rows 0). Kept: the option whose slowdowns against the best
-    option at each tree size sum least (a ratio, so a one-token step weighs as much as a 64-node
-    tree: a kernel that reads half-width weights once can win the small trees by more than it loses
-    the large ones)."""
+    row-invariant kernel unchunked (rows 0).
+
+    The rule: one token first. Every decode step (all of ``off``, and each step a draft is not
+    tried) is a one-row call, so only the options within ``ONE_ROW_SLACK`` of the fastest one-row
+    option are eligible (a chunk of r rows computes r rows for one: it is eligible only where r
+    rows cost about what one does); among them the one whose slowdowns against the best option at
+    each tree size sum least (a ratio, so a one-token step weighs as much as a 64-node tree). One-row
+    chunks of the fastest one-row kernel are always eligible (and invariant), whatever the timings'
+    noise."""
 
     def cost(n, r):
         return math.ceil(n / r) * best[r][0]
 
-    options = {("chunks", r, best[r][1]): [cost(n, r) for n in buckets] for r in buckets}
+    # chunks of a row-invariant kernel are that kernel unchunked, timed at every bucket itself: only
+    # its one-row chunks (the fallback) are kept, so noise cannot pick padded chunks of it
+    options = {
+        ("chunks", r, best[r][1]): [cost(n, r) for n in buckets]
+        for r in buckets
+        if r == 1 or not kernels.row_invariant(best[r][1])
+    }
     for name in cands:
         if kernels.row_invariant(name) and all((name, "row", n) in ms for n in buckets):
             options[("whole", 0, name)] = [ms[(name, "row", n)] for n in buckets]
     low = [min(costs[i] for costs in options.values()) for i in range(len(buckets))]
     slowdown = {opt: sum(c / lo for c, lo in zip(costs, low)) for opt, costs in options.items()}
-    for how, r, name in sorted(options, key=lambda o: (slowdown[o], o[1])):
+    one = buckets.index(1) if 1 in buckets else 0
+    eligible = [o for o, c in options.items() if c[one] <= ONE_ROW_SLACK * low[one] or o[:2] == ("chunks", 1)]
+    for how, r, name in sorted(eligible, key=lambda o: (slowdown[o], o[1])):
         if how == "whole" or r == 1 or position_invariant(cands[name], w, r):
             return name, r
-    raise AssertionError("unreachable: one-row chunks are invariant")
+    raise AssertionError("unreachable: one-row chunks are eligible and invariant")
 
 
 def position_invariant(fn, w: torch.Tensor, rows: int, trials: int = 2, positions: int = 6) -> bool:

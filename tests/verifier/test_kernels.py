@@ -357,3 +357,49 @@ def test_a_choice_measured_on_other_native_kernels_is_measured_again(cache, monk
     edited.write_text(native.SOURCE.read_text() + "\n/* another version of the kernels */\n")
     monkeypatch.setattr(native, "SOURCE", edited)
     assert plan_cache.key(*args)[1] != digest
+
+
+def _per_row(x, w, b):  # invariant by construction: each row its own call
+    return torch.cat([F.linear(r[None], w, b) for r in x])
+
+
+def _option(one_row_of_chunks: float) -> tuple[str, int]:
+    """The invariant option kept for a shape where a chunked kernel runs 16 rows in
+    ``one_row_of_chunks`` ms against a row-invariant kernel's 0.5 ms for one row (and 2x slower
+    than the chunks' per-row rate beyond)."""
+    w = torch.randn(16, 32).to(torch.bfloat16)
+    buckets = (1, 16, 64)
+    ms = {("chunky", "row", 1): 0.6, ("chunky", "row", 16): one_row_of_chunks, ("chunky", "row", 64): 4.0}
+    ms |= {("native4x3", "row", 1): 0.5, ("native4x3", "row", 16): 2.0, ("native4x3", "row", 64): 8.0}
+    best = tuning._best_per_bucket(ms, "row", buckets)
+    cands = {"chunky": _per_row, "native4x3": _per_row}
+    return tuning._invariant_option(cands, w, best, ms, buckets)
+
+
+def test_an_invariant_plan_never_pays_for_padding_on_a_one_token_step():
+    # 16-row chunks win the summed slowdowns (2 + 1 + 1 against 1 + 2 + 2) but cost a one-token
+    # step twice the row-invariant kernel's call: one token first keeps the unchunked kernel
+    assert _option(1.0) == ("native4x3", 0)
+    # chunks that cost a one-token step no more than the slack allows stay eligible, and win
+    assert _option(0.5 * tuning.ONE_ROW_SLACK) == ("chunky", 16)
+
+
+def test_one_row_chunks_stay_the_fallback_when_a_padded_chunk_times_faster_than_one_row():
+    def leaky(x, w, b):  # fails the position check for every chunk of more than one row
+        y = F.linear(x, w, b)
+        return y + 1e-3 * torch.roll(y, 1, 0)
+
+    w = torch.randn(32, 64).to(torch.bfloat16)
+    buckets = (1, 2, 4)
+    ms = {("linear", "row", 1): 1.0, ("linear", "row", 2): 0.5, ("linear", "row", 4): 0.6}  # noise: 2 rows < 1
+    best = tuning._best_per_bucket(ms, "row", buckets)
+    assert tuning._invariant_option({"linear": leaky}, w, best, ms, buckets) == ("linear", 1)
+
+
+def test_a_row_invariant_kernel_runs_unchunked_not_in_padded_chunks_of_itself():
+    # noise: two rows of the native kernel timed as fast as one, so 2-row chunks of it would win
+    w = torch.randn(16, 32).to(torch.bfloat16)
+    buckets = (1, 2, 4)
+    ms = {("native4x3", "row", 1): 1.0, ("native4x3", "row", 2): 0.9, ("native4x3", "row", 4): 2.4}
+    best = tuning._best_per_bucket(ms, "row", buckets)
+    assert tuning._invariant_option({"native4x3": _per_row}, w, best, ms, buckets) == ("native4x3", 0)

@@ -106,6 +106,25 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_threads(dtype):
             assert torch.equal(fn(x[r : r + 7], w, None)[0], full[r]), (name, r)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_rows_bits_do_not_depend_on_the_row_blocks_or_the_widened_weight(dtype):
+    # 1539 columns: a tail past the last vector, and few enough rows of x per L2 block that 150 rows
+    # take several blocks; 200 weight rows: a tail past the last tile. A half-width weight tile is
+    # widened once for a call of more rows than a tile's pass and read as it is for fewer.
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn((200, 1539), generator=gen).to(dtype)
+    b = torch.randn(200, generator=gen).to(dtype)
+    x = torch.randn((150, 1539), generator=gen).to(dtype)
+    for name in _built_variants(dtype):
+        fn = kernels.CANDIDATES[name]
+        full = fn(x, w, b)
+        torch.testing.assert_close(full.float(), F.linear(x.float(), w.float(), b.float()), atol=2e-1, rtol=2e-2)
+        for r in (0, 2, 41, 97, 149):
+            for rows in (1, 2, 5, 64):
+                assert torch.equal(fn(x[r : r + rows], w, b)[0], full[r]), (name, r, rows)
+            assert torch.equal(fn(x[: r + 1].flip(0).contiguous(), w, b)[0], full[r]), (name, r, "reversed")
+
+
 def test_a_transposed_view_or_another_dtype_is_refused_not_misread():
     w = torch.randn(64, 32)
     x = torch.randn(4, 32)
