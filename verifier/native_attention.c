@@ -2,14 +2,17 @@
  *
  * Every query row attends over the keys it may see, taken in position order and reduced in fixed
  * blocks of BLOCK keys at fixed ordinals (key j of a row sits at absolute position j: the context,
- * then the row's ancestors). Each block gives a partial softmax state (max, sum, weighted values),
- * and the blocks are merged in order. A row's result is therefore the same sequence of float32
- * operations on the same values whatever else shares the call and wherever its keys are read from:
- * a tree node computes exactly what a one-token step at its position computes.
+ * then the row's ancestors). Each block gives a partial softmax state (max, sum, weighted values);
+ * the blocks of a chunk (CHUNK keys, also at fixed ordinals) are merged in order, then the chunks in
+ * order. A row's result is therefore the same sequence of float32 operations on the same values
+ * whatever else shares the call, wherever its keys are read from and however the threads split the
+ * work: a tree node computes exactly what a one-token step at its position computes.
  *
- * A row's first ``inplace`` keys are cache rows 0, 1, ...: the committed context, read where it
- * lies by every row of the call (it stays in the caches while the rows take their turns); its other
- * keys are cache rows named by ``tail`` (its ancestors, at most the tree's depth): no key is copied.
+ * A row's first ``inplace`` keys are cache rows 0, 1, ...: the committed context. A block of it is
+ * converted once for all the rows of a work item, and their products with it are made a few rows at
+ * a time, each load of a key or value shared by the rows of the tile while the block sits in L1.
+ * A row's other keys are cache rows named by ``tail`` (its ancestors, at most the tree's depth): the
+ * one block holding them is gathered for that row alone.
  *
  * K and V may be float32, bfloat16 or float16 (converted to float32 as they are loaded); queries
  * and results are float32. The exponential is a fixed polynomial, so the bits do not depend on the
@@ -334,24 +337,49 @@ static void item_block(struct item *it, long b0, long r0, long r1, long group, c
     }
 }
 
+/* The states of rows [r0, r1) over their keys in [lo, hi) (blocks of one chunk), from empty ones. */
+static void item_chunk(struct item *it, long lo, long hi, long r0, long r1, long group, const float *q, long H,
+                       long kh, const char *kb, const char *vb, long esize, const int64_t *counts,
+                       const int64_t *inplace, const int64_t *tail, long T, long D, int type, float scale)
+{
+    for (long m = 0; m < (r1 - r0) * group; m++) {
+        it->st[m].m = -INFINITY;
+        it->st[m].l = 0.f;
+        memset(it->st[m].acc, 0, sizeof(float) * D);
+    }
+    for (long b0 = lo; b0 < hi; b0 += BLOCK)
+        item_block(it, b0, r0, r1, group, q, H, kh, kb, vb, esize, counts, inplace, tail, T, D, type, scale);
+}
+
+#define CHUNK (4 * BLOCK) /* keys whose block states are merged before the chunks' states are */
+
 /* q [n, H, D] float32; k, v: one layer's cache [Hkv, cap, D] of ``type``; out [n, H, D] float32.
  * counts[n]: keys row r sees; inplace[n]: how many of them are cache rows 0, 1, ...; tail [n, T]:
  * the cache rows of the others, in position order. Returns 0, -1 for an unsupported size, -2 when
- * out of memory. A work item is one KV head and a run of rows: every block read in place is converted
- * once for all its rows. */
+ * out of memory.
+ *
+ * A row's keys fall into chunks of CHUNK at fixed ordinals: within a chunk its block states are
+ * merged in order, then the chunks' states in order. A work item is one KV head, one chunk and a run
+ * of rows: every block read in place is converted once for all the rows of its item, and the items
+ * (about twice the threads, or more) keep every thread busy even for one token. */
 int racer_attention(int type, const float *q, const void *k, const void *v, float *out, long n, long H, long Hkv,
                     long D, long cap, const int64_t *counts, const int64_t *inplace, const int64_t *tail, long T,
                     float scale, int threads)
 {
     if (D > MAXD || D % VL || D % 8 || H % Hkv || type < F32 || type > F16) return -1;
-    const long esize = type == F32 ? 4 : 2, group = H / Hkv;
+    const long esize = type == F32 ? 4 : 2, group = H / Hkv, ps = D + VL; /* a chunk state: m, l | acc */
+    long most = 0;
+    for (long r = 0; r < n; r++) most = counts[r] > most ? counts[r] : most;
+    const long chunks = (most + CHUNK - 1) / CHUNK;
     /* Enough items for the threads (speed only: a row's bits do not depend on its item). */
-    long runs = (2 * threads + Hkv - 1) / Hkv;
+    long runs = (2 * threads + Hkv * chunks - 1) / (Hkv * chunks > 0 ? Hkv * chunks : 1);
     runs = runs < n ? runs : n;
     runs = runs > 0 ? runs : 1;
     const long span = (n + runs - 1) / runs;
     runs = (n + span - 1) / span;
-    int failed = 0;
+    size_t bytes = sizeof(float) * (size_t)(chunks * n * H * ps);
+    float *part = aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
+    int failed = !part;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         struct item it;
@@ -361,48 +389,62 @@ int racer_attention(int type, const float *q, const void *k, const void *v, floa
         it.st = aligned_alloc(64, sizeof(struct state) * span * group);
         it.stp = malloc(sizeof(struct state *) * span * group);
         it.qp = malloc(sizeof(const float *) * span * group);
-        if (!it.shared || !it.own || !it.w || !it.st || !it.stp || !it.qp) failed = 1;
-        else { /* keys past a row's count are masked, never used: finite all the same */
+        int ok = part && it.shared && it.own && it.w && it.st && it.stp && it.qp;
+        if (ok) { /* keys past a row's count are masked, never used: finite all the same */
             memset(it.shared, 0, sizeof(struct block));
             memset(it.own, 0, sizeof(struct block));
         }
-#pragma omp for schedule(static) collapse(2)
+#pragma omp for schedule(dynamic) collapse(3)
         for (long kh = 0; kh < Hkv; kh++)
-            for (long u = 0; u < runs; u++) {
-                if (failed) continue;
-                const char *kb = (const char *)k + kh * cap * D * esize;
-                const char *vb = (const char *)v + kh * cap * D * esize;
-                long r0 = u * span, r1 = r0 + span < n ? r0 + span : n, most = 0;
-                for (long m = 0; m < (r1 - r0) * group; m++) {
-                    it.st[m].m = -INFINITY;
-                    it.st[m].l = 0.f;
-                    memset(it.st[m].acc, 0, sizeof(float) * D);
-                }
-                for (long r = r0; r < r1; r++) most = counts[r] > most ? counts[r] : most;
-                for (long b0 = 0; b0 < most; b0 += BLOCK)
-                    item_block(&it, b0, r0, r1, group, q, H, kh, kb, vb, esize, counts, inplace, tail, T, D, type,
+            for (long c = 0; c < chunks; c++)
+                for (long u = 0; u < runs; u++) {
+                    long r0 = u * span, r1 = r0 + span < n ? r0 + span : n, hi = 0, lo = c * CHUNK;
+                    for (long r = r0; r < r1; r++) hi = counts[r] > hi ? counts[r] : hi;
+                    hi = hi < lo + CHUNK ? hi : lo + CHUNK;
+                    if (!ok || hi <= lo) continue;
+                    item_chunk(&it, lo, hi, r0, r1, group, q, H, kh, (const char *)k + kh * cap * D * esize,
+                               (const char *)v + kh * cap * D * esize, esize, counts, inplace, tail, T, D, type,
                                scale);
-                for (long r = r0; r < r1; r++)
-                    for (long g = 0; g < group; g++) {
-                        const struct state *s = &it.st[(r - r0) * group + g];
-                        float inv = s->l > 0.f ? 1.0f / s->l : 0.f;
-                        for (long d = 0; d < D; d++) out[(r * H + kh * group + g) * D + d] = s->acc[d] * inv;
-                    }
-            }
+                    for (long r = r0; r < r1; r++)
+                        for (long g = 0; counts[r] > lo && g < group; g++) {
+                            const struct state *s = &it.st[(r - r0) * group + g];
+                            float *p = part + ((c * n + r) * H + kh * group + g) * ps;
+                            p[0] = s->m;
+                            p[1] = s->l;
+                            memcpy(p + VL, s->acc, sizeof(float) * D);
+                        }
+                }
+        failed |= !ok;
         free(it.shared);
         free(it.own);
         free(it.w);
         free(it.st);
         free(it.stp);
         free(it.qp);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (long rh = 0; rh < n * H; rh++) {
+            if (failed) continue;
+            struct state s;
+            s.m = -INFINITY;
+            s.l = 0.f;
+            memset(s.acc, 0, sizeof(float) * D);
+            for (long c = 0; c < chunks && c * CHUNK < counts[rh / H]; c++) {
+                const float *p = part + (c * n * H + rh) * ps;
+                merge(&s, p + VL, p[0], p[1], D);
+            }
+            float inv = s.l > 0.f ? 1.0f / s.l : 0.f;
+            for (long d = 0; d < D; d++) out[rh * D + d] = s.acc[d] * inv;
+        }
     }
+    free(part);
     return failed ? -2 : 0;
 }
 
 /* ---- The same attention on AMX tiles (bfloat16 caches, x86 CPUs with AMX-BF16) ----
  *
- * The blocks, their ordinals and the order of their merge are the ones above; what differs is how a
- * block's two products are made. Query and key rows are bfloat16 and multiply in AMX tiles
+ * The blocks and their ordinals are the ones above (the block states merged in order, without
+ * chunks); what differs is how a block's two products are made. Query and key rows are bfloat16 and multiply in AMX tiles
  * (``tdpbf16ps``: bfloat16 pairs, float32 sums in a fixed order per output element); the block's
  * softmax weights are rounded to bfloat16 and multiply the values in tiles too. A tile's output row
  * depends on its own query row only, so a row's bits still do not depend on the rows beside it,
