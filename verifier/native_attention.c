@@ -103,24 +103,33 @@ static inline void transpose8(float *kt, const char *const *rows, long d0, int t
 }
 #endif
 
-/* Keys 0 .. nb - 1 of a block (at byte offsets off[j] of kbase, vbase) converted into ``blk``. */
-static void convert(struct block *blk, const char *kbase, const char *vbase, const long *off, long nb, long D, int type)
+/* Keys j0 .. nb - 1 of a block (j0 a multiple of 8; key j at byte offset off[j] of kbase, vbase)
+ * converted into ``blk``. */
+static void convert(struct block *blk, const char *kbase, const char *vbase, const long *off, long j0, long nb,
+                    long D, int type)
 {
-    for (long j = 0; j < nb; j++)
+    for (long j = j0; j < nb; j++)
         for (long d = 0; d < D; d += VL) *(vf *)(blk->vb + j * D + d) = load_as_f32(vbase + off[j], d, type);
 #if defined(__AVX2__)
-    for (long j0 = 0; j0 < nb; j0 += 8) {
+    for (long j8 = j0; j8 < nb; j8 += 8) {
         const char *rows[8];
-        for (int i = 0; i < 8; i++) rows[i] = j0 + i < nb ? kbase + off[j0 + i] : NULL;
-        for (long d = 0; d < D; d += 8) transpose8(blk->kt + j0, rows, d, type);
+        for (int i = 0; i < 8; i++) rows[i] = j8 + i < nb ? kbase + off[j8 + i] : NULL;
+        for (long d = 0; d < D; d += 8) transpose8(blk->kt + j8, rows, d, type);
     }
 #else
-    for (long j = 0; j < nb; j++)
+    for (long j = j0; j < nb; j++)
         for (long d = 0; d < D; d += VL) {
             vf kv = load_as_f32(kbase + off[j], d, type);
             for (int i = 0; i < VL; i++) blk->kt[(d + i) * BLOCK + j] = kv[i];
         }
 #endif
+}
+
+/* Keys 0 .. nb - 1 of ``dst`` copied from ``src`` (converted already). */
+static void copy_keys(struct block *dst, const struct block *src, long nb, long D)
+{
+    for (long d = 0; d < D; d++) memcpy(dst->kt + d * BLOCK, src->kt + d * BLOCK, sizeof(float) * nb);
+    memcpy(dst->vb, src->vb, sizeof(float) * nb * D);
 }
 
 /* A query's running softmax state: max, sum of weights, weighted values (float32). */
@@ -291,6 +300,17 @@ struct item {
     struct work *w;
 };
 
+/* The in-place conversion of block b0 (its first *have keys) extended to its first ``nb``. */
+static void extend(struct block *blk, long *have, long nb, long b0, const char *kb, const char *vb, long esize,
+                   long D, int type)
+{
+    if (nb <= *have) return;
+    long off[BLOCK], from = *have / 8 * 8;
+    for (long j = from; j < nb; j++) off[j] = (b0 + j) * D * esize;
+    convert(blk, kb, vb, off, from, nb, D, type);
+    *have = nb;
+}
+
 /* Every head row of rows [r0, r1) over block b0: those whose block is whole and in place share one
  * conversion and run RB at a time; a row whose block is partial or holds other cache rows (``tail``)
  * runs alone, over the in-place conversion or its own. */
@@ -307,7 +327,7 @@ static void item_block(struct item *it, long b0, long r0, long r1, long group, c
             }
     if (count) {
         for (long j = 0; j < BLOCK; j++) off[j] = (b0 + j) * D * esize;
-        convert(it->shared, kb, vb, off, BLOCK, D, type);
+        convert(it->shared, kb, vb, off, 0, BLOCK, D, type);
         partial = BLOCK;
         attend(it->w, it->stp, it->qp, count, it->shared, BLOCK, D, scale);
     }
@@ -316,17 +336,16 @@ static void item_block(struct item *it, long b0, long r0, long r1, long group, c
         if (nb == 0 || (nb == BLOCK && b0 + BLOCK <= inplace[r])) continue;
         const struct block *blk = it->shared;
         if (b0 + nb <= inplace[r]) { /* in place, fewer keys than the block: one conversion for all such */
-            if (partial < nb) {
-                for (long j = 0; j < nb; j++) off[j] = (b0 + j) * D * esize;
-                convert(it->shared, kb, vb, off, nb, D, type);
-                partial = nb;
-            }
-        } else {
-            for (long j = 0; j < nb; j++) {
+            extend(it->shared, &partial, nb, b0, kb, vb, esize, D, type);
+        } else { /* its context keys copied from the in-place conversion, the others converted */
+            long ctx = inplace[r] > b0 ? (inplace[r] - b0) / 8 * 8 : 0;
+            extend(it->shared, &partial, ctx, b0, kb, vb, esize, D, type);
+            copy_keys(it->own, it->shared, ctx, D);
+            for (long j = ctx; j < nb; j++) {
                 long o = b0 + j;
                 off[j] = (o < inplace[r] ? o : tail[r * T + o - inplace[r]]) * D * esize;
             }
-            convert(it->own, kb, vb, off, nb, D, type);
+            convert(it->own, kb, vb, off, ctx, nb, D, type);
             blk = it->own;
         }
         for (long g = 0; g < group; g++) {
