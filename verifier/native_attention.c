@@ -372,6 +372,19 @@ static void item_chunk(struct item *it, long lo, long hi, long r0, long r1, long
 
 #define CHUNK (4 * BLOCK) /* keys whose block states are merged before the chunks' states are */
 
+/* A head row's result: its chunk states (chunk c's at p + c * step: m, l | acc) merged in order. */
+static void merge_chunks(float *out, const float *p, long step, long chunks, long count, long D)
+{
+    struct state s;
+    s.m = -INFINITY;
+    s.l = 0.f;
+    memset(s.acc, 0, sizeof(float) * D);
+    for (long c = 0; c < chunks && c * CHUNK < count; c++) merge(&s, p + c * step + VL, p[c * step], p[c * step + 1], D);
+    float inv = s.l > 0.f ? 1.0f / s.l : 0.f;
+    for (long d = 0; d < D; d++) out[d] = s.acc[d] * inv;
+}
+
+
 /* q [n, H, D] float32; k, v: one layer's cache [Hkv, cap, D] of ``type``; out [n, H, D] float32.
  * counts[n]: keys row r sees; inplace[n]: how many of them are cache rows 0, 1, ...; tail [n, T]:
  * the cache rows of the others, in position order. Returns 0, -1 for an unsupported size, -2 when
@@ -442,19 +455,8 @@ int racer_attention(int type, const float *q, const void *k, const void *v, floa
         free(it.qp);
 #pragma omp barrier
 #pragma omp for schedule(static)
-        for (long rh = 0; rh < n * H; rh++) {
-            if (failed) continue;
-            struct state s;
-            s.m = -INFINITY;
-            s.l = 0.f;
-            memset(s.acc, 0, sizeof(float) * D);
-            for (long c = 0; c < chunks && c * CHUNK < counts[rh / H]; c++) {
-                const float *p = part + (c * n * H + rh) * ps;
-                merge(&s, p + VL, p[0], p[1], D);
-            }
-            float inv = s.l > 0.f ? 1.0f / s.l : 0.f;
-            for (long d = 0; d < D; d++) out[rh * D + d] = s.acc[d] * inv;
-        }
+        for (long rh = 0; rh < n * H; rh++)
+            if (!failed) merge_chunks(out + rh * D, part + rh * ps, n * H * ps, chunks, counts[rh / H], D);
     }
     free(part);
     return failed ? -2 : 0;
