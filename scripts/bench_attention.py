@@ -1,13 +1,20 @@
-"""Invariant tree attention alone, one layer, by tree size and context: native (context read in place;
-each of its paths that runs here: ``native-amx``, AMX tiles, and ``native-vector``, float32 vectors)
-against gathered rows (each row's keys copied), and fused SDPA (not invariant) for scale.
+"""Tree attention against one token, by tree size and context, in float32 and bfloat16: one layer's
+attention alone, and a whole verification round of the model.
 
-    PYTHONPATH=. python scripts/bench_attention.py --threads 2 --contexts 256,800,2000 --dtype bfloat16
+    PYTHONPATH=. python scripts/bench_attention.py --threads 2 --contexts 256,800,2000 --sizes 1,16,64
 
-Heads as SmolLM2-135M's (9 query heads over 3 KV heads of 64). Trees are random (every node's
-parent drawn among the earlier ones), one per size; times are medians of ``--reps`` calls, the
-sizes and ways interleaved within each repetition. Prints ms per layer call and the ratio to the
-same way's one-token call, and which native path this process would pick at start-up.
+Attention alone: heads as SmolLM2-135M's (9 query heads over 3 KV heads of 64), one layer, each way
+that runs here: ``native-amx`` (AMX tiles) and ``native-vector`` (float32 vectors), the invariant
+attention over the cache in place (``verifier/native_attention.c``); ``sdpa``, fused SDPA over a
+tree mask (what float32 runs: not invariant); ``gathered`` (with ``--gathered``), each row's keys
+copied, the invariant attention without the native library. A whole round: one verification (the
+forward, the logits, acceptance) of a tree by a verifier session of ``--model`` over a context of
+random tokens, the attention its backend runs (native in reduced precision, fused in float32).
+
+Trees are random (every node's parent drawn among the earlier ones), one per size; times are medians
+of ``--reps`` calls (``--round-reps`` rounds), the sizes and ways interleaved within each repetition
+so that drift falls on all of them alike. Each cell is ms and, in brackets, the ratio to the same
+way's one-token call.
 """
 
 from __future__ import annotations
@@ -15,82 +22,132 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.support.trees import random_tree
-from verifier import llama, native
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
-SIZES = (1, 2, 4, 8, 16, 32, 64)
+from tests.support.trees import random_tree  # noqa: E402
+from verifier import llama, native  # noqa: E402
+
+HEADS, KV_HEADS, DIM = 9, 3, 64
+
+
+def _row(label: str, sizes: list[int], times: dict) -> str:
+    one = statistics.median(times[sizes[0]])
+    cells = [f"{statistics.median(times[n]):.3f} ({statistics.median(times[n]) / one:.2f}x)" for n in sizes]
+    return f"| {label} | " + " | ".join(cells) + " |"
+
+
+def _interleaved(calls: dict, reps: int) -> dict:
+    """Medians' inputs: ms of each call, ``reps`` times after one warm-up pass, interleaved."""
+    times = {key: [] for key in calls}
+    for rep in range(reps + 1):
+        for key, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            if rep:
+                times[key].append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _attention_calls(dtype, past: int, sizes: list[int], gathered: bool, rng: random.Random) -> dict:
+    """(way, size) -> a call of one layer's attention of a random tree of that size at ``past``."""
+    kv = torch.randn((2, KV_HEADS, past + max(sizes) + llama._KEY_BLOCK, DIM)).to(dtype)
+    paths = (
+        native.attention_paths(dtype, HEADS, KV_HEADS, DIM) if native.attention_usable(dtype, kv.device, DIM) else ()
+    )
+    calls = {}
+    for n in sizes:
+        mask, _ = random_tree(rng, past, n)
+        q = torch.randn((n, HEADS, DIM)).to(dtype)
+        keys = llama._row_keys(mask, past, n)
+        for p in paths:
+            calls[(f"native-{p}", n)] = lambda q=q, keys=keys, p=p: native.attention(q, kv, *keys, 0.125, path=p)
+        add = llama._additive(mask, dtype, "cpu")
+        qt = q.transpose(0, 1)[None]
+        calls[("sdpa", n)] = lambda qt=qt, add=add, m=past + n: F.scaled_dot_product_attention(
+            qt, kv[0, :, :m][None], kv[1, :, :m][None], attn_mask=add, scale=0.125, enable_gqa=True
+        )
+        if gathered:
+            groups = llama._row_groups(mask, past, n, "cpu", dtype)
+            calls[("gathered", n)] = lambda qt=qt, groups=groups: llama._rows_attention(qt, kv, groups, 0.125, True)
+    return calls
+
+
+def attention_table(dtype, contexts: list[int], sizes: list[int], reps: int, gathered: bool) -> None:
+    rng = random.Random(0)
+    name = str(dtype).removeprefix("torch.")
+    print(
+        f"\nAttention alone, one layer, {name}, {torch.get_num_threads()} threads, medians of {reps}, ms (x one token)"
+    )
+    if native.attention_usable(dtype, torch.device("cpu"), DIM):
+        print(f"native path picked at start-up here: {native.attention_path(dtype, HEADS, KV_HEADS, DIM)}")
+    print("| context, way | " + " | ".join(str(n) for n in sizes) + " |")
+    print("|---|" + "---|" * len(sizes))
+    for past in contexts:
+        calls = _attention_calls(dtype, past, sizes, gathered, rng)
+        with torch.inference_mode():
+            times = _interleaved(calls, reps)
+        for way in dict.fromkeys(w for w, _ in calls):
+            print(_row(f"{past}, {way}", sizes, {n: times[(way, n)] for n in sizes}))
+
+
+def round_table(model_name: str, dtype, contexts: list[int], sizes: list[int], reps: int) -> None:
+    from verifier.engine import VerifierSession
+    from verifier.model import load
+
+    model = load(model_name, dtype=str(dtype).removeprefix("torch."), tokenizer=False).model
+    vocab = model.config.vocab_size
+    rng = random.Random(1)
+    sessions = {}
+    for past in contexts:
+        s = VerifierSession(model)
+        s.prefill([rng.randrange(vocab) for _ in range(past)])
+        sessions[past] = s
+    b = next(iter(sessions.values())).backend
+    way = "native" if b.native_attention else "fused SDPA"
+    name = str(dtype).removeprefix("torch.")
+    print(f"\nA whole round (verify: forward, logits, acceptance), {name}, {way} attention, {b.plan.describe()}")
+    print(f"{torch.get_num_threads()} threads, random trees, medians of {reps}, ms (x one token)")
+    print("| context | " + " | ".join(str(n) for n in sizes) + " |")
+    print("|---|" + "---|" * len(sizes))
+    trees = {n: ([rng.randrange(vocab) for _ in range(n)], random_tree(rng, 0, n)[1]) for n in sizes}
+
+    def verify(past, n):
+        sessions[past].verify(*trees[n])
+        sessions[past].truncate(past)
+
+    for past in contexts:
+        times = _interleaved({n: lambda past=past, n=n: verify(past, n) for n in sizes}, reps)
+        print(_row(str(past), sizes, times))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--contexts", default="256,2000")
-    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--contexts", default="256,800,2000")
+    ap.add_argument("--sizes", default="1,16,64")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--round-reps", type=int, default=5, help="0: no whole rounds")
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--gathered", action="store_true", help="also the gathered rows (slow at 64 nodes)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
-    heads, kv_heads, dim = 9, 3, 64
-    rng = random.Random(0)
-    paths = (
-        native.attention_paths(dtype, heads, kv_heads, dim)
-        if native.attention_usable(dtype, torch.device("cpu"), dim)
-        else ()
-    )
-    ways = [f"native-{p}" for p in paths] + ["gathered", "sdpa"]
-    print(f"{torch.get_num_threads()} threads, {args.dtype}, one layer, ms (x its one-token call)")
-    if paths:
-        print(f"native path picked at start-up here: {native.attention_path(dtype, heads, kv_heads, dim)}")
-    print("| context | way | " + " | ".join(str(n) for n in SIZES) + " |")
-    print("|---|---|" + "---|" * len(SIZES))
-    for past in (int(c) for c in args.contexts.split(",")):
-        kv = torch.randn((2, kv_heads, past + max(SIZES) + llama._KEY_BLOCK, dim)).to(dtype)
-        cases = {}
-        for n in SIZES:
-            mask, _ = random_tree(rng, past, n)
-            q = torch.randn((n, heads, dim)).to(dtype)
-            keys = llama._row_keys(mask, past, n)
-            groups = llama._row_groups(mask, past, n, "cpu", dtype)
-            add = llama._additive(mask, dtype, "cpu")
-            cases[n] = (q, keys, groups, add)
-
-        def run(way, n):
-            q, keys, groups, add = cases[n]
-            if way.startswith("native-"):
-                native.attention(q, kv, *keys, 0.125, path=way.removeprefix("native-"))
-            elif way == "gathered":
-                llama._rows_attention(q.transpose(0, 1)[None], kv, groups, 0.125, True)
-            else:
-                F.scaled_dot_product_attention(
-                    q.transpose(0, 1)[None],
-                    kv[0, :, : past + n][None],
-                    kv[1, :, : past + n][None],
-                    attn_mask=add,
-                    scale=0.125,
-                    enable_gqa=True,
-                )
-
-        times = {(w, n): [] for w in ways for n in SIZES}
-        with torch.inference_mode():
-            for rep in range(args.reps + 1):
-                for n in SIZES:
-                    for w in ways:
-                        t0 = time.perf_counter()
-                        run(w, n)
-                        if rep:
-                            times[(w, n)].append((time.perf_counter() - t0) * 1e3)
-        for w in ways:
-            one = statistics.median(times[(w, 1)])
-            cells = [
-                f"{statistics.median(times[(w, n)]):.3f} ({statistics.median(times[(w, n)]) / one:.1f}x)" for n in SIZES
-            ]
-            print(f"| {past} | {w} | " + " | ".join(cells) + " |")
+    contexts = [int(c) for c in args.contexts.split(",")]
+    sizes = [int(n) for n in args.sizes.split(",")]
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    print(f"{cpu}, {torch.get_num_threads()} threads")
+    for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
+        attention_table(dtype, contexts, sizes, args.reps, args.gathered)
+        if args.round_reps:
+            round_table(args.model, dtype, contexts, sizes, args.round_reps)
 
 
 if __name__ == "__main__":

@@ -2,14 +2,17 @@
  *
  * Every query row attends over the keys it may see, taken in position order and reduced in fixed
  * blocks of BLOCK keys at fixed ordinals (key j of a row sits at absolute position j: the context,
- * then the row's ancestors). Each block gives a partial softmax state (max, sum, weighted values),
- * and the blocks are merged in order. A row's result is therefore the same sequence of float32
- * operations on the same values whatever else shares the call and wherever its keys are read from:
- * a tree node computes exactly what a one-token step at its position computes.
+ * then the row's ancestors). Each block gives a partial softmax state (max, sum, weighted values);
+ * the blocks of a chunk (CHUNK keys, also at fixed ordinals) are merged in order, then the chunks in
+ * order. A row's result is therefore the same sequence of float32 operations on the same values
+ * whatever else shares the call, wherever its keys are read from and however the threads split the
+ * work: a tree node computes exactly what a one-token step at its position computes.
  *
- * A row's first ``inplace`` keys are cache rows 0, 1, ...: the committed context, read where it
- * lies by every row of the call (it stays in the caches while the rows take their turns); its other
- * keys are cache rows named by ``tail`` (its ancestors, at most the tree's depth): no key is copied.
+ * A row's first ``inplace`` keys are cache rows 0, 1, ...: the committed context. A block of it is
+ * converted once for all the rows of a work item, and their products with it are made a few rows at
+ * a time, each load of a key or value shared by the rows of the tile while the block sits in L1.
+ * A row's other keys are cache rows named by ``tail`` (its ancestors, at most the tree's depth): the
+ * one block holding them is gathered for that row alone.
  *
  * K and V may be float32, bfloat16 or float16 (converted to float32 as they are loaded); queries
  * and results are float32. The exponential is a fixed polynomial, so the bits do not depend on the
@@ -58,26 +61,75 @@ static inline vf vexp(vf x)
 }
 
 /* One block of a KV head converted to float32: kt[d][j] = K[key j][d] (keys along the vector lanes,
- * so scores need no horizontal sums) and vb[j][d] = V[key j][d]; keys past ``nb`` are zero. */
+ * so scores need no horizontal sums) and vb[j][d] = V[key j][d]. Only keys below a row's count are
+ * ever used: the others are masked out of its scores and left out of its sums. */
 struct block {
     float kt[MAXD * BLOCK] __attribute__((aligned(64)));
     float vb[BLOCK * MAXD] __attribute__((aligned(64)));
 };
 
-static void convert(struct block *blk, const char *kbase, const char *vbase, const long *off, long nb, long D, int type)
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+/* 8 values from p[d] on, as float32 (exact widenings, as load_as_f32's). */
+static inline __m256 load8(const char *p, long d, int type)
 {
-    for (long j = 0; j < BLOCK; j++) {
-        if (j < nb) {
-            const char *kr = kbase + off[j], *vr = vbase + off[j];
-            for (long d = 0; d < D; d += VL) {
-                vf kv = load_as_f32(kr, d, type);
-                for (int i = 0; i < VL; i++) blk->kt[(d + i) * BLOCK + j] = kv[i];
-                *(vf *)(blk->vb + j * D + d) = load_as_f32(vr, d, type);
-            }
-        } else {
-            for (long d = 0; d < D; d++) blk->kt[d * BLOCK + j] = blk->vb[j * D + d] = 0.f;
-        }
+    if (type == F32) return _mm256_loadu_ps((const float *)p + d);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + d));
+    if (type == BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+/* kt[d0 .. d0 + 8][j0 .. j0 + 8] from 8 keys' dims d0 .. d0 + 8 (rows[i] NULL: zeros). */
+static inline void transpose8(float *kt, const char *const *rows, long d0, int type)
+{
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = rows[i] ? load8(rows[i], d0, type) : _mm256_setzero_ps();
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
     }
+    for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    /* r[i] (and r[i + 4], for keys 4-7): dim i of keys 0-3 in the low half, dim i + 4 in the high */
+    for (int i = 0; i < 4; i++) {
+        _mm256_store_ps(kt + (d0 + i) * BLOCK, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_store_ps(kt + (d0 + i + 4) * BLOCK, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
+}
+#endif
+
+/* Keys j0 .. nb - 1 of a block (j0 a multiple of 8; key j at byte offset off[j] of kbase, vbase)
+ * converted into ``blk``. */
+static void convert(struct block *blk, const char *kbase, const char *vbase, const long *off, long j0, long nb,
+                    long D, int type)
+{
+    for (long j = j0; j < nb; j++)
+        for (long d = 0; d < D; d += VL) *(vf *)(blk->vb + j * D + d) = load_as_f32(vbase + off[j], d, type);
+#if defined(__AVX2__)
+    for (long j8 = j0; j8 < nb; j8 += 8) {
+        const char *rows[8];
+        for (int i = 0; i < 8; i++) rows[i] = j8 + i < nb ? kbase + off[j8 + i] : NULL;
+        for (long d = 0; d < D; d += 8) transpose8(blk->kt + j8, rows, d, type);
+    }
+#else
+    for (long j = j0; j < nb; j++)
+        for (long d = 0; d < D; d += VL) {
+            vf kv = load_as_f32(kbase + off[j], d, type);
+            for (int i = 0; i < VL; i++) blk->kt[(d + i) * BLOCK + j] = kv[i];
+        }
+#endif
+}
+
+/* Keys 0 .. nb - 1 of ``dst`` copied from ``src`` (converted already). */
+static void copy_keys(struct block *dst, const struct block *src, long nb, long D)
+{
+    for (long d = 0; d < D; d++) memcpy(dst->kt + d * BLOCK, src->kt + d * BLOCK, sizeof(float) * nb);
+    memcpy(dst->vb, src->vb, sizeof(float) * nb * D);
 }
 
 /* A query's running softmax state: max, sum of weights, weighted values (float32). */
@@ -86,119 +138,334 @@ struct state {
     float acc[MAXD] __attribute__((aligned(64)));
 };
 
-/* One query (q[D], float32) over one block of ``nb`` keys: the block's partial state, merged into
- * ``st`` (blocks come in position order). */
-static void attend_block(struct state *st, const float *q, const struct block *blk, long nb, long D, float scale)
+/* What one thread works in: scores, then weights, of RB head rows [RB][BLOCK]; their weighted
+ * values [RB][MAXD]. */
+#define RB 6 /* head rows sharing each load of a block's keys and values (speed only, not the bits) */
+#define CK 2 /* key vectors per pass of the scores */
+#define DV 2 /* value vectors per pass of the weighted sums */
+struct work {
+    float s[RB * BLOCK] __attribute__((aligned(64)));
+    float o[RB * MAXD] __attribute__((aligned(64)));
+};
+
+/* x in every lane (x - 0 is x for every x: a plain broadcast). */
+static inline vf splat(float x) { return x - (vf){0}; }
+
+/* Scaled scores of R head rows (q[r], float32 [D]) against the block's keys: s[r][j]. Every score is
+ * the same chain of FMAs over d in order whatever R is: a row's bits do not depend on its company. */
+static inline __attribute__((always_inline)) void block_scores(int R, float *s, const float *const *q,
+                                                                const struct block *blk, long D, float scale)
 {
-    vf sv[BLOCK / VL];
-    for (int c = 0; c < BLOCK / VL; c++) sv[c] = (vf){0};
-    for (long d = 0; d < D; d++) {
-        vf qd = (vf){0} + q[d];
-        for (int c = 0; c < BLOCK / VL; c++) sv[c] += qd * *(const vf *)(blk->kt + d * BLOCK + c * VL);
+    for (int c0 = 0; c0 < BLOCK / VL; c0 += CK) {
+        vf acc[RB][CK];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+            for (int k = 0; k < CK; k++) acc[r][k] = (vf){0};
+        for (long d = 0; d < D; d++) {
+            vf kv[CK];
+            for (int k = 0; k < CK; k++) kv[k] = *(const vf *)(blk->kt + d * BLOCK + (c0 + k) * VL);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                vf qd = splat(q[r][d]);
+                for (int k = 0; k < CK; k++) acc[r][k] += qd * kv[k];
+            }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+            for (int k = 0; k < CK; k++) *(vf *)(s + r * BLOCK + (c0 + k) * VL) = acc[r][k] * scale;
     }
-    float s[BLOCK] __attribute__((aligned(64)));
-    for (int c = 0; c < BLOCK / VL; c++) *(vf *)(s + c * VL) = sv[c] * scale;
-    float mb = s[0];
-    for (long j = 1; j < nb; j++) mb = s[j] > mb ? s[j] : mb;
-    for (long j = nb; j < BLOCK; j++) s[j] = -INFINITY;
-    for (int c = 0; c < BLOCK / VL; c++) *(vf *)(s + c * VL) = vexp(*(vf *)(s + c * VL) - mb);
-    float lb = 0.f;
-    for (long j = 0; j < nb; j++) lb += s[j];
-    float mn = mb > st->m ? mb : st->m;
-    float a = vexp((vf){0} + (st->m - mn))[0], c = vexp((vf){0} + (mb - mn))[0];
-    st->l = st->l * a + lb * c;
-    long dv = D - D % VL;
-    for (long d = 0; d < dv; d += VL) {
-        vf o = (vf){0};
-        for (long j = 0; j < nb; j++) o += s[j] * *(const vf *)(blk->vb + j * D + d);
-        *(vf *)(st->acc + d) = *(vf *)(st->acc + d) * a + o * c;
+}
+
+/* NV value vectors from dim d0 on of R head rows' weighted sums over the block's first nb keys
+ * (weights p[r][j]): o[r][d] = sum over j in order of p[r][j] V[j][d]. */
+static inline __attribute__((always_inline)) void values_pass(int R, int NV, float *o, const float *p,
+                                                               const struct block *blk, long nb, long D, long d0)
+{
+    vf acc[RB][DV];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < NV; k++) acc[r][k] = (vf){0};
+    for (long j = 0; j < nb; j++) {
+        vf vv[DV];
+        for (int k = 0; k < NV; k++) vv[k] = *(const vf *)(blk->vb + j * D + d0 + k * VL);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            vf pj = splat(p[r * BLOCK + j]);
+            for (int k = 0; k < NV; k++) acc[r][k] += pj * vv[k];
+        }
     }
-    for (long d = dv; d < D; d++) {
-        float o = 0.f;
-        for (long j = 0; j < nb; j++) o += s[j] * blk->vb[j * D + d];
-        st->acc[d] = st->acc[d] * a + o * c;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < NV; k++) *(vf *)(o + r * MAXD + d0 + k * VL) = acc[r][k];
+}
+
+static inline __attribute__((always_inline)) void block_values(int R, float *o, const float *p,
+                                                                const struct block *blk, long nb, long D)
+{
+    long d0 = 0;
+    for (; d0 + DV * VL <= D; d0 += DV * VL) values_pass(R, DV, o, p, blk, nb, D, d0);
+    for (; d0 < D; d0 += VL) values_pass(R, 1, o, p, blk, nb, D, d0);
+}
+
+/* Lanes of ``a`` where ``take`` is set, else of ``b``. */
+static inline vf pick(vi take, vf a, vf b)
+{
+    vi ai, bi;
+    memcpy(&ai, &a, sizeof ai);
+    memcpy(&bi, &b, sizeof bi);
+    ai = (ai & take) | (bi & ~take);
+    memcpy(&a, &ai, sizeof a);
+    return a;
+}
+
+/* Scaled scores s[BLOCK] of one head row over nb keys -> its softmax weights, in place (0 past nb);
+ * returns the block's max score and (*sum) the weights' sum: the vectors added in key order, then
+ * their lanes in lane order. */
+static float block_weights(float *s, long nb, float *sum)
+{
+    vi lane;
+    for (int i = 0; i < VL; i++) lane[i] = i;
+    const vf ninf = (vf){0} - INFINITY;
+    vf x[BLOCK / VL], top = ninf;
+    for (int c = 0; c < BLOCK / VL; c++) {
+        x[c] = pick(lane + c * VL < (int)nb, *(const vf *)(s + c * VL), ninf);
+        top = pick(x[c] > top, x[c], top);
     }
-    st->m = mn;
+    float mb = top[0]; /* a max is exact in any order */
+    for (int i = 1; i < VL; i++) mb = top[i] > mb ? top[i] : mb;
+    vf l = (vf){0};
+    for (int c = 0; c < BLOCK / VL; c++) {
+        vf e = vexp(x[c] - mb);
+        *(vf *)(s + c * VL) = e;
+        l += e;
+    }
+    *sum = reduce(l);
+    return mb;
+}
+
+/* A block's state (max ``mb``, weight sum ``lb``, weighted values ``o``) merged into a row's. */
+static void merge(struct state *s, const float *o, float mb, float lb, long D)
+{
+    float mn = mb > s->m ? mb : s->m;
+    float a = vexp((vf){0} + (s->m - mn))[0], c = vexp((vf){0} + (mb - mn))[0];
+    s->l = s->l * a + lb * c;
+    for (long d = 0; d < D; d += VL) *(vf *)(s->acc + d) = *(vf *)(s->acc + d) * a + *(const vf *)(o + d) * c;
+    s->m = mn;
+}
+
+/* R head rows (queries q[r], states st[r]) over one block of nb keys, merged into their states. */
+static inline __attribute__((always_inline)) void attend_rows(int R, struct work *w, struct state *const *st,
+                                                               const float *const *q, const struct block *blk,
+                                                               long nb, long D, float scale)
+{
+    float mb[RB], lb[RB];
+    block_scores(R, w->s, q, blk, D, scale);
+    for (int r = 0; r < R; r++) mb[r] = block_weights(w->s + r * BLOCK, nb, &lb[r]);
+    block_values(R, w->o, w->s, blk, nb, D);
+    for (int r = 0; r < R; r++) merge(st[r], w->o + r * MAXD, mb[r], lb[r], D);
+}
+
+/* ``count`` head rows over one block, RB at a time (each a separate instance: the same operations
+ * per row for every R). */
+static void attend(struct work *w, struct state *const *st, const float *const *q, long count,
+                   const struct block *blk, long nb, long D, float scale)
+{
+    for (long i = 0; i < count; i += RB) {
+        switch (count - i < RB ? count - i : RB) {
+        case 1: attend_rows(1, w, st + i, q + i, blk, nb, D, scale); break;
+        case 2: attend_rows(2, w, st + i, q + i, blk, nb, D, scale); break;
+        case 3: attend_rows(3, w, st + i, q + i, blk, nb, D, scale); break;
+        case 4: attend_rows(4, w, st + i, q + i, blk, nb, D, scale); break;
+        case 5: attend_rows(5, w, st + i, q + i, blk, nb, D, scale); break;
+        default: attend_rows(RB, w, st + i, q + i, blk, nb, D, scale); break;
+        }
+    }
 }
 
 int racer_attention_block(void) { return BLOCK; }
 
-#define ROW_TILE 8 /* rows sharing one conversion of each context block (speed only, not the bits) */
+/* Keys row r sees in block b0 (0 past its count). */
+static inline long keys_in(const int64_t *counts, long r, long b0)
+{
+    long nb = counts[r] - b0;
+    return nb < 0 ? 0 : nb < BLOCK ? nb : BLOCK;
+}
+
+/* The head rows of a work item (rows [r0, r1) of KV head kh; head row m = (r - r0) * group + g) and
+ * their states, queries and the blocks they read. */
+struct item {
+    struct state *st, **stp;
+    const float **qp;
+    struct block *shared, *own;
+    struct work *w;
+};
+
+/* The in-place conversion of block b0 (its first *have keys) extended to its first ``nb``. */
+static void extend(struct block *blk, long *have, long nb, long b0, const char *kb, const char *vb, long esize,
+                   long D, int type)
+{
+    if (nb <= *have) return;
+    long off[BLOCK], from = *have / 8 * 8;
+    for (long j = from; j < nb; j++) off[j] = (b0 + j) * D * esize;
+    convert(blk, kb, vb, off, from, nb, D, type);
+    *have = nb;
+}
+
+/* Every head row of rows [r0, r1) over block b0: those whose block is whole and in place share one
+ * conversion and run RB at a time; a row whose block is partial or holds other cache rows (``tail``)
+ * runs alone, over the in-place conversion or its own. */
+static void item_block(struct item *it, long b0, long r0, long r1, long group, const float *q, long H, long kh,
+                       const char *kb, const char *vb, long esize, const int64_t *counts, const int64_t *inplace,
+                       const int64_t *tail, long T, long D, int type, float scale)
+{
+    long off[BLOCK], count = 0, partial = 0; /* keys of the in-place conversion */
+    for (long r = r0; r < r1; r++)
+        if (keys_in(counts, r, b0) == BLOCK && b0 + BLOCK <= inplace[r])
+            for (long g = 0; g < group; g++, count++) {
+                it->stp[count] = &it->st[(r - r0) * group + g];
+                it->qp[count] = q + (r * H + kh * group + g) * D;
+            }
+    if (count) {
+        for (long j = 0; j < BLOCK; j++) off[j] = (b0 + j) * D * esize;
+        convert(it->shared, kb, vb, off, 0, BLOCK, D, type);
+        partial = BLOCK;
+        attend(it->w, it->stp, it->qp, count, it->shared, BLOCK, D, scale);
+    }
+    for (long r = r0; r < r1; r++) {
+        long nb = keys_in(counts, r, b0);
+        if (nb == 0 || (nb == BLOCK && b0 + BLOCK <= inplace[r])) continue;
+        const struct block *blk = it->shared;
+        if (b0 + nb <= inplace[r]) { /* in place, fewer keys than the block: one conversion for all such */
+            extend(it->shared, &partial, nb, b0, kb, vb, esize, D, type);
+        } else { /* its context keys copied from the in-place conversion, the others converted */
+            long ctx = inplace[r] > b0 ? (inplace[r] - b0) / 8 * 8 : 0;
+            extend(it->shared, &partial, ctx, b0, kb, vb, esize, D, type);
+            copy_keys(it->own, it->shared, ctx, D);
+            for (long j = ctx; j < nb; j++) {
+                long o = b0 + j;
+                off[j] = (o < inplace[r] ? o : tail[r * T + o - inplace[r]]) * D * esize;
+            }
+            convert(it->own, kb, vb, off, ctx, nb, D, type);
+            blk = it->own;
+        }
+        for (long g = 0; g < group; g++) {
+            it->stp[g] = &it->st[(r - r0) * group + g];
+            it->qp[g] = q + (r * H + kh * group + g) * D;
+        }
+        attend(it->w, it->stp, it->qp, group, blk, nb, D, scale);
+    }
+}
+
+/* The states of rows [r0, r1) over their keys in [lo, hi) (blocks of one chunk), from empty ones. */
+static void item_chunk(struct item *it, long lo, long hi, long r0, long r1, long group, const float *q, long H,
+                       long kh, const char *kb, const char *vb, long esize, const int64_t *counts,
+                       const int64_t *inplace, const int64_t *tail, long T, long D, int type, float scale)
+{
+    for (long m = 0; m < (r1 - r0) * group; m++) {
+        it->st[m].m = -INFINITY;
+        it->st[m].l = 0.f;
+        memset(it->st[m].acc, 0, sizeof(float) * D);
+    }
+    for (long b0 = lo; b0 < hi; b0 += BLOCK)
+        item_block(it, b0, r0, r1, group, q, H, kh, kb, vb, esize, counts, inplace, tail, T, D, type, scale);
+}
+
+#define CHUNK (4 * BLOCK) /* keys whose block states are merged before the chunks' states are */
+
+/* A head row's result: its chunk states (chunk c's at p + c * step: m, l | acc) merged in order. */
+static void merge_chunks(float *out, const float *p, long step, long chunks, long count, long D)
+{
+    struct state s;
+    s.m = -INFINITY;
+    s.l = 0.f;
+    memset(s.acc, 0, sizeof(float) * D);
+    for (long c = 0; c < chunks && c * CHUNK < count; c++) merge(&s, p + c * step + VL, p[c * step], p[c * step + 1], D);
+    float inv = s.l > 0.f ? 1.0f / s.l : 0.f;
+    for (long d = 0; d < D; d++) out[d] = s.acc[d] * inv;
+}
+
 
 /* q [n, H, D] float32; k, v: one layer's cache [Hkv, cap, D] of ``type``; out [n, H, D] float32.
  * counts[n]: keys row r sees; inplace[n]: how many of them are cache rows 0, 1, ...; tail [n, T]:
- * the cache rows of the others, in position order. Returns 0, or -1 for an unsupported size. */
+ * the cache rows of the others, in position order. Returns 0, -1 for an unsupported size, -2 when
+ * out of memory.
+ *
+ * A row's keys fall into chunks of CHUNK at fixed ordinals: within a chunk its block states are
+ * merged in order, then the chunks' states in order. A work item is one KV head, one chunk and a run
+ * of rows: every block read in place is converted once for all the rows of its item, and the items
+ * (about twice the threads, or more) keep every thread busy even for one token. */
 int racer_attention(int type, const float *q, const void *k, const void *v, float *out, long n, long H, long Hkv,
                     long D, long cap, const int64_t *counts, const int64_t *inplace, const int64_t *tail, long T,
                     float scale, int threads)
 {
-    if (D > MAXD || D % VL || H % Hkv || type < F32 || type > F16) return -1;
-    const int esize = type == F32 ? 4 : 2;
-    const long group = H / Hkv, tiles = (n + ROW_TILE - 1) / ROW_TILE;
-#pragma omp parallel num_threads(threads)
+    if (D > MAXD || D % VL || D % 8 || H % Hkv || type < F32 || type > F16) return -1;
+    const long esize = type == F32 ? 4 : 2, group = H / Hkv, ps = D + VL; /* a chunk state: m, l | acc */
+    long most = 0;
+    for (long r = 0; r < n; r++) most = counts[r] > most ? counts[r] : most;
+    const long chunks = (most + CHUNK - 1) / CHUNK;
+    /* Enough items for the threads (speed only: a row's bits do not depend on its item). */
+    long runs = (2 * threads + Hkv * chunks - 1) / (Hkv * chunks > 0 ? Hkv * chunks : 1);
+    runs = runs < n ? runs : n;
+    runs = runs > 0 ? runs : 1;
+    const long span = (n + runs - 1) / runs;
+    runs = (n + span - 1) / span;
+    size_t bytes = sizeof(float) * (size_t)(chunks * n * H * ps);
+    float *part = aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
+    int failed = !part;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        struct block *shared = aligned_alloc(64, sizeof(struct block)), *own = aligned_alloc(64, sizeof(struct block));
-        struct state *st = aligned_alloc(64, sizeof(struct state) * ROW_TILE * group);
-#pragma omp for schedule(static) collapse(2)
+        struct item it;
+        it.shared = aligned_alloc(64, sizeof(struct block));
+        it.own = aligned_alloc(64, sizeof(struct block));
+        it.w = aligned_alloc(64, sizeof(struct work));
+        it.st = aligned_alloc(64, sizeof(struct state) * span * group);
+        it.stp = malloc(sizeof(struct state *) * span * group);
+        it.qp = malloc(sizeof(const float *) * span * group);
+        int ok = part && it.shared && it.own && it.w && it.st && it.stp && it.qp;
+        if (ok) { /* keys past a row's count are masked, never used: finite all the same */
+            memset(it.shared, 0, sizeof(struct block));
+            memset(it.own, 0, sizeof(struct block));
+        }
+#pragma omp for schedule(dynamic) collapse(3)
         for (long kh = 0; kh < Hkv; kh++)
-            for (long t = 0; t < tiles; t++) {
-                const char *kb = (const char *)k + kh * cap * D * esize;
-                const char *vb = (const char *)v + kh * cap * D * esize;
-                long r0 = t * ROW_TILE, r1 = r0 + ROW_TILE < n ? r0 + ROW_TILE : n, most = 0;
-                for (long r = r0; r < r1; r++) {
-                    most = counts[r] > most ? counts[r] : most;
-                    for (long g = 0; g < group; g++) {
-                        st[(r - r0) * group + g].m = -INFINITY;
-                        st[(r - r0) * group + g].l = 0.f;
-                        for (long d = 0; d < D; d++) st[(r - r0) * group + g].acc[d] = 0.f;
-                    }
-                }
-                for (long b0 = 0; b0 < most; b0 += BLOCK) {
-                    long shared_nb = -1; /* keys of the shared conversion: in place for some row */
-                    for (long r = r0; r < r1; r++) {
-                        if (b0 >= counts[r]) continue;
-                        long nb = counts[r] - b0 < BLOCK ? counts[r] - b0 : BLOCK;
-                        const struct block *blk;
-                        long off[BLOCK];
-                        if (b0 + nb <= inplace[r]) { /* the whole block is cache rows b0, b0 + 1, ... */
-                            if (shared_nb < nb) {
-                                for (long j = 0; j < nb; j++) off[j] = (b0 + j) * D * esize;
-                                convert(shared, kb, vb, off, nb, D, type);
-                                shared_nb = nb;
-                            }
-                            blk = shared;
-                        } else {
-                            for (long j = 0; j < nb; j++) {
-                                long o = b0 + j;
-                                off[j] = (o < inplace[r] ? o : tail[r * T + o - inplace[r]]) * D * esize;
-                            }
-                            convert(own, kb, vb, off, nb, D, type);
-                            blk = own;
+            for (long c = 0; c < chunks; c++)
+                for (long u = 0; u < runs; u++) {
+                    long r0 = u * span, r1 = r0 + span < n ? r0 + span : n, hi = 0, lo = c * CHUNK;
+                    for (long r = r0; r < r1; r++) hi = counts[r] > hi ? counts[r] : hi;
+                    hi = hi < lo + CHUNK ? hi : lo + CHUNK;
+                    if (!ok || hi <= lo) continue;
+                    item_chunk(&it, lo, hi, r0, r1, group, q, H, kh, (const char *)k + kh * cap * D * esize,
+                               (const char *)v + kh * cap * D * esize, esize, counts, inplace, tail, T, D, type,
+                               scale);
+                    for (long r = r0; r < r1; r++)
+                        for (long g = 0; counts[r] > lo && g < group; g++) {
+                            const struct state *s = &it.st[(r - r0) * group + g];
+                            float *p = part + ((c * n + r) * H + kh * group + g) * ps;
+                            p[0] = s->m;
+                            p[1] = s->l;
+                            memcpy(p + VL, s->acc, sizeof(float) * D);
                         }
-                        for (long g = 0; g < group; g++) {
-                            long h = kh * group + g;
-                            attend_block(&st[(r - r0) * group + g], q + (r * H + h) * D, blk, nb, D, scale);
-                        }
-                    }
                 }
-                for (long r = r0; r < r1; r++)
-                    for (long g = 0; g < group; g++) {
-                        const struct state *s = &st[(r - r0) * group + g];
-                        float inv = s->l > 0.f ? 1.0f / s->l : 0.f;
-                        for (long d = 0; d < D; d++) out[(r * H + kh * group + g) * D + d] = s->acc[d] * inv;
-                    }
-            }
-        free(shared);
-        free(own);
-        free(st);
+        failed |= !ok;
+        free(it.shared);
+        free(it.own);
+        free(it.w);
+        free(it.st);
+        free(it.stp);
+        free(it.qp);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (long rh = 0; rh < n * H; rh++)
+            if (!failed) merge_chunks(out + rh * D, part + rh * ps, n * H * ps, chunks, counts[rh / H], D);
     }
-    return 0;
+    free(part);
+    return failed ? -2 : 0;
 }
 
 /* ---- The same attention on AMX tiles (bfloat16 caches, x86 CPUs with AMX-BF16) ----
  *
- * The blocks, their ordinals and the order of their merge are the ones above; what differs is how a
- * block's two products are made. Query and key rows are bfloat16 and multiply in AMX tiles
+ * The blocks and their ordinals are the ones above (the block states merged in order, without
+ * chunks); what differs is how a block's two products are made. Query and key rows are bfloat16 and multiply in AMX tiles
  * (``tdpbf16ps``: bfloat16 pairs, float32 sums in a fixed order per output element); the block's
  * softmax weights are rounded to bfloat16 and multiply the values in tiles too. A tile's output row
  * depends on its own query row only, so a row's bits still do not depend on the rows beside it,
@@ -376,16 +643,6 @@ static float amx_weights(struct amx_work *w, long m, long nb, float scale, float
     return mb;
 }
 
-/* A block's state (max ``mb``, weight sum ``lb``, weighted values ``o``) merged into a row's. */
-static void amx_merge(struct state *s, const float *o, float mb, float lb, long D)
-{
-    float mn = mb > s->m ? mb : s->m;
-    float a = vexp((vf){0} + (s->m - mn))[0], c = vexp((vf){0} + (mb - mn))[0];
-    s->l = s->l * a + lb * c;
-    for (long d = 0; d < D; d += VL) *(vf *)(s->acc + d) = *(vf *)(s->acc + d) * a + *(const vf *)(o + d) * c;
-    s->m = mn;
-}
-
 /* As racer_attention, for bfloat16 q, k and v (q [n, H, D], D a multiple of 32); call only where
  * racer_attention_amx() said yes. A work item is one KV head and a run of query tiles (16 head rows
  * each): a block read in place is laid out once for all of them. */
@@ -466,7 +723,7 @@ int racer_attention_tiles(const uint16_t *q, const uint16_t *k, const uint16_t *
                                 long nb = counts[r] - b0 < BLOCK ? counts[r] - b0 : BLOCK;
                                 if (nb > 0 && b0 + nb <= inplace[r])
                                     for (long m = HEAD_ROW(r, 0) - tile; m < HEAD_ROW(r, group) - tile; m++)
-                                        amx_merge(&st[tile + m], w->o + m * D, mb[m], lb[m], D);
+                                        merge(&st[tile + m], w->o + m * D, mb[m], lb[m], D);
                             }
                         }
                     }
@@ -485,7 +742,7 @@ int racer_attention_tiles(const uint16_t *q, const uint16_t *k, const uint16_t *
                             mb[m] = amx_weights(w, m, nb, scale, &lb[m]);
                         amx_values(w, own, D);
                         for (long m = HEAD_ROW(r, 0) - tile; m < HEAD_ROW(r, group) - tile; m++)
-                            amx_merge(&st[tile + m], w->o + m * D, mb[m], lb[m], D);
+                            merge(&st[tile + m], w->o + m * D, mb[m], lb[m], D);
                     }
                 }
                 for (long r = r0; r < r1; r++)

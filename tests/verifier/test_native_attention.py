@@ -103,6 +103,40 @@ def test_a_rows_bits_do_not_depend_on_its_neighbours_where_its_keys_lie_or_the_t
         assert torch.equal(one[0], many[r]), f"chain row {r}"
 
 
+@pytest.mark.parametrize("dtype,path", [c for c in _cases() if c[0] != torch.float32])
+@pytest.mark.parametrize("past", [40, 300, 700])  # one chunk of keys, two, three
+def test_a_rows_bits_do_not_depend_on_how_many_rows_share_the_call_or_its_tile(dtype, path, past):
+    """Rows of one call share the context's blocks and run several to a register tile: a row's bits
+    are those it gets alone in the call with the same keys, whatever the call's size (each slot of
+    tiles of every width), which rows are beside it, and how many threads split the call."""
+    rng = random.Random(past)
+    gen = torch.Generator().manual_seed(past)
+    n = 15
+    kv = torch.randn((2, KV, past + n, D), generator=gen).to(dtype)
+    # Queries of the cache's dtype, passed as float32 so that the results come back unrounded: a
+    # difference in the last float32 bit is not hidden by the rounding to the dtype.
+    q = torch.randn((n, H, D), generator=gen).to(dtype).float()
+    mask, _ = random_tree(rng, past, n)
+    counts, inplace, tail = llama._row_keys(mask, past, n)
+
+    def rows(idx, threads=None):
+        idx = torch.tensor(idx)
+        keys = (counts[idx].contiguous(), inplace[idx].contiguous(), tail[idx].contiguous())
+        before = torch.get_num_threads()
+        try:
+            torch.set_num_threads(threads or before)
+            return native.attention(q[idx].contiguous(), kv, *keys, D**-0.5, path=path)
+        finally:
+            torch.set_num_threads(before)
+
+    alone = torch.stack([rows([r])[0] for r in range(n)])
+    for size in (2, 3, 5, 7, 8, 13, n):
+        idx = rng.sample(range(n), size)
+        assert torch.equal(rows(idx), alone[idx]), f"{size} rows {idx}"
+    for threads in (1, 3):
+        assert torch.equal(rows(list(range(n)), threads), alone), f"{threads} threads"
+
+
 @pytest.mark.skipif(len(native.attention_paths(torch.bfloat16, H, KV, D)) < 2, reason="one attention path here")
 def test_the_two_paths_differ_in_bits_so_a_process_keeps_one(monkeypatch):
     """Both paths agree with a float32 reference, not with each other bit for bit: mixing them within
