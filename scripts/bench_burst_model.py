@@ -74,7 +74,7 @@ def _clocked_prefill_batch(clocks: list[ModelClock]):
         out = real(items)
         now = (time.thread_time(), time.perf_counter())
         for clock in clocks:
-            for session, _, _ in items:
+            for session, *_ in items:
                 clock.prefilled[session] = now
         return out
 
@@ -89,9 +89,9 @@ async def burst(v: Verifier, clock: ModelClock, prompts, rounds: int, tree: int,
     cpu: list[float] = []
 
     async def one(i: int, p: list[int]) -> None:
-        e = v.claim(Open("t", f"s{seed}-{i}", p, reserve=rounds * tree))
+        e = v.claim(Open("t", f"s{seed}-{i}", p))
         try:
-            r = (await v.open(e, p)).next_token
+            r = (await v.open(e, p, reserve_tokens=rounds * tree)).next_token
             done_cpu, done_wall = clock.prefilled.pop(e.session)
             wall.append(done_wall - t0)
             cpu.append(done_cpu - c0)

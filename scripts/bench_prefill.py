@@ -36,7 +36,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = load(args.model, "float32", args.threads or None, False).model
+    model = load(args.model, args.dtype, args.threads or None, False).model
     kernel_plan(model)
     rng = random.Random(0)
     vocab = model.config.vocab_size
@@ -55,7 +55,7 @@ def main() -> int:
                     for s, p in zip(sessions, prompts):
                         s.prefill(p)
                 else:
-                    prefill_batch([(s, p, True) for s, p in zip(sessions, prompts)])
+                    prefill_batch([(s, p, True, None) for s, p in zip(sessions, prompts)])
                 if rep:
                     times[kind].append((time.perf_counter() - t0) * 1e3)
         alone, together = (statistics.median(times[k]) for k in ("alone", "together"))

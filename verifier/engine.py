@@ -29,7 +29,9 @@ _PREFILL_CHUNK = 256  # rows of the output projection computed at once (bounds [
 @dataclass
 class PrefillResult:
     next_token: int  # the target's choice after the last prompt token
-    topk: list[list[int]]  # [len(tokens), k]: top-k next-token ids at every prompt position
+    # [rows, k]: top-k next-token ids at the prompt's last ``rows`` positions (every position unless
+    # the prefill asked for fewer: ``topk_rows``)
+    topk: list[list[int]]
 
 
 @dataclass
@@ -113,15 +115,17 @@ class VerifierSession:
         return self._sampler(logits_row.cpu())
 
     @torch.inference_mode()
-    def prefill(self, tokens: list[int], choose: bool = True) -> PrefillResult:
+    def prefill(self, tokens: list[int], choose: bool = True, topk_rows: int | None = None) -> PrefillResult:
         """Appends ``tokens`` to the cache (a first prompt, or a later turn's new tokens).
         ``choose=False`` (a chunk before the last of a long prompt): ``next_token`` is -1 and a
-        sampler draws nothing, so a chunked prefill draws what an unchunked one does."""
+        sampler draws nothing, so a chunked prefill draws what an unchunked one does. ``topk_rows``:
+        the top-k of only the last that many positions (None: all); the output layer runs over the
+        rows it needs only (those, and the last row when ``choose``)."""
         inputs = self._prefill_inputs(tokens)
         # A prompt is one fused forward even in invariant mode: every run of the same prompt gets the
         # same bits; only tree rows must match what a one-token step computes.
         exact = {"rows_exact": False} if self.backend.invariant else {}
-        return self._prefilled(self.backend.forward(*inputs, **exact), choose)
+        return _prefilled([(self, self.backend.forward(*inputs, **exact), choose, topk_rows)])[0]
 
     def _prefill_inputs(self, tokens: list[int]):
         """(ids [n], positions [n], causal mask [n, length + n] or None) of a prompt continuing the cache."""
@@ -137,19 +141,6 @@ class VerifierSession:
             mask = torch.ones((n, past + n), dtype=torch.bool)
             mask[:, past:] = torch.ones((n, n), dtype=torch.bool).tril()
         return ids, positions, mask
-
-    def _prefilled(self, hidden: torch.Tensor, choose: bool) -> PrefillResult:
-        """Commits the prompt's ``hidden`` [n, hidden] rows; its top-k and next token, the output layer
-        run over this prompt's rows only (in chunks), as alone."""
-        n = hidden.shape[0]
-        self.backend.commit(None, n)
-        topk: list[list[int]] = []
-        last_logits = None
-        for s in range(0, n, _PREFILL_CHUNK):
-            logits = self.backend.logits(hidden[s : s + _PREFILL_CHUNK])
-            topk.extend(torch.topk(logits, self.topk, dim=-1).indices.tolist())
-            last_logits = logits[-1]
-        return PrefillResult(self._choose(last_logits) if choose else -1, topk)
 
     @torch.inference_mode()
     def verify(self, tokens: list[int], parents: list[int]) -> VerifyResult:
@@ -238,26 +229,67 @@ def verify_batch(items: list[tuple["VerifierSession", list[int], list[int]]]) ->
     return results
 
 
-@torch.inference_mode()
-def prefill_batch(items: list[tuple["VerifierSession", list[int], bool]]) -> list[PrefillResult | BaseException]:
-    """Prefills several sessions' prompts (``(session, tokens, choose)``); those on the llama backend of
-    one model share one pass over the weights (``forward_segments``), each with its own positions,
-    causal mask and cache, as tree batches do.
+def _logit_rows(n: int, choose: bool, topk_rows: int | None) -> tuple[int, int]:
+    """Of an ``n``-row prompt: (its last rows the output layer runs over, how many of them get top-k):
+    the last ``topk_rows`` (None: all), and the last row when ``choose`` (its logits pick the token)."""
+    top = n if topk_rows is None else min(n, max(0, topk_rows))
+    return max(top, 1 if choose else 0), top
 
-    Each result is what ``session.prefill(tokens, choose)`` alone returns: attention runs per
-    session; in invariant mode (reduced precision) the projections' rows are bit-identical whatever
-    shares the call, as the prompt's attention is one fused call over the session's own rows, as
-    alone; the output layer runs per session. In float32 the projections of a larger call may pick
-    another kernel, as tree batches may: ~1e-7, not batch invariant, as float32 is allowed to be
-    (its contract is token identity with Hugging Face greedy). An invalid prompt gets its error and
-    leaves its session untouched; the others go on.
+
+def _prefilled(items) -> list[PrefillResult]:
+    """Commits each prompt's ``hidden`` [n, hidden] rows (``(session, hidden, choose, topk_rows)``,
+    sessions of one model and one top-k width) and runs the output layer once over every row that
+    needs it (``_logit_rows``), in chunks of ``_PREFILL_CHUNK`` rows: the head's weights are read
+    once per chunk, not once per prompt. Logits are rowwise: in reduced precision (row-invariant
+    kernels) a row's bits do not depend on the other rows of the call; in float32 a larger call may
+    pick another kernel (~1e-7), as tree batches may."""
+    spans, parts, start = [], [], 0
+    for session, hidden, choose, topk_rows in items:
+        n = hidden.shape[0]
+        session.backend.commit(None, n)
+        rows, top = _logit_rows(n, choose, topk_rows)
+        parts.append(hidden[n - rows :])
+        spans.append((start, start + rows, top))
+        start += rows
+    session0 = items[0][0]
+    topk: list[list[int]] = []
+    last: dict[int, torch.Tensor] = {}  # row -> its logits, for the prompts' last rows
+    ends = {end - 1 for _, end, _ in spans if end}
+    if start:
+        hidden = torch.cat(parts) if len(parts) > 1 else parts[0]
+        for s in range(0, start, _PREFILL_CHUNK):
+            logits = session0.backend.logits(hidden[s : s + _PREFILL_CHUNK])
+            topk.extend(torch.topk(logits, session0.topk, dim=-1).indices.tolist())
+            last.update((r, logits[r - s]) for r in ends if s <= r < s + logits.shape[0])
+    return [
+        PrefillResult(session._choose(last[end - 1]) if choose else -1, topk[end - top : end])
+        for (session, _, choose, _), (_, end, top) in zip(items, spans)
+    ]
+
+
+@torch.inference_mode()
+def prefill_batch(
+    items: list[tuple["VerifierSession", list[int], bool, int | None]],
+) -> list[PrefillResult | BaseException]:
+    """Prefills several sessions' prompts (``(session, tokens, choose, topk_rows)``); those on the llama
+    backend of one model share one pass over the weights (``forward_segments``), each with its own
+    positions, causal mask and cache, as tree batches do, and one output layer over the rows that
+    need it (``_prefilled``).
+
+    Each result is what ``session.prefill(tokens, choose, topk_rows)`` alone returns: attention runs
+    per session; in invariant mode (reduced precision) the projections' and the output layer's rows
+    are bit-identical whatever shares the call, as the prompt's attention is one fused call over the
+    session's own rows, as alone. In float32 a larger call may pick another kernel, as tree batches
+    may: ~1e-7, not batch invariant, as float32 is allowed to be (its contract is token identity
+    with Hugging Face greedy). An invalid prompt gets its error and leaves its session untouched;
+    the others go on.
     """
     results: list = [None] * len(items)
-    groups: dict[int, list] = {}
-    for j, (session, tokens, choose) in enumerate(items):
+    groups: dict[tuple[int, int], list] = {}
+    for j, (session, tokens, choose, topk_rows) in enumerate(items):
         if not isinstance(session.backend, LlamaBackend):
             try:
-                results[j] = session.prefill(tokens, choose)
+                results[j] = session.prefill(tokens, choose, topk_rows)
             except Exception as e:  # noqa: BLE001 - this prompt's caller gets it
                 results[j] = e
             continue
@@ -266,12 +298,12 @@ def prefill_batch(items: list[tuple["VerifierSession", list[int], bool]]) -> lis
         except ValueError as e:
             results[j] = e
             continue
-        groups.setdefault(id(session.model), []).append((j, inputs))
+        groups.setdefault((id(session.model), session.topk), []).append((j, inputs))
     for group in groups.values():
         hidden = forward_segments([(items[j][0].backend, *inputs) for j, inputs in group], rows_exact=False)
-        for (j, _), h in zip(group, hidden):
-            session, _, choose = items[j]
-            results[j] = session._prefilled(h, choose)
+        done = _prefilled([(items[j][0], h, *items[j][2:]) for (j, _), h in zip(group, hidden)])
+        for (j, _), res in zip(group, done):
+            results[j] = res
     return results
 
 
