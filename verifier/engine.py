@@ -125,7 +125,9 @@ class VerifierSession:
         # A prompt is one fused forward even in invariant mode: every run of the same prompt gets the
         # same bits; only tree rows must match what a one-token step computes.
         exact = {"rows_exact": False} if self.backend.invariant else {}
-        return _prefilled([(self, self.backend.forward(*inputs, **exact), choose, topk_rows)])[0]
+        hidden = self.backend.forward(*inputs, **exact)
+        self.backend.commit(None, hidden.shape[0])
+        return _prefilled([(self, hidden, choose, topk_rows)])[0]
 
     def _prefill_inputs(self, tokens: list[int]):
         """(ids [n], positions [n], causal mask [n, length + n] or None) of a prompt continuing the cache."""
@@ -237,16 +239,15 @@ def _logit_rows(n: int, choose: bool, topk_rows: int | None) -> tuple[int, int]:
 
 
 def _prefilled(items) -> list[PrefillResult]:
-    """Commits each prompt's ``hidden`` [n, hidden] rows (``(session, hidden, choose, topk_rows)``,
-    sessions of one model and one top-k width) and runs the output layer once over every row that
-    needs it (``_logit_rows``), in chunks of ``_PREFILL_CHUNK`` rows: the head's weights are read
-    once per chunk, not once per prompt. Logits are rowwise: in reduced precision (row-invariant
+    """Each prompt's result from its committed rows' ``hidden`` [n, hidden] (``(session, hidden,
+    choose, topk_rows)``, sessions of one model and one top-k width): the output layer runs once over
+    every row that needs it (``_logit_rows``), in chunks of ``_PREFILL_CHUNK`` rows, so the head's
+    weights are read once per chunk, not once per prompt. Logits are rowwise: in reduced precision (row-invariant
     kernels) a row's bits do not depend on the other rows of the call; in float32 a larger call may
     pick another kernel (~1e-7), as tree batches may."""
     spans, parts, start = [], [], 0
-    for session, hidden, choose, topk_rows in items:
+    for _, hidden, choose, topk_rows in items:
         n = hidden.shape[0]
-        session.backend.commit(None, n)
         rows, top = _logit_rows(n, choose, topk_rows)
         parts.append(hidden[n - rows :])
         spans.append((start, start + rows, top))
@@ -300,11 +301,69 @@ def prefill_batch(
             continue
         groups.setdefault((id(session.model), session.topk), []).append((j, inputs))
     for group in groups.values():
+        heads = {} if items[group[0][0]][0].backend.invariant else _share_prefixes(group, items)
+        group = [
+            (j, items[j][0]._prefill_inputs(items[j][1][heads[j].shape[0] :])) if j in heads else (j, inputs)
+            for j, inputs in group
+        ]
         hidden = forward_segments([(items[j][0].backend, *inputs) for j, inputs in group], rows_exact=False)
-        done = _prefilled([(items[j][0], h, *items[j][2:]) for (j, _), h in zip(group, hidden)])
+        for (j, _), h in zip(group, hidden):
+            items[j][0].backend.commit(None, h.shape[0])
+        done = _prefilled(
+            [
+                (items[j][0], torch.cat((heads[j], h)) if j in heads else h, *items[j][2:])
+                for (j, _), h in zip(group, hidden)
+            ]
+        )
         for (j, _), res in zip(group, done):
             results[j] = res
     return results
+
+
+# Fresh prompts of one batch (empty caches) that begin with at least this many equal tokens (a chat
+# template's system prompt) compute those rows once: float32 only, where a row's bits may depend
+# on the call; in reduced precision a prompt's rows never depend on what shares its batch.
+SHARED_PREFIX = 16
+
+
+def _prefix_sets(group, items) -> list[tuple[int, list[int]]]:
+    """(length, item indices) of the group's fresh prompts that begin with the same at least
+    ``SHARED_PREFIX`` tokens, two or more to a set; each keeps at least its last token to itself."""
+    sets: dict[tuple[int, ...], list[int]] = {}
+    for j, _ in group:
+        session, tokens = items[j][0], items[j][1]
+        if session.length == 0 and len(tokens) > SHARED_PREFIX:
+            sets.setdefault(tuple(tokens[:SHARED_PREFIX]), []).append(j)
+    out = []
+    for members in sets.values():
+        if len(members) < 2:
+            continue
+        prompts = [items[j][1] for j in members]
+        end, length = min(len(p) for p in prompts) - 1, SHARED_PREFIX
+        while length < end and all(p[length] == prompts[0][length] for p in prompts):
+            length += 1
+        out.append((length, members))
+    return out
+
+
+def _share_prefixes(group, items) -> dict[int, torch.Tensor]:
+    """Prefills each set of prompts' common prefix (``_prefix_sets``) once, in one forward for all
+    sets, into the first member's cache, and gives the other members those rows; a member then
+    prefills only the rest of its prompt, as a chunked prefill would. Returns item index -> the
+    prefix rows' hidden states (for its output layer)."""
+    sets = _prefix_sets(group, items)
+    if not sets:
+        return {}
+    segments = [(items[m[0]][0].backend, *items[m[0]][0]._prefill_inputs(items[m[0]][1][:n])) for n, m in sets]
+    heads = {}
+    for (n, members), hidden in zip(sets, forward_segments(segments, rows_exact=False)):
+        first = items[members[0]][0].backend
+        first.commit(None, n)
+        for j in members:
+            if j != members[0]:
+                items[j][0].backend.take_prefix(first, n)
+            heads[j] = hidden
+    return heads
 
 
 COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)

@@ -202,3 +202,55 @@ def test_an_open_sends_the_top_k_of_the_prompts_last_positions_across_chunks(tin
     res = asyncio.run(asyncio.wait_for(go(), 120))
     kept = full.topk if top is None else full.topk[len(prompt) - top :]
     assert res.topk == [t for row in kept for t in row] and res.next_token == full.next_token
+
+
+def _shared(n_prefix: int, tails: list[int]) -> list[list[int]]:
+    """Prompts that begin with the same ``n_prefix`` tokens (a chat template's system prompt)."""
+    head = _prompt(60, n_prefix)
+    return [head + _prompt(70 + i, n) for i, n in enumerate(tails)]
+
+
+def _rows_computed(monkeypatch) -> list[list[int]]:
+    """Rows of each segment of every forward the engine runs, from now on."""
+    from verifier import engine
+
+    calls: list[list[int]] = []
+    real = engine.forward_segments
+
+    def recorded(segments, rows_exact=True):
+        calls.append([seg[1].shape[0] for seg in segments])
+        return real(segments, rows_exact)
+
+    monkeypatch.setattr(engine, "forward_segments", recorded)
+    return calls
+
+
+def test_prompts_of_a_batch_with_a_common_prefix_compute_it_once_and_get_what_each_gets_alone(tiny_llama, monkeypatch):
+    """float32: fresh prompts beginning with the same 20 tokens prefill those once (one forward of
+    the prefix, then every prompt's own rest; a prompt that is the prefix itself keeps its last token
+    to itself); each gets its top-k rows, next token and greedy continuation as alone. A prompt with
+    another beginning and a later turn are prefilled whole."""
+    prompts = _shared(20, [5, 1, 12, 0])
+    other = _prompt(80, 30)
+    histories = [*prompts, other, prompts[0]]
+    turns = [None, None, None, None, None, _prompt(81, 25)]  # the last: a later turn, not fresh
+    alone = [_alone(tiny_llama, h, t) for h, t in zip(histories, turns)]
+    sessions = [VerifierSession(tiny_llama, backend="llama") for _ in histories]
+    sessions[-1].prefill(histories[-1])
+    calls = _rows_computed(monkeypatch)
+    items = [(v, t if t is not None else h, True, None) for v, h, t in zip(sessions, histories, turns)]
+    results = prefill_batch(items)
+    assert calls == [[19], [6, 2, 13, 1, 30, 25]]  # the prefix once, less the last token of the one it is all of
+    assert [(r.topk, _off(v, r.next_token)) for v, r in zip(sessions, results)] == alone
+
+
+def test_a_common_prefix_is_not_shared_in_reduced_precision(bf16_llama, monkeypatch):
+    """bfloat16: a prompt's rows never depend on what shares its batch, so prompts with a common
+    beginning are prefilled whole, each equal to ``off`` alone."""
+    prompts = _shared(20, [5, 1, 12])
+    alone = [_alone(bf16_llama, p) for p in prompts]
+    calls = _rows_computed(monkeypatch)
+    sessions = [VerifierSession(bf16_llama, backend="llama") for _ in prompts]
+    results = prefill_batch([(v, p, True, None) for v, p in zip(sessions, prompts)])
+    assert calls == [[25, 21, 32]]
+    assert [(r.topk, _off(v, r.next_token)) for v, r in zip(sessions, results)] == alone
