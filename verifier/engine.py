@@ -127,7 +127,7 @@ class VerifierSession:
         exact = {"rows_exact": False} if self.backend.invariant else {}
         hidden = self.backend.forward(*inputs, **exact)
         self.backend.commit(None, hidden.shape[0])
-        return _prefilled([(self, hidden, choose, topk_rows)])[0]
+        return _prefilled([(self, hidden, choose, topk_rows, None)])[0]
 
     def _prefill_inputs(self, tokens: list[int]):
         """(ids [n], positions [n], causal mask [n, length + n] or None) of a prompt continuing the cache."""
@@ -239,33 +239,52 @@ def _logit_rows(n: int, choose: bool, topk_rows: int | None) -> tuple[int, int]:
 
 
 def _prefilled(items) -> list[PrefillResult]:
-    """Each prompt's result from its committed rows' ``hidden`` [n, hidden] (``(session, hidden,
-    choose, topk_rows)``, sessions of one model and one top-k width): the output layer runs once over
-    every row that needs it (``_logit_rows``), in chunks of ``_PREFILL_CHUNK`` rows, so the head's
-    weights are read once per chunk, not once per prompt. Logits are rowwise: in reduced precision (row-invariant
+    """Each prompt's result from its committed rows' hidden states (``(session, hidden [n, hidden],
+    choose, topk_rows, prefix)``, sessions of one model and one top-k width; ``prefix``: None, or the
+    hidden states [p, hidden] of rows before ``hidden`` that other prompts share, the same tensor for
+    them all). The output layer runs once over every row that needs it (``_logit_rows``; a shared
+    prefix's rows once for all), in chunks of ``_PREFILL_CHUNK`` rows, so the head's weights are read
+    once per chunk, not once per prompt. Logits are rowwise: in reduced precision (row-invariant
     kernels) a row's bits do not depend on the other rows of the call; in float32 a larger call may
     pick another kernel (~1e-7), as tree batches may."""
-    spans, parts, start = [], [], 0
-    for _, hidden, choose, topk_rows in items:
-        n = hidden.shape[0]
-        rows, top = _logit_rows(n, choose, topk_rows)
-        parts.append(hidden[n - rows :])
-        spans.append((start, start + rows, top))
-        start += rows
+    parts: list[torch.Tensor] = []
+    placed: dict[tuple, int] = {}  # a part's key -> its first row in the head's input
+
+    def place(key: tuple, rows: torch.Tensor) -> int:
+        if key not in placed:
+            placed[key] = sum(part.shape[0] for part in parts)
+            parts.append(rows)
+        return placed[key]
+
+    spans = []  # per prompt: its rows in the head's input, as (first, count) pieces in order
+    for j, (_, hidden, choose, topk_rows, prefix) in enumerate(items):
+        own, shared = hidden.shape[0], 0 if prefix is None else prefix.shape[0]
+        rows, _ = _logit_rows(shared + own, choose, topk_rows)
+        pieces = []
+        if rows > own:  # reaches into the shared prefix
+            pieces.append(
+                (place(("prefix", id(prefix), shared + own - rows), prefix[shared + own - rows :]), rows - own)
+            )
+        if min(rows, own):
+            pieces.append((place(("own", j), hidden[own - min(rows, own) :]), min(rows, own)))
+        spans.append(pieces)
     session0 = items[0][0]
     topk: list[list[int]] = []
     last: dict[int, torch.Tensor] = {}  # row -> its logits, for the prompts' last rows
-    ends = {end - 1 for _, end, _ in spans if end}
-    if start:
+    ends = {first + count - 1 for pieces in spans if pieces for first, count in pieces[-1:]}
+    if parts:
         hidden = torch.cat(parts) if len(parts) > 1 else parts[0]
-        for s in range(0, start, _PREFILL_CHUNK):
+        for s in range(0, hidden.shape[0], _PREFILL_CHUNK):
             logits = session0.backend.logits(hidden[s : s + _PREFILL_CHUNK])
             topk.extend(torch.topk(logits, session0.topk, dim=-1).indices.tolist())
             last.update((r, logits[r - s]) for r in ends if s <= r < s + logits.shape[0])
-    return [
-        PrefillResult(session._choose(last[end - 1]) if choose else -1, topk[end - top : end])
-        for (session, _, choose, _), (_, end, top) in zip(items, spans)
-    ]
+    out = []
+    for (session, hidden, choose, topk_rows, prefix), pieces in zip(items, spans):
+        _, top = _logit_rows(hidden.shape[0] + (0 if prefix is None else prefix.shape[0]), choose, topk_rows)
+        rows = [row for first, count in pieces for row in topk[first : first + count]]
+        end = pieces[-1][0] + pieces[-1][1] - 1 if pieces else None
+        out.append(PrefillResult(session._choose(last[end]) if choose else -1, rows[len(rows) - top :]))
+    return out
 
 
 @torch.inference_mode()
@@ -309,12 +328,7 @@ def prefill_batch(
         hidden = forward_segments([(items[j][0].backend, *inputs) for j, inputs in group], rows_exact=False)
         for (j, _), h in zip(group, hidden):
             items[j][0].backend.commit(None, h.shape[0])
-        done = _prefilled(
-            [
-                (items[j][0], torch.cat((heads[j], h)) if j in heads else h, *items[j][2:])
-                for (j, _), h in zip(group, hidden)
-            ]
-        )
+        done = _prefilled([(items[j][0], h, *items[j][2:], heads.get(j)) for (j, _), h in zip(group, hidden)])
         for (j, _), res in zip(group, done):
             results[j] = res
     return results

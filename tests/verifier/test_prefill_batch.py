@@ -228,7 +228,7 @@ def _rows_computed(monkeypatch) -> list[list[int]]:
 def test_prompts_of_a_batch_with_a_common_prefix_compute_it_once_and_get_what_each_gets_alone(tiny_llama, monkeypatch):
     """float32: fresh prompts beginning with the same 20 tokens prefill those once (one forward of
     the prefix, then every prompt's own rest; a prompt that is the prefix itself keeps its last token
-    to itself); each gets its top-k rows, next token and greedy continuation as alone. A prompt with
+    to itself), and the output layer runs over the prefix's rows once; each gets its top-k rows, next token and greedy continuation as alone. A prompt with
     another beginning and a later turn are prefilled whole."""
     prompts = _shared(20, [5, 1, 12, 0])
     other = _prompt(80, 30)
@@ -237,10 +237,11 @@ def test_prompts_of_a_batch_with_a_common_prefix_compute_it_once_and_get_what_ea
     alone = [_alone(tiny_llama, h, t) for h, t in zip(histories, turns)]
     sessions = [VerifierSession(tiny_llama, backend="llama") for _ in histories]
     sessions[-1].prefill(histories[-1])
-    calls = _rows_computed(monkeypatch)
+    calls, head = _rows_computed(monkeypatch), _head_rows(monkeypatch)
     items = [(v, t if t is not None else h, True, None) for v, h, t in zip(sessions, histories, turns)]
     results = prefill_batch(items)
     assert calls == [[19], [6, 2, 13, 1, 30, 25]]  # the prefix once, less the last token of the one it is all of
+    assert head == [19 + 6 + 2 + 13 + 1 + 30 + 25]  # the output layer too: the prefix's rows once
     assert [(r.topk, _off(v, r.next_token)) for v, r in zip(sessions, results)] == alone
 
 
