@@ -228,8 +228,9 @@ def _rows_computed(monkeypatch) -> list[list[int]]:
 def test_prompts_of_a_batch_with_a_common_prefix_compute_it_once_and_get_what_each_gets_alone(tiny_llama, monkeypatch):
     """float32: fresh prompts beginning with the same 20 tokens prefill those once (one forward of
     the prefix, then every prompt's own rest; a prompt that is the prefix itself keeps its last token
-    to itself), and the output layer runs over the prefix's rows once; each gets its top-k rows, next token and greedy continuation as alone. A prompt with
-    another beginning and a later turn are prefilled whole."""
+    to itself), and the output layer runs over the prefix's rows once; each gets its top-k rows,
+    next token and greedy continuation as alone. A prompt with another beginning and a later turn
+    are prefilled whole."""
     prompts = _shared(20, [5, 1, 12, 0])
     other = _prompt(80, 30)
     histories = [*prompts, other, prompts[0]]
