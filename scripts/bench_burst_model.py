@@ -12,7 +12,10 @@ advance), and the most prompt jobs a round waited behind. Configurations alterna
 The script uses only what ``Verifier`` offers, so the same command measures an older tree too:
 
     PYTHONPATH=. python scripts/bench_burst_model.py [--sessions 32] [--rounds 12] [--tree 8]
-        [--threads 1] [--reps 3] [--lead 2048]
+        [--threads 1] [--reps 3] [--lead 2048] [--shared 24]
+
+``--shared N``: every prompt begins with the same N tokens, as chat requests begin with their
+template and system prompt (24 tokens for the default model's).
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ def _clocked_prefill_batch(clocks: list[ModelClock]):
         out = real(items)
         now = (time.thread_time(), time.perf_counter())
         for clock in clocks:
-            for session, _, _ in items:
+            for session, *_ in items:
                 clock.prefilled[session] = now
         return out
 
@@ -89,9 +92,9 @@ async def burst(v: Verifier, clock: ModelClock, prompts, rounds: int, tree: int,
     cpu: list[float] = []
 
     async def one(i: int, p: list[int]) -> None:
-        e = v.claim(Open("t", f"s{seed}-{i}", p, reserve=rounds * tree))
+        e = v.claim(Open("t", f"s{seed}-{i}", p))
         try:
-            r = (await v.open(e, p)).next_token
+            r = (await v.open(e, p, reserve_tokens=rounds * tree)).next_token
             done_cpu, done_wall = clock.prefilled.pop(e.session)
             wall.append(done_wall - t0)
             cpu.append(done_cpu - c0)
@@ -117,13 +120,16 @@ def main() -> int:
     ap.add_argument("--tree", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--lead", type=int, default=None, help="--prefill-lead (where the tree has it)")
+    ap.add_argument("--shared", type=int, default=0, help="leading tokens every prompt has in common")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = load(args.model, args.dtype, args.threads, False).model
     lo, hi = map(int, args.prompt_tokens.split("-"))
     rng = random.Random(0)
+    head = [rng.randrange(model.config.vocab_size) for _ in range(args.shared)]
     prompts = [
-        [rng.randrange(model.config.vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(args.sessions)
+        head + [rng.randrange(model.config.vocab_size) for _ in range(rng.randint(lo, hi) - args.shared)]
+        for _ in range(args.sessions)
     ]
     params = inspect.signature(Verifier).parameters
     extra = {"kv_memory_bytes" if "kv_memory_bytes" in params else "kv_budget_bytes": 1 << 30}
@@ -150,8 +156,9 @@ def main() -> int:
     med = statistics.median
     print(
         f"{args.sessions} sessions ({args.prompt_tokens} prompt tokens) open at once, rounds of {args.tree} nodes "
-        f"x {args.rounds}; {args.dtype}, {torch.get_num_threads()} thread(s); medians over {args.reps} bursts"
-        + (f"; prefill_lead={extra['prefill_lead']}" if extra else "")
+        f"x {args.rounds}; {args.dtype}, {torch.get_num_threads()} thread(s); medians over {args.reps} bursts; "
+        f"{args.shared} leading tokens in common"
+        + (f"; prefill_lead={extra['prefill_lead']}" if "prefill_lead" in extra else "")
     )
     print(
         "| prefill | TTFT p50 s | TTFT p99 s | TTFT p50 model-CPU s | TTFT p99 model-CPU s | burst s "

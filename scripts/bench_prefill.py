@@ -5,7 +5,11 @@ The verifier's own kernels (the measured plan) and llama backend, the default mo
 within each repetition (the first pass is not counted), medians in ms and their ratio.
 
     PYTHONPATH=. python scripts/bench_prefill.py [--threads 1] [--shapes 16x32,16x8,8x64] [--reps 3]
-        [--dtype bfloat16]
+        [--dtype bfloat16] [--shared 24] [--topk-rows 0]
+
+``--shared N``: every prompt begins with the same N of its tokens (a chat template's system prompt:
+24 of the burst's 36-45 tokens for the default model), which a batch prefills once in float32.
+``--topk-rows R``: the top-k of each prompt's last R positions only (default: every position).
 """
 
 from __future__ import annotations
@@ -33,19 +37,25 @@ def main() -> int:
     ap.add_argument("--shapes", default="16x32,16x8,8x64", help="prompts x tokens, comma separated")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    ap.add_argument("--shared", type=int, default=0, help="leading tokens every prompt has in common")
+    ap.add_argument("--topk-rows", type=int, default=None, help="top-k of each prompt's last R positions")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = load(args.model, "float32", args.threads or None, False).model
+    model = load(args.model, args.dtype, args.threads or None, False).model
     kernel_plan(model)
     rng = random.Random(0)
     vocab = model.config.vocab_size
-    print(f"threads={torch.get_num_threads()} model={args.model} {args.dtype}")
+    print(
+        f"threads={torch.get_num_threads()} model={args.model} {args.dtype} shared={args.shared} "
+        f"topk_rows={'all' if args.topk_rows is None else args.topk_rows}"
+    )
     print("| prompts x tokens | one at a time ms | one forward ms | ratio |")
     print("|---|---|---|---|")
     for shape in args.shapes.split(","):
         n, tokens = map(int, shape.split("x"))
-        prompts = [[rng.randrange(vocab) for _ in range(tokens)] for _ in range(n)]
+        head = [rng.randrange(vocab) for _ in range(min(args.shared, tokens))]
+        prompts = [head + [rng.randrange(vocab) for _ in range(tokens - len(head))] for _ in range(n)]
         times: dict[str, list[float]] = {"alone": [], "together": []}
         for rep in range(args.reps + 1):
             for kind in ("alone", "together") if rep % 2 == 0 else ("together", "alone"):
@@ -53,9 +63,9 @@ def main() -> int:
                 t0 = time.perf_counter()
                 if kind == "alone":
                     for s, p in zip(sessions, prompts):
-                        s.prefill(p)
+                        s.prefill(p, True, args.topk_rows)
                 else:
-                    prefill_batch([(s, p, True) for s, p in zip(sessions, prompts)])
+                    prefill_batch([(s, p, True, args.topk_rows) for s, p in zip(sessions, prompts)])
                 if rep:
                     times[kind].append((time.perf_counter() - t0) * 1e3)
         alone, together = (statistics.median(times[k]) for k in ("alone", "together"))

@@ -133,6 +133,7 @@ class _Prompt:
     session: object  # engine.VerifierSession
     tokens: list[int]
     choose: bool
+    topk_rows: int | None  # top-k of the chunk's last that many positions (None: all)
     prepare: Callable[[], None] | None  # run on the model thread just before the forward
     future: Future = field(default_factory=Future)
 
@@ -158,10 +159,10 @@ class PrefillBatcher:
         self._waiting: dict[str, deque[_Prompt]] = {}  # tenant -> its waiting chunks, in order
         self.sizes: list[int] = []  # prompts per forward, for inspection
 
-    async def prefill(self, tenant: str, session, tokens: list[int], choose: bool, prepare=None):
-        """``session.prefill(tokens, choose)``, maybe with other sessions' prompts in the forward
-        (``prepare`` first, on the model thread)."""
-        item = _Prompt(tenant, session, tokens, choose, prepare)
+    async def prefill(self, tenant: str, session, tokens: list[int], choose: bool, prepare=None, topk_rows=None):
+        """``session.prefill(tokens, choose, topk_rows)``, maybe with other sessions' prompts in the
+        forward (``prepare`` first, on the model thread)."""
+        item = _Prompt(tenant, session, tokens, choose, topk_rows, prepare)
         with self._lock:
             self._waiting.setdefault(tenant, deque()).append(item)
         job = self.model_thread.submit(tenant, len(tokens), "prefill", self._run, item)
@@ -225,7 +226,7 @@ class PrefillBatcher:
         if not ready:
             return out
         try:
-            results = prefill_batch([(item.session, item.tokens, item.choose) for item in ready])
+            results = prefill_batch([(item.session, item.tokens, item.choose, item.topk_rows) for item in ready])
         except BaseException as e:  # noqa: BLE001 - every waiter of the forward gets it
             return out + [(item, e) for item in ready]
         self.sizes.append(len(ready))

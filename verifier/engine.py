@@ -29,7 +29,9 @@ _PREFILL_CHUNK = 256  # rows of the output projection computed at once (bounds [
 @dataclass
 class PrefillResult:
     next_token: int  # the target's choice after the last prompt token
-    topk: list[list[int]]  # [len(tokens), k]: top-k next-token ids at every prompt position
+    # [rows, k]: top-k next-token ids at the prompt's last ``rows`` positions (every position unless
+    # the prefill asked for fewer: ``topk_rows``)
+    topk: list[list[int]]
 
 
 @dataclass
@@ -113,15 +115,19 @@ class VerifierSession:
         return self._sampler(logits_row.cpu())
 
     @torch.inference_mode()
-    def prefill(self, tokens: list[int], choose: bool = True) -> PrefillResult:
+    def prefill(self, tokens: list[int], choose: bool = True, topk_rows: int | None = None) -> PrefillResult:
         """Appends ``tokens`` to the cache (a first prompt, or a later turn's new tokens).
         ``choose=False`` (a chunk before the last of a long prompt): ``next_token`` is -1 and a
-        sampler draws nothing, so a chunked prefill draws what an unchunked one does."""
+        sampler draws nothing, so a chunked prefill draws what an unchunked one does. ``topk_rows``:
+        the top-k of only the last that many positions (None: all); the output layer runs over the
+        rows it needs only (those, and the last row when ``choose``)."""
         inputs = self._prefill_inputs(tokens)
         # A prompt is one fused forward even in invariant mode: every run of the same prompt gets the
         # same bits; only tree rows must match what a one-token step computes.
         exact = {"rows_exact": False} if self.backend.invariant else {}
-        return self._prefilled(self.backend.forward(*inputs, **exact), choose)
+        hidden = self.backend.forward(*inputs, **exact)
+        self.backend.commit(None, hidden.shape[0])
+        return _prefilled([(self, hidden, choose, topk_rows, None)])[0]
 
     def _prefill_inputs(self, tokens: list[int]):
         """(ids [n], positions [n], causal mask [n, length + n] or None) of a prompt continuing the cache."""
@@ -137,19 +143,6 @@ class VerifierSession:
             mask = torch.ones((n, past + n), dtype=torch.bool)
             mask[:, past:] = torch.ones((n, n), dtype=torch.bool).tril()
         return ids, positions, mask
-
-    def _prefilled(self, hidden: torch.Tensor, choose: bool) -> PrefillResult:
-        """Commits the prompt's ``hidden`` [n, hidden] rows; its top-k and next token, the output layer
-        run over this prompt's rows only (in chunks), as alone."""
-        n = hidden.shape[0]
-        self.backend.commit(None, n)
-        topk: list[list[int]] = []
-        last_logits = None
-        for s in range(0, n, _PREFILL_CHUNK):
-            logits = self.backend.logits(hidden[s : s + _PREFILL_CHUNK])
-            topk.extend(torch.topk(logits, self.topk, dim=-1).indices.tolist())
-            last_logits = logits[-1]
-        return PrefillResult(self._choose(last_logits) if choose else -1, topk)
 
     @torch.inference_mode()
     def verify(self, tokens: list[int], parents: list[int]) -> VerifyResult:
@@ -238,26 +231,85 @@ def verify_batch(items: list[tuple["VerifierSession", list[int], list[int]]]) ->
     return results
 
 
-@torch.inference_mode()
-def prefill_batch(items: list[tuple["VerifierSession", list[int], bool]]) -> list[PrefillResult | BaseException]:
-    """Prefills several sessions' prompts (``(session, tokens, choose)``); those on the llama backend of
-    one model share one pass over the weights (``forward_segments``), each with its own positions,
-    causal mask and cache, as tree batches do.
+def _logit_rows(n: int, choose: bool, topk_rows: int | None) -> tuple[int, int]:
+    """Of an ``n``-row prompt: (its last rows the output layer runs over, how many of them get top-k):
+    the last ``topk_rows`` (None: all), and the last row when ``choose`` (its logits pick the token)."""
+    top = n if topk_rows is None else min(n, max(0, topk_rows))
+    return max(top, 1 if choose else 0), top
 
-    Each result is what ``session.prefill(tokens, choose)`` alone returns: attention runs per
-    session; in invariant mode (reduced precision) the projections' rows are bit-identical whatever
-    shares the call, as the prompt's attention is one fused call over the session's own rows, as
-    alone; the output layer runs per session. In float32 the projections of a larger call may pick
-    another kernel, as tree batches may: ~1e-7, not batch invariant, as float32 is allowed to be
-    (its contract is token identity with Hugging Face greedy). An invalid prompt gets its error and
-    leaves its session untouched; the others go on.
+
+def _prefilled(items) -> list[PrefillResult]:
+    """Each prompt's result from its committed rows' hidden states (``(session, hidden [n, hidden],
+    choose, topk_rows, prefix)``, sessions of one model and one top-k width; ``prefix``: None, or the
+    hidden states [p, hidden] of rows before ``hidden`` that other prompts share, the same tensor for
+    them all). The output layer runs once over every row that needs it (``_logit_rows``; a shared
+    prefix's rows once for all), in chunks of ``_PREFILL_CHUNK`` rows, so the head's weights are read
+    once per chunk, not once per prompt. Logits are rowwise: in reduced precision (row-invariant
+    kernels) a row's bits do not depend on the other rows of the call; in float32 a larger call may
+    pick another kernel (~1e-7), as tree batches may."""
+    parts: list[torch.Tensor] = []
+    placed: dict[tuple, int] = {}  # a part's key -> its first row in the head's input
+
+    def place(key: tuple, rows: torch.Tensor) -> int:
+        if key not in placed:
+            placed[key] = sum(part.shape[0] for part in parts)
+            parts.append(rows)
+        return placed[key]
+
+    spans = []  # per prompt: its rows in the head's input, as (first, count) pieces in order
+    for j, (_, hidden, choose, topk_rows, prefix) in enumerate(items):
+        own, shared = hidden.shape[0], 0 if prefix is None else prefix.shape[0]
+        rows, _ = _logit_rows(shared + own, choose, topk_rows)
+        pieces = []
+        if rows > own:  # reaches into the shared prefix
+            pieces.append(
+                (place(("prefix", id(prefix), shared + own - rows), prefix[shared + own - rows :]), rows - own)
+            )
+        if min(rows, own):
+            pieces.append((place(("own", j), hidden[own - min(rows, own) :]), min(rows, own)))
+        spans.append(pieces)
+    session0 = items[0][0]
+    topk: list[list[int]] = []
+    last: dict[int, torch.Tensor] = {}  # row -> its logits, for the prompts' last rows
+    ends = {first + count - 1 for pieces in spans if pieces for first, count in pieces[-1:]}
+    if parts:
+        hidden = torch.cat(parts) if len(parts) > 1 else parts[0]
+        for s in range(0, hidden.shape[0], _PREFILL_CHUNK):
+            logits = session0.backend.logits(hidden[s : s + _PREFILL_CHUNK])
+            topk.extend(torch.topk(logits, session0.topk, dim=-1).indices.tolist())
+            last.update((r, logits[r - s]) for r in ends if s <= r < s + logits.shape[0])
+    out = []
+    for (session, hidden, choose, topk_rows, prefix), pieces in zip(items, spans):
+        _, top = _logit_rows(hidden.shape[0] + (0 if prefix is None else prefix.shape[0]), choose, topk_rows)
+        rows = [row for first, count in pieces for row in topk[first : first + count]]
+        end = pieces[-1][0] + pieces[-1][1] - 1 if pieces else None
+        out.append(PrefillResult(session._choose(last[end]) if choose else -1, rows[len(rows) - top :]))
+    return out
+
+
+@torch.inference_mode()
+def prefill_batch(
+    items: list[tuple["VerifierSession", list[int], bool, int | None]],
+) -> list[PrefillResult | BaseException]:
+    """Prefills several sessions' prompts (``(session, tokens, choose, topk_rows)``); those on the llama
+    backend of one model share one pass over the weights (``forward_segments``), each with its own
+    positions, causal mask and cache, as tree batches do, and one output layer over the rows that
+    need it (``_prefilled``).
+
+    Each result is what ``session.prefill(tokens, choose, topk_rows)`` alone returns: attention runs
+    per session; in invariant mode (reduced precision) the projections' and the output layer's rows
+    are bit-identical whatever shares the call, as the prompt's attention is one fused call over the
+    session's own rows, as alone. In float32 a larger call may pick another kernel, as tree batches
+    may: ~1e-7, not batch invariant, as float32 is allowed to be (its contract is token identity
+    with Hugging Face greedy). An invalid prompt gets its error and leaves its session untouched;
+    the others go on.
     """
     results: list = [None] * len(items)
-    groups: dict[int, list] = {}
-    for j, (session, tokens, choose) in enumerate(items):
+    groups: dict[tuple[int, int], list] = {}
+    for j, (session, tokens, choose, topk_rows) in enumerate(items):
         if not isinstance(session.backend, LlamaBackend):
             try:
-                results[j] = session.prefill(tokens, choose)
+                results[j] = session.prefill(tokens, choose, topk_rows)
             except Exception as e:  # noqa: BLE001 - this prompt's caller gets it
                 results[j] = e
             continue
@@ -266,13 +318,66 @@ def prefill_batch(items: list[tuple["VerifierSession", list[int], bool]]) -> lis
         except ValueError as e:
             results[j] = e
             continue
-        groups.setdefault(id(session.model), []).append((j, inputs))
+        groups.setdefault((id(session.model), session.topk), []).append((j, inputs))
     for group in groups.values():
+        heads = {} if items[group[0][0]][0].backend.invariant else _share_prefixes(group, items)
+        group = [
+            (j, items[j][0]._prefill_inputs(items[j][1][heads[j].shape[0] :])) if j in heads else (j, inputs)
+            for j, inputs in group
+        ]
         hidden = forward_segments([(items[j][0].backend, *inputs) for j, inputs in group], rows_exact=False)
         for (j, _), h in zip(group, hidden):
-            session, _, choose = items[j]
-            results[j] = session._prefilled(h, choose)
+            items[j][0].backend.commit(None, h.shape[0])
+        done = _prefilled([(items[j][0], h, *items[j][2:], heads.get(j)) for (j, _), h in zip(group, hidden)])
+        for (j, _), res in zip(group, done):
+            results[j] = res
     return results
+
+
+# Fresh prompts of one batch (empty caches) that begin with at least this many equal tokens (a chat
+# template's system prompt) compute those rows once: float32 only, where a row's bits may depend
+# on the call; in reduced precision a prompt's rows never depend on what shares its batch.
+SHARED_PREFIX = 16
+
+
+def _prefix_sets(group, items) -> list[tuple[int, list[int]]]:
+    """(length, item indices) of the group's fresh prompts that begin with the same at least
+    ``SHARED_PREFIX`` tokens, two or more to a set; each keeps at least its last token to itself."""
+    sets: dict[tuple[int, ...], list[int]] = {}
+    for j, _ in group:
+        session, tokens = items[j][0], items[j][1]
+        if session.length == 0 and len(tokens) > SHARED_PREFIX:
+            sets.setdefault(tuple(tokens[:SHARED_PREFIX]), []).append(j)
+    out = []
+    for members in sets.values():
+        if len(members) < 2:
+            continue
+        prompts = [items[j][1] for j in members]
+        end, length = min(len(p) for p in prompts) - 1, SHARED_PREFIX
+        while length < end and all(p[length] == prompts[0][length] for p in prompts):
+            length += 1
+        out.append((length, members))
+    return out
+
+
+def _share_prefixes(group, items) -> dict[int, torch.Tensor]:
+    """Prefills each set of prompts' common prefix (``_prefix_sets``) once, in one forward for all
+    sets, into the first member's cache, and gives the other members those rows; a member then
+    prefills only the rest of its prompt, as a chunked prefill would. Returns item index -> the
+    prefix rows' hidden states (for its output layer)."""
+    sets = _prefix_sets(group, items)
+    if not sets:
+        return {}
+    segments = [(items[m[0]][0].backend, *items[m[0]][0]._prefill_inputs(items[m[0]][1][:n])) for n, m in sets]
+    heads = {}
+    for (n, members), hidden in zip(sets, forward_segments(segments, rows_exact=False)):
+        first = items[members[0]][0].backend
+        first.commit(None, n)
+        for j in members:
+            if j != members[0]:
+                items[j][0].backend.take_prefix(first, n)
+            heads[j] = hidden
+    return heads
 
 
 COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)

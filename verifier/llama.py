@@ -169,6 +169,15 @@ class LlamaBackend:
         """hidden [n, hidden] -> logits [n, V]."""
         return self.plan.mm(hidden, self.lm_head_w, None)
 
+    def take_prefix(self, src: "LlamaBackend", rows: int) -> None:
+        """An empty cache takes ``src``'s first ``rows`` committed rows as its committed context (a
+        prompt prefix both sessions begin with, prefilled once: ``engine.prefill_batch``)."""
+        if self.length or src.length < rows:
+            raise ValueError(f"take_prefix: {rows} rows into a cache of {self.length}, from one of {src.length}")
+        self._ensure_capacity(rows)
+        self.cache[:, :, :, :rows] = src.cache[:, :, :, :rows]
+        self.length = rows
+
     def commit(self, keep: list[int] | None, n_new: int) -> None:
         """Keeps the new rows at offsets ``keep`` (ascending; None = all ``n_new``), drops the rest
         (rows past ``length`` are never read: dropping them is moving ``length`` only)."""

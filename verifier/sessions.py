@@ -58,7 +58,7 @@ class Open:
 @dataclass(frozen=True)
 class Prefilled:
     next_token: int
-    topk: list[int]  # [len(prefilled) * topk] flattened
+    topk: list[int]  # [rows * topk] flattened: the prefilled tokens' last rows (``prompt_topk``)
     reused_tokens: int
     cache_tokens: int
     elapsed_ms: float
@@ -90,7 +90,8 @@ class Verifier(Holder):
     memory limit), ``ttl`` of an idle cache in seconds, ``cost`` (ms by tree size), ``max_batch``
     trees and ``max_wait_ms`` per batch, ``headroom`` rows, ``prefill_chunk`` tokens per prefill
     job, ``max_waiting`` opens for at most ``wait_seconds`` in KV memory's queue, ``stall_seconds``
-    before the model thread counts as stalled, ``prefill_batch`` prompts per forward."""
+    before the model thread counts as stalled, ``prefill_batch`` prompts per forward, ``prompt_topk``
+    the prompt's last positions whose top-k an open sends back (None: every position)."""
 
     def __init__(
         self,
@@ -112,6 +113,7 @@ class Verifier(Holder):
         stall_seconds: float = 60.0,
         prefill_batch: int = 16,
         prefill_lead: int = 2048,
+        prompt_topk: int | None = None,
     ):
         self.model = model
         self.topk = topk
@@ -120,6 +122,7 @@ class Verifier(Holder):
         self.max_sessions = max_sessions
         self.headroom = headroom  # rows reserved past the history and the turn's new tokens: a tree
         self.prefill_chunk = max(1, prefill_chunk)
+        self.prompt_topk = prompt_topk
         self.stall_seconds = stall_seconds
         self.sessions: SessionTable[Entry] = SessionTable(ttl)
         per_token = kv_bytes_per_token(model.config, next(model.parameters()).element_size())
@@ -253,9 +256,13 @@ class Verifier(Holder):
 
         for i, chunk in enumerate(chunks):
             last = i == len(chunks) - 1
+            after = len(new) - (i + 1) * self.prefill_chunk  # prompt tokens after this chunk
+            top = None if self.prompt_topk is None else max(0, min(len(chunk), self.prompt_topk - max(0, after)))
             try:
                 # maybe in one forward with other sessions' waiting prompts (``PrefillBatcher``)
-                res = await self.prefills.prefill(entry.tenant, session, chunk, last, prepare if i == 0 else None)
+                res = await self.prefills.prefill(
+                    entry.tenant, session, chunk, last, prepare if i == 0 else None, topk_rows=top
+                )
             except asyncio.CancelledError:
                 raise
             except BaseException:
