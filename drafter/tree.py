@@ -253,8 +253,10 @@ def corpus_candidates(
     out, paths = [], {-1: ()}
     for (parent, tok), node in ids.items():  # parents before children: a parent is met first
         path = paths.get(parent)
-        value = counts[node] / n * q ** (len(path) + 1) if path is not None else 0.0
-        if path is not None and value >= min_prob:
+        if path is None:  # the parent was worth too little, so is every path through it
+            continue
+        value = counts[node] / n * q ** (len(path) + 1)
+        if value >= min_prob:
             paths[node] = path = path + (tok,)
             out.append((value, path))
     return out
