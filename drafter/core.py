@@ -28,6 +28,7 @@ from common.sessions import Holder, SessionTable
 
 from . import metrics as M
 from .corpora import Corpora, Response
+from .corpus import TOKEN_LIMIT
 from .draft_session import DrafterConfig, DraftSession
 from .snapshot import SnapshotError, dumps, loads
 from .tree import DraftTree
@@ -49,6 +50,7 @@ class Entry(_Entry):
     dropped: bool = False  # closed (``drop``) while a stream still held it: nothing more is saved
     corpus_on: bool = False  # this turn drafts from the tenant corpus
     response: Response | None = None  # this turn's response going into the tenant corpus (None: not shared)
+    opened_length: int = 0  # the session's history when this stream opened it
 
     @property
     def snapshot_key(self) -> str:
@@ -148,6 +150,7 @@ class Drafter(Holder):
         entry.touch()
         entry.tree = []
         _catch_up(entry.session, history, rows)
+        entry.opened_length = len(history)
         await self._open_corpus(entry, req)
         self.sessions.claim(entry)  # only once the open succeeded: a failed one leaves no stream behind
         self._bound(entry, estimate=source != "memory")  # (~5 ms for a full session: not before every turn)
@@ -245,8 +248,26 @@ class Drafter(Holder):
             self.corpora.append(entry.response, committed)
         entry.rounds_since_save += 1
 
-    def end_turn(self, entry: Entry) -> None:
-        entry.rounds_since_save = self.snapshot_every  # saved right after the response
+    def end_turn(self, entry: Entry, tokens=()) -> None:
+        """The turn is over: its response goes into the tenant corpus whole (``tokens``: every token
+        the session gained since this stream's open; those no step committed, the last round's, are
+        added now and published at the next sync), and the session is saved right after."""
+        entry.rounds_since_save = self.snapshot_every
+        if entry.response is None or not tokens:
+            return
+        committed = entry.session.history[entry.opened_length :]
+        _check(
+            _is_prefix(committed, list(tokens)),
+            Status.INVALID_ARGUMENT,
+            f"end_turn.tokens: {len(tokens)} tokens that do not begin with the {len(committed)} committed since open",
+        )
+        rest = tokens[len(committed) :]
+        _check(
+            all(0 <= t < TOKEN_LIMIT for t in rest), Status.INVALID_ARGUMENT, "end_turn.tokens: token id out of range"
+        )
+        self.corpora.append(entry.response, rest)
+        self.corpora.finish(entry.response)
+        entry.response = None  # the response is whole: nothing more of this stream goes in
 
     def after_response(self, entry: Entry) -> None:
         """Off the round's critical path: the response is on its way before the snapshot is encoded."""

@@ -145,7 +145,9 @@ class DraftSession:
             n_retrieval = add_retrieval(trie, self.automaton, root, cfg.min_depth, cfg.retrieval_min_prob)
             if self.corpus is not None and mode == "racer" and not trie.full():
                 seen = (self.accepted["corpus"], self.drafted["corpus"])
-                found = corpus_candidates(self.corpus, self.history, root, budget - 1, cfg.corpus_min_match, seen)
+                found = corpus_candidates(
+                    self.corpus, self.history, root, budget - 1, cfg.corpus_min_match, seen, cfg.corpus_min_prob
+                )
                 add_corpus(trie, found, cfg.corpus_min_prob)
         if mode in ("racer", "logits", "last-logit"):
             get = self.table.get

@@ -72,9 +72,9 @@ class _DraftStream(SessionStream[Entry]):
         M.DRAFT_SECONDS.observe(time.perf_counter() - t0)
         return resp
 
-    async def end_turn(self, _msg) -> pb.DraftResponse:
+    async def end_turn(self, msg: pb.EndTurn) -> pb.DraftResponse:
         t0 = time.perf_counter()
-        self.drafter.end_turn(self.entry)
+        self.drafter.end_turn(self.entry, list(msg.tokens))
         return self._answer(t0)
 
     def _answer(self, t0: float, **fields) -> pb.DraftResponse:

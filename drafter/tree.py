@@ -208,7 +208,13 @@ def add_logits_best_first(trie: _Trie, table_get, rank_prob=RANK_PRIOR) -> None:
 
 
 def corpus_candidates(
-    corpus, context, root: int, depth: int, min_match: int = 4, observed: tuple[int, int] = (0, 0)
+    corpus,
+    context,
+    root: int,
+    depth: int,
+    min_match: int = 4,
+    observed: tuple[int, int] = (0, 0),
+    min_prob: float = 0.0,
 ) -> list[tuple[float, tuple[int, ...]]]:
     """Continuation paths from a tenant corpus, each with its estimated chance of acceptance.
 
@@ -217,19 +223,43 @@ def corpus_candidates(
     confidence: a prior ``L / (L + 2)`` from the match length L, moved towards what the session saw
     (``observed``: corpus nodes it accepted, drafted), the prior counting as 4 nodes. A long match of
     a repeated answer keeps a deep chain; a short, ambiguous or often wrong one a few nodes or none.
+    Only the paths worth ``min_prob`` are returned (in the order they are first met): a path is
+    never worth more than ``q ** depth``, so the continuations are read no deeper than that allows.
     """
-    length, conts = corpus.lookup(context, root, depth)
-    if length < min_match or not conts:
+    length, positions = corpus.match(context, root)
+    if length < min_match or not positions:
         return []
     accepted, drafted = observed
     q = (accepted + 4 * length / (length + 2)) / (drafted + 4)
-    counts: dict[tuple[int, ...], int] = {}
+    reach = 0  # the deepest a path worth min_prob can be (its frequency is at most 1)
+    while reach < depth and q ** (reach + 1) >= min_prob:
+        reach += 1
+    if reach == 0:
+        return []
+    conts = [corpus.continuation(p, reach) for p in positions[: corpus.config.max_candidates]]
+    # the continuations' prefix tree: node (its parent node, token) -> id; ids in first-met order
+    ids: dict[tuple[int, int], int] = {}
+    counts: list[int] = []
     for c in conts:
-        for d in range(1, len(c) + 1):
-            path = tuple(c[:d])
-            counts[path] = counts.get(path, 0) + 1
+        node = -1
+        for tok in c:
+            key = (node, tok)
+            node = ids.get(key, -1)
+            if node < 0:
+                node = ids[key] = len(counts)
+                counts.append(0)
+            counts[node] += 1
     n = len(conts)
-    return [(cnt / n * q ** len(path), path) for path, cnt in counts.items()]
+    out, paths = [], {-1: ()}
+    for (parent, tok), node in ids.items():  # parents before children: a parent is met first
+        path = paths.get(parent)
+        if path is None:  # the parent was worth too little, so is every path through it
+            continue
+        value = counts[node] / n * q ** (len(path) + 1)
+        if value >= min_prob:
+            paths[node] = path = path + (tok,)
+            out.append((value, path))
+    return out
 
 
 def add_corpus(trie: _Trie, candidates, min_prob: float = 0.25) -> int:

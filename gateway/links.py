@@ -212,9 +212,10 @@ class DrafterLink(_Link):
         resp = await self.receive()
         return Tree(list(resp.tree.tokens), list(resp.tree.parents), resp.elapsed_ms)
 
-    async def end_turn(self) -> None:
-        """The drafter may snapshot the session now: no step comes before the next turn's open."""
-        await self.ask(dpb.DraftRequest(end_turn=dpb.EndTurn()))
+    async def end_turn(self, tokens: list[int]) -> None:
+        """The drafter may snapshot the session now: no step comes before the next turn's open.
+        ``tokens``: every token the session gained since this stream's open (``EndTurn``)."""
+        await self.ask(dpb.DraftRequest(end_turn=dpb.EndTurn(tokens=tokens)))
 
 
 class VerifierLink(_Link):

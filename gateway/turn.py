@@ -158,7 +158,7 @@ class Turn:
 
     async def _finish(self, emitted: list[int], t0: float) -> Finished:
         rec = self.record
-        await self.links.end_turn()
+        await self.links.end_turn(self.history + emitted)  # the drafter's response goes into the corpus whole
         rec.history = self.history + emitted
         rec.turns += 1
         rec.last_used = time.time()

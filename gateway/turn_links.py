@@ -53,6 +53,7 @@ class TurnLinks:
         self.abort_field: str | None = None  # the request field the abort is about (Abort.field)
         self.waiting: dict[str, float] = {}  # kind -> when to stop waiting for one to come back
         self.corpus: dict = {}  # the tenant corpus for the drafter's open: share, corpus, corpus_tokens
+        self.drafter_opened = 0  # the session's tokens the drafter stream was opened with
         # kind -> why the session is leaving its backend (drain, lost, full, unreachable); None: it is not
         self.leaving: dict[str, str | None] = {"drafter": None, "verifier": None}
 
@@ -190,6 +191,7 @@ class TurnLinks:
                 self._unreachable("drafter", e)
                 continue
             self.drafter = link
+            self.drafter_opened = len(rounds.committed)
             self.waiting.pop("drafter", None)
             if self.leaving["drafter"] is not None:
                 M.SESSIONS_MOVED.labels("drafter", self.leaving["drafter"]).inc()
@@ -303,11 +305,13 @@ class TurnLinks:
             self.verify_ms += res.elapsed_ms
             return res
 
-    async def end_turn(self) -> None:
-        """Tells the drafter the turn is over (it may snapshot the session); a failure only logs."""
+    async def end_turn(self, session_tokens: list[int]) -> None:
+        """Tells the drafter the turn is over, with ``session_tokens`` (the whole history, this turn's
+        output included) past what its stream opened with: the tokens its steps never committed go
+        into the tenant corpus, and it may snapshot the session. A failure only logs."""
         try:
-            await self.drafter.end_turn()
-        except (Lost, Abort) as e:  # the snapshot is an optimisation; the turn is done
+            await self.drafter.end_turn(session_tokens[self.drafter_opened :])
+        except (Lost, Abort) as e:  # the snapshot and the corpus are optimisations; the turn is done
             log.warning(
                 "end_turn failed", extra={"session_id": self.record.session_id, "error": getattr(e, "error", repr(e))}
             )

@@ -261,24 +261,29 @@ def _warm(st: Replicas, tenants: list[str], budget: int, warm: str | list[int]) 
     )
 
 
-def _wait_replicated(st: Replicas, budgets: list[int], published: dict[int, int], held: dict[int, list[float]]):
-    """Seconds, per budget, until every replica holds the whole of pass 1 (``published`` responses of
-    its tenant); ``held`` gets each replica's ``racer_corpus_tokens``."""
+def _wait_replicated(
+    st: Replicas, budgets: list[int], published: dict[int, tuple[int, int]], held: dict[int, list[float]]
+):
+    """Seconds, per budget, until every replica holds the whole of pass 1 (``published``: the
+    (responses, tokens) its tenant's sessions generated, the last round of each included);
+    ``held`` gets each replica's ``racer_corpus_tokens``."""
     replication: dict[int, float] = {}
     for b in budgets:
         t = corpus_tenant(b)
 
         def caught_up(b=b, t=t) -> bool:
-            # every pass-1 response in the stream, and every replica holding all of the stream
+            # every token of every pass-1 response in the stream, and every replica holding all of it
             responses, tokens = st.published(t)
             held[b] = [metric(s, "racer_corpus_tokens", tenant=t) for s in st.scrape()]
-            return responses >= published[b] and set(held[b]) == {tokens}
+            want_responses, want_tokens = published[b]
+            return responses >= want_responses and tokens >= want_tokens and set(held[b]) == {tokens}
 
         replication[b] = wait_for(
             caught_up,
             120,
             lambda b=b, t=t: (
-                f"every replica holding the {published[b]} responses of pass 1 of {t} (tokens held: {held[b]})"
+                f"every replica holding the {published[b][0]} responses ({published[b][1]} tokens) of pass 1 of {t} "
+                f"(tokens held: {held[b]})"
             ),
         )
     return replication
@@ -318,7 +323,7 @@ def run_stack(
     served = {g: [0] * n for g in ("pass 1", "pass 2")}
     first: dict[str, int] = {}  # prompt/budget -> the replica of its pass-1 session with the corpus
     crossed = 0
-    published = {b: 0 for b in budgets}  # pass-1 responses with the corpus on
+    published = {b: (0, 0) for b in budgets}  # pass-1 responses with the corpus on, and their tokens
     replication: dict[int, float] = {}
     held: dict[int, list[float]] = {}
     bar = tqdm(total=2 * len(prompts) * len(budgets) * 2, disable=not progress, file=sys.stderr, unit="session")
@@ -341,7 +346,7 @@ def run_stack(
                         key = f"{p.question_id}/{b}"
                         if group == "pass 1":
                             first[key] = replica
-                            published[b] += 1
+                            published[b] = (published[b][0] + 1, published[b][1] + len(out))
                         elif first[key] != replica:
                             crossed += 1
                         r.identical = off.identical = r.output == off.output
@@ -430,9 +435,10 @@ def report(single_results: list[Result], run: StackRun, budgets: list[int], n: i
         f"{run.crossed}/{sum(1 for r in run.results if r.corpus and r.group == 'pass 2')}"
     )
     for b in budgets:
+        generated = sum(len(r.output) for r in run.results if r.group == "pass 1" and r.corpus and r.budget == b)
         lines.append(
-            f"C={b}: every replica held pass 1 ({', '.join(f'{x:.0f}' for x in run.corpus_tokens[b])} corpus tokens) "
-            f"{run.replication_s[b]:.2f} s after it ended"
+            f"C={b}: every replica held pass 1 ({', '.join(f'{x:.0f}' for x in run.corpus_tokens[b])} corpus tokens "
+            f"of the {generated} generated) {run.replication_s[b]:.2f} s after it ended"
         )
     lines.append(
         "replication lag over the run (racer_corpus_replication_lag_seconds, mean over records): "

@@ -29,7 +29,7 @@ from drafter.automaton import Automaton
 from drafter.corpus import Corpus, CorpusConfig
 from drafter.draft_session import DrafterConfig
 from drafter.tree import _Trie, add_corpus, add_retrieval, corpus_candidates
-from racer.inprocess import Engine
+from racer.inprocess import InProcessStack
 from racer.prompts import DEFAULT_PROMPTS, load_spec_bench
 
 
@@ -37,7 +37,7 @@ def outputs(args) -> list[dict]:
     """Each prompt's chat ids and the target's greedy output (cached in ``--outputs``)."""
     if args.outputs and os.path.exists(args.outputs):
         return json.load(open(args.outputs))
-    engine = Engine.load(threads=args.threads or None)
+    engine = InProcessStack.load(threads=args.threads or None)
     params = engine.default_params(max_new_tokens=args.max_new_tokens, mode="racer", budget=16)
     done = []
     for p in load_spec_bench(args.prompts, per_category=args.per_category):

@@ -60,8 +60,10 @@ class DraftStep(_message.Message):
     def __init__(self, tree_topk: _Optional[_Iterable[int]] = ..., accepted: _Optional[_Iterable[int]] = ..., commit: _Optional[int] = ..., root: _Optional[int] = ..., budget: _Optional[int] = ..., mode: _Optional[str] = ..., batch_rows: _Optional[int] = ...) -> None: ...
 
 class EndTurn(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftTree(_message.Message):
     __slots__ = ("tokens", "parents", "retrieval_nodes")

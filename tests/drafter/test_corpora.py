@@ -10,7 +10,7 @@ import pytest
 
 from common.errors import Abort, Status
 from common.store import MemoryStore, RedisStore
-from drafter.core import Drafter, Open
+from drafter.core import Drafter, Open, Step
 from drafter.corpora import Corpora, CorpusRecordError, decode, encode, stream_key
 from drafter.draft_session import DrafterConfig
 
@@ -118,5 +118,67 @@ def test_redis_streams_carry_their_ttl_and_trim_by_id(redis_url):
         finally:
             await store.xdelete(key)
             await store.close()
+
+    asyncio.run(go())
+
+
+def _answer(d: Drafter, tenant: str, sid: str, prompt: list[int], response: list[int], end: list[int] | None):
+    """A turn as the gateway runs it: a step per round, each accepting only its root (so round i
+    commits the response's token i - 1), and the last round's tokens, ``response[-3:]``, left to
+    ``end_turn`` (``end``: its tokens; None: the whole response)."""
+
+    async def go():
+        entry, _ = await d.open(Open(tenant, sid, prompt, []))
+        n = 0
+        for i, root in enumerate(response[:-2]):
+            fb = ([0] * (n * d.config.topk), [0], 1) if i else ([], [], 0)
+            n = len(d.step(entry, Step(*fb, root, 8, "racer")))
+        try:
+            d.end_turn(entry, response if end is None else end)
+        finally:
+            d.release(entry)
+
+    return go()
+
+
+def test_a_finished_response_is_in_the_corpus_whole_on_every_replica_and_before_the_next_session():
+    """The last round's tokens are committed by no step: ``end_turn`` brings them. They are in the
+    replica's corpus when the tenant's next session opens there, and on another replica at its
+    next sync."""
+
+    async def go():
+        store = MemoryStore()
+        d = Drafter(DrafterConfig(), store, corpora=Corpora(1000, store=store))
+        other = Corpora(1000, store=store)
+        await other.open("t", share=False)
+        await d.corpora.open("t", share=False)
+        await asyncio.gather(d.corpora.tenants["t"].loading, other.tenants["t"].loading)
+        response = [(7 * i + 3) % 500 for i in range(40)]
+        await _answer(d, "t", "s1", [1, 2, 3, 4], response, None)
+        await d.open(Open("t", "s2", [9, 8, 7], []))  # the next session: its open syncs the tenant
+        c = d.corpora.current("t")
+        assert c.tok[: c.total].tolist() == response
+        await other.sync()
+        c = other.current("t")
+        assert c.tok[: c.total].tolist() == response
+        assert await _stream_tokens(store, "t") == response
+
+    asyncio.run(go())
+
+
+def test_end_turn_tokens_that_disagree_with_what_the_steps_committed_are_refused():
+    async def go():
+        store = MemoryStore()
+        d = Drafter(DrafterConfig(), store, corpora=Corpora(1000, store=store))
+        await d.corpora.open("t", share=False)
+        await d.corpora.tenants["t"].loading
+        response = list(range(10, 30))
+        for bad in ([5] + response[1:], response[:3], response[:-1] + [-1]):
+            with pytest.raises(Abort) as e:
+                await _answer(d, "t", f"s{len(bad)}-{bad[0]}", [1, 2, 3], response, bad)
+            assert e.value.code == Status.INVALID_ARGUMENT and "end_turn.tokens" in e.value.message
+        await _answer(d, "t", "no-tail", [1, 2, 3], response, [])  # an older gateway's EndTurn: no tail
+        await d.corpora.sync()
+        assert len(d.corpora.current("t")) == 4 * 17  # what the steps of the 4 turns committed, no tail
 
     asyncio.run(go())

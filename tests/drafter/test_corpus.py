@@ -217,3 +217,24 @@ def test_the_sessions_own_streaming_response_does_not_hide_an_earlier_answer():
     assert corpus.match(s.history, 4) == (4, [4]), "the earlier answer's 1 2 3 4, not the session's own tail"
     tree = s.draft(4, 16)
     assert [tree.tokens[i] for i in tree.corpus_nodes] == [5, 6, 7]  # 4/6, (4/6)**2, (4/6)**3 >= 0.25
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=40), min_size=1, max_size=12),
+    st.lists(st.integers(0, 4), max_size=12),
+    st.integers(0, 4),
+    st.sampled_from([0, 1, 5, 63]),
+    st.sampled_from([(0, 0), (10, 12), (0, 40), (60, 60)]),
+    st.sampled_from([0.1, 0.25, 0.5]),
+)
+def test_candidates_cut_at_min_prob_are_the_ones_worth_it_in_the_same_order(
+    responses, ctx, root, depth, observed, min_prob
+):
+    """Reading the continuations only as deep as ``min_prob`` allows, and keeping only the paths
+    worth it, drops nothing ``add_corpus`` would have taken: the same paths, values and order."""
+    corpus = Corpus(CorpusConfig(max_tokens=200))
+    for r in responses:
+        corpus.add(r)
+    every = corpus_candidates(corpus, ctx, root, depth, 1, observed)
+    assert corpus_candidates(corpus, ctx, root, depth, 1, observed, min_prob) == [c for c in every if c[0] >= min_prob]

@@ -19,7 +19,7 @@ N = 40
 def stack(loop_thread, tiny_llama, tmp_path_factory):
     d = tmp_path_factory.mktemp("corpus")
     keys, limits = d / "keys", d / "limits.toml"
-    keys.write_text("key-a acme\nkey-b globex\nkey-p private\nkey-e erased\n")
+    keys.write_text("key-a acme\nkey-b globex\nkey-p private\nkey-e erased\nkey-w whole\n")
     limits.write_text("[tenants.private]\nshare = false\n")
     # One drafter behind the gateway: a tenant's sessions meet its corpus whichever session id they get.
     st = start_stack(loop_thread, tiny_llama, drafters=1, api_keys=str(keys), tenant_limits=str(limits))
@@ -48,6 +48,19 @@ def test_a_repeated_prompt_drafts_from_the_tenants_earlier_answer_and_stays_gree
     assert first[0] == again[0] == hf_greedy(tiny_llama, p, N)
     assert again[2].session_id != first[2].session_id
     assert again[2].stats.rounds < first[2].stats.rounds, (_stats(first[2]), _stats(again[2]))
+
+
+def test_a_finished_response_is_in_the_corpus_whole_when_the_turn_ends(stack):
+    """No step follows a turn's last round: its tokens reach the drafter with the turn's end, and the
+    sync the tenant's next open runs finds every token of the response."""
+    p = prompt(18, 16)
+    with Client(stack.gateway, api_key="key-w", timeout=60) as c:
+        c.complete(p, max_new_tokens=4, budget=16, share=False)  # the tenant's corpus is loaded
+        out = c.complete(p, max_new_tokens=N, budget=16)[0]
+    core = stack.drafters[0][1]
+    stack.lt.run(core.corpora.sync(["whole"]))
+    corpus = core.corpora.current("whole")
+    assert len(out) == N and corpus.tok[: corpus.total].tolist() == out
 
 
 def test_a_turn_that_opts_out_adds_nothing(stack):
