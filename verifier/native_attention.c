@@ -326,9 +326,7 @@ static void item_block(struct item *it, long b0, long r0, long r1, long group, c
                 it->qp[count] = q + (r * H + kh * group + g) * D;
             }
     if (count) {
-        for (long j = 0; j < BLOCK; j++) off[j] = (b0 + j) * D * esize;
-        convert(it->shared, kb, vb, off, 0, BLOCK, D, type);
-        partial = BLOCK;
+        extend(it->shared, &partial, BLOCK, b0, kb, vb, esize, D, type);
         attend(it->w, it->stp, it->qp, count, it->shared, BLOCK, D, scale);
     }
     for (long r = r0; r < r1; r++) {
