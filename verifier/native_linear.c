@@ -143,30 +143,20 @@ struct variant {
     tile_fn wide[5];  /* the float32 tiles of the same shape, for a half-width weight tile widened once */
 };
 
-#define VARIANT(T, CODE, ES, NR, MR, T1, T2, T3, T4)                                                       \
-    {NR, MR, CODE, ES, tile_##T##_1_1, {0, T1(T), T2(T), T3(T), T4(T)}, {0, T1(f32), T2(f32), T3(f32), T4(f32)}},
-#define NONE(T) 0
+/* tiles[] of each tile shape NR x MR (slots 1..MR), for weight type T. */
+#define TILES_4_3(T) {0, tile_##T##_4_1, tile_##T##_4_2, tile_##T##_4_3, 0}
+#define TILES_6_2(T) {0, tile_##T##_6_1, tile_##T##_6_2, 0, 0}
+#define TILES_6_4(T) {0, tile_##T##_6_1, tile_##T##_6_2, tile_##T##_6_3, tile_##T##_6_4}
+#define TILES_8_3(T) {0, tile_##T##_8_1, tile_##T##_8_2, tile_##T##_8_3, 0}
+#define VARIANT(T, CODE, ES, NR, MR) {NR, MR, CODE, ES, tile_##T##_1_1, TILES_##NR##_##MR(T), TILES_##NR##_##MR(f32)},
 #define VARIANTS_OF(T, CODE, ES)                                                                           \
-    VARIANT(T, CODE, ES, 4, 3, TILE4_1, TILE4_2, TILE4_3, NONE)                                            \
-    VARIANT(T, CODE, ES, 6, 2, TILE6_1, TILE6_2, NONE, NONE)                                               \
-    VARIANT(T, CODE, ES, 6, 4, TILE6_1, TILE6_2, TILE6_3, TILE6_4)                                         \
-    VARIANT(T, CODE, ES, 8, 3, TILE8_1, TILE8_2, TILE8_3, NONE)
-#define TILE4_1(T) tile_##T##_4_1
-#define TILE4_2(T) tile_##T##_4_2
-#define TILE4_3(T) tile_##T##_4_3
-#define TILE6_1(T) tile_##T##_6_1
-#define TILE6_2(T) tile_##T##_6_2
-#define TILE6_3(T) tile_##T##_6_3
-#define TILE6_4(T) tile_##T##_6_4
-#define TILE8_1(T) tile_##T##_8_1
-#define TILE8_2(T) tile_##T##_8_2
-#define TILE8_3(T) tile_##T##_8_3
+    VARIANT(T, CODE, ES, 4, 3) VARIANT(T, CODE, ES, 6, 2) VARIANT(T, CODE, ES, 6, 4) VARIANT(T, CODE, ES, 8, 3)
 
 static const struct variant VARIANTS[] = {
     VARIANTS_OF(f32, F32, 4) VARIANTS_OF(bf16, BF16, 2) VARIANTS_OF(f16, F16, 2)
 #if HAVE_DP
-    {6, 4, BF16_PAIRS, 2, tile_dp_1_1, {0, tile_dp_6_1, tile_dp_6_2, tile_dp_6_3, tile_dp_6_4}, {0}},
-    {8, 3, BF16_PAIRS, 2, tile_dp_1_1, {0, tile_dp_8_1, tile_dp_8_2, tile_dp_8_3, 0}, {0}},
+    {6, 4, BF16_PAIRS, 2, tile_dp_1_1, TILES_6_4(dp), {0}},
+    {8, 3, BF16_PAIRS, 2, tile_dp_1_1, TILES_8_3(dp), {0}},
 #endif
 };
 
