@@ -291,6 +291,12 @@ static inline long keys_in(const int64_t *counts, long r, long b0)
     return nb < 0 ? 0 : nb < BLOCK ? nb : BLOCK;
 }
 
+/* Whether row r's block b0 is whole and all cache rows b0, b0 + 1, ... (the shared conversion's). */
+static inline int whole_in_place(const int64_t *counts, const int64_t *inplace, long r, long b0)
+{
+    return keys_in(counts, r, b0) == BLOCK && b0 + BLOCK <= inplace[r];
+}
+
 /* The head rows of a work item (rows [r0, r1) of KV head kh; head row m = (r - r0) * group + g) and
  * their states, queries and the blocks they read. */
 struct item {
@@ -320,7 +326,7 @@ static void item_block(struct item *it, long b0, long r0, long r1, long group, c
 {
     long off[BLOCK], count = 0, partial = 0; /* keys of the in-place conversion */
     for (long r = r0; r < r1; r++)
-        if (keys_in(counts, r, b0) == BLOCK && b0 + BLOCK <= inplace[r])
+        if (whole_in_place(counts, inplace, r, b0))
             for (long g = 0; g < group; g++, count++) {
                 it->stp[count] = &it->st[(r - r0) * group + g];
                 it->qp[count] = q + (r * H + kh * group + g) * D;
@@ -331,7 +337,7 @@ static void item_block(struct item *it, long b0, long r0, long r1, long group, c
     }
     for (long r = r0; r < r1; r++) {
         long nb = keys_in(counts, r, b0);
-        if (nb == 0 || (nb == BLOCK && b0 + BLOCK <= inplace[r])) continue;
+        if (nb == 0 || whole_in_place(counts, inplace, r, b0)) continue;
         const struct block *blk = it->shared;
         if (b0 + nb <= inplace[r]) { /* in place, fewer keys than the block: one conversion for all such */
             extend(it->shared, &partial, nb, b0, kb, vb, esize, D, type);
