@@ -42,12 +42,12 @@ def shape_table(plan) -> None:
         timed = {t for t in sp.ms if not t.forward and t.layout == sp.layout}
         rows = sorted({t.rows for t in timed})
         kept = {sp.kernel} if plan.invariant else set(sp.by_bucket.values())
+        chunks = f", {sp.rows}-row chunks" if plan.invariant and sp.rows else ""
         print(f"\n{o}x{i} ({sp.layout}): ms per call by rows")
         print("| kernel | " + " | ".join(map(str, rows)) + " |")
         print("|---|" + "---|" * len(rows))
         for k in sorted({t.kernel for t in timed}):
             cells = [sp.ms.get(Timing(k, sp.layout, r)) for r in rows]
-            chunks = f", {sp.rows}-row chunks" if plan.invariant and sp.rows else ""
             mark = f" (kept{chunks})" if k in kept else ""
             print(f"| {k}{mark} | " + " | ".join("-" if c is None else f"{c:.3f}" for c in cells) + " |")
     print(flush=True)
