@@ -101,7 +101,8 @@ def round_table(model_name: str, dtype, contexts: list[int], sizes: list[int], r
     from verifier.engine import VerifierSession
     from verifier.model import load
 
-    model = load(model_name, dtype=str(dtype).removeprefix("torch."), tokenizer=False).model
+    name = str(dtype).removeprefix("torch.")
+    model = load(model_name, dtype=name, tokenizer=False).model
     vocab = model.config.vocab_size
     rng = random.Random(1)
     sessions = {}
@@ -111,7 +112,6 @@ def round_table(model_name: str, dtype, contexts: list[int], sizes: list[int], r
         sessions[past] = s
     b = next(iter(sessions.values())).backend
     way = "native" if b.native_attention else "fused SDPA"
-    name = str(dtype).removeprefix("torch.")
     print(f"\nA whole round (verify: forward, logits, acceptance), {name}, {way} attention, {b.plan.describe()}")
     print(f"{torch.get_num_threads()} threads, random trees, medians of {reps}, ms (x one token)")
     print("| context | " + " | ".join(str(n) for n in sizes) + " |")
