@@ -441,14 +441,16 @@ int racer_attention(int type, const float *q, const void *k, const void *v, floa
                     item_chunk(&it, lo, hi, r0, r1, group, q, H, kh, (const char *)k + kh * cap * D * esize,
                                (const char *)v + kh * cap * D * esize, esize, counts, inplace, tail, T, D, type,
                                scale);
-                    for (long r = r0; r < r1; r++)
-                        for (long g = 0; counts[r] > lo && g < group; g++) {
+                    for (long r = r0; r < r1; r++) {
+                        if (counts[r] <= lo) continue; /* no keys in this chunk: merge_chunks stops before it */
+                        for (long g = 0; g < group; g++) {
                             const struct state *s = &it.st[(r - r0) * group + g];
                             float *p = part + ((c * n + r) * H + kh * group + g) * ps;
                             p[0] = s->m;
                             p[1] = s->l;
                             memcpy(p + VL, s->acc, sizeof(float) * D);
                         }
+                    }
                 }
         failed |= !ok;
         free(it.shared);
