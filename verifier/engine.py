@@ -256,22 +256,22 @@ def _prefilled(items) -> list[PrefillResult]:
             parts.append(rows)
         return placed[key]
 
-    spans = []  # per prompt: its rows in the head's input, as (first, count) pieces in order
+    spans = []  # per prompt: its rows in the head's input as (first, count) pieces in order, how many
+    # of them get top-k, and its last one (None: no rows)
     for j, (_, hidden, choose, topk_rows, prefix) in enumerate(items):
         own, shared = hidden.shape[0], 0 if prefix is None else prefix.shape[0]
-        rows, _ = _logit_rows(shared + own, choose, topk_rows)
+        rows, top = _logit_rows(shared + own, choose, topk_rows)
+        mine, start = min(rows, own), shared + own - rows
         pieces = []
         if rows > own:  # reaches into the shared prefix
-            pieces.append(
-                (place(("prefix", id(prefix), shared + own - rows), prefix[shared + own - rows :]), rows - own)
-            )
-        if min(rows, own):
-            pieces.append((place(("own", j), hidden[own - min(rows, own) :]), min(rows, own)))
-        spans.append(pieces)
+            pieces.append((place(("prefix", id(prefix), start), prefix[start:]), rows - own))
+        if mine:
+            pieces.append((place(("own", j), hidden[own - mine :]), mine))
+        spans.append((pieces, top, pieces[-1][0] + pieces[-1][1] - 1 if pieces else None))
     session0 = items[0][0]
     topk: list[list[int]] = []
     last: dict[int, torch.Tensor] = {}  # row -> its logits, for the prompts' last rows
-    ends = {first + count - 1 for pieces in spans if pieces for first, count in pieces[-1:]}
+    ends = {end for _, _, end in spans if end is not None}
     if parts:
         hidden = torch.cat(parts) if len(parts) > 1 else parts[0]
         for s in range(0, hidden.shape[0], _PREFILL_CHUNK):
@@ -279,10 +279,8 @@ def _prefilled(items) -> list[PrefillResult]:
             topk.extend(torch.topk(logits, session0.topk, dim=-1).indices.tolist())
             last.update((r, logits[r - s]) for r in ends if s <= r < s + logits.shape[0])
     out = []
-    for (session, hidden, choose, topk_rows, prefix), pieces in zip(items, spans):
-        _, top = _logit_rows(hidden.shape[0] + (0 if prefix is None else prefix.shape[0]), choose, topk_rows)
+    for (session, _, choose, *_), (pieces, top, end) in zip(items, spans):
         rows = [row for first, count in pieces for row in topk[first : first + count]]
-        end = pieces[-1][0] + pieces[-1][1] - 1 if pieces else None
         out.append(PrefillResult(session._choose(last[end]) if choose else -1, rows[len(rows) - top :]))
     return out
 

@@ -256,8 +256,8 @@ class Verifier(Holder):
 
         for i, chunk in enumerate(chunks):
             last = i == len(chunks) - 1
-            after = len(new) - (i + 1) * self.prefill_chunk  # prompt tokens after this chunk
-            top = None if self.prompt_topk is None else max(0, min(len(chunk), self.prompt_topk - max(0, after)))
+            after = max(0, len(new) - (i + 1) * self.prefill_chunk)  # prompt tokens after this chunk
+            top = None if self.prompt_topk is None else self.prompt_topk - after  # the prefill clamps it to the chunk
             try:
                 # maybe in one forward with other sessions' waiting prompts (``PrefillBatcher``)
                 res = await self.prefills.prefill(
