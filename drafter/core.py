@@ -255,9 +255,10 @@ class Drafter(Holder):
         entry.rounds_since_save = self.snapshot_every
         if entry.response is None or not tokens:
             return
+        tokens = list(tokens)
         committed = entry.session.history[entry.opened_length :]
         _check(
-            _is_prefix(committed, list(tokens)),
+            _is_prefix(committed, tokens),
             Status.INVALID_ARGUMENT,
             f"end_turn.tokens: {len(tokens)} tokens that do not begin with the {len(committed)} committed since open",
         )

@@ -248,8 +248,12 @@ class Corpus:
             q = int(fwd[q % cap])
         return out
 
+    def continuations(self, positions: list[int], depth: int) -> list[list[int]]:
+        """What followed a match's ``positions`` (the first ``max_candidates``; each up to ``depth`` tokens)."""
+        return [self.continuation(p, depth) for p in positions[: self.config.max_candidates]]
+
     def lookup(self, context, root: int, depth: int) -> tuple[int, list[list[int]]]:
         """(L, continuations): the longest match, and what followed it (up to ``max_candidates`` of
         its occurrences, newest first; each up to ``depth`` tokens)."""
         length, positions = self.match(context, root)
-        return length, [self.continuation(p, depth) for p in positions[: self.config.max_candidates]]
+        return length, self.continuations(positions, depth)

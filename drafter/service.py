@@ -74,7 +74,7 @@ class _DraftStream(SessionStream[Entry]):
 
     async def end_turn(self, msg: pb.EndTurn) -> pb.DraftResponse:
         t0 = time.perf_counter()
-        self.drafter.end_turn(self.entry, list(msg.tokens))
+        self.drafter.end_turn(self.entry, msg.tokens)
         return self._answer(t0)
 
     def _answer(self, t0: float, **fields) -> pb.DraftResponse:

@@ -236,7 +236,7 @@ def corpus_candidates(
         reach += 1
     if reach == 0:
         return []
-    conts = [corpus.continuation(p, reach) for p in positions[: corpus.config.max_candidates]]
+    conts = corpus.continuations(positions, reach)
     # the continuations' prefix tree: node (its parent node, token) -> id; ids in first-met order
     ids: dict[tuple[int, int], int] = {}
     counts: list[int] = []

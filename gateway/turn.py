@@ -158,8 +158,9 @@ class Turn:
 
     async def _finish(self, emitted: list[int], t0: float) -> Finished:
         rec = self.record
-        await self.links.end_turn(self.history + emitted)  # the drafter's response goes into the corpus whole
-        rec.history = self.history + emitted
+        history = self.history + emitted
+        await self.links.end_turn(history)  # the drafter's response goes into the corpus whole
+        rec.history = history
         rec.turns += 1
         rec.last_used = time.time()
         try:

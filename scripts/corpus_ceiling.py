@@ -124,13 +124,17 @@ def replay(sessions: list[dict], budget: int, min_match: int, min_prob: float, f
             trie = _Trie(out[i], budget)
             if first and corpus is not None:
                 add_corpus(
-                    trie, corpus_candidates(corpus, history, out[i], budget - 1, min_match, tuple(seen)), min_prob
+                    trie,
+                    corpus_candidates(corpus, history, out[i], budget - 1, min_match, tuple(seen), min_prob),
+                    min_prob,
                 )
             add_retrieval(trie, auto, out[i], cfg.min_depth, cfg.retrieval_min_prob)
             full += trie.full()
             if not first and corpus is not None and not trie.full():
                 add_corpus(
-                    trie, corpus_candidates(corpus, history, out[i], budget - 1, min_match, tuple(seen)), min_prob
+                    trie,
+                    corpus_candidates(corpus, history, out[i], budget - 1, min_match, tuple(seen), min_prob),
+                    min_prob,
                 )
             tree = trie.flatten(0)
             kids: dict[int, list[int]] = {}
