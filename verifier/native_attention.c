@@ -415,8 +415,8 @@ int racer_attention(int type, const float *q, const void *k, const void *v, floa
     runs = (n + span - 1) / span;
     size_t bytes = sizeof(float) * (size_t)(chunks * n * H * ps);
     float *part = aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
-    int failed = !part;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
+    int failed = !part; /* shared: one thread's failed allocation stops every thread's merge */
+#pragma omp parallel num_threads(threads)
     {
         struct item it;
         it.shared = aligned_alloc(64, sizeof(struct block));
@@ -452,7 +452,10 @@ int racer_attention(int type, const float *q, const void *k, const void *v, floa
                         }
                     }
                 }
-        failed |= !ok;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
         free(it.shared);
         free(it.own);
         free(it.w);
@@ -460,9 +463,12 @@ int racer_attention(int type, const float *q, const void *k, const void *v, floa
         free(it.stp);
         free(it.qp);
 #pragma omp barrier
+        int skip; /* read after the barrier: every thread's allocation is known by then */
+#pragma omp atomic read
+        skip = failed;
 #pragma omp for schedule(static)
         for (long rh = 0; rh < n * H; rh++)
-            if (!failed) merge_chunks(out + rh * D, part + rh * ps, n * H * ps, chunks, counts[rh / H], D);
+            if (!skip) merge_chunks(out + rh * D, part + rh * ps, n * H * ps, chunks, counts[rh / H], D);
     }
     free(part);
     return failed ? -2 : 0;
