@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 TUNE_SECONDS = 30.0  # soft bound on the whole tuning (few reps, interleaved, medians)
 SLOW_CALL_S = 0.1  # a candidate's call slower than this is not timed at larger buckets
 ONE_ROW_SLACK = 1.1  # an invariant plan's one-row call may cost at most this much over the fastest one
+ROUND_REPS = 5  # timed repetitions of one row count's round (``_time``)
 
 
 def kernel_plan(
@@ -281,20 +282,23 @@ def _agrees(y: torch.Tensor, ref: torch.Tensor) -> bool:
 
 
 def _time(fns: dict, inputs: dict, reps: int) -> dict:
-    """Median seconds per key (its last element: the rows). Each row count is its own round: a
-    warm-up call of every candidate at that count (not counted), then ``reps`` repetitions with the
-    candidates interleaved, so each call timed follows calls of its own row count (a one-row figure
-    is not a one-row call from caches a 64-row call of another kernel left cold)."""
+    """Median seconds per key (its last element: the rows). Each row count is timed in rounds of its
+    own: a warm-up call of every candidate at that count (not counted), then up to ``ROUND_REPS``
+    repetitions with the candidates interleaved, so each call timed follows calls of its own row
+    count (a one-row figure is not a one-row call from caches a 64-row call of another kernel left
+    cold). More repetitions take more rounds, the row counts visited in turn, so a machine's drift
+    falls on every row count, not on one round's."""
     times = {k: [] for k in fns}
-    for rows in dict.fromkeys(k[-1] for k in fns):
-        round_ = {k: fn for k, fn in fns.items() if k[-1] == rows}
-        x = inputs[rows]
-        for rep in range(reps + 1):
-            for k, fn in round_.items():
-                t0 = time.perf_counter()
-                fn(x)
-                if rep:
-                    times[k].append(time.perf_counter() - t0)
+    counts = list(dict.fromkeys(k[-1] for k in fns))
+    for done in range(0, reps, ROUND_REPS):
+        for rows in counts:
+            round_ = {k: fn for k, fn in fns.items() if k[-1] == rows}
+            for rep in range(min(ROUND_REPS, reps - done) + 1):
+                for k, fn in round_.items():
+                    t0 = time.perf_counter()
+                    fn(inputs[rows])
+                    if rep:
+                        times[k].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
 
 

@@ -435,3 +435,14 @@ def test_each_row_count_is_timed_in_its_own_round_so_a_kernel_slow_from_cold_cac
     sp = tune_shape(torch.randn(16, 32), buckets=(1, 2, 64), candidates=cands, layouts=("row",))
     assert sp.by_bucket == {1: "linear", 2: "linear", 64: "linear"}
     assert {t.rows: v for t, v in sp.ms.items() if t.kernel == "linear"} == {1: 1.0, 2: 1.0, 64: 1.0}
+
+
+def test_more_repetitions_than_a_round_holds_visit_the_row_counts_in_turn(monkeypatch):
+    """Ten repetitions in rounds of five: each row count's round (a warm-up pass, then five timed
+    passes over both candidates) twice, the row counts in turn, so drift falls on both."""
+    monkeypatch.setattr(tuning, "ROUND_REPS", 5)
+    calls: list[int] = []
+    fns = {(name, rows): (lambda x: calls.append(x)) for name in ("a", "b") for rows in (1, 2)}
+    ms = tuning._time(fns, {1: 1, 2: 2}, reps=10)
+    assert calls == ([1] * 12 + [2] * 12) * 2
+    assert set(ms) == set(fns)
