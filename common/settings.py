@@ -353,6 +353,14 @@ SERVICE = {
             int,
         ),
         Setting(
+            "--prompt-topk",
+            "RACER_PROMPT_TOPK",
+            -1,
+            "prompt positions, the last ones, whose top-k an open sends back (the drafter's copy-logit table; "
+            "the output layer runs over those rows and the last one only); -1: every position",
+            int,
+        ),
+        Setting(
             "--stall-seconds",
             "RACER_STALL_SECONDS",
             60.0,

@@ -191,6 +191,7 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
         stall_seconds=args.stall_seconds,
         prefill_batch=args.prefill_batch,
         prefill_lead=args.prefill_lead,
+        prompt_topk=None if args.prompt_topk < 0 else args.prompt_topk,
     )
     log.info(
         "KV memory",

@@ -14,8 +14,8 @@ The script uses only what ``Verifier`` offers, so the same command measures an o
     PYTHONPATH=. python scripts/bench_burst_model.py [--sessions 32] [--rounds 12] [--tree 8]
         [--threads 1] [--reps 3] [--lead 2048] [--shared 24]
 
-``--shared N``: every prompt begins with the same N tokens, as chat requests begin with their
-template and system prompt (24 tokens for the default model's).
+``--shared N``: every prompt begins with the same N tokens (at most the shortest prompt's length),
+as chat requests begin with their template and system prompt (24 tokens for the default model's).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from scripts.bench_prompts import common_head_length, prompts_with_common_head  # noqa: E402
 from verifier import batcher  # noqa: E402
 from verifier.model import load  # noqa: E402
 from verifier.sessions import Open, Verifier  # noqa: E402
@@ -126,11 +127,9 @@ def main() -> int:
     model = load(args.model, args.dtype, args.threads, False).model
     lo, hi = map(int, args.prompt_tokens.split("-"))
     rng = random.Random(0)
-    head = [rng.randrange(model.config.vocab_size) for _ in range(args.shared)]
-    prompts = [
-        head + [rng.randrange(model.config.vocab_size) for _ in range(rng.randint(lo, hi) - args.shared)]
-        for _ in range(args.sessions)
-    ]
+    lengths = [rng.randint(lo, hi) for _ in range(args.sessions)]
+    prompts = prompts_with_common_head(rng, model.config.vocab_size, lengths, args.shared)
+    shared = common_head_length(args.shared, lengths)
     params = inspect.signature(Verifier).parameters
     extra = {"kv_memory_bytes" if "kv_memory_bytes" in params else "kv_budget_bytes": 1 << 30}
     if args.lead is not None and "prefill_lead" in params:
@@ -157,7 +156,7 @@ def main() -> int:
     print(
         f"{args.sessions} sessions ({args.prompt_tokens} prompt tokens) open at once, rounds of {args.tree} nodes "
         f"x {args.rounds}; {args.dtype}, {torch.get_num_threads()} thread(s); medians over {args.reps} bursts; "
-        f"{args.shared} leading tokens in common"
+        f"{shared} leading tokens in common"
         + (f"; prefill_lead={extra['prefill_lead']}" if "prefill_lead" in extra else "")
     )
     print(

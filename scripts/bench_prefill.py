@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from scripts.bench_prompts import prompts_with_common_head  # noqa: E402
 from verifier.engine import VerifierSession, prefill_batch  # noqa: E402
 from verifier.model import load  # noqa: E402
 from verifier.tuning import kernel_plan  # noqa: E402
@@ -54,8 +55,7 @@ def main() -> int:
     print("|---|---|---|---|")
     for shape in args.shapes.split(","):
         n, tokens = map(int, shape.split("x"))
-        head = [rng.randrange(vocab) for _ in range(min(args.shared, tokens))]
-        prompts = [head + [rng.randrange(vocab) for _ in range(tokens - len(head))] for _ in range(n)]
+        prompts = prompts_with_common_head(rng, vocab, [tokens] * n, args.shared)
         times: dict[str, list[float]] = {"alone": [], "together": []}
         for rep in range(args.reps + 1):
             for kind in ("alone", "together") if rep % 2 == 0 else ("together", "alone"):

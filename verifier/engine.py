@@ -238,15 +238,20 @@ def _logit_rows(n: int, choose: bool, topk_rows: int | None) -> tuple[int, int]:
     return max(top, 1 if choose else 0), top
 
 
-def _prefilled(items) -> list[PrefillResult]:
-    """Each prompt's result from its committed rows' hidden states (``(session, hidden [n, hidden],
-    choose, topk_rows, prefix)``, sessions of one model and one top-k width; ``prefix``: None, or the
-    hidden states [p, hidden] of rows before ``hidden`` that other prompts share, the same tensor for
-    them all). The output layer runs once over every row that needs it (``_logit_rows``; a shared
-    prefix's rows once for all), in chunks of ``_PREFILL_CHUNK`` rows, so the head's weights are read
-    once per chunk, not once per prompt. Logits are rowwise: in reduced precision (row-invariant
-    kernels) a row's bits do not depend on the other rows of the call; in float32 a larger call may
-    pick another kernel (~1e-7), as tree batches may."""
+def _head_input(items) -> tuple[list[torch.Tensor], list[tuple[list[tuple[int, int]], int, int | None]]]:
+    """The rows ``_prefilled``'s items need through the output layer (``_logit_rows``), as parts of
+    its input, and per item: its rows there as (first, count) pieces in order, how many of them get
+    top-k, and its last one (None: no rows). A shared prefix's rows are one part for all of its
+    items, sliced from the earliest row any of them needs, so none goes through the layer twice."""
+    wants = [
+        _logit_rows((0 if prefix is None else prefix.shape[0]) + hidden.shape[0], choose, topk_rows)
+        for _, hidden, choose, topk_rows, prefix in items
+    ]
+    earliest: dict[int, int] = {}  # id(prefix) -> its first row any item needs
+    for (_, hidden, _, _, prefix), (rows, _) in zip(items, wants):
+        if rows > hidden.shape[0]:
+            start = prefix.shape[0] + hidden.shape[0] - rows
+            earliest[id(prefix)] = min(start, earliest.get(id(prefix), start))
     parts: list[torch.Tensor] = []
     placed: dict[tuple, int] = {}  # a part's key -> its first row in the head's input
 
@@ -256,18 +261,30 @@ def _prefilled(items) -> list[PrefillResult]:
             parts.append(rows)
         return placed[key]
 
-    spans = []  # per prompt: its rows in the head's input as (first, count) pieces in order, how many
-    # of them get top-k, and its last one (None: no rows)
-    for j, (_, hidden, choose, topk_rows, prefix) in enumerate(items):
-        own, shared = hidden.shape[0], 0 if prefix is None else prefix.shape[0]
-        rows, top = _logit_rows(shared + own, choose, topk_rows)
-        mine, start = min(rows, own), shared + own - rows
-        pieces = []
-        if rows > own:  # reaches into the shared prefix
-            pieces.append((place(("prefix", id(prefix), start), prefix[start:]), rows - own))
+    spans = []
+    for j, ((_, hidden, _, _, prefix), (rows, top)) in enumerate(zip(items, wants)):
+        own = hidden.shape[0]
+        mine, pieces = min(rows, own), []
+        if rows > own:  # reaches into the shared prefix: its last rows - own rows
+            first = earliest[id(prefix)]
+            base = place(("prefix", id(prefix)), prefix[first:])
+            pieces.append((base + prefix.shape[0] - (rows - own) - first, rows - own))
         if mine:
             pieces.append((place(("own", j), hidden[own - mine :]), mine))
         spans.append((pieces, top, pieces[-1][0] + pieces[-1][1] - 1 if pieces else None))
+    return parts, spans
+
+
+def _prefilled(items) -> list[PrefillResult]:
+    """Each prompt's result from its committed rows' hidden states (``(session, hidden [n, hidden],
+    choose, topk_rows, prefix)``, sessions of one model and one top-k width; ``prefix``: None, or the
+    hidden states [p, hidden] of rows before ``hidden`` that other prompts share, the same tensor for
+    them all). The output layer runs once over every row that needs it (``_head_input``), in chunks
+    of ``_PREFILL_CHUNK`` rows, so the head's weights are read once per chunk, not once per prompt.
+    Logits are rowwise: in reduced precision (row-invariant kernels) a row's bits do not depend on
+    the other rows of the call; in float32 a larger call may pick another kernel (~1e-7), as tree
+    batches may."""
+    parts, spans = _head_input(items)
     session0 = items[0][0]
     topk: list[list[int]] = []
     last: dict[int, torch.Tensor] = {}  # row -> its logits, for the prompts' last rows

@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 # 3: native kernels, choices checked over a whole forward; 4: measured on packed weights;
 # 5: numpy's BLAS held to one thread in a symlinked environment too (choices measured with it spinning);
 # 6: the measured medians stored as records (kernel, layout, rows, forward), not as strings;
-# 7: invariant plans chosen one token first (``tuning.ONE_ROW_SLACK``)
-VERSION = 7
+# 7: invariant plans chosen one token first (``tuning.ONE_ROW_SLACK``);
+# 8: each row count timed in its own round, after a warm-up call at that count
+VERSION = 8
 
 
 def key(model, weights, dtype, threads, device, invariant) -> tuple[dict, str]:

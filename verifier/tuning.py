@@ -1,8 +1,9 @@
 """Choosing a model's kernel plan at start-up: by measurement on the machine the verifier runs on.
 
 At model load every candidate of ``verifier/kernels.py`` is timed on the model's own weights for
-each row bucket the verifier uses (1 up to the largest tree x batch), checked against ``F.linear``,
-and the fastest is kept. ``F.linear`` is always a candidate, so the choice is never slower than it,
+each row bucket the verifier uses (1 up to the largest tree x batch; each bucket in its own round,
+the candidates interleaved after a warm-up call: ``_time``), checked against ``F.linear``, and the
+fastest is kept. ``F.linear`` is always a candidate, so the choice is never slower than it,
 as measured. A float32 shape's weight is timed stored either way (``verifier/layouts.py``), and a
 shape's layout is the one whose per-bucket best times lose least to the other's. The per-shape
 choices are then checked over a whole forward's projections (``compose``). The choice is cached
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 TUNE_SECONDS = 30.0  # soft bound on the whole tuning (few reps, interleaved, medians)
 SLOW_CALL_S = 0.1  # a candidate's call slower than this is not timed at larger buckets
 ONE_ROW_SLACK = 1.1  # an invariant plan's one-row call may cost at most this much over the fastest one
+ROUND_REPS = 5  # timed repetitions of one row count's round (``_time``)
 
 
 def kernel_plan(
@@ -198,9 +200,9 @@ def _checked_calls(cands: dict, w: torch.Tensor, stored: dict, inputs: dict) -> 
 
 
 def _measure(fns: dict, inputs: dict, reps: int) -> dict:
-    """Median milliseconds per call, after a warm-up; fewer repetitions when calls are slow, more
-    when they are cheap (against a noisy machine, still milliseconds)."""
-    _time(fns, inputs, 1)  # warm-up: primitive creation, first-touch allocations
+    """Median milliseconds per call (``_time``: one round per row count, after a warm-up call);
+    fewer repetitions when calls are slow, more when they are cheap (against a noisy machine, still
+    milliseconds)."""
     top = max((k[2] for k in fns), default=0)
     first = max(_time({k: f for k, f in fns.items() if k[2] == top}, inputs, 1).values(), default=0.0)
     if first * len(fns) * reps > TUNE_SECONDS / 4:
@@ -280,15 +282,23 @@ def _agrees(y: torch.Tensor, ref: torch.Tensor) -> bool:
 
 
 def _time(fns: dict, inputs: dict, reps: int) -> dict:
-    """Median seconds per key (its last element: the rows), the candidates interleaved within each
-    repetition."""
+    """Median seconds per key (its last element: the rows). Each row count is timed in rounds of its
+    own: a warm-up call of every candidate at that count (not counted), then up to ``ROUND_REPS``
+    repetitions with the candidates interleaved, so each call timed follows calls of its own row
+    count (a one-row figure is not a one-row call from caches a 64-row call of another kernel left
+    cold). More repetitions take more rounds, the row counts visited in turn, so a machine's drift
+    falls on every row count, not on one round's."""
     times = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, fn in fns.items():
-            x = inputs[k[-1]]
-            t0 = time.perf_counter()
-            fn(x)
-            times[k].append(time.perf_counter() - t0)
+    counts = list(dict.fromkeys(k[-1] for k in fns))
+    for done in range(0, reps, ROUND_REPS):
+        for rows in counts:
+            round_ = {k: fn for k, fn in fns.items() if k[-1] == rows}
+            for rep in range(min(ROUND_REPS, reps - done) + 1):
+                for k, fn in round_.items():
+                    t0 = time.perf_counter()
+                    fn(inputs[rows])
+                    if rep:
+                        times[k].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -327,7 +337,6 @@ def _forward_times(params, choices: dict[str, dict], m: int, reps: int, gen) -> 
             fn(x, w, None)
 
     fns = {(name, m): lambda _, run=run: forward(run) for name, run in runs.items()}
-    _time(fns, {m: None}, 1)  # warm-up
     return {name: t for (name, _), t in _time(fns, {m: None}, reps).items()}
 
 

@@ -403,3 +403,46 @@ def test_a_row_invariant_kernel_runs_unchunked_not_in_padded_chunks_of_itself():
     ms = {("native4x3", "row", 1): 1.0, ("native4x3", "row", 2): 0.9, ("native4x3", "row", 4): 2.4}
     best = tuning._best_per_bucket(ms, "row", buckets)
     assert tuning._invariant_option({"native4x3": _per_row}, w, best, ms, buckets) == ("native4x3", 0)
+
+
+class _ColdClock:
+    """A fake ``time.perf_counter`` and kernels whose calls advance it by their cost: the cost a
+    kernel is given warm (the previous call, of any kernel, had the same rows) or cold."""
+
+    def __init__(self):
+        self.now, self.last_rows = 0.0, None
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def kernel(self, warm_ms: float, cold_ms: float):
+        def call(x, w, b):
+            self.now += 1e-3 * (warm_ms if x.shape[0] == self.last_rows else cold_ms)
+            self.last_rows = x.shape[0]
+            return F.linear(x, w, b)
+
+        return call
+
+
+def test_each_row_count_is_timed_in_its_own_round_so_a_kernel_slow_from_cold_caches_is_still_kept(monkeypatch):
+    """A one-row call timed right after another kernel's 64-row call reads its cold-cache cost; timed
+    in a round of one-row calls (after a warm-up call), it reads what a decode step pays. Here
+    ``linear`` costs 1 ms warm and 3 ms cold, ``wxt`` 1.5 ms either way: ``linear`` is the faster at
+    every row count."""
+    clock = _ColdClock()
+    monkeypatch.setattr(tuning, "time", clock)
+    cands = {"linear": clock.kernel(1.0, 3.0), "wxt": clock.kernel(1.5, 1.5)}
+    sp = tune_shape(torch.randn(16, 32), buckets=(1, 2, 64), candidates=cands, layouts=("row",))
+    assert sp.by_bucket == {1: "linear", 2: "linear", 64: "linear"}
+    assert {t.rows: v for t, v in sp.ms.items() if t.kernel == "linear"} == {1: 1.0, 2: 1.0, 64: 1.0}
+
+
+def test_more_repetitions_than_a_round_holds_visit_the_row_counts_in_turn(monkeypatch):
+    """Ten repetitions in rounds of five: each row count's round (a warm-up pass, then five timed
+    passes over both candidates) twice, the row counts in turn, so drift falls on both."""
+    monkeypatch.setattr(tuning, "ROUND_REPS", 5)
+    calls: list[int] = []
+    fns = {(name, rows): (lambda x: calls.append(x)) for name in ("a", "b") for rows in (1, 2)}
+    ms = tuning._time(fns, {1: 1, 2: 2}, reps=10)
+    assert calls == ([1] * 12 + [2] * 12) * 2
+    assert set(ms) == set(fns)

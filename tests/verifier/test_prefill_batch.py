@@ -256,3 +256,25 @@ def test_a_common_prefix_is_not_shared_in_reduced_precision(bf16_llama, monkeypa
     results = prefill_batch([(v, p, True, None) for v, p in zip(sessions, prompts)])
     assert calls == [[25, 21, 32]]
     assert [(r.topk, _off(v, r.next_token)) for v, r in zip(sessions, results)] == alone
+
+
+def test_prompts_reaching_back_into_a_common_prefix_from_different_rows_send_its_rows_through_the_head_once(
+    tiny_llama, monkeypatch
+):
+    """float32: prompts of one shared prefix whose ``topk_rows`` reach back into it from different
+    rows (4, 5 and 3 of its 20; one not at all) get the rows they get alone, and the output layer
+    runs over one slice of the prefix, from the earliest row any of them needs (its last 5), not
+    over a slice per prompt."""
+    prompts = _shared(20, [5, 1, 12, 3])
+    tops = [9, 6, 15, 2]
+    alone = []
+    for p, t in zip(prompts, tops):
+        v = VerifierSession(tiny_llama, backend="llama")
+        res = v.prefill(p, True, t)
+        alone.append((res.topk, _off(v, res.next_token)))
+    sessions = [VerifierSession(tiny_llama, backend="llama") for _ in prompts]
+    calls, head = _rows_computed(monkeypatch), _head_rows(monkeypatch)
+    results = prefill_batch([(s, p, True, t) for s, p, t in zip(sessions, prompts, tops)])
+    assert calls == [[20], [5, 1, 12, 3]]  # the prefix was shared
+    assert head == [5 + 5 + 1 + 12 + 2]  # the prefix's last 5 rows once, then each prompt's own
+    assert [(r.topk, _off(v, r.next_token)) for v, r in zip(sessions, results)] == alone

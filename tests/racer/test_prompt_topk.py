@@ -1,0 +1,69 @@
+"""``--prompt-topk`` (``RACER_PROMPT_TOPK``): the prompt positions whose top-k a verifier's open sends
+back, from the settings table through ``racer serve verifier`` to the answer of an open; and a stack
+whose verifier sends only the last rows still decodes exactly Hugging Face greedy (the drafter takes
+rows for the history's last positions only)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from common import settings
+from common.v1 import verifier_pb2 as vpb
+from common.v1 import verifier_pb2_grpc as vgrpc
+from racer import launch
+from racer.client import Client
+from tests.support.engine import hf_greedy
+from tests.support.stack import INTERNAL_TOKEN, backend_channel, prompt, start_stack
+from verifier.engine import VerifierSession
+
+
+def test_the_flag_and_the_variable_set_it_and_every_position_is_the_default():
+    assert settings.parse("verifier", ["--prompt-topk", "3"], environ={}).prompt_topk == 3
+    assert settings.parse("verifier", environ={"RACER_PROMPT_TOPK": "0"}).prompt_topk == 0
+    assert settings.default("verifier", "--prompt-topk") == -1
+
+
+@pytest.mark.parametrize("value, rows", [(3, 3), (0, 0), (-1, 20)])
+def test_a_served_verifier_sends_the_top_k_of_the_prompts_last_positions(loop_thread, tiny_llama, value, rows):
+    history = prompt(5, 20)
+    full = VerifierSession(tiny_llama, backend="llama").prefill(history)
+    args = launch.defaults(
+        "verifier", host="127.0.0.1", port=0, measure_cost=0, internal_token=INTERNAL_TOKEN, prompt_topk=value
+    )
+    srv, core = loop_thread.run(launch.start_verifier(args, model=tiny_llama))
+    try:
+        assert core.prompt_topk == (None if value < 0 else value)
+        req = vpb.VerifyRequest(open=vpb.VerifierOpen(session_id="s", tenant="t", history=history))
+        with backend_channel(f"127.0.0.1:{srv.port}") as ch:
+            (resp,) = list(vgrpc.VerifierStub(ch).Session(iter([req]), timeout=60))
+    except grpc.RpcError as e:
+        raise AssertionError(f"open failed: {e.code().name}: {e.details()}") from None
+    finally:
+        loop_thread.run(srv.stop(0))
+        core.close()
+    kept = full.topk[len(history) - rows :] if rows else []
+    assert list(resp.topk) == [t for row in kept for t in row] and resp.next_token == full.next_token
+
+
+def test_a_stack_whose_verifier_sends_the_last_rows_only_decodes_greedy(loop_thread, tiny_llama, monkeypatch):
+    from drafter import core as drafter_core
+
+    opened: list[tuple[int, int]] = []  # (history tokens, top-k rows) of each drafter open
+    real = drafter_core._catch_up
+
+    def recorded(session, history, rows):
+        opened.append((len(history), len(rows)))
+        return real(session, history, rows)
+
+    monkeypatch.setattr(drafter_core, "_catch_up", recorded)
+    st = start_stack(loop_thread, tiny_llama)
+    try:
+        st.verifiers[0][1].prompt_topk = 2  # what --prompt-topk 2 sets (the stack's backend settings are shared)
+        p = prompt(6, 24)
+        with Client(st.gateway, timeout=60) as c:
+            ids, _, _ = c.complete(p, max_new_tokens=24)
+        assert ids == hf_greedy(tiny_llama, p, 24)
+        assert opened[0] == (24, 2)  # the drafter held the prompt with the rows of its last 2 positions
+    finally:
+        st.stop()
