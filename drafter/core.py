@@ -28,7 +28,6 @@ from common.sessions import Holder, SessionTable
 
 from . import metrics as M
 from .corpora import Corpora, Response
-from .corpus import TOKEN_LIMIT
 from .draft_session import DrafterConfig, DraftSession
 from .snapshot import SnapshotError, dumps, loads
 from .tree import DraftTree
@@ -237,36 +236,50 @@ class Drafter(Holder):
         _check(1 <= st.commit <= len(acc), Status.INVALID_ARGUMENT, f"step.commit: {st.commit}, accepted {len(acc)}")
         _check(all(t >= 0 for t in st.tree_topk), Status.INVALID_ARGUMENT, "step.tree_topk: negative token id")
         rows = np.asarray(st.tree_topk, dtype=np.int64).reshape(n, k).tolist()
-        before = dict(s.accepted)
+        committed = [entry.tree[i] for i in acc[: st.commit]]
+        self._to_corpus(entry, committed, "step")  # first: a refused step leaves the session as it was
+        self._count_accepted(s, acc)
         s.observe_tree(entry.tree, rows, acc)
+        s.extend(committed)
+        entry.rounds_since_save += 1
+
+    def _to_corpus(self, entry: Entry, tokens: list[int], what: str) -> None:
+        """Tokens of this turn's response into the tenant corpus (none: not shared)."""
+        if entry.response is None:
+            return
+        try:
+            self.corpora.append(entry.response, tokens)
+        except ValueError as e:
+            raise Abort(Status.INVALID_ARGUMENT, f"{what}: {e}") from None
+
+    @staticmethod
+    def _count_accepted(s: DraftSession, accepted: list[int]) -> None:
+        """The last tree's accepted nodes, counted by source in the session and the metrics."""
+        before = dict(s.accepted)
+        s.count_accepted(accepted)
         for source, count in s.accepted.items():
             if count > before[source]:
                 M.DRAFT_ACCEPTED.labels(source).inc(count - before[source])
-        committed = [entry.tree[i] for i in acc[: st.commit]]
-        s.extend(committed)
-        if entry.response is not None:
-            self.corpora.append(entry.response, committed)
-        entry.rounds_since_save += 1
 
     def end_turn(self, entry: Entry, tokens=()) -> None:
         """The turn is over: its response goes into the tenant corpus whole (``tokens``: every token
         the session gained since this stream's open; those no step committed, the last round's, are
-        added now and published at the next sync), and the session is saved right after."""
+        added now and published at the next sync), and the session is saved right after. The last
+        round's accepted nodes, which no step fed back, are counted from those tokens."""
         entry.rounds_since_save = self.snapshot_every
-        if entry.response is None or not tokens:
-            return
         tokens = list(tokens)
         committed = entry.session.history[entry.opened_length :]
+        consistent = _is_prefix(committed, tokens)
+        if consistent and entry.tree:
+            self._count_accepted(entry.session, _emitted_path(entry.tree, entry.parents, tokens[len(committed) :]))
+        if entry.response is None or not tokens:
+            return
         _check(
-            _is_prefix(committed, tokens),
+            consistent,
             Status.INVALID_ARGUMENT,
             f"end_turn.tokens: {len(tokens)} tokens that do not begin with the {len(committed)} committed since open",
         )
-        rest = tokens[len(committed) :]
-        _check(
-            all(0 <= t < TOKEN_LIMIT for t in rest), Status.INVALID_ARGUMENT, "end_turn.tokens: token id out of range"
-        )
-        self.corpora.append(entry.response, rest)
+        self._to_corpus(entry, tokens[len(committed) :], "end_turn.tokens")
         self.corpora.finish(entry.response)
         entry.response = None  # the response is whole: nothing more of this stream goes in
 
@@ -463,6 +476,23 @@ def _checked_mode(st: Step, adaptive_ok: bool) -> str:
     _check(mode in MODES, Status.INVALID_ARGUMENT, f"step.mode: {mode!r}, expected one of {', '.join(MODES)}")
     _check(st.batch_rows >= 0, Status.INVALID_ARGUMENT, f"step.batch_rows: {st.batch_rows}")
     return mode
+
+
+def _emitted_path(tokens: list[int], parents: list[int], rest: list[int]) -> list[int]:
+    """The nodes of a tree (root first) that ``rest`` spells from its root on: the accepted path,
+    since the tokens after the root are the accepted nodes' and then the target's own (which no
+    child of the last accepted node carries, or the target would have accepted it). Only the root
+    when ``rest`` does not begin at the tree's root."""
+    if not rest or rest[0] != tokens[0]:
+        return [0]
+    children: dict[tuple[int, int], int] = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i}
+    path = [0]
+    for tok in rest[1:]:
+        node = children.get((path[-1], tok))
+        if node is None:
+            break
+        path.append(node)
+    return path
 
 
 def _is_prefix(a: list[int], b: list[int]) -> bool:

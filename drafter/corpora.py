@@ -122,7 +122,12 @@ class Corpora:
         return tc.corpus if tc is not None else None
 
     def append(self, resp: Response, tokens) -> None:
-        """A response's newly committed tokens: published at the next sync."""
+        """A response's newly committed tokens: published at the next sync. ``ValueError``, and
+        nothing taken, if one is outside the ids a corpus holds ([0, TOKEN_LIMIT)): every token
+        that enters a response is checked here, before it can spoil the record it would go out in."""
+        tokens = list(tokens)
+        if any(not 0 <= t < TOKEN_LIMIT for t in tokens):
+            raise ValueError(f"token id out of range for the tenant corpus: [0, {TOKEN_LIMIT})")
         tc = self.tenants.get(resp.tenant)
         if tc is not None:
             tc.used = time.monotonic()

@@ -13,7 +13,15 @@ from common.params import MODES
 from .adaptive import BudgetChooser
 from .automaton import Automaton
 from .copy_logits import CopyLogitTable
-from .tree import DraftTree, _Trie, add_corpus, add_logits, add_logits_best_first, add_retrieval, corpus_candidates
+from .tree import (
+    DraftTree,
+    _Trie,
+    add_logits,
+    add_logits_best_first,
+    add_retrieval,
+    corpus_candidates,
+    merge_corpus,
+)
 
 AUTO = 0  # budget: chosen per round from the verifier's cost curve (``DraftSession.set_costs``)
 
@@ -56,10 +64,11 @@ class DraftSession:
         self.chooser: BudgetChooser | None = None
         self.corpus = None  # the tenant's ``corpus.Corpus`` to draft from, if any (read only here)
         # Tree nodes (root excluded) drafted and accepted, by source: "session" (automaton and
-        # copy-logit table) or "corpus". ``_corpus_nodes``: the last tree's corpus nodes.
+        # copy-logit table) or "corpus". ``_corpus_nodes``: the last tree's corpus nodes (None: no
+        # tree since its acceptance was counted).
         self.drafted = {"session": 0, "corpus": 0}
         self.accepted = {"session": 0, "corpus": 0}
-        self._corpus_nodes: frozenset[int] = frozenset()
+        self._corpus_nodes: frozenset[int] | None = None
 
     def set_costs(self, cost_ms: dict[int, float], overhead_ms: float = 1.0) -> None:
         """The verifier's cost curve (ms per forward by tree size): enables ``budget=AUTO``."""
@@ -99,10 +108,7 @@ class DraftSession:
         with the accepted tokens afterwards.
         """
         acc = set(accepted)
-        from_corpus = len(acc & self._corpus_nodes)
-        self.accepted["corpus"] += from_corpus
-        self.accepted["session"] += max(0, len(acc) - 1 - from_corpus)
-        self._corpus_nodes = frozenset()
+        self.count_accepted(accepted)
         put = self.table.put
         for i, (t, row) in enumerate(zip(tree_tokens, tree_topk)):
             if i not in acc:
@@ -111,6 +117,17 @@ class DraftSession:
             put(tree_tokens[i], tree_topk[i])
         if accepted:
             self.last_topk = tuple(tree_topk[accepted[-1]])
+
+    def count_accepted(self, accepted) -> None:
+        """Counts the last tree's accepted nodes (indices, root first) by source; a tree's are
+        counted once (a second call before the next draft counts nothing)."""
+        if self._corpus_nodes is None:
+            return
+        acc = set(accepted)
+        from_corpus = len(acc & self._corpus_nodes)
+        self.accepted["corpus"] += from_corpus
+        self.accepted["session"] += max(0, len(acc) - 1 - from_corpus)
+        self._corpus_nodes = None
 
     # -- drafting ---------------------------------------------------------------------------------
     def draft(self, root: int, budget: int, mode: str = "racer", batch_rows: int = 0) -> DraftTree:
@@ -143,24 +160,32 @@ class DraftSession:
         n_retrieval = 0
         if mode in ("racer", "retrieval"):
             n_retrieval = add_retrieval(trie, self.automaton, root, cfg.min_depth, cfg.retrieval_min_prob)
-            if self.corpus is not None and mode == "racer" and not trie.full():
-                seen = (self.accepted["corpus"], self.drafted["corpus"])
-                found = corpus_candidates(
-                    self.corpus, self.history, root, budget - 1, cfg.corpus_min_match, seen, cfg.corpus_min_prob
-                )
-                add_corpus(trie, found, cfg.corpus_min_prob)
-        if mode in ("racer", "logits", "last-logit"):
-            get = self.table.get
-            if mode == "last-logit":
-                last = self.last_topk
-                get = lambda _tok: last  # noqa: E731
-            if cfg.logits_tree == "halving":
-                add_logits(trie, get, cfg.topk)
-            else:
-                add_logits_best_first(trie, get)
+        fill = self._logits_fill(mode)
+        if self.corpus is not None and mode == "racer" and not trie.full():
+            seen = (self.accepted["corpus"], self.drafted["corpus"])
+            found = corpus_candidates(
+                self.corpus, self.history, root, budget - 1, cfg.corpus_min_match, seen, cfg.corpus_min_prob
+            )
+            if found:  # the corpus and the copy-logit tree compete for the places retrieval left
+                merge_corpus(trie, found, fill, cfg.corpus_min_prob)
+                fill = None
+        if fill is not None:
+            fill(trie)
         elif mode == "pld":
             self._add_prompt_lookup(trie, root)
         return trie.flatten(n_retrieval)
+
+    def _logits_fill(self, mode: str):
+        """The copy-logit expansion of ``mode`` as a function of the trie (None: the mode has none)."""
+        if mode not in ("racer", "logits", "last-logit"):
+            return None
+        get = self.table.get
+        if mode == "last-logit":
+            last = self.last_topk
+            get = lambda _tok: last  # noqa: E731
+        if self.config.logits_tree == "halving":
+            return lambda trie: add_logits(trie, get, self.config.topk)
+        return lambda trie: add_logits_best_first(trie, get)
 
     def _add_prompt_lookup(self, trie: _Trie, root: int) -> None:
         """One chain copied after the most recent earlier occurrence of the longest matching n-gram."""

@@ -42,7 +42,7 @@ class DraftTree:
 
 
 class _Trie:
-    __slots__ = ("tokens", "parents", "depth", "index", "budget", "corpus")
+    __slots__ = ("tokens", "parents", "depth", "index", "budget", "corpus", "value")
 
     def __init__(self, root: int, budget: int):
         self.tokens = [root]
@@ -51,15 +51,21 @@ class _Trie:
         self.index: dict[tuple[int, int], int] = {}
         self.budget = budget
         self.corpus: list[int] = []  # nodes first added by the tenant corpus
+        # Each node's estimated chance that the target accepts the path to it (the root: 1), as
+        # the source that added it (or the best of those that met it) estimated it.
+        self.value = [1.0]
 
     def full(self) -> bool:
         return len(self.tokens) >= self.budget
 
-    def add(self, parent: int, token: int) -> int:
-        """Returns the node for (parent, token), adding it if absent; -1 when the budget is spent."""
+    def add(self, parent: int, token: int, value: float = 0.0) -> int:
+        """Returns the node for (parent, token), adding it if absent; -1 when the budget is spent.
+        ``value``: the adder's estimate for the node (an existing node keeps the higher one)."""
         key = (parent, token)
         i = self.index.get(key)
         if i is not None:
+            if value > self.value[i]:
+                self.value[i] = value
             return i
         if len(self.tokens) >= self.budget:
             return -1
@@ -67,8 +73,16 @@ class _Trie:
         self.tokens.append(token)
         self.parents.append(parent)
         self.depth.append(self.depth[parent] + 1)
+        self.value.append(value)
         self.index[key] = i
         return i
+
+    def copy(self) -> "_Trie":
+        """The same nodes and budget in a trie of its own."""
+        t = _Trie(self.tokens[0], self.budget)
+        t.tokens, t.parents, t.depth, t.value = self.tokens[:], self.parents[:], self.depth[:], self.value[:]
+        t.index, t.corpus = dict(self.index), self.corpus[:]
+        return t
 
     def flatten(self, n_retrieval: int) -> DraftTree:
         order = sorted(range(len(self.tokens)), key=self.depth.__getitem__)  # stable: BFS
@@ -141,7 +155,7 @@ def add_retrieval(
     while heap and not trie.full():
         negp, _, _, draft_parent, (tok, *chs) = heapq.heappop(heap)
         before = len(trie.tokens)
-        node = trie.add(draft_parent, tok)
+        node = trie.add(draft_parent, tok, -negp)
         if node < 0:
             break
         added += len(trie.tokens) - before
@@ -149,15 +163,23 @@ def add_retrieval(
     return added
 
 
-def add_logits(trie: _Trie, table_get, root_breadth: int) -> None:
+# Acceptance rate of the i-th ranked copy-logit successor given its parent was accepted: a prior
+# with a sharp head, as the copy-logit rank distribution is (Token Recycling, RACER fig. 3).
+RANK_PRIOR = (0.45, 0.14, 0.07, 0.045, 0.03, 0.022, 0.017, 0.013)
+
+
+def add_logits(trie: _Trie, table_get, root_breadth: int, rank_prob=RANK_PRIOR) -> None:
     """Breadth-first copy-logit expansion with breadth halving, until the budget is spent.
 
     ``table_get(token)`` returns ranked next-token ids. The root expands ``root_breadth`` children;
     a node's first child gets half its breadth, each next sibling half of the previous, never < 1.
-    Nodes already in the trie (from retrieval) are shared, not paid for twice.
+    Nodes already in the trie (from retrieval) are shared, not paid for twice. A node's value is its
+    parent's times the rank prior of its rank (the last one past the prior's end); it does not
+    change the shape, only how the node competes with the corpus (``merge_corpus``).
     """
     queue = [(0, trie.tokens[0], root_breadth)]
     head = 0
+    last = len(rank_prob) - 1
     while head < len(queue) and not trie.full():
         node, tok, breadth = queue[head]
         head += 1
@@ -165,17 +187,12 @@ def add_logits(trie: _Trie, table_get, root_breadth: int) -> None:
         if not nxt:
             continue
         child_breadth = breadth
-        for t in nxt[:breadth]:
+        for rank, t in enumerate(nxt[:breadth]):
             child_breadth = max(1, child_breadth // 2)
-            child = trie.add(node, t)
+            child = trie.add(node, t, trie.value[node] * rank_prob[min(rank, last)])
             if child < 0:
                 return
             queue.append((child, t, child_breadth))
-
-
-# Acceptance rate of the i-th ranked copy-logit successor given its parent was accepted: a prior
-# with a sharp head, as the copy-logit rank distribution is (Token Recycling, RACER fig. 3).
-RANK_PRIOR = (0.45, 0.14, 0.07, 0.045, 0.03, 0.022, 0.017, 0.013)
 
 
 def add_logits_best_first(trie: _Trie, table_get, rank_prob=RANK_PRIOR) -> None:
@@ -199,7 +216,7 @@ def add_logits_best_first(trie: _Trie, table_get, rank_prob=RANK_PRIOR) -> None:
     while heap and not trie.full():
         negp, _, parent, t = heapq.heappop(heap)
         before = len(trie.tokens)
-        child = trie.add(parent, t)
+        child = trie.add(parent, t, -negp)
         if child < 0:
             return
         if len(trie.tokens) > before or child not in expanded:
@@ -263,23 +280,114 @@ def corpus_candidates(
 
 
 def add_corpus(trie: _Trie, candidates, min_prob: float = 0.25) -> int:
-    """Adds corpus paths best-first while their value is at least ``min_prob``; returns the nodes
-    added (nodes already in the trie are free). A parent's value is never below its child's, so
-    best-first order inserts a parent before its children."""
-    added = 0
-    node_of: dict[tuple[int, ...], int] = {(): 0}
-    for value, path in sorted(candidates, key=lambda c: (-c[0], len(c[1]))):
-        if value < min_prob or trie.full():
-            break
-        parent = node_of.get(path[:-1])
+    """Adds corpus paths best-first into the trie's free places while their value is at least
+    ``min_prob``; returns the nodes added (nodes already in the trie are free). A parent's value is
+    never below its child's, so best-first order inserts a parent before its children."""
+    return merge_corpus(trie, candidates, None, min_prob)
+
+
+def merge_corpus(trie: _Trie, candidates, fill, min_prob: float = 0.25) -> int:
+    """Adds the corpus paths worth more than the session nodes they would displace; returns the
+    corpus nodes added.
+
+    ``trie`` holds the nodes that are never displaced (the root and the session's retrieval);
+    ``fill(trie)`` adds the session's own tree after them (the copy-logit tree, values set by
+    ``add_logits``), or None. The rule: a tree's worth is the expected number of tokens the target
+    accepts from it, the sum of its nodes' values (each the estimated chance that the path to it is
+    accepted). The session's tree is built as it would be without the corpus; then the corpus
+    candidates, best first, each take a place that is free, or else the place of the session's
+    least valuable leaf, only if the candidate is worth strictly more than that leaf. A swap
+    therefore never lowers the tree's estimated worth, an empty or weak corpus leaves the session's
+    tree exactly as it was, and a long, confirmed match (values near 1 along the chain) pushes out
+    the copy-logit tree's long shot nodes first. A corpus path through a session node shares it
+    (that node stays the session's)."""
+    session = trie.copy()
+    if fill is not None:
+        fill(session)
+    keep = len(trie.tokens)
+    new, removed = _compete(session, keep, candidates, min_prob)
+    _rebuild(trie, session, keep, new, removed)
+    return len(new)
+
+
+def _compete(session: _Trie, keep: int, candidates, min_prob: float):
+    """The corpus nodes that win a place in ``session`` (nodes from ``keep`` on may be displaced),
+    as (parent, token, value) in best-first order (parent: a session node >= 0, or -1 - j for the
+    j-th winner), and the session nodes they displace (leaves only, so what stays is a tree). A
+    session node that a corpus path shares is worth the better of the two estimates."""
+    ranked = [c for c in sorted(candidates, key=lambda c: (-c[0], len(c[1]))) if c[0] >= min_prob]
+    value = session.value
+    for v, path in ranked:  # the session nodes the corpus confirms
+        node = 0
+        for tok in path:
+            node = session.index.get((node, tok), -1)
+            if node < 0:
+                break
+        if node > 0 and v > value[node]:
+            value[node] = v
+    n = len(session.tokens)
+    kids = [0] * n
+    for i in range(1, n):
+        kids[session.parents[i]] += 1
+    leaves = [(value[i], -i) for i in range(keep, n) if kids[i] == 0]  # least valuable, latest first
+    heapq.heapify(leaves)
+    removed: set[int] = set()
+    new: list[tuple[int, int, float]] = []
+    ref_of: dict[tuple[int, ...], int] = {(): 0}
+    size = n
+    for v, path in ranked:
+        parent = ref_of.get(path[:-1])
         if parent is None:
             continue
-        before = len(trie.tokens)
-        node = trie.add(parent, path[-1])
-        if node < 0:
-            break
-        if len(trie.tokens) > before:
-            trie.corpus.append(node)
-            added += 1
-        node_of[path] = node
-    return added
+        mine = session.index.get((parent, path[-1]), -1) if parent >= 0 else -1
+        if mine >= 0 and mine not in removed:
+            ref_of[path] = mine
+            continue
+        if size >= session.budget:
+            while leaves and kids[-leaves[0][1]]:  # a corpus node hangs under it now
+                heapq.heappop(leaves)
+            if not leaves or leaves[0][0] >= v:
+                continue  # the session's least valuable node is worth at least as much
+            _, neg = heapq.heappop(leaves)
+            removed.add(-neg)
+            up = session.parents[-neg]
+            kids[up] -= 1
+            if kids[up] == 0 and up >= keep:
+                heapq.heappush(leaves, (value[up], -up))
+            size -= 1
+        if parent >= 0:
+            kids[parent] += 1
+        new.append((parent, path[-1], v))
+        ref_of[path] = -len(new)
+        size += 1
+    return new, removed
+
+
+def _rebuild(trie: _Trie, session: _Trie, keep: int, new, removed: set[int]) -> None:
+    """Adds to ``trie`` (which holds ``session``'s first ``keep`` nodes) the corpus winners ``new``
+    and the session nodes not ``removed``, in ``session``'s order: each winner as soon as its parent
+    is in (best-first order among those waiting), so the nodes under the kept ones come first."""
+    placed = {i: i for i in range(keep)}
+    waiting = {ref for ref, _, _ in new}
+    pending = list(range(len(new)))
+
+    def hang() -> None:
+        rest = []
+        for j in pending:  # best-first order: a parent before its children
+            ref, tok, v = new[j]
+            if ref in placed:
+                node = placed[-1 - j] = trie.add(placed[ref], tok, v)
+                trie.corpus.append(node)
+            else:
+                rest.append(j)
+        pending[:] = rest
+
+    hang()
+    for i in range(keep, len(session.tokens)):
+        if i in removed:
+            continue
+        placed[i] = trie.add(placed[session.parents[i]], session.tokens[i], session.value[i])
+        if pending and i in waiting:
+            hang()
+    if pending or min(placed.values()) < 0:  # the places are counted exactly: never
+        raise RuntimeError("corpus merge: a node found no place in the budget")

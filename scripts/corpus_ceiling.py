@@ -27,17 +27,18 @@ from common.loop import Stats
 from common.text import chat_ids
 from drafter.automaton import Automaton
 from drafter.corpus import Corpus, CorpusConfig
-from drafter.draft_session import DrafterConfig
-from drafter.tree import _Trie, add_corpus, add_retrieval, corpus_candidates
+from drafter.draft_session import DrafterConfig, DraftSession
+from drafter.tree import _Trie, add_corpus, add_logits, add_retrieval, corpus_candidates
 from racer.inprocess import InProcessStack
 from racer.prompts import DEFAULT_PROMPTS, load_spec_bench
+from verifier.engine import VerifierSession
 
 
-def outputs(args) -> list[dict]:
-    """Each prompt's chat ids and the target's greedy output (cached in ``--outputs``)."""
+def outputs(args, engine) -> list[dict]:
+    """Each prompt's chat ids, the target's greedy output and its top-k after every token of both
+    (one forward over the whole; cached in ``--outputs``)."""
     if args.outputs and os.path.exists(args.outputs):
         return json.load(open(args.outputs))
-    engine = InProcessStack.load(threads=args.threads or None)
     params = engine.default_params(max_new_tokens=args.max_new_tokens, mode="racer", budget=16)
     done = []
     for p in load_spec_bench(args.prompts, per_category=args.per_category):
@@ -45,7 +46,9 @@ def outputs(args) -> list[dict]:
         out: list[int] = []
         for chunk in engine.stream(ids, params, stats=Stats()):
             out += chunk
-        done.append({"category": p.category, "prompt": ids, "output": out})
+        verifier = VerifierSession(engine.loaded.model, engine.drafter_config.topk, engine.backend)
+        topk = verifier.prefill(ids + out).topk
+        done.append({"category": p.category, "prompt": ids, "output": out, "topk": topk})
         print(f"{p.category} {p.question_id}: {len(out)} tokens", file=sys.stderr)
     if args.outputs:
         with open(args.outputs, "w") as f:
@@ -137,16 +140,7 @@ def replay(sessions: list[dict], budget: int, min_match: int, min_prob: float, f
                     min_prob,
                 )
             tree = trie.flatten(0)
-            kids: dict[int, list[int]] = {}
-            for v in range(1, len(tree)):
-                kids.setdefault(tree.parents[v], []).append(v)
-            path = [0]
-            while True:
-                d = len(path)
-                nxt = [v for v in kids.get(path[-1], []) if i + d < len(out) and tree.tokens[v] == out[i + d]]
-                if not nxt:
-                    break
-                path.append(nxt[0])
+            path = _accepted_path(tree, out, i)
             mine = set(tree.corpus_nodes)
             seen[0] += len(mine & set(path))
             seen[1] += len(mine)
@@ -163,6 +157,85 @@ def replay(sessions: list[dict], budget: int, min_match: int, min_prob: float, f
     return tokens / max(rounds, 1), drafted, accepted, full / max(rounds, 1)
 
 
+def _accepted_path(tree, out: list[int], i: int) -> list[int]:
+    """The tree's nodes (root first) a greedy target accepts after output position ``i``."""
+    kids: dict[int, list[int]] = {}
+    for v in range(1, len(tree)):
+        kids.setdefault(tree.parents[v], []).append(v)
+    path = [0]
+    while True:
+        d = len(path)
+        nxt = [v for v in kids.get(path[-1], []) if i + d < len(out) and tree.tokens[v] == out[i + d]]
+        if not nxt:
+            return path
+        path.append(nxt[0])
+
+
+def _corpus_before_logits(s: DraftSession, root: int, budget: int):
+    """The racer tree as the drafter built it before the corpus and the copy-logit tree competed
+    by value: retrieval, then every corpus path worth ``corpus_min_prob``, then the copy-logit tree."""
+    cfg = s.config
+    trie = _Trie(root, budget)
+    add_retrieval(trie, s.automaton, root, cfg.min_depth, cfg.retrieval_min_prob)
+    if s.corpus is not None and not trie.full():
+        seen = (s.accepted["corpus"], s.drafted["corpus"])
+        depth = budget - 1
+        found = corpus_candidates(s.corpus, s.history, root, depth, cfg.corpus_min_match, seen, cfg.corpus_min_prob)
+        add_corpus(trie, found, cfg.corpus_min_prob)
+    add_logits(trie, s.table.get, cfg.topk)
+    return trie.flatten(0)
+
+
+def replay_sessions(sessions: list[dict], budget: int, prior, rule: str) -> tuple[float, int, int]:
+    """Replays one category's answers through ``DraftSession`` (copy-logit tree included), the
+    corpus ``rule`` being "off", "by value" (the drafter's) or "before logits" (the former order).
+    The copy-logit table learns the target's top-k at the accepted positions only (a verifier also
+    returns the rejected nodes'), so its trees are somewhat poorer than the drafter's in service.
+    (MAT, corpus nodes drafted, accepted)."""
+    corpus = Corpus(CorpusConfig()) if rule != "off" else None
+    rounds = tokens = drafted = accepted = 0
+    for rec in sessions:
+        prompt, out, rows = rec["prompt"], rec["output"], rec["topk"]
+        s = DraftSession(DrafterConfig(), prior)
+        s.corpus = corpus
+        s.extend(prompt, rows[: len(prompt)])
+        writer = corpus.writer() if corpus is not None else None
+        if writer is not None:
+            corpus.append(writer, out[:1])
+        i = 0
+        while i < len(out) - 1:
+            if rule == "before logits":
+                tree = _corpus_before_logits(s, out[i], budget)
+                s.drafted["corpus"] += len(tree.corpus_nodes)
+                s._corpus_nodes = frozenset(tree.corpus_nodes)
+            else:
+                tree = s.draft(out[i], budget)
+            path = _accepted_path(tree, out, i)
+            s.count_accepted(path)
+            fed = [tree.tokens[v] for v in path]
+            s.extend(fed, [rows[len(prompt) + i + d] for d in range(len(path))])
+            if writer is not None:
+                corpus.append(writer, out[i + 1 : i + 1 + len(path)])
+            rounds += 1
+            tokens += len(path)
+            i += len(path)
+        drafted += s.drafted["corpus"]
+        accepted += s.accepted["corpus"]
+    return tokens / max(rounds, 1), drafted, accepted
+
+
+def print_session_replay(by: dict, budget: int, prior) -> None:
+    """The replay through ``DraftSession`` at ``budget``: MAT by category under each corpus rule."""
+    print(f"\nreplay at C={budget} through the drafter's session (copy-logit tree included): MAT by category")
+    print("| corpus rule | " + " | ".join(by) + " | mean | corpus drafted / accepted |")
+    print("|---|" + "---|" * (len(by) + 2))
+    for rule in ("off", "before logits", "by value"):
+        got = [replay_sessions(ss, budget, prior, rule) for ss in by.values()]
+        mats = " | ".join(f"{g[0]:.3f}" for g in got)
+        mean = sum(g[0] for g in got) / len(got)
+        print(f"| {rule} | {mats} | {mean:.3f} | {sum(g[1] for g in got)} / {sum(g[2] for g in got)} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
@@ -172,10 +245,14 @@ def main() -> None:
     ap.add_argument("--key-len", default="3,1", help="corpus key lengths to compare (3: the corpus as built)")
     ap.add_argument("--outputs", default="", help="JSON cache of the generated outputs")
     ap.add_argument("--replay-budget", type=int, default=64, help="tree size of the replay (0: no replay)")
+    ap.add_argument("--session-budgets", default="16,64", help="tree sizes of the session replay ('': none)")
     args = ap.parse_args()
+    engine = InProcessStack.load(threads=args.threads or None)
     by = defaultdict(list)
-    for s in outputs(args):
+    for s in outputs(args, engine):
         by[s["category"]].append(s)
+    for b in [int(x) for x in args.session_budgets.split(",") if x]:
+        print_session_replay(by, b, engine.prior)
     keys = [int(k) for k in args.key_len.split(",")]
     cols = [(k, p) for k in keys for p in (False, True)]
     print(f"{args.per_category} sessions a category, {args.max_new_tokens} new tokens; offered / depth")

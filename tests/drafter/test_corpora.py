@@ -11,7 +11,7 @@ import pytest
 from common.errors import Abort, Status
 from common.store import MemoryStore, RedisStore
 from drafter.core import Drafter, Open, Step
-from drafter.corpora import Corpora, CorpusRecordError, decode, encode, stream_key
+from drafter.corpora import Corpora, CorpusRecordError, Response, decode, encode, stream_key
 from drafter.draft_session import DrafterConfig
 
 
@@ -180,5 +180,65 @@ def test_end_turn_tokens_that_disagree_with_what_the_steps_committed_are_refused
         await _answer(d, "t", "no-tail", [1, 2, 3], response, [])  # an older gateway's EndTurn: no tail
         await d.corpora.sync()
         assert len(d.corpora.current("t")) == 4 * 17  # what the steps of the 4 turns committed, no tail
+
+    asyncio.run(go())
+
+
+def test_every_token_that_enters_a_response_is_checked_against_the_corpus_id_range():
+    """A step's committed tokens and the end of a turn go through ``Corpora.append``: an id the
+    corpus cannot hold is refused there, before the session learns from it or a record carries it."""
+    from drafter.corpus import TOKEN_LIMIT
+
+    corpora = Corpora(1000, store=MemoryStore())
+    resp = Response("t", 1, 0)
+    for bad in ([1, TOKEN_LIMIT], [-1], [TOKEN_LIMIT + 5, 2]):
+        with pytest.raises(ValueError):
+            corpora.append(resp, bad)
+    assert resp.pending == []
+    corpora.append(resp, [0, TOKEN_LIMIT - 1])
+    assert resp.pending == [0, TOKEN_LIMIT - 1]
+
+    async def go():
+        store = MemoryStore()
+        d = Drafter(DrafterConfig(), store, corpora=Corpora(1000, store=store))
+        entry, _ = await d.open(Open("t", "s", [1, 2, 3], []))
+        d.step(entry, Step([], [], 0, TOKEN_LIMIT, 8, "racer"))  # drafted from; committed at the next step
+        k = d.config.topk
+        with pytest.raises(Abort) as e:
+            d.step(entry, Step([0] * (len(entry.tree) * k), [0], 1, 5, 8, "racer"))
+        assert e.value.code == Status.INVALID_ARGUMENT and "step" in e.value.message
+        assert entry.session.history == [1, 2, 3], "a refused step left the session as it was"
+        with pytest.raises(Abort) as e:
+            d.end_turn(entry, [TOKEN_LIMIT])
+        assert e.value.code == Status.INVALID_ARGUMENT and "end_turn.tokens" in e.value.message
+        d.release(entry)
+
+    asyncio.run(go())
+
+
+def test_the_last_rounds_accepted_corpus_nodes_are_counted_at_the_end_of_the_turn():
+    """No step feeds the last tree back; the end of the turn's tokens spell its accepted path."""
+    from prometheus_client import REGISTRY
+
+    def metric():
+        return REGISTRY.get_sample_value("racer_draft_accepted_total", {"source": "corpus"}) or 0.0
+
+    async def go():
+        store = MemoryStore()
+        d = Drafter(DrafterConfig(), store, corpora=Corpora(1000, store=store))
+        await d.corpora.open("t", share=False)
+        await d.corpora.tenants["t"].loading
+        answer = list(range(100, 140))
+        d.corpora.current("t").add([1, 2, 3, 4, 5] + answer)
+        entry, _ = await d.open(Open("t", "s", [1, 2, 3, 4, 5, 100, 101], []))
+        tree = d.step(entry, Step([], [], 0, 102, 8, "racer"))
+        assert [tree.tokens[i] for i in tree.corpus_nodes][:3] == [103, 104, 105]
+        before = metric()
+        # the last round: 103, 104, 105 accepted, then the target's own 7 (no node of the tree)
+        d.end_turn(entry, [102, 103, 104, 105, 7])
+        assert entry.session.accepted["corpus"] == 3 and metric() - before == 3
+        d.end_turn(entry, [102, 103, 104, 105, 7])  # the same tree is counted once
+        assert entry.session.accepted["corpus"] == 3 and metric() - before == 3
+        d.release(entry)
 
     asyncio.run(go())

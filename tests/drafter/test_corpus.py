@@ -14,6 +14,8 @@ from drafter.corpus import Corpus, CorpusConfig
 from drafter.draft_session import DrafterConfig, DraftSession
 from drafter.tree import _Trie, add_corpus, corpus_candidates
 
+from .refs import check_tree_shape
+
 
 class Reference:
     def __init__(self, capacity: int):
@@ -238,3 +240,129 @@ def test_candidates_cut_at_min_prob_are_the_ones_worth_it_in_the_same_order(
         corpus.add(r)
     every = corpus_candidates(corpus, ctx, root, depth, 1, observed)
     assert corpus_candidates(corpus, ctx, root, depth, 1, observed, min_prob) == [c for c in every if c[0] >= min_prob]
+
+
+# -- the corpus against the session's own nodes -----------------------------------------------------
+def _session_with_strong_nodes(corpus):
+    """Retrieval gives 4 after the root 3 (certain: "2 3" was always followed by 4), the copy-logit
+    tree 5 after it (rank 0: 0.45), then 6, 7, ... (0.45 ** 2, ...)."""
+    s = DraftSession(DrafterConfig(window=3))
+    s.corpus = corpus
+    ctx = [1, 2, 3, 4, 5, 6, 7, 2]
+    s.extend(ctx, [[t + 1] for t in ctx])
+    return s
+
+
+def _tree(s, budget):
+    t = s.draft(3, budget)
+    return t.tokens, t.parents
+
+
+def test_a_weak_short_corpus_match_never_displaces_a_stronger_session_node():
+    """Two earlier answers agree with the context on 4 tokens and then disagree: each corpus path is
+    worth 1/2 x 4/6 = 0.33 >= corpus_min_prob, less than the session's 0.45 node it would push out."""
+    weak = Corpus(CorpusConfig(max_tokens=1000))
+    weak.add([9, 6, 7, 2, 3, 30, 31])
+    weak.add([9, 6, 7, 2, 3, 40, 41])
+    assert {p for v, p in corpus_candidates(weak, [1, 2, 3, 4, 5, 6, 7, 2], 3, 2, 4) if v >= 0.25} == {(30,), (40,)}
+    plain = _session_with_strong_nodes(None)
+    with_weak = _session_with_strong_nodes(weak)
+    assert _tree(with_weak, 3) == _tree(plain, 3) == ((3, 4, 5), (-1, 0, 1))
+    assert not with_weak.draft(3, 3).corpus_nodes
+    # worth more than the session's long shots (0.2, 0.09 a node), they take those places only
+    tree = with_weak.draft(3, 5)
+    assert sorted(tree.tokens) == [3, 4, 5, 30, 40] and len(tree.corpus_nodes) == 2
+
+
+def test_a_long_repeated_match_puts_the_corpus_chain_in_place_of_the_sessions_weaker_nodes():
+    strong = Corpus(CorpusConfig(max_tokens=1000))
+    strong.add([1, 2, 3, 4, 5, 6, 7, 2, 3, 60, 61, 62, 63, 64])  # a 9-token match: 9/11 a token
+    s = _session_with_strong_nodes(strong)
+    tree = s.draft(3, 5)
+    # 60, 61, 62 are worth 0.82, 0.67, 0.55 > the session's 0.45, 0.2, 0.09; retrieval's 4 stays
+    assert (tree.tokens, tree.parents) == ((3, 4, 60, 61, 62), (-1, 0, 0, 2, 3))
+    assert [tree.tokens[i] for i in tree.corpus_nodes] == [60, 61, 62]
+
+
+def _candidate_set(raw):
+    """Prefix-closed corpus paths with values that never grow along a path."""
+    vals: dict[tuple, float] = {}
+    for path, v in raw:
+        for d in range(1, len(path) + 1):
+            p = path[:d]
+            vals[p] = min(vals.get(p[:-1], 1.0), max(vals.get(p, 0.0), v))
+    for p in sorted(vals, key=len):  # a parent's value is never below its child's
+        vals[p] = min(vals[p], vals.get(p[:-1], 1.0))
+    return [(v, p) for p, v in vals.items()]
+
+
+def _paths_values(trie):
+    """(path after the root) -> value of every node but the root."""
+    paths = [()]
+    out = {}
+    for i in range(1, len(trie.tokens)):
+        paths.append(paths[trie.parents[i]] + (trie.tokens[i],))
+        out[paths[i]] = trie.value[i]
+    return out, paths
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(st.integers(0, 5), st.lists(st.integers(0, 5), unique=True, max_size=6), max_size=6),
+    st.integers(1, 30),
+    st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=3), max_size=3),
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 5), min_size=1, max_size=5).map(tuple),
+            st.sampled_from([0.9, 0.6, 0.45, 0.3, 0.2, 0.1, 0.05, 0.01]),
+        ),
+        max_size=8,
+    ),
+    st.sampled_from([0.0, 0.05, 0.25]),
+)
+def test_merge_corpus_against_the_session_tree(table, budget, pre, raw, min_prob):
+    """Retrieval-like nodes (``pre``: never displaced), then the copy-logit tree and random corpus
+    candidates compete: the merged tree keeps every ``pre`` node, holds only session and candidate
+    paths, displaces only session nodes worth less than every corpus node it takes, is worth at
+    least the session tree (sum of values), is the session tree exactly when the corpus adds
+    nothing, and leaves out no candidate worth more than a session leaf it could have displaced."""
+    from drafter.tree import add_logits, merge_corpus
+
+    get = lambda t: tuple(table.get(t, ()))  # noqa: E731
+    base = _Trie(0, budget)
+    for path in pre:
+        node = 0
+        for t in path:
+            node = base.add(node, t, 1.0)
+            if node < 0:
+                break
+        if node < 0:
+            break
+    keep = {p for p in _paths_values(base)[0]}
+    alone = base.copy()
+    add_logits(alone, get, 4)
+    merged = base.copy()
+    cands = _candidate_set(raw)
+    merge_corpus(merged, cands, lambda trie: add_logits(trie, get, 4), min_prob)
+    tree = merged.flatten(0)
+    check_tree_shape(tree, 0, budget)
+    mine, _ = _paths_values(alone)
+    got, node_paths = _paths_values(merged)
+    worth = {p: v for v, p in cands if v >= min_prob}
+    assert keep <= set(got)
+    assert set(got) <= set(mine) | set(worth)
+    corpus_paths = {node_paths[i] for i in merged.corpus}
+    assert corpus_paths == set(got) - set(mine)
+    if not corpus_paths:
+        assert (merged.tokens, merged.parents) == (alone.tokens, alone.parents)
+        return
+    displaced = set(mine) - set(got)
+    assert max((mine[p] for p in displaced), default=-1.0) < min(worth[p] for p in corpus_paths)
+    value = lambda ps: sum(max(mine.get(p, 0.0), worth.get(p, 0.0)) for p in ps)  # noqa: E731
+    assert value(got) >= value(mine) - 1e-9
+    if len(got) + 1 >= budget:
+        leaves = {p for p in got if p in mine and p not in keep and p not in worth}
+        leaves -= {p[:-1] for p in got}
+        for p, v in worth.items():
+            if p not in got and (len(p) == 1 or p[:-1] in got) and leaves:
+                assert v <= min(mine[q] for q in leaves), f"{p} ({v}) left out for a weaker session leaf"
