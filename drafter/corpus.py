@@ -38,7 +38,7 @@ import numpy as np
 
 _GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: the top bits of key * golden ratio * 2**64
 _M64 = (1 << 64) - 1
-_BASE = 1 << 17  # > any vocabulary in use; keys of up to 3 tokens fold exactly into 51 bits
+_BASE = 1 << 20  # > any vocabulary in use (Gemma's 256k included); keys of up to 3 tokens fold exactly into 60 bits
 TOKEN_LIMIT = _BASE  # token ids a corpus takes: [0, TOKEN_LIMIT)
 
 
