@@ -124,3 +124,16 @@ def test_the_default_model_takes_it_in_bfloat16():
 
     backend = VerifierSession(load(DEFAULT_MODEL, dtype="bfloat16", tokenizer=False).model, backend="llama").backend
     assert backend.fused is not None, backend.plan.describe()
+
+
+@pytest.mark.skipif(native._compiler() is None, reason="no C compiler")
+@pytest.mark.parametrize("arch", ["sapphirerapids", "x86-64-v2"])
+def test_the_sources_build_for_cpus_other_than_this_one(tmp_path, arch):
+    """The AVX-512 (and AMX) code and the generic fallbacks compile, though this CPU runs neither."""
+    import subprocess
+
+    flags = [f if f != "-march=native" else f"-march={arch}" for f in native.FLAGS]
+    sources = [str(p) for p in (native.SOURCE, native.ATTENTION_SOURCE, native.LAYER_SOURCE)]
+    cmd = [native._compiler(), *flags, *sources, "-o", str(tmp_path / "lib.so")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
