@@ -12,7 +12,11 @@ step, no generic mask construction, and projections run by the kernels measured 
 machine for each row count (``verifier/kernels.py``). ``forward_segments`` runs several sessions'
 new tokens in one pass over the weights, one decoder layer at a time (``decoder_block``). In
 reduced precision the forward is batch invariant: a row's bits do not depend on what else shares
-the call. Models it does not implement go to the "hf" backend (``verifier/hf.py``).
+the call. There, where every projection runs a native row-invariant kernel, the whole decoder is one
+native call (``native.Decoder``, ``native_layer.c``: float32 residual stream and activations, only
+weights and the KV cache half width) for every forward of the model, prompts included; other
+models and plans run the layers op by op (``decoder_block``) for every forward. Models it does not
+implement go to the "hf" backend (``verifier/hf.py``).
 """
 
 from __future__ import annotations
