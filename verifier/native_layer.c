@@ -19,6 +19,8 @@
 
 int racer_linear(int nr, int mr, int type, const float *x, const void *w, const float *bias, float *y, long M, long N,
                  long K, int threads);
+int racer_linear_many(int count, const int64_t *tiles, int type, const float *x, const void *const *w,
+                      const float *const *bias, float *const *y, const int64_t *N, long M, long K, int threads);
 int racer_attention(int type, const float *q, const void *k, const void *v, float *out, long n, long H, long Hkv,
                     long D, long cap, const int64_t *counts, const int64_t *inplace, const int64_t *tail, long T,
                     float scale, int threads);
@@ -90,11 +92,13 @@ static void store(void *dst, const float *src, long d, int type)
         for (long i = 0; i < d; i++) ((_Float16 *)dst)[i] = (_Float16)src[i];
 }
 
-static int project(const struct shape *s, const struct layer *l, int p, const float *x, float *y, long n, long out,
-                   long in)
+/* Projections first .. first + count - 1 of one layer (consecutive in ``enum``) from the same rows
+ * x [n, in], in one parallel region: y[j] [n, out[j]]. */
+static int project(const struct shape *s, const struct layer *l, int first, int count, const float *x,
+                   float *const *y, const int64_t *out, long n, long in)
 {
-    return racer_linear((int)l->tile[p][0], (int)l->tile[p][1], (int)s->weight_type, x, l->w[p], l->bias[p], y, n,
-                        out, in, (int)s->threads);
+    return racer_linear_many(count, &l->tile[first][0], (int)s->weight_type, x, &l->w[first], &l->bias[first], y,
+                             out, n, in, (int)s->threads);
 }
 
 /* Attention of layer ``i``: the rows' rotated q/k, their K/V rows written into each segment's cache,
@@ -134,20 +138,16 @@ static int layer_forward(const struct shape *s, long i, const struct layer *l, c
 {
     const long E = s->hidden, D = s->head_dim, Hq = s->heads * D, Hk = s->kv_heads * D, I = s->inter;
     int rc = 0;
+    const int64_t qkv[3] = {Hq, Hk, Hk}, wide[2] = {I, I}, narrow[1] = {E};
     for (long r = 0; r < n; r++) rms_norm(x + r * E, l->norm1, w->h + r * E, E, s->eps);
-    rc |= project(s, l, Q, w->h, w->q, n, Hq, E);
-    rc |= project(s, l, K, w->h, w->k, n, Hk, E);
-    rc |= project(s, l, V, w->h, w->v, n, Hk, E);
-    if (rc) return rc;
+    if ((rc = project(s, l, Q, 3, w->h, (float *const[]){w->q, w->k, w->v}, qkv, n, E))) return rc;
     if ((rc = attend(s, i, seg, segments, w->q, w->k, w->v, cos, sin, w->a))) return rc;
-    if ((rc = project(s, l, O, w->a, w->y, n, E, Hq))) return rc;
+    if ((rc = project(s, l, O, 1, w->a, &w->y, narrow, n, Hq))) return rc;
     for (long j = 0; j < n * E; j++) x[j] += w->y[j];
     for (long r = 0; r < n; r++) rms_norm(x + r * E, l->norm2, w->h + r * E, E, s->eps);
-    rc |= project(s, l, GATE, w->h, w->g, n, I, E);
-    rc |= project(s, l, UP, w->h, w->u, n, I, E);
-    if (rc) return rc;
+    if ((rc = project(s, l, GATE, 2, w->h, (float *const[]){w->g, w->u}, wide, n, E))) return rc;
     for (long j = 0; j < n * I; j++) w->g[j] = w->g[j] / (1.0f + expf(-w->g[j])) * w->u[j];
-    if ((rc = project(s, l, DOWN, w->g, w->y, n, E, I))) return rc;
+    if ((rc = project(s, l, DOWN, 1, w->g, &w->y, narrow, n, I))) return rc;
     for (long j = 0; j < n * E; j++) x[j] += w->y[j];
     return 0;
 }
