@@ -137,3 +137,34 @@ def test_the_sources_build_for_cpus_other_than_this_one(tmp_path, arch):
     cmd = [native._compiler(), *flags, *sources, "-o", str(tmp_path / "lib.so")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@needs_native
+def test_projection_biases_are_added_by_the_native_decoder(monkeypatch, tmp_path):
+    """The biased Llama family: taken, a tree node's bits are its one-token step's, and the hidden
+    states stay close to the op-by-op path's (which adds the biases in torch)."""
+    from tests.support.families import model
+
+    monkeypatch.setenv("RACER_KERNELS", _widening_native())
+    monkeypatch.setenv("RACER_CACHE", str(tmp_path))
+    m = model("llama-biases").to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # the family's biases are zeros: nothing would tell a dropped one
+        for name, p in m.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    rng = random.Random(6)
+    prompt = [rng.randrange(3, 60) for _ in range(20)]
+    tokens, parents = [rng.randrange(3, 60) for _ in range(6)], [-1, 0, 0, 1, 3, 2]
+    s = _session(m, prompt)
+    assert s.backend.fused is not None
+    tree = _tree_hidden(s, tokens, parents)
+    alone = _session(m, prompt)
+    for j in _path(parents, 4):
+        hidden = _step(alone, tokens[j])
+    assert torch.equal(hidden, tree[4])
+    plain = VerifierSession(m, backend="llama")
+    plain.backend.fused = None
+    plain.prefill(prompt)
+    ref = _tree_hidden(plain, tokens, parents).float()
+    assert (tree.float() - ref).abs().max() <= 0.05 * ref.abs().max()
