@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from . import native
 from .backend import kept_rows
+from .machine import cpu_identity
 from .tuning import kernel_plan
 
 # mask: [n, past_len + n] bool, True = may attend.
@@ -275,12 +276,10 @@ def _fused_decoder(b) -> native.Decoder | None:
     layers = [
         (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, _projections(layer)) for layer in b.layers
     ]
-    tiles = {}
-    for p, mod in layers[0][2].items():
-        sp = b.plan.shapes.get(tuple(mod.weight.shape))
-        if sp is None or sp.rows or sp.kernel not in native.VARIANTS or sp.kernel in native.PAIRS:
-            return None
-        tiles[p] = sp.kernel
+    chosen = b.plan.source != "forced"  # a plan forced by RACER_KERNELS is run as forced
+    tiles = {p: _decoder_tile(b.plan.shapes.get(tuple(m.weight.shape)), chosen) for p, m in layers[0][2].items()}
+    if None in tiles.values():
+        return None
     scales = {float(layer.self_attn.scaling) for layer in b.layers}
     if len(scales) != 1:
         return None
@@ -295,6 +294,22 @@ def _fused_decoder(b) -> native.Decoder | None:
         return native.Decoder(layers, tiles, inner.norm.weight, dims, eps.pop(), scales.pop())
     except TypeError:
         return None
+
+
+def _decoder_tile(sp, chosen: bool) -> str | None:
+    """The native tile a projection runs in the native decoder: the plan's where it is a widening
+    native one; else, for a plan the tuner chose (``chosen``: a chunked kernel timed faster alone,
+    where the native decoder saves the calls around it), the widening native tile measured fastest
+    for one row. None without a plan, or for a forced plan of other kernels."""
+    if sp is None:
+        return None
+    if sp.kernel in native.VARIANTS and sp.kernel not in native.PAIRS:
+        return sp.kernel
+    if not chosen:
+        return None
+    usable = [k for k in native.VARIANTS if k not in native.PAIRS and native.usable(k, cpu_identity())]
+    timed = {t.kernel: v for t, v in sp.ms.items() if t.rows == 1 and not t.forward and t.kernel in usable}
+    return min(timed, key=timed.get) if timed else (usable[0] if usable else None)
 
 
 def _projections(layer) -> dict:

@@ -8,6 +8,7 @@ run it, and they must still be a good approximation of a float32 forward
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -147,7 +148,7 @@ def test_projection_biases_are_added_by_the_native_decoder(monkeypatch, tmp_path
 
     monkeypatch.setenv("RACER_KERNELS", _widening_native())
     monkeypatch.setenv("RACER_CACHE", str(tmp_path))
-    m = model("llama-biases").to(torch.bfloat16)
+    m = copy.deepcopy(model("llama-biases")).to(torch.bfloat16)  # the family's model is shared: not changed
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # the family's biases are zeros: nothing would tell a dropped one
         for name, p in m.named_parameters():
@@ -168,3 +169,16 @@ def test_projection_biases_are_added_by_the_native_decoder(monkeypatch, tmp_path
     plain.prefill(prompt)
     ref = _tree_hidden(plain, tokens, parents).float()
     assert (tree.float() - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+@needs_native
+def test_a_tuned_chunked_shape_runs_the_fastest_native_tile_a_forced_one_falls_back():
+    from verifier.kernels import ShapePlan, Timing
+    from verifier.llama import _decoder_tile
+
+    usable = [n for n in native.VARIANTS if n not in native.PAIRS and native.usable(n)]
+    ms = {Timing(k, "row", 1): 1.0 + i for i, k in enumerate(usable)} | {Timing("linear", "row", 1): 0.1}
+    sp = ShapePlan(kernel="linear", rows=2, ms=ms)
+    assert _decoder_tile(sp, chosen=True) == usable[0]
+    assert _decoder_tile(sp, chosen=False) is None
+    assert _decoder_tile(ShapePlan(kernel=usable[-1]), chosen=False) == usable[-1]
