@@ -12,7 +12,11 @@ step, no generic mask construction, and projections run by the kernels measured 
 machine for each row count (``verifier/kernels.py``). ``forward_segments`` runs several sessions'
 new tokens in one pass over the weights, one decoder layer at a time (``decoder_block``). In
 reduced precision the forward is batch invariant: a row's bits do not depend on what else shares
-the call. Models it does not implement go to the "hf" backend (``verifier/hf.py``).
+the call. There, where every projection runs a native row-invariant kernel, the whole decoder is one
+native call (``native.Decoder``, ``native_layer.c``: float32 residual stream and activations, only
+weights and the KV cache half width) for every forward of the model, prompts included; other
+models and plans run the layers op by op (``decoder_block``) for every forward. Models it does not
+implement go to the "hf" backend (``verifier/hf.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch.nn.functional as F
 
 from . import native
 from .backend import kept_rows
+from .machine import cpu_identity
 from .tuning import kernel_plan
 
 # mask: [n, past_len + n] bool, True = may attend.
@@ -59,27 +64,32 @@ class LlamaBackend:
         )
         self.length = 0  # rows of the cache that hold committed context
         self.reserved_rows: int | None = None  # None: grow by doubling (no reservation to answer to)
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # invariant mode: cos, sin by position
+        self._rope: dict = {}  # invariant mode: dtype -> (cos, sin) by position
+        # Reduced precision with native kernels throughout: every layer in one native call (float32
+        # residual stream and activations). None: the layers run op by op below.
+        self.fused = _fused_decoder(self)
 
     _ROPE_CHUNK = 256
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [1, n, head_dim] of ``positions`` from a table computed in fixed chunks of
-        positions, so a position's values never depend on which other positions share the call."""
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, n, head_dim] of ``positions`` (in ``dtype``, default the model's) from a table
+        computed in fixed chunks of positions, so a position's values never depend on which other
+        positions share the call."""
+        dtype = dtype or self.dtype
         need = int(positions.max()) + 1
-        have = 0 if self._rope is None else self._rope[0].shape[0]
+        table = self._rope.get(dtype)
+        have = 0 if table is None else table[0].shape[0]
         if need > have:
-            dummy = torch.zeros((1, 1, self.head_dim), dtype=self.dtype, device=self.device)
+            dummy = torch.zeros((1, 1, self.head_dim), dtype=dtype, device=self.device)
             parts = [
                 self.rotary(dummy, torch.arange(s, s + self._ROPE_CHUNK, device=self.device)[None])
                 for s in range(have, need, self._ROPE_CHUNK)
             ]
             cos = torch.cat([p[0][0] for p in parts])
             sin = torch.cat([p[1][0] for p in parts])
-            self._rope = (
-                (cos, sin) if self._rope is None else (torch.cat((self._rope[0], cos)), torch.cat((self._rope[1], sin)))
-            )
-        return self._rope[0][positions][None], self._rope[1][positions][None]
+            table = (cos, sin) if table is None else (torch.cat((table[0], cos)), torch.cat((table[1], sin)))
+            self._rope[dtype] = table
+        return table[0][positions][None], table[1][positions][None]
 
     @staticmethod
     def supports(model) -> bool:
@@ -211,11 +221,15 @@ def forward_segments(segments, rows_exact: bool = True) -> list[torch.Tensor]:
     elsewhere each row is one query over its keys gathered (``_row_groups``).
     """
     b0 = segments[0][0]
-    exact = b0.invariant and rows_exact
+    fused = b0.fused is not None and b0.invariant and b0.native_attention
+    exact = b0.invariant and (rows_exact or fused)
     sizes = [seg[1].shape[0] for seg in segments]
     spans = _spans(segments, sizes, exact)
     tokens = torch.cat([seg[1] for seg in segments]).to(b0.device)
     positions = torch.cat([seg[2] for seg in segments]).to(b0.device)
+    if fused:
+        hidden = _fused_forward(b0, tokens, positions, spans)
+        return list(hidden.split(sizes)) if len(sizes) > 1 else [hidden]
     x = b0.embed(tokens)[None]  # [1, n, hidden]
     if b0.invariant:
         cos, sin = b0.rope(positions)
@@ -226,6 +240,81 @@ def forward_segments(segments, rows_exact: bool = True) -> list[torch.Tensor]:
         x = decoder_block(b0, i, layer, x, rope, spans, exact)
     hidden = b0.norm(x)[0]
     return list(hidden.split(sizes)) if len(sizes) > 1 else [hidden]
+
+
+def _fused_forward(b0, tokens: torch.Tensor, positions: torch.Tensor, spans) -> torch.Tensor:
+    """Every layer and the final norm in one native call (``native.Decoder``): [n, hidden] in the
+    model's dtype. Every call attends exactly (a prompt's rows too): one computation for every row."""
+    x = b0.embed(tokens).float().contiguous()
+    cos, sin = b0.rope(positions, torch.float32)
+    segments = [(s, e, b.cache, past, *how) for b, s, e, past, how in spans]
+    return b0.fused(x, cos[0].contiguous(), sin[0].contiguous(), segments).to(b0.dtype)
+
+
+_FUSED_TYPES = {"llama", "mistral", "qwen2", "smollm3"}
+_FUSED_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "SmolLM3RMSNorm"}
+
+
+def _fused_decoder(b) -> native.Decoder | None:
+    """The native decoder for ``b``'s model, or None where it would not compute what the layers do
+    op by op (then they run so on every call): reduced precision on the invariant path with native
+    attention (its vector path), plain RMSNorms of one epsilon, SiLU-gated MLPs, no per-head q/k
+    norms, a plain embedding, and every projection planned on a widening native tile, unchunked."""
+    cfg, inner = b.model.config, b.model.model
+    if not (b.invariant and b.native_attention and b.dtype in (torch.bfloat16, torch.float16)):
+        return None
+    if cfg.model_type not in _FUSED_TYPES or getattr(cfg, "hidden_act", "") not in ("silu", "swish"):
+        return None
+    norms = [inner.norm] + [m for layer in b.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
+    eps = {getattr(m, "variance_epsilon", None) for m in norms}
+    if len(eps) != 1 or None in eps or any(type(m).__name__ not in _FUSED_NORMS for m in norms):
+        return None
+    if type(b.embed) is not torch.nn.Embedding or any(hasattr(layer.self_attn, "q_norm") for layer in b.layers):
+        return None
+    if native.attention_path(b.dtype, b.n_heads, b.n_kv, b.head_dim) != "vector":
+        return None
+    layers = [
+        (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, _projections(layer)) for layer in b.layers
+    ]
+    chosen = b.plan.source != "forced"  # a plan forced by RACER_KERNELS is run as forced
+    tiles = {p: _decoder_tile(b.plan.shapes.get(tuple(m.weight.shape)), chosen) for p, m in layers[0][2].items()}
+    if None in tiles.values():
+        return None
+    scales = {float(layer.self_attn.scaling) for layer in b.layers}
+    if len(scales) != 1:
+        return None
+    dims = {
+        "hidden": cfg.hidden_size,
+        "heads": b.n_heads,
+        "kv_heads": b.n_kv,
+        "head_dim": b.head_dim,
+        "inter": layers[0][2]["gate_proj"].weight.shape[0],
+    }
+    try:
+        return native.Decoder(layers, tiles, inner.norm.weight, dims, eps.pop(), scales.pop())
+    except TypeError:
+        return None
+
+
+def _decoder_tile(sp, chosen: bool) -> str | None:
+    """The native tile a projection runs in the native decoder: the plan's where it is a widening
+    native one; else, for a plan the tuner chose (``chosen``: a chunked kernel timed faster alone,
+    where the native decoder saves the calls around it), the widening native tile measured fastest
+    for one row. None without a plan, or for a forced plan of other kernels."""
+    if sp is None:
+        return None
+    if sp.kernel in native.VARIANTS and sp.kernel not in native.PAIRS:
+        return sp.kernel
+    if not chosen:
+        return None
+    usable = [k for k in native.VARIANTS if k not in native.PAIRS and native.usable(k, cpu_identity())]
+    timed = {t.kernel: v for t, v in sp.ms.items() if t.rows == 1 and not t.forward and t.kernel in usable}
+    return min(timed, key=timed.get) if timed else (usable[0] if usable else None)
+
+
+def _projections(layer) -> dict:
+    attn, mlp = layer.self_attn, layer.mlp
+    return {p: getattr(attn if p in ("q_proj", "k_proj", "v_proj", "o_proj") else mlp, p) for p in native.PROJECTIONS}
 
 
 def _spans(segments, sizes: list[int], exact: bool) -> list[tuple]:

@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_linear.c")
 ATTENTION_SOURCE = Path(__file__).with_name("native_attention.c")
-HEADER = Path(__file__).with_name("native_vec.h")  # included by both sources
+LAYER_SOURCE = Path(__file__).with_name("native_layer.c")  # a whole decoder on the two above
+HEADER = Path(__file__).with_name("native_vec.h")  # included by the sources
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 
 # name -> (weight rows, x rows) per tile, and the vector width (bits) the shape is meant for: a
@@ -81,7 +82,7 @@ def _build(cc: str, out: Path) -> None:
     if not os.access(out.parent, os.W_OK):  # e.g. an image's baked cache: the next place, not an error
         raise PermissionError(f"{out.parent} is not writable")
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-    cmd = [cc, *FLAGS, str(SOURCE), str(ATTENTION_SOURCE), "-o", str(tmp)]
+    cmd = [cc, *FLAGS, str(SOURCE), str(ATTENTION_SOURCE), str(LAYER_SOURCE), "-o", str(tmp)]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
     tmp.replace(out)  # atomic: another process building the same key reads a whole file or none
 
@@ -105,6 +106,7 @@ def _load(machine: str) -> ctypes.CDLL | None:
             for x in (
                 SOURCE.read_text(),
                 ATTENTION_SOURCE.read_text(),
+                LAYER_SOURCE.read_text(),
                 HEADER.read_text(),
                 version,
                 " ".join(FLAGS),
@@ -144,6 +146,9 @@ def _load(machine: str) -> ctypes.CDLL | None:
     lib.racer_attention_amx.restype = ctypes.c_int
     lib.racer_attention_tiles.restype = ctypes.c_int
     lib.racer_attention_tiles.argtypes = lib.racer_attention.argtypes[1:]
+    lib.racer_decoder.restype = ctypes.c_int
+    lib.racer_decoder.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_long]
+    lib.racer_decoder.argtypes += [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 4
     return lib
 
 
@@ -361,3 +366,103 @@ def attention(
     if rc:
         raise RuntimeError(f"native attention ({path}): {h} heads over {kv.shape[1]} kv heads of {d} not supported")
     return out.to(q.dtype)
+
+
+# -- a whole decoder in one call (native_layer.c) ---------------------------------------------------
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_int64)
+        for name in ("hidden", "heads", "kv_heads", "head_dim", "inter", "weight_type", "cache_type", "threads")
+    ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("norm1", ctypes.c_void_p),
+        ("norm2", ctypes.c_void_p),
+        ("w", ctypes.c_void_p * len(PROJECTIONS)),
+        ("bias", ctypes.c_void_p * len(PROJECTIONS)),
+        ("tile", (ctypes.c_int64 * 2) * len(PROJECTIONS)),
+    ]
+
+
+class _Segment(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_void_p if name == "cache" or name in ("counts", "inplace", "tail") else ctypes.c_int64)
+        for name in ("r0", "r1", "cache", "capacity", "past", "counts", "inplace", "tail", "tail_width")
+    ]
+
+
+def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().float().contiguous()
+
+
+class Decoder:
+    """Every decoder layer of a Llama-family model in one native call (``native_layer.c``).
+
+    ``layers``: per layer ``(input norm weight, post-attention norm weight, {projection: module})``
+    with the modules of ``PROJECTIONS`` (a ``weight`` stored as rows, a ``bias`` or None);
+    ``tiles``: per projection the native variant its shape runs (row-invariant, not ``PAIRS``);
+    ``final_norm``: the last norm's weight. Norms and biases are kept as float32 copies; the
+    weights are read in place (they must stay where they are)."""
+
+    def __init__(self, layers, tiles: dict[str, str], final_norm, dims: dict, eps: float, scale: float):
+        lib = library()
+        if lib is None:
+            raise TypeError(f"native decoder not available: {why()}")
+        weights = [mods[p].weight for _, _, mods in layers for p in PROJECTIONS]
+        dtype = weights[0].dtype
+        if dtype not in (torch.bfloat16, torch.float16) or any(
+            w.dtype != dtype or not w.is_contiguous() or w.device.type != "cpu" for w in weights
+        ):
+            raise TypeError("native decoder: contiguous bfloat16 or float16 CPU weights of one dtype only")
+        if any(tiles[p] not in VARIANTS or tiles[p] in PAIRS for p in PROJECTIONS):
+            raise TypeError(f"native decoder: no widening native tile among {tiles}")
+        self.lib, self.dtype = lib, dtype
+        self.shape = _Shape(**dims, weight_type=WEIGHT_TYPES[dtype], cache_type=0, threads=1, eps=eps, scale=scale)
+        self._keep = [final_norm, *weights]  # every tensor a pointer below refers to stays alive
+        self._norm = self._held(_f32(final_norm))
+        self.layers = (_Layer * len(layers))(*[self._layer(*spec, tiles) for spec in layers])
+
+    def _held(self, t: torch.Tensor | None) -> int | None:
+        if t is None:
+            return None
+        self._keep.append(t)
+        return t.data_ptr()
+
+    def _layer(self, norm1, norm2, mods, tiles) -> _Layer:
+        layer = _Layer(norm1=self._held(_f32(norm1)), norm2=self._held(_f32(norm2)))
+        for j, p in enumerate(PROJECTIONS):
+            layer.w[j] = mods[p].weight.data_ptr()
+            layer.bias[j] = self._held(_f32(mods[p].bias))
+            layer.tile[j][0], layer.tile[j][1] = VARIANTS[tiles[p]][0]
+        return layer
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments) -> torch.Tensor:
+        """x [n, hidden] float32 (the embedded rows; overwritten with the residual stream), cos/sin
+        [n, head_dim] float32; ``segments``: per session ``(first row, end row, cache [layers, 2,
+        kv_heads, capacity, head_dim] contiguous, past length, counts, inplace, tail)`` (``attention``'s
+        row keys). Writes each segment's new K/V rows at [past, past + rows) of every layer. Returns
+        the final-normed hidden states [n, hidden] float32."""
+        segs = (_Segment * len(segments))()
+        for seg, (r0, r1, cache, past, counts, inplace, tail) in zip(segs, segments):
+            if cache.dtype not in _ATTENTION_TYPES or not cache.is_contiguous():
+                raise TypeError("native decoder: a contiguous float32, bfloat16 or float16 cache only")
+            self.shape.cache_type = _ATTENTION_TYPES[cache.dtype]
+            seg.r0, seg.r1, seg.cache, seg.capacity, seg.past = r0, r1, cache.data_ptr(), cache.shape[3], past
+            seg.counts, seg.inplace, seg.tail = counts.data_ptr(), inplace.data_ptr(), tail.data_ptr()
+            seg.tail_width = tail.shape[1]
+        self.shape.threads = torch.get_num_threads()
+        n = x.shape[0]
+        out = torch.empty_like(x)
+        rc = self.lib.racer_decoder(
+            ctypes.byref(self.shape), self.layers, len(self.layers), segs, len(segs), x.data_ptr(), n,
+            cos.data_ptr(), sin.data_ptr(), self._norm, out.data_ptr(),
+        )  # fmt: skip
+        if rc:
+            raise RuntimeError(f"native decoder failed ({rc})")
+        return out

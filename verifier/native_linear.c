@@ -220,6 +220,54 @@ int racer_vector_bits(void) { return VL * 32; }
 
 enum { X_BLOCK_BYTES = 256 << 10 }; /* rows of x a weight tile meets per pass over the weight: L2-resident */
 
+static const struct variant *find_variant(int nr, int mr, int type)
+{
+    for (size_t i = 0; i < sizeof VARIANTS / sizeof VARIANTS[0]; i++)
+        if (VARIANTS[i].nr == nr && VARIANTS[i].mr == mr && VARIANTS[i].type == type) return &VARIANTS[i];
+    return NULL;
+}
+
+static long gcd(long a, long b) { return b ? gcd(b, a % b) : a; }
+
+enum { MAX_WEIGHTS = 8 };
+
+/* ``count`` weights against the same rows of x, in one parallel region (the weights' tiles shared
+ * out among the threads as one list): y[i][M, N[i]] = x[M, K] @ w[i][N[i], K]^T (+ bias[i]), weight i
+ * by the tile shape tiles[2i] x tiles[2i + 1]. Each output is computed exactly as racer_linear
+ * computes it alone. 0, or -1 for a tile shape or weight type this build does not have. */
+int racer_linear_many(int count, const int64_t *tiles, int type, const float *x, const void *const *w,
+                      const float *const *bias, float *const *y, const int64_t *N, long M, long K, int threads)
+{
+    const struct variant *v[MAX_WEIGHTS];
+    long first[MAX_WEIGHTS + 1] = {0}, step = 1, widest = 0;
+    if (count < 1 || count > MAX_WEIGHTS) return -1;
+    for (int i = 0; i < count; i++) {
+        if (!(v[i] = find_variant((int)tiles[2 * i], (int)tiles[2 * i + 1], type))) return -1;
+        first[i + 1] = first[i] + (N[i] + v[i]->nr - 1) / v[i]->nr;
+        step = step / gcd(step, v[i]->mr) * v[i]->mr; /* a row block holds whole passes of every tile */
+        widest = v[i]->nr * K > widest && M > v[i]->mr ? v[i]->nr * K : widest;
+    }
+    const long xs = type == BF16_PAIRS ? 2 : 4;
+    long mb = X_BLOCK_BYTES / (K * xs) / step * step;
+    mb = mb < step ? step : mb;
+    const int wide = (type == BF16 || type == F16) && widest;
+#pragma omp parallel num_threads(threads)
+    {
+        float *buf = wide ? scratch(widest) : NULL;
+        for (long m0 = 0; m0 < M; m0 += mb) {
+            const long m = M - m0 < mb ? M - m0 : mb;
+#pragma omp for schedule(static)
+            for (long b = 0; b < first[count]; b++) {
+                int i = 0;
+                while (b >= first[i + 1]) i++;
+                block(v[i], (const char *)x + m0 * K * xs, xs, w[i], bias[i], y[i] + m0 * N[i], m, N[i], K,
+                      (b - first[i]) * v[i]->nr, buf);
+            }
+        }
+    }
+    return 0;
+}
+
 /* 0, or -1 for a tile shape or weight type this build does not have.
  * ``type``: the weight's (0 float32, 1 bfloat16, 2 float16; x, bias and y float32), or 3: bfloat16
  * weight and x multiplied in pairs (bias and y float32). Many rows of x are taken in blocks that stay
@@ -228,23 +276,6 @@ enum { X_BLOCK_BYTES = 256 << 10 }; /* rows of x a weight tile meets per pass ov
 int racer_linear(int nr, int mr, int type, const float *x, const void *w, const float *bias, float *y, long M, long N,
                  long K, int threads)
 {
-    const struct variant *v = NULL;
-    for (size_t i = 0; i < sizeof VARIANTS / sizeof VARIANTS[0]; i++)
-        if (VARIANTS[i].nr == nr && VARIANTS[i].mr == mr && VARIANTS[i].type == type) v = &VARIANTS[i];
-    if (!v) return -1;
-    const long blocks = (N + nr - 1) / nr, xs = type == BF16_PAIRS ? 2 : 4;
-    long mb = X_BLOCK_BYTES / (K * xs) / mr * mr;
-    mb = mb < mr ? mr : mb;
-    const int wide = (type == BF16 || type == F16) && M > mr;
-#pragma omp parallel num_threads(threads)
-    {
-        float *buf = wide ? scratch(nr * K) : NULL;
-        for (long m0 = 0; m0 < M; m0 += mb) {
-            const long m = M - m0 < mb ? M - m0 : mb;
-#pragma omp for schedule(static)
-            for (long b = 0; b < blocks; b++)
-                block(v, (const char *)x + m0 * K * xs, xs, w, bias, y + m0 * N, m, N, K, b * nr, buf);
-        }
-    }
-    return 0;
+    const int64_t tiles[2] = {nr, mr}, n = N;
+    return racer_linear_many(1, tiles, type, x, &w, &bias, &y, &n, M, K, threads);
 }

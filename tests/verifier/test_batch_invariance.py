@@ -182,11 +182,12 @@ def _peaked_wide_llama(dtype: torch.dtype):
     return model
 
 
-def _logit_errors(dtype: torch.dtype, scale_error: float = 1.0) -> list[tuple[float, bool]]:
+def _logit_errors(dtype: torch.dtype, scale_error: float = 1.0, fused: bool = False) -> list[tuple[float, bool]]:
     """Per node of a 32-node tree: the largest difference of its reduced-precision logits from Hugging
     Face's own float32 forward of the same rounded weights over the node's path (a fraction of the
     reference's largest logit), and whether its top token differs where the reference's top two are
-    apart by more than the tolerance. ``scale_error``: the engine's softmax scale multiplied by it."""
+    apart by more than the tolerance. ``scale_error``: the engine's softmax scale multiplied by it.
+    ``fused``: whether the native decoder must be the path taken (else the layers op by op)."""
     model = _peaked_wide_llama(dtype)
     ref_model = _peaked_wide_llama(dtype).float()
     for layer in model.model.layers:
@@ -195,6 +196,7 @@ def _logit_errors(dtype: torch.dtype, scale_error: float = 1.0) -> list[tuple[fl
     prompt = [rng.randrange(3, VOCAB) for _ in range(90)]
     tokens, parents = _tree(rng, 32)
     s = _session(model, prompt)
+    assert (s.backend.fused is not None) == fused
     logits = s.backend.logits(_tree_hidden(s, tokens, parents)).float()
     out = []
     with torch.inference_mode():
@@ -210,23 +212,30 @@ def _logit_errors(dtype: torch.dtype, scale_error: float = 1.0) -> list[tuple[fl
     return out
 
 
+# "linear:4": the layers op by op; a native kernel: every layer in one native call where it is built.
+PATHS = ["linear:4", _native_spec()]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_reduced_precision_logits_agree_with_a_float32_hf_forward(monkeypatch, tmp_path, dtype):
+@pytest.mark.parametrize("spec", PATHS)
+def test_reduced_precision_logits_agree_with_a_float32_hf_forward(monkeypatch, tmp_path, dtype, spec):
     """A reference outside the engine: a tree's logits in reduced precision against Hugging Face's
     own float32 forward of the same weights over each node's path. Stated tolerance: every logit
     within 2% of the largest logit's magnitude, and the same top token wherever the float32 top two
     are apart by more than that."""
-    monkeypatch.setenv("RACER_KERNELS", "auto")
+    monkeypatch.setenv("RACER_KERNELS", spec)
     monkeypatch.setenv("RACER_CACHE", str(tmp_path))
-    for i, (error, flipped) in enumerate(_logit_errors(dtype)):
+    for i, (error, flipped) in enumerate(_logit_errors(dtype, fused=spec in native.VARIANTS)):
         assert error <= TOLERANCE, f"node {i}: {error:.4f} of the largest logit"
         assert not flipped, f"node {i}: another top token"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_the_tolerance_catches_an_attention_error(monkeypatch, tmp_path, dtype):
+@pytest.mark.parametrize("spec", PATHS)
+def test_the_tolerance_catches_an_attention_error(monkeypatch, tmp_path, dtype, spec):
     """Negative control of the agreement above: with the softmax scale 5% off, some node's logits
     leave the tolerance (the comparison can fail)."""
-    monkeypatch.setenv("RACER_KERNELS", "auto")
+    monkeypatch.setenv("RACER_KERNELS", spec)
     monkeypatch.setenv("RACER_CACHE", str(tmp_path))
-    assert max(error for error, _ in _logit_errors(dtype, scale_error=1.05)) > TOLERANCE
+    errors = _logit_errors(dtype, scale_error=1.05, fused=spec in native.VARIANTS)
+    assert max(error for error, _ in errors) > TOLERANCE

@@ -1,0 +1,175 @@
+/* A Llama-family decoder, every layer of it, in one call: for n rows, per layer, RMSNorm, the q/k/v
+ * projections, rotary embeddings, the new K/V rows written into each segment's cache, invariant
+ * attention over it (racer_attention), the o projection and the residual, RMSNorm, the gate and up
+ * projections, silu(gate) * up, the down projection and the residual.
+ *
+ * The residual stream and every activation stay float32; only the weights and the KV cache are half
+ * width (a K/V row is rounded to the cache's type once, when it is written). Each step is rowwise:
+ * a norm, a rotation or a product of one row reads that row only, in a fixed order; projections are
+ * racer_linear's row-invariant tiles and attention is racer_attention's blocks at absolute
+ * positions. So a row's bits never depend on the other rows of the call or on the thread count: a
+ * tree node, a batch of sessions and a one-token step at the same position compute the same thing.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "native_vec.h"
+
+int racer_linear(int nr, int mr, int type, const float *x, const void *w, const float *bias, float *y, long M, long N,
+                 long K, int threads);
+int racer_linear_many(int count, const int64_t *tiles, int type, const float *x, const void *const *w,
+                      const float *const *bias, float *const *y, const int64_t *N, long M, long K, int threads);
+int racer_attention(int type, const float *q, const void *k, const void *v, float *out, long n, long H, long Hkv,
+                    long D, long cap, const int64_t *counts, const int64_t *inplace, const int64_t *tail, long T,
+                    float scale, int threads);
+
+/* One layer's weights, as native.py lays them out (int64 words): norms and biases float32 (NULL for
+ * no bias), projection weights stored as rows at the weight type, and each projection's tile shape. */
+enum { Q, K, V, O, GATE, UP, DOWN, PROJECTIONS };
+struct layer {
+    const float *norm1, *norm2;
+    const void *w[PROJECTIONS];
+    const float *bias[PROJECTIONS];
+    int64_t tile[PROJECTIONS][2]; /* nr, mr */
+};
+
+/* One session's rows of the call [r0, r1) and its cache: layer 0's K at ``cache``, V after it;
+ * ``past`` committed rows; the keys each row sees (racer_attention's counts, inplace, tail). */
+struct segment {
+    int64_t r0, r1;
+    const char *cache;
+    int64_t capacity, past;
+    const int64_t *counts, *inplace, *tail;
+    int64_t tail_width;
+};
+
+/* The model's shape and the call's constants. */
+struct shape {
+    int64_t hidden, heads, kv_heads, head_dim, inter, weight_type, cache_type, threads;
+    float eps, scale;
+};
+
+/* y = w * (x / sqrt(mean(x^2) + eps)), one row of ``d`` values. */
+static void rms_norm(const float *x, const float *w, float *y, long d, float eps)
+{
+    float ss = 0.f;
+    for (long i = 0; i < d; i++) ss += x[i] * x[i];
+    const float r = 1.0f / sqrtf(ss / (float)d + eps);
+    for (long i = 0; i < d; i++) y[i] = w[i] * (x[i] * r);
+}
+
+/* Rotary embedding of ``heads`` heads of one row in place: x*cos + rotate_half(x)*sin. */
+static void rotate(float *x, const float *cos, const float *sin, long heads, long d)
+{
+    const long half = d / 2;
+    for (long h = 0; h < heads; h++, x += d)
+        for (long i = 0; i < half; i++) {
+            const float a = x[i], b = x[i + half];
+            x[i] = a * cos[i] - b * sin[i];
+            x[i + half] = b * cos[i + half] + a * sin[i + half];
+        }
+}
+
+/* A float32 value rounded to nearest even bfloat16 (NaN kept a NaN). */
+static inline uint16_t to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+/* ``d`` float32 values stored at the cache's type. */
+static void store(void *dst, const float *src, long d, int type)
+{
+    if (type == F32)
+        memcpy(dst, src, sizeof(float) * d);
+    else if (type == BF16)
+        for (long i = 0; i < d; i++) ((uint16_t *)dst)[i] = to_bf16(src[i]);
+    else
+        for (long i = 0; i < d; i++) ((_Float16 *)dst)[i] = (_Float16)src[i];
+}
+
+/* Projections first .. first + count - 1 of one layer (consecutive in ``enum``) from the same rows
+ * x [n, in], in one parallel region: y[j] [n, out[j]]. */
+static int project(const struct shape *s, const struct layer *l, int first, int count, const float *x,
+                   float *const *y, const int64_t *out, long n, long in)
+{
+    return racer_linear_many(count, &l->tile[first][0], (int)s->weight_type, x, &l->w[first], &l->bias[first], y,
+                             out, n, in, (int)s->threads);
+}
+
+/* Attention of layer ``i``: the rows' rotated q/k, their K/V rows written into each segment's cache,
+ * then each segment's rows over its own cache. q [n, heads*D], k/v [n, kv_heads*D]; out [n, heads*D]. */
+static int attend(const struct shape *s, long i, const struct segment *seg, long segments, float *q, float *k,
+                  const float *v, const float *cos, const float *sin, float *out)
+{
+    const long D = s->head_dim, Hq = s->heads, Hk = s->kv_heads, es = s->cache_type == F32 ? 4 : 2;
+    for (long g = 0; g < segments; g++) {
+        const struct segment *sg = &seg[g];
+        const long plane = Hk * sg->capacity * D * es; /* K or V of one layer */
+        char *kc = (char *)sg->cache + 2 * i * plane, *vc = kc + plane;
+        for (long r = sg->r0; r < sg->r1; r++) {
+            rotate(q + r * Hq * D, cos + r * D, sin + r * D, Hq, D);
+            rotate(k + r * Hk * D, cos + r * D, sin + r * D, Hk, D);
+            const long row = sg->past + r - sg->r0;
+            for (long h = 0; h < Hk; h++) {
+                store(kc + (h * sg->capacity + row) * D * es, k + (r * Hk + h) * D, D, (int)s->cache_type);
+                store(vc + (h * sg->capacity + row) * D * es, v + (r * Hk + h) * D, D, (int)s->cache_type);
+            }
+        }
+        int rc = racer_attention((int)s->cache_type, q + sg->r0 * Hq * D, kc, vc, out + sg->r0 * Hq * D,
+                                 sg->r1 - sg->r0, Hq, Hk, D, sg->capacity, sg->counts, sg->inplace, sg->tail,
+                                 sg->tail_width, s->scale, (int)s->threads);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+/* Work space of one call, float32: a normed row, q, k, v, attention out, gate, up, a projection out. */
+struct work {
+    float *h, *q, *k, *v, *a, *g, *u, *y;
+};
+
+static int layer_forward(const struct shape *s, long i, const struct layer *l, const struct segment *seg,
+                         long segments, float *x, long n, const float *cos, const float *sin, struct work *w)
+{
+    const long E = s->hidden, D = s->head_dim, Hq = s->heads * D, Hk = s->kv_heads * D, I = s->inter;
+    int rc = 0;
+    const int64_t qkv[3] = {Hq, Hk, Hk}, wide[2] = {I, I}, narrow[1] = {E};
+    for (long r = 0; r < n; r++) rms_norm(x + r * E, l->norm1, w->h + r * E, E, s->eps);
+    if ((rc = project(s, l, Q, 3, w->h, (float *const[]){w->q, w->k, w->v}, qkv, n, E))) return rc;
+    if ((rc = attend(s, i, seg, segments, w->q, w->k, w->v, cos, sin, w->a))) return rc;
+    if ((rc = project(s, l, O, 1, w->a, &w->y, narrow, n, Hq))) return rc;
+    for (long j = 0; j < n * E; j++) x[j] += w->y[j];
+    for (long r = 0; r < n; r++) rms_norm(x + r * E, l->norm2, w->h + r * E, E, s->eps);
+    if ((rc = project(s, l, GATE, 2, w->h, (float *const[]){w->g, w->u}, wide, n, E))) return rc;
+    for (long j = 0; j < n * I; j++) w->g[j] = w->g[j] / (1.0f + expf(-w->g[j])) * w->u[j];
+    if ((rc = project(s, l, DOWN, 1, w->g, &w->y, narrow, n, I))) return rc;
+    for (long j = 0; j < n * E; j++) x[j] += w->y[j];
+    return 0;
+}
+
+/* Every layer over x [n, hidden] (float32, updated in place: the residual stream after the last
+ * layer), then the final RMSNorm (weight ``norm``) into ``out`` [n, hidden] float32. cos/sin
+ * [n, head_dim] float32: each row's rotary values. 0, -1 for a tile this build does not have or a
+ * head shape attention does not take, -2 out of memory. */
+int racer_decoder(const struct shape *s, const struct layer *layers, long n_layers, const struct segment *seg,
+                  long segments, float *x, long n, const float *cos, const float *sin, const float *norm, float *out)
+{
+    const long E = s->hidden, Hq = s->heads * s->head_dim, Hk = s->kv_heads * s->head_dim, I = s->inter;
+    const long widest = E > I ? E : I;
+    float *all = malloc(sizeof(float) * n * (E + 2 * Hq + 2 * Hk + 2 * I + widest));
+    if (!all) return -2;
+    struct work w = {.h = all};
+    w.q = w.h + n * E, w.k = w.q + n * Hq, w.v = w.k + n * Hk, w.a = w.v + n * Hk;
+    w.g = w.a + n * Hq, w.u = w.g + n * I, w.y = w.u + n * I;
+    int rc = 0;
+    for (long i = 0; i < n_layers && !rc; i++) rc = layer_forward(s, i, &layers[i], seg, segments, x, n, cos, sin, &w);
+    free(all);
+    for (long r = 0; r < n && !rc; r++) rms_norm(x + r * E, norm, out + r * E, E, s->eps);
+    return rc;
+}
+
