@@ -134,6 +134,12 @@ def _load(machine: str) -> ctypes.CDLL | None:
     if before and len(after) > len(before):
         _state["why"] = f"a second OpenMP runtime was loaded beside torch's ({sorted(after)})"
         return None
+    _declare(lib)
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """The library's entry points, typed."""
     lib.racer_vector_bits.restype = ctypes.c_int
     lib.racer_bf16_pairs.restype = ctypes.c_int
     lib.racer_linear.restype = ctypes.c_int
@@ -149,7 +155,6 @@ def _load(machine: str) -> ctypes.CDLL | None:
     lib.racer_decoder.restype = ctypes.c_int
     lib.racer_decoder.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_long]
     lib.racer_decoder.argtypes += [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 4
-    return lib
 
 
 def library(machine: str = "") -> ctypes.CDLL | None:
