@@ -168,10 +168,7 @@ def test_a_finished_response_is_in_the_corpus_whole_on_every_replica_and_before_
 
 def test_end_turn_tokens_that_disagree_with_what_the_steps_committed_are_refused():
     async def go():
-        store = MemoryStore()
-        d = Drafter(DrafterConfig(), store, corpora=Corpora(1000, store=store))
-        await d.corpora.open("t", share=False)
-        await d.corpora.tenants["t"].loading
+        d = await _drafter_with_loaded_corpus()
         response = list(range(10, 30))
         for bad in ([5] + response[1:], response[:3], response[:-1] + [-1]):
             with pytest.raises(Abort) as e:
@@ -224,10 +221,7 @@ def test_the_last_rounds_accepted_corpus_nodes_are_counted_at_the_end_of_the_tur
         return REGISTRY.get_sample_value("racer_draft_accepted_total", {"source": "corpus"}) or 0.0
 
     async def go():
-        store = MemoryStore()
-        d = Drafter(DrafterConfig(), store, corpora=Corpora(1000, store=store))
-        await d.corpora.open("t", share=False)
-        await d.corpora.tenants["t"].loading
+        d = await _drafter_with_loaded_corpus()
         answer = list(range(100, 140))
         d.corpora.current("t").add([1, 2, 3, 4, 5] + answer)
         entry, _ = await d.open(Open("t", "s", [1, 2, 3, 4, 5, 100, 101], []))
@@ -242,3 +236,12 @@ def test_the_last_rounds_accepted_corpus_nodes_are_counted_at_the_end_of_the_tur
         d.release(entry)
 
     asyncio.run(go())
+
+
+async def _drafter_with_loaded_corpus() -> Drafter:
+    """A drafter over a memory store whose tenant "t" corpus is loaded (empty)."""
+    store = MemoryStore()
+    d = Drafter(DrafterConfig(), store, corpora=Corpora(1000, store=store))
+    await d.corpora.open("t", share=False)
+    await d.corpora.tenants["t"].loading
+    return d
