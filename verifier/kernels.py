@@ -38,7 +38,7 @@ from . import native
 from .machine import cpu_identity
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # row counts timed; a call of n rows uses the smallest bucket >= n
-LAYOUTS = ("row", "col")  # a weight stored as is ([out, in] rows), or transposed ([in, out] storage)
+LAYOUTS = ("row", "col", "panel")  # as is ([out, in] rows), transposed ([in, out] storage), or panels
 
 
 # -- candidates ------------------------------------------------------------------------------------
@@ -88,6 +88,7 @@ if _ONEDNN is not None:
 CANDIDATES["blas"] = _blas
 CANDIDATES["blas_wxt"] = _blas_wxt
 CANDIDATES.update({name: native.linear(name) for name in native.VARIANTS})
+CANDIDATES[native.PANEL] = native.linear_panel
 
 
 def usable(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
@@ -96,18 +97,28 @@ def usable(name: str, device: torch.device, dtype: torch.dtype = torch.float32) 
         return device.type == "cpu" and dtype == torch.float32
     if name in native.VARIANTS:  # built for this CPU at first use; float32, bfloat16 or float16 weights
         return device.type == "cpu" and dtype in native.dtypes(name) and native.usable(name, cpu_identity())
+    if name == native.PANEL:  # reduced-precision weights stored as panels
+        return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and native.panel_width() > 0
     return device.type == "cpu" or name == "linear"
 
 
 def row_invariant(name: str) -> bool:
     """Kernels whose row results never depend on the other rows of the call, by construction (each
     output the same float32 operations in a fixed order): an invariant plan runs them unchunked."""
-    return name in native.VARIANTS
+    return name in native.VARIANTS or name == native.PANEL
+
+
+def reads(name: str) -> tuple[str, ...]:
+    """The layouts a kernel reads a weight in: the native row tiles rows in place, the panel kernel
+    panels, every other one rows or a transposed view."""
+    if name == native.PANEL:
+        return ("panel",)
+    return ("row",) if name in native.VARIANTS else ("row", "col")
 
 
 def row_only(name: str) -> bool:
     """Kernels that read the weight's rows in place (not a transposed view)."""
-    return name in native.VARIANTS
+    return reads(name) == ("row",)
 
 
 # -- plans -----------------------------------------------------------------------------------------
@@ -175,7 +186,7 @@ class KernelPlan:
                     else:
                         prev = [str(bucket), sp.by_bucket[bucket]]
                         runs.append(prev)
-                stored = " (stored transposed)" if sp.layout == "col" else ""
+                stored = {"col": " (stored transposed)", "panel": " (stored as panels)"}.get(sp.layout, "")
                 parts.append(f"{o}x{i}{stored}: " + " ".join(f"{r}:{k}" for r, k in runs))
         mode = "invariant chunks" if self.invariant else "fastest per row bucket"
         return f"kernels ({mode}, {self.source}): " + "; ".join(parts)

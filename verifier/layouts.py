@@ -1,10 +1,21 @@
-"""How a model's projection weights are stored: as loaded (rows) or transposed (``col``).
+"""How a model's projection weights are stored: as loaded (rows), transposed (``col``) or as
+panels (``panel``).
 
 In float32 a shape's weight may be *stored transposed*: the same values, the module's ``weight`` a
 transposed view of contiguous ``[in, out]`` storage, so no memory is added and any other reader of
 the module sees the same tensor. ``x @ W.T`` is then a plain NN GEMM, which some BLAS builds run
-faster than the transposed product. Which layout a shape keeps is measured (``verifier/tuning.py``)
-and recorded in its ``kernels.ShapePlan``; this module only moves weights between the two.
+faster than the transposed product.
+
+In reduced precision a shape's weight may be *stored as panels* for the native panel kernel
+(``verifier/native_panel.c``): the output columns in groups of the kernel's panel width, each
+group's ``[in, width]`` block contiguous. The tensor keeps its ``[out, in]`` shape and size (no
+memory is added) but not its meaning: only a reader that knows the layout may use it. Such a
+parameter says so (``stored_as``), the kernel plan runs the panel kernel on it, an output layer
+tied to the embedding is looked up through ``embedding``, and ``loaded_layout`` puts rows back for
+Hugging Face's own forward.
+
+Which layout a shape keeps is measured (``verifier/tuning.py``) and recorded in its
+``kernels.ShapePlan``; this module only moves weights between them.
 """
 
 from __future__ import annotations
@@ -13,7 +24,9 @@ from contextlib import contextmanager
 
 import torch
 
-from . import arena
+from . import arena, native
+
+PANEL = "panel"
 
 
 def transposable(w: torch.Tensor) -> bool:
@@ -22,28 +35,68 @@ def transposable(w: torch.Tensor) -> bool:
     return w.device.type == "cpu" and w.dtype == torch.float32
 
 
+def panelable(w: torch.Tensor) -> bool:
+    """Whether a weight may be stored as panels: a bfloat16 or float16 CPU weight whose output rows
+    are a whole number of the native panels, where the native kernels are built."""
+    width = native.panel_width() if w.device.type == "cpu" else 0
+    return width > 0 and w.dim() == 2 and w.dtype in (torch.bfloat16, torch.float16) and w.shape[0] % width == 0
+
+
 def stored_as(w: torch.Tensor) -> str:
-    """``col`` when a 2-D weight is a transposed view of contiguous storage, else ``row``."""
+    """``panel`` for a weight stored as panels, ``col`` when a 2-D weight is a transposed view of
+    contiguous storage, else ``row``."""
+    if getattr(w, "_racer_layout", None) == PANEL:
+        return PANEL
     return "col" if arena.transposed(w) else "row"
+
+
+def _panels(w: torch.Tensor) -> torch.Tensor:
+    """A copy of a weight's values stored as panels, marked so."""
+    n, k = w.shape
+    width = native.panel_width()
+    p = w.reshape(n // width, width, k).transpose(1, 2).contiguous().view(n, k)
+    p._racer_layout = PANEL
+    return p
+
+
+def _unpanel(w: torch.Tensor) -> torch.Tensor:
+    """The rows of a weight stored as panels (a copy, contiguous)."""
+    n, k = w.shape
+    width = native.panel_width()
+    return w.detach().reshape(n // width, k, width).transpose(1, 2).reshape(n, k).contiguous()
 
 
 def in_layout(w: torch.Tensor, layout: str) -> torch.Tensor:
     """``w`` stored as ``layout``: itself when it already is, else a copy with the same values."""
     if stored_as(w) == layout:
         return w
+    if stored_as(w) == PANEL:
+        w = _unpanel(w)
+    if layout == PANEL:
+        return _panels(w)
     return w.t().contiguous().t() if layout == "col" else w.contiguous()
+
+
+def embedding(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of an embedding weight in whichever layout it is stored ([*ids.shape, in])."""
+    if stored_as(weight) != PANEL:
+        return torch.nn.functional.embedding(ids, weight)
+    n, k = weight.shape
+    width = native.panel_width()
+    return weight.view(n // width, k, width)[ids // width, :, ids % width]
 
 
 def set_layout(param: torch.Tensor, layout: str) -> None:
     """Stores a weight (in place: its ``data``, so tied modules follow) as ``layout``; same values. A
     packed weight (``verifier/arena.py``) is written back into its own slot."""
-    if stored_as(param.data) != layout:
-        value = in_layout(param.data, layout)
+    if stored_as(param) != layout:
+        value = in_layout(param, layout).detach()
         flat = arena.slot(param)
         if flat is None:
             param.data = value
         else:
             arena.place(param, flat, value)
+        param._racer_layout = layout
 
 
 def projection_weights(model) -> dict[tuple[int, int], torch.Tensor]:
@@ -94,7 +147,7 @@ def loaded_layout(model):
     plan stored it again: Hugging Face's own forward then calls the GEMMs its users' runs call (the
     HF baselines of ``racer bench``). One weight's copy at a time, never a second model; not while a
     forward of the llama backend runs."""
-    changed = [p for p in model.parameters() if stored_as(p) == "col"]
+    changed = {p: stored_as(p) for p in model.parameters() if stored_as(p) != "row"}
     with torch.inference_mode(False), torch.no_grad():
         for p in changed:
             set_layout(p, "row")
@@ -102,5 +155,5 @@ def loaded_layout(model):
         yield model
     finally:
         with torch.inference_mode(False), torch.no_grad():
-            for p in changed:
-                set_layout(p, "col")
+            for p, layout in changed.items():
+                set_layout(p, layout)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import native
+from . import layouts, native
 from .backend import kept_rows
 from .machine import cpu_identity
 from .tuning import kernel_plan
@@ -230,7 +230,7 @@ def forward_segments(segments, rows_exact: bool = True) -> list[torch.Tensor]:
     if fused:
         hidden = _fused_forward(b0, tokens, positions, spans)
         return list(hidden.split(sizes)) if len(sizes) > 1 else [hidden]
-    x = b0.embed(tokens)[None]  # [1, n, hidden]
+    x = _embed(b0, tokens)[None]  # [1, n, hidden]
     if b0.invariant:
         cos, sin = b0.rope(positions)
     else:
@@ -245,10 +245,21 @@ def forward_segments(segments, rows_exact: bool = True) -> list[torch.Tensor]:
 def _fused_forward(b0, tokens: torch.Tensor, positions: torch.Tensor, spans) -> torch.Tensor:
     """Every layer and the final norm in one native call (``native.Decoder``): [n, hidden] in the
     model's dtype. Every call attends exactly (a prompt's rows too): one computation for every row."""
-    x = b0.embed(tokens).float().contiguous()
+    x = _embed(b0, tokens).float().contiguous()
     cos, sin = b0.rope(positions, torch.float32)
     segments = [(s, e, b.cache, past, *how) for b, s, e, past, how in spans]
     return b0.fused(x, cos[0].contiguous(), sin[0].contiguous(), segments).to(b0.dtype)
+
+
+def _embed(b, tokens: torch.Tensor) -> torch.Tensor:
+    """The embedded rows of ``tokens``: the module's own lookup, or, for an embedding tied to an output
+    layer stored as panels (``verifier/layouts.py``; a plain lookup, the tuner stores no other so),
+    the same rows read from the panels."""
+    if layouts.stored_as(b.embed.weight) != layouts.PANEL:
+        return b.embed(tokens)
+    if type(b.embed) is not torch.nn.Embedding:
+        raise TypeError(f"{type(b.embed).__name__} over a weight stored as panels")
+    return layouts.embedding(b.embed.weight, tokens)
 
 
 _FUSED_TYPES = {"llama", "mistral", "qwen2", "smollm3"}
@@ -303,7 +314,7 @@ def _decoder_tile(sp, chosen: bool) -> str | None:
     for one row. None without a plan, or for a forced plan of other kernels."""
     if sp is None:
         return None
-    if sp.kernel in native.VARIANTS and sp.kernel not in native.PAIRS:
+    if sp.layout == layouts.PANEL or (sp.kernel in native.VARIANTS and sp.kernel not in native.PAIRS):
         return sp.kernel
     if not chosen:
         return None

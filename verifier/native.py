@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_linear.c")
 ATTENTION_SOURCE = Path(__file__).with_name("native_attention.c")
-LAYER_SOURCE = Path(__file__).with_name("native_layer.c")  # a whole decoder on the two above
+LAYER_SOURCE = Path(__file__).with_name("native_layer.c")  # a whole decoder on the ones above
+PANEL_SOURCE = Path(__file__).with_name("native_panel.c")  # projections over weights stored as panels
 HEADER = Path(__file__).with_name("native_vec.h")  # included by the sources
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 
@@ -59,6 +60,11 @@ WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _lock = threading.Lock()
 _state: dict = {}  # "lib": the loaded library or None, once tried; "why": why not
+
+
+def sources() -> tuple[Path, ...]:
+    """The C sources the library is built from (``native_vec.h`` aside)."""
+    return (SOURCE, ATTENTION_SOURCE, PANEL_SOURCE, LAYER_SOURCE)
 
 
 def _compiler() -> str | None:
@@ -82,7 +88,7 @@ def _build(cc: str, out: Path) -> None:
     if not os.access(out.parent, os.W_OK):  # e.g. an image's baked cache: the next place, not an error
         raise PermissionError(f"{out.parent} is not writable")
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-    cmd = [cc, *FLAGS, str(SOURCE), str(ATTENTION_SOURCE), str(LAYER_SOURCE), "-o", str(tmp)]
+    cmd = [cc, *FLAGS, *map(str, sources()), "-o", str(tmp)]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
     tmp.replace(out)  # atomic: another process building the same key reads a whole file or none
 
@@ -102,16 +108,7 @@ def _load(machine: str) -> ctypes.CDLL | None:
         return None
     digest = hashlib.sha256(
         b"\0".join(
-            x.encode()
-            for x in (
-                SOURCE.read_text(),
-                ATTENTION_SOURCE.read_text(),
-                LAYER_SOURCE.read_text(),
-                HEADER.read_text(),
-                version,
-                " ".join(FLAGS),
-                machine,
-            )
+            x.encode() for x in (*(f.read_text() for f in (*sources(), HEADER)), version, " ".join(FLAGS), machine)
         )
     ).hexdigest()[:20]
     before = _openmp_runtimes()
@@ -152,6 +149,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.racer_attention_amx.restype = ctypes.c_int
     lib.racer_attention_tiles.restype = ctypes.c_int
     lib.racer_attention_tiles.argtypes = lib.racer_attention.argtypes[1:]
+    lib.racer_panel_width.restype = ctypes.c_int
+    lib.racer_linear_panel.restype = ctypes.c_int
+    lib.racer_linear_panel.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.racer_decoder.restype = ctypes.c_int
     lib.racer_decoder.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_long]
     lib.racer_decoder.argtypes += [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 4
@@ -170,7 +170,7 @@ def library(machine: str = "") -> ctypes.CDLL | None:
 
 def source_digest() -> str:
     """Identifies the kernels' source: a choice measured on other kernels is measured again."""
-    return hashlib.sha256(SOURCE.read_bytes() + ATTENTION_SOURCE.read_bytes() + HEADER.read_bytes()).hexdigest()[:16]
+    return hashlib.sha256(b"".join(f.read_bytes() for f in (*sources(), HEADER))).hexdigest()[:16]
 
 
 def why() -> str | None:
@@ -194,6 +194,28 @@ def dtypes(name: str) -> tuple[torch.dtype, ...]:
     return (torch.bfloat16,) if name in PAIRS else tuple(WEIGHT_TYPES)
 
 
+def _operands(name: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kinds, pairs: bool = False):
+    """A native kernel's operands: x (float32 unless ``pairs``), the bias float32, the output;
+    TypeError for a weight it does not take (the tuner skips it), RuntimeError for mismatched shapes."""
+    if w.dtype not in kinds or w.device.type != "cpu" or not w.is_contiguous() or x.dtype != w.dtype:
+        names = ", ".join(str(d).replace("torch.", "") for d in kinds)
+        raise TypeError(f"{name}: contiguous {names} CPU weights only")
+    half = w.dtype != torch.float32
+    x = x.contiguous() if pairs or not half else x.float().contiguous()
+    if b is not None:
+        b = b.float().contiguous() if half else b.contiguous()
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k or (b is not None and b.shape != (n,)):
+        bias = None if b is None else tuple(b.shape)
+        raise RuntimeError(f"{name}: x has {k} columns, the weight {tuple(w.shape)}, the bias {bias}")
+    return x, b, torch.empty((m, n), dtype=torch.float32)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 def linear(name: str):
     """The variant ``name`` as a kernel ``(x [M, K], w [N, K], b [N] or None) -> [M, N]`` on a CPU,
     ``w`` stored as rows (contiguous) in float32, bfloat16 or float16 (read at that width, every
@@ -206,38 +228,54 @@ def linear(name: str):
         lib = _state.get("lib")
         if lib is None:
             raise TypeError(f"{name}: native kernels not available: {why()}")
-        if w.dtype not in dtypes(name) or w.device.type != "cpu" or not w.is_contiguous() or x.dtype != w.dtype:
-            kinds = ", ".join(str(d).replace("torch.", "") for d in dtypes(name))
-            raise TypeError(f"{name}: {kinds} CPU weights stored as rows only")
-        half = w.dtype != torch.float32
-        x = x.contiguous() if pairs or not half else x.float().contiguous()
-        if b is not None:
-            b = b.float().contiguous() if half else b.contiguous()
+        x, b, y = _operands(name, x, w, b, dtypes(name), pairs)
         m, k = x.shape
-        n = w.shape[0]
-        if w.shape[1] != k or (b is not None and b.shape != (n,)):
-            bias = None if b is None else tuple(b.shape)
-            raise RuntimeError(f"{name}: x has {k} columns, the weight {tuple(w.shape)}, the bias {bias}")
-        y = torch.empty((m, n), dtype=torch.float32)
+        kind = 3 if pairs else WEIGHT_TYPES[w.dtype]
         rc = lib.racer_linear(
-            nr,
-            mr,
-            3 if pairs else WEIGHT_TYPES[w.dtype],
-            x.data_ptr(),
-            w.data_ptr(),
-            None if b is None else b.data_ptr(),
-            y.data_ptr(),
-            m,
-            n,
-            k,
-            torch.get_num_threads(),
+            nr, mr, kind, x.data_ptr(), w.data_ptr(), _ptr(b), y.data_ptr(), m, y.shape[1], k, torch.get_num_threads()
         )
         if rc:
             raise RuntimeError(f"{name}: the built library has no {nr}x{mr} tile")
-        return y.to(w.dtype) if half else y
+        return y.to(w.dtype) if w.dtype != torch.float32 else y
 
     run.__name__ = name
     return run
+
+
+PANEL = "panel"  # the broadcast GEMM over a weight stored as panels (native_panel.c, layouts "panel")
+
+
+def panel_width() -> int:
+    """The panel kernel's panel width (output columns per panel), or 0 where it is not available."""
+    lib = None if _off() else library()
+    return lib.racer_panel_width() if lib is not None else 0
+
+
+def linear_panel(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T (+ b)`` on a CPU for a bfloat16 or float16 weight stored as panels
+    (``layouts.stored_as(w) == "panel"``: the caller's promise, as a row tile's is that w holds rows);
+    every product and sum in float32, each output one FMA chain over K in order, the result rounded
+    once to ``x``'s dtype. TypeError for anything else (the tuner skips it)."""
+    lib = _state.get("lib")
+    width = panel_width()
+    if lib is None or not width:
+        raise TypeError(f"{PANEL}: native kernels not available: {why()}")
+    x, b, y = _operands(PANEL, x, w, b, (torch.bfloat16, torch.float16))
+    if w.shape[0] % width:
+        raise TypeError(f"{PANEL}: {w.shape[0]} output rows are not a whole number of {width}-wide panels")
+    m, k = x.shape
+    lib.racer_linear_panel(
+        WEIGHT_TYPES[w.dtype],
+        x.data_ptr(),
+        w.data_ptr(),
+        _ptr(b),
+        y.data_ptr(),
+        m,
+        y.shape[1],
+        k,
+        torch.get_num_threads(),
+    )
+    return y.to(w.dtype)
 
 
 _ATTENTION_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -411,7 +449,8 @@ class Decoder:
 
     ``layers``: per layer ``(input norm weight, post-attention norm weight, {projection: module})``
     with the modules of ``PROJECTIONS`` (a ``weight`` stored as rows, a ``bias`` or None);
-    ``tiles``: per projection the native variant its shape runs (row-invariant, not ``PAIRS``);
+    ``tiles``: per projection the native variant its shape runs (row-invariant, not ``PAIRS``), or
+    ``PANEL`` for a weight stored as panels;
     ``final_norm``: the last norm's weight. Norms and biases are kept as float32 copies; the
     weights are read in place (they must stay where they are)."""
 
@@ -425,7 +464,7 @@ class Decoder:
             w.dtype != dtype or not w.is_contiguous() or w.device.type != "cpu" for w in weights
         ):
             raise TypeError("native decoder: contiguous bfloat16 or float16 CPU weights of one dtype only")
-        if any(tiles[p] not in VARIANTS or tiles[p] in PAIRS for p in PROJECTIONS):
+        if any(tiles[p] != PANEL and (tiles[p] not in VARIANTS or tiles[p] in PAIRS) for p in PROJECTIONS):
             raise TypeError(f"native decoder: no widening native tile among {tiles}")
         self.lib, self.dtype = lib, dtype
         self.shape = _Shape(**dims, weight_type=WEIGHT_TYPES[dtype], cache_type=0, threads=1, eps=eps, scale=scale)
@@ -444,7 +483,7 @@ class Decoder:
         for j, p in enumerate(PROJECTIONS):
             layer.w[j] = mods[p].weight.data_ptr()
             layer.bias[j] = self._held(_f32(mods[p].bias))
-            layer.tile[j][0], layer.tile[j][1] = VARIANTS[tiles[p]][0]
+            layer.tile[j][0], layer.tile[j][1] = (0, 0) if tiles[p] == PANEL else VARIANTS[tiles[p]][0]
         return layer
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments) -> torch.Tensor:

@@ -6,8 +6,8 @@
  * The residual stream and every activation stay float32; only the weights and the KV cache are half
  * width (a K/V row is rounded to the cache's type once, when it is written). Each step is rowwise:
  * a norm, a rotation or a product of one row reads that row only, in a fixed order; projections are
- * racer_linear's row-invariant tiles and attention is racer_attention's blocks at absolute
- * positions. So a row's bits never depend on the other rows of the call or on the thread count: a
+ * racer_linear's row-invariant tiles (racer_panel_many's over weights stored as panels) and attention
+ * is racer_attention's blocks at absolute positions. So a row's bits never depend on the other rows of the call or on the thread count: a
  * tree node, a batch of sessions and a one-token step at the same position compute the same thing.
  */
 #include <math.h>
@@ -21,12 +21,15 @@ int racer_linear(int nr, int mr, int type, const float *x, const void *w, const 
                  long K, int threads);
 int racer_linear_many(int count, const int64_t *tiles, int type, const float *x, const void *const *w,
                       const float *const *bias, float *const *y, const int64_t *N, long M, long K, int threads);
+int racer_panel_many(int count, int type, const float *x, const void *const *w, const float *const *bias,
+                     float *const *y, const int64_t *N, long M, long K, int threads);
 int racer_attention(int type, const float *q, const void *k, const void *v, float *out, long n, long H, long Hkv,
                     long D, long cap, const int64_t *counts, const int64_t *inplace, const int64_t *tail, long T,
                     float scale, int threads);
 
 /* One layer's weights, as native.py lays them out (int64 words): norms and biases float32 (NULL for
- * no bias), projection weights stored as rows at the weight type, and each projection's tile shape. */
+ * no bias), projection weights at the weight type, and each projection's tile shape over a weight
+ * stored as rows, or 0 x 0 for one stored as panels (native_panel.c). */
 enum { Q, K, V, O, GATE, UP, DOWN, PROJECTIONS };
 struct layer {
     const float *norm1, *norm2;
@@ -93,12 +96,22 @@ static void store(void *dst, const float *src, long d, int type)
 }
 
 /* Projections first .. first + count - 1 of one layer (consecutive in ``enum``) from the same rows
- * x [n, in], in one parallel region: y[j] [n, out[j]]. */
+ * x [n, in]: y[j] [n, out[j]]. Weights of one kind (all row tiles, or all stored as panels: tile
+ * 0 x 0) share one parallel region; a mix runs one projection at a time. */
 static int project(const struct shape *s, const struct layer *l, int first, int count, const float *x,
                    float *const *y, const int64_t *out, long n, long in)
 {
-    return racer_linear_many(count, &l->tile[first][0], (int)s->weight_type, x, &l->w[first], &l->bias[first], y,
-                             out, n, in, (int)s->threads);
+    int panels = 0;
+    for (int j = first; j < first + count; j++) panels += l->tile[j][0] == 0;
+    if (panels == count)
+        return racer_panel_many(count, (int)s->weight_type, x, &l->w[first], &l->bias[first], y, out, n, in,
+                                (int)s->threads);
+    if (panels == 0)
+        return racer_linear_many(count, &l->tile[first][0], (int)s->weight_type, x, &l->w[first], &l->bias[first],
+                                 y, out, n, in, (int)s->threads);
+    for (int j = 0, rc; j < count; j++)
+        if ((rc = project(s, l, first + j, 1, x, y + j, out + j, n, in))) return rc;
+    return 0;
 }
 
 /* Attention of layer ``i``: the rows' rotated q/k, their K/V rows written into each segment's cache,

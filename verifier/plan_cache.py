@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from . import arena, native
-from .kernels import BUCKETS, CANDIDATES, LAYOUTS, ShapePlan, Timing, row_invariant, row_only, usable
-from .layouts import transposable
+from .kernels import BUCKETS, CANDIDATES, ShapePlan, Timing, reads, row_invariant, usable
+from .layouts import panelable, transposable
 from .machine import fingerprint
 from .model import cache_root
 
@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 # 5: numpy's BLAS held to one thread in a symlinked environment too (choices measured with it spinning);
 # 6: the measured medians stored as records (kernel, layout, rows, forward), not as strings;
 # 7: invariant plans chosen one token first (``tuning.ONE_ROW_SLACK``);
-# 8: each row count timed in its own round, after a warm-up call at that count
-VERSION = 8
+# 8: each row count timed in its own round, after a warm-up call at that count;
+# 9: reduced-precision weights may be stored as panels for the native panel kernel
+VERSION = 9
 
 
 def key(model, weights, dtype, threads, device, invariant) -> tuple[dict, str]:
@@ -78,11 +79,13 @@ def read(path: Path, weights, invariant: bool) -> dict[tuple[int, int], ShapePla
         }
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    for p in shapes.values():
+    movable = {"row": True, "col": not invariant and transposable(w0), "panel": invariant}
+    for s, p in shapes.items():
         kernels = [p.kernel] if invariant else list(p.by_bucket.values())
         if (
-            p.layout not in LAYOUTS
-            or (p.layout == "col" and (invariant or not transposable(w0) or any(map(row_only, kernels))))
+            not movable.get(p.layout, False)
+            or (p.layout == "panel" and (s not in weights or not panelable(weights[s])))
+            or any(p.layout not in reads(k) for k in kernels if k in CANDIDATES)
             or not kernels
             or not all(k in CANDIDATES and usable(k, w0.device, w0.dtype) for k in kernels)
             or (invariant and (p.rows < 0 or (p.rows == 0 and not row_invariant(p.kernel))))

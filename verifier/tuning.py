@@ -34,7 +34,15 @@ import torch.nn.functional as F
 
 from . import arena, kernels, plan_cache
 from .kernels import BUCKETS, CANDIDATES, LAYOUTS, KernelPlan, ShapePlan, Timing
-from .layouts import all_projections, apply_layouts, in_layout, projection_weights, stored_as, transposable
+from .layouts import (
+    all_projections,
+    apply_layouts,
+    in_layout,
+    panelable,
+    projection_weights,
+    stored_as,
+    transposable,
+)
 from .machine import single_thread_blas
 
 log = logging.getLogger(__name__)
@@ -76,36 +84,47 @@ def kernel_plan(
     if spec not in ("auto", "tune", ""):
         plan = forced(spec, weights, invariant)
     else:
-        keep = {shape: stored_as(w) for shape, w in weights.items()} if held is not None else None
+        # weights created in inference mode cannot be stored anew (``layouts.apply_layouts``): an
+        # invariant plan, which could store them as panels, keeps them as they are
+        frozen = held is not None or (invariant and any(p.is_inference() for p in all_projections(model)))
+        keep = {shape: stored_as(w) for shape, w in weights.items()} if frozen else None
         plan = _tuned(model, weights, invariant, use_cache=cache and spec != "tune", keep=keep)
     apply_layouts(model, plan.layouts())
+    stray = {tuple(p.shape) for p in all_projections(model) if stored_as(p) != plan.layouts()[tuple(p.shape)]}
+    if any("panel" in (plan.layouts()[s], stored_as(weights[s])) for s in stray):  # the values would be misread
+        raise ValueError(f"RACER_KERNELS={spec!r}: the weights of {sorted(stray)} cannot be stored as the plan says")
     model._racer_kernels = ((spec, invariant, threads), plan)
     return plan
 
 
 def forced(spec: str, weights, invariant: bool) -> KernelPlan:
-    """The plan ``RACER_KERNELS=spec`` names (``kernel[:rows][@layout]``) for every shape."""
+    """The plan ``RACER_KERNELS=spec`` names (``kernel[:rows][@layout]``) for every shape; a kernel
+    that reads one layout only defaults to it (``panel``: ``panel@panel``)."""
     kernel, _, layout = spec.partition("@")
     name, _, rows = kernel.partition(":")
+    reads = kernels.reads(name) if name in CANDIDATES else ()
+    if reads and not layout:
+        layout = reads[0]
     if (
         name not in CANDIDATES
-        or layout not in ("", *LAYOUTS)
-        or (layout == "col" and (invariant or kernels.row_only(name)))
+        or layout not in reads
+        or (layout == "col" and invariant)
+        or (layout == "panel" and not invariant)
     ):
         raise ValueError(
             f"RACER_KERNELS={spec!r}: unknown kernel (one of {', '.join(CANDIDATES)}, optionally :rows and "
-            "@row or @col (float32 only; not for native kernels); or auto, tune)"
+            "@row, @col (float32 only; not for native row tiles) or @panel (the panel kernel, reduced "
+            "precision); or auto, tune)"
         )
     w0 = next(iter(weights.values()))
-    if not kernels.usable(name, w0.device, w0.dtype) or (layout == "col" and not transposable(w0)):
+    movable = {"col": transposable, "panel": panelable, "row": lambda w: True}[layout]
+    if not kernels.usable(name, w0.device, w0.dtype) or not all(map(movable, weights.values())):
         raise ValueError(f"RACER_KERNELS={spec!r}: not available for {w0.dtype} on {w0.device}")
     r = int(rows) if rows else (0 if kernels.row_invariant(name) else 1)  # a row-invariant kernel: unchunked
     if rows and r < 1:
         raise ValueError(f"RACER_KERNELS={spec!r}: chunk rows must be >= 1")
     shapes = {
-        s: ShapePlan(
-            by_bucket={b: name for b in BUCKETS}, kernel=name, rows=r if invariant else 0, layout=layout or "row"
-        )
+        s: ShapePlan(by_bucket={b: name for b in BUCKETS}, kernel=name, rows=r if invariant else 0, layout=layout)
         for s in weights
     }
     return KernelPlan(shapes, invariant, "forced")
@@ -122,9 +141,10 @@ def _tuned(model, weights, invariant, use_cache: bool, keep: dict | None = None)
         if shapes is not None and (keep is None or all(p.layout == keep[s] for s, p in shapes.items())):
             return KernelPlan(shapes, invariant, "cache")
     t0 = time.perf_counter()
+    fixed = keep if keep is not None else _rows_only(model)
     with torch.inference_mode():
         shapes = {
-            s: tune_shape(w, invariant=invariant, layouts=None if keep is None else (keep[s],))
+            s: tune_shape(w, invariant=invariant, layouts=(fixed[s],) if s in fixed else None)
             for s, w in weights.items()
         }
         if not invariant:  # the choices checked as a whole (their layouts applied to the model)
@@ -135,6 +155,15 @@ def _tuned(model, weights, invariant, use_cache: bool, keep: dict | None = None)
     if keep is None:
         plan_cache.write(path, ident, shapes, time.perf_counter() - t0)
     return plan
+
+
+def _rows_only(model) -> dict[tuple[int, int], str]:
+    """Shapes whose weights must keep their rows: an output layer tied to an embedding that is not
+    a plain lookup (a scaled one, say), which could not read panels (``llama._embed``)."""
+    emb, head = model.get_input_embeddings(), getattr(model, "lm_head", None)
+    if head is None or emb is None or head.weight is not emb.weight or type(emb) is torch.nn.Embedding:
+        return {}
+    return {tuple(head.weight.shape): "row"}
 
 
 # -- one shape -------------------------------------------------------------------------------------
@@ -148,11 +177,12 @@ def tune_shape(
     candidates: dict | None = None,
     layouts: tuple[str, ...] | None = None,
 ) -> ShapePlan:
-    """Times every usable candidate for every bucket (and, in float32, with the weight stored either
-    way); ``layouts`` defaults to both in float32 and ``row`` otherwise (invariant plans keep rows)."""
+    """Times every usable candidate for every bucket on each layout it reads; ``layouts`` defaults
+    to rows and, in float32, the weight stored transposed, or in reduced precision stored as panels
+    (where the weight's shape takes them)."""
     cands = {n: f for n, f in (candidates or CANDIDATES).items() if kernels.usable(n, w.device, w.dtype)}
     if layouts is None:
-        layouts = LAYOUTS if transposable(w) and not invariant else ("row",)
+        layouts = default_layouts(w, invariant)
     gen = torch.Generator(device="cpu").manual_seed(0)
     inputs = {m: torch.randn((m, w.shape[1]), generator=gen).to(w.dtype).to(w.device) for m in buckets}
     fns, slow = _checked_calls(cands, w, {lay: in_layout(w, lay) for lay in layouts}, inputs)
@@ -169,10 +199,17 @@ def tune_shape(
     layout = min(layouts, key=lambda lay: (regret[lay], lay != stored_as(w)))
     plan = ShapePlan(layout=layout, ms={Timing(*k): round(v, 4) for k, v in ms.items()})
     if invariant:
-        plan.kernel, plan.rows = _invariant_option(cands, w, bests[layout], ms, buckets)
+        plan.kernel, plan.rows, plan.layout = _invariant_option(cands, w, bests, ms, buckets)
     else:
         plan.by_bucket = {m: bests[layout][m][1] for m in buckets}
     return plan
+
+
+def default_layouts(w: torch.Tensor, invariant: bool) -> tuple[str, ...]:
+    """The layouts a shape's weight is timed in: rows, and the one other layout its precision may
+    use where the weight takes it (float32: transposed; an invariant plan: panels)."""
+    other = ("panel", panelable) if invariant else ("col", transposable)
+    return ("row", other[0]) if other[1](w) else ("row",)
 
 
 def _checked_calls(cands: dict, w: torch.Tensor, stored: dict, inputs: dict) -> tuple[dict, dict]:
@@ -182,7 +219,7 @@ def _checked_calls(cands: dict, w: torch.Tensor, stored: dict, inputs: dict) -> 
     fns, slow = {}, {}
     for lay, wl in stored.items():
         for name, fn in cands.items():
-            for m in inputs:
+            for m in inputs if lay in kernels.reads(name) else ():
                 if name == "dup" and m != 1:
                     continue  # the same as wxt beyond one row
                 if (name, lay) in slow:  # bounded tuning: a candidate this slow is extrapolated, not timed, beyond
@@ -220,10 +257,11 @@ def _best_per_bucket(ms: dict, layout: str, buckets) -> dict[int, tuple[float, s
     }
 
 
-def _invariant_option(cands: dict, w: torch.Tensor, best: dict, ms: dict, buckets) -> tuple[str, int]:
-    """(kernel, rows per chunk) of an invariant plan: fixed chunks of r rows (the fastest kernel at
-    r, checked to be position invariant, else the next option; one row always is), or a
-    row-invariant kernel unchunked (rows 0).
+def _invariant_option(cands: dict, w: torch.Tensor, bests: dict, ms: dict, buckets) -> tuple[str, int, str]:
+    """(kernel, rows per chunk, layout) of an invariant plan: fixed chunks of r rows (the fastest
+    kernel at r on a layout, checked to be position invariant, else the next option; one row always
+    is), or a row-invariant kernel unchunked (rows 0). ``bests``: per layout timed, bucket ->
+    (ms, kernel) of its fastest call.
 
     The rule: one token first. Every decode step (all of ``off``, and each step a draft is not
     tried) is a one-row call, so only the options within ``ONE_ROW_SLACK`` of the fastest one-row
@@ -232,27 +270,23 @@ def _invariant_option(cands: dict, w: torch.Tensor, best: dict, ms: dict, bucket
     each tree size sum least (a ratio, so a one-token step weighs as much as a 64-node tree). One-row
     chunks of the fastest one-row kernel are always eligible (and invariant), whatever the timings'
     noise."""
-
-    def cost(n, r):
-        return math.ceil(n / r) * best[r][0]
-
-    # chunks of a row-invariant kernel are that kernel unchunked, timed at every bucket itself: only
-    # its one-row chunks (the fallback) are kept, so noise cannot pick padded chunks of it
-    options = {
-        ("chunks", r, best[r][1]): [cost(n, r) for n in buckets]
-        for r in buckets
-        if r == 1 or not kernels.row_invariant(best[r][1])
-    }
-    for name in cands:
-        if kernels.row_invariant(name) and all((name, "row", n) in ms for n in buckets):
-            options[("whole", 0, name)] = [ms[(name, "row", n)] for n in buckets]
+    options = {}
+    for lay, best in bests.items():
+        # chunks of a row-invariant kernel are that kernel unchunked, timed at every bucket itself:
+        # only its one-row chunks (the fallback) are kept, so noise cannot pick padded chunks of it
+        for r in buckets:
+            if r == 1 or not kernels.row_invariant(best[r][1]):
+                options[("chunks", r, best[r][1], lay)] = [math.ceil(n / r) * best[r][0] for n in buckets]
+        for name in cands:
+            if kernels.row_invariant(name) and all((name, lay, n) in ms for n in buckets):
+                options[("whole", 0, name, lay)] = [ms[(name, lay, n)] for n in buckets]
     low = [min(costs[i] for costs in options.values()) for i in range(len(buckets))]
     slowdown = {opt: sum(c / lo for c, lo in zip(costs, low)) for opt, costs in options.items()}
     one = buckets.index(1) if 1 in buckets else 0
     eligible = [o for o, c in options.items() if c[one] <= ONE_ROW_SLACK * low[one] or o[:2] == ("chunks", 1)]
-    for how, r, name in sorted(eligible, key=lambda o: (slowdown[o], o[1])):
-        if how == "whole" or r == 1 or position_invariant(cands[name], w, r):
-            return name, r
+    for how, r, name, lay in sorted(eligible, key=lambda o: (slowdown[o], o[1], o[3] != stored_as(w))):
+        if how == "whole" or r == 1 or position_invariant(cands[name], in_layout(w, lay), r):
+            return name, r, lay
     raise AssertionError("unreachable: one-row chunks are eligible and invariant")
 
 
@@ -315,7 +349,7 @@ def _fits(sp: ShapePlan, kernel: str, layout: str, m: int) -> bool:
     """Whether a uniform option may run ``kernel`` on this shape: it can read the layout, and the
     shape's own timing (where there is one) was not far off its best (some kernels are pathological
     on one layout: ``W @ x.T`` over a transposed output layer takes seconds)."""
-    if layout == "col" and kernels.row_only(kernel):
+    if layout not in kernels.reads(kernel):
         return False
     own = sp.ms.get(Timing(kernel, layout, m))
     best = _best_in(sp, layout, m)

@@ -35,15 +35,21 @@ def _native_spec() -> str:
     return usable[0] if usable else "linear:4"
 
 
+def _panel_spec() -> str:
+    """The panel kernel over weights stored as panels, or chunks where it is not built."""
+    return native.PANEL if native.panel_width() else "linear:4"
+
+
 @pytest.fixture(
-    scope="module", params=[(s, d) for d in ("bfloat16", "float16") for s in ("linear:4", "native", "auto")]
+    scope="module",
+    params=[(s, d) for d in ("bfloat16", "float16") for s in ("linear:4", "native", "panel", "auto")],
 )
 def bf16_model(request, tmp_path_factory):
-    """A reduced-precision model (bfloat16, float16) with 4-row chunks forced, a native kernel
-    forced (unchunked), and the tuned choice."""
+    """A reduced-precision model (bfloat16, float16) with 4-row chunks forced, a native row tile
+    forced (unchunked), the panel kernel forced (weights stored as panels), and the tuned choice."""
     spec, dtype = request.param
     mp = pytest.MonkeyPatch()
-    mp.setenv("RACER_KERNELS", _native_spec() if spec == "native" else spec)
+    mp.setenv("RACER_KERNELS", {"native": _native_spec(), "panel": _panel_spec()}.get(spec, spec))
     mp.setenv("RACER_CACHE", str(tmp_path_factory.mktemp("cache")))
     yield make_wide_llama(dtype=getattr(torch, dtype))
     mp.undo()

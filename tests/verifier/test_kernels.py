@@ -47,16 +47,21 @@ def test_tuned_choice_agrees_with_linear_for_every_shape_and_row_count(cache, dt
 def test_every_candidate_agrees_with_linear(dtype):
     w = torch.randn(96, 64).to(dtype)
     stored = {"row": w, "col": w.t().contiguous().t()}  # the same weight stored as is and transposed
-    assert [layouts.stored_as(v) for v in stored.values()] == ["row", "col"]
+    if layouts.panelable(w):
+        stored["panel"] = layouts.in_layout(w, "panel")
+    assert [layouts.stored_as(v) for v in stored.values()] == list(stored)
     usable = [name for name in CANDIDATES if kernels.usable(name, w.device, dtype)]
     assert ("blas" in usable) == (dtype == torch.float32)  # numpy has no bfloat16
+    assert (native.PANEL in usable) == (dtype != torch.float32 and native.panel_width() > 0)
     for n in (1, 2, 7, 64):
         x = torch.randn(n, 64).to(dtype)
         for layout, wl in stored.items():
             for name in usable:
-                if layout == "col" and kernels.row_only(name):
+                if layout == "col" and layout not in kernels.reads(name):
                     with pytest.raises(TypeError):  # the tuner skips it on a transposed weight
                         CANDIDATES[name](x, wl, None)
+                    continue
+                if layout not in kernels.reads(name):  # contiguous values in another order: never called
                     continue
                 try:
                     y = CANDIDATES[name](x, wl, None)
@@ -307,7 +312,8 @@ def test_the_whole_forward_check_runs_a_row_only_kernel_on_rows_only(cache, monk
 
     monkeypatch.setitem(CANDIDATES, "counted", counted)
     monkeypatch.setitem(CANDIDATES, "slow", _slow)
-    monkeypatch.setattr(kernels, "row_only", lambda k: k in native.VARIANTS or k == "counted")
+    reads = kernels.reads
+    monkeypatch.setattr(kernels, "reads", lambda k: ("row",) if k == "counted" else reads(k))
     # The shape stored transposed keeps its own (slow) choice when the row-only kernel is tried for all.
     shapes = {s: kernels.ShapePlan(by_bucket={2: "slow" if s == col else "counted"}) for s in weights}
     shapes[col].layout = "col"
@@ -363,7 +369,7 @@ def _per_row(x, w, b):  # invariant by construction: each row its own call
     return torch.cat([F.linear(r[None], w, b) for r in x])
 
 
-def _option(one_row_of_chunks: float) -> tuple[str, int]:
+def _option(one_row_of_chunks: float) -> tuple[str, int, str]:
     """The invariant option kept for a shape where a chunked kernel runs 16 rows in
     ``one_row_of_chunks`` ms against a row-invariant kernel's 0.5 ms for one row (and 2x slower
     than the chunks' per-row rate beyond)."""
@@ -373,15 +379,15 @@ def _option(one_row_of_chunks: float) -> tuple[str, int]:
     ms |= {("native4x3", "row", 1): 0.5, ("native4x3", "row", 16): 2.0, ("native4x3", "row", 64): 8.0}
     best = tuning._best_per_bucket(ms, "row", buckets)
     cands = {"chunky": _per_row, "native4x3": _per_row}
-    return tuning._invariant_option(cands, w, best, ms, buckets)
+    return tuning._invariant_option(cands, w, {"row": best}, ms, buckets)
 
 
 def test_an_invariant_plan_never_pays_for_padding_on_a_one_token_step():
     # 16-row chunks win the summed slowdowns (2 + 1 + 1 against 1 + 2 + 2) but cost a one-token
     # step twice the row-invariant kernel's call: one token first keeps the unchunked kernel
-    assert _option(1.0) == ("native4x3", 0)
+    assert _option(1.0) == ("native4x3", 0, "row")
     # chunks that cost a one-token step no more than the slack allows stay eligible, and win
-    assert _option(0.5 * tuning.ONE_ROW_SLACK) == ("chunky", 16)
+    assert _option(0.5 * tuning.ONE_ROW_SLACK) == ("chunky", 16, "row")
 
 
 def test_one_row_chunks_stay_the_fallback_when_a_padded_chunk_times_faster_than_one_row():
@@ -393,7 +399,7 @@ def test_one_row_chunks_stay_the_fallback_when_a_padded_chunk_times_faster_than_
     buckets = (1, 2, 4)
     ms = {("linear", "row", 1): 1.0, ("linear", "row", 2): 0.5, ("linear", "row", 4): 0.6}  # noise: 2 rows < 1
     best = tuning._best_per_bucket(ms, "row", buckets)
-    assert tuning._invariant_option({"linear": leaky}, w, best, ms, buckets) == ("linear", 1)
+    assert tuning._invariant_option({"linear": leaky}, w, {"row": best}, ms, buckets) == ("linear", 1, "row")
 
 
 def test_a_row_invariant_kernel_runs_unchunked_not_in_padded_chunks_of_itself():
@@ -402,7 +408,7 @@ def test_a_row_invariant_kernel_runs_unchunked_not_in_padded_chunks_of_itself():
     buckets = (1, 2, 4)
     ms = {("native4x3", "row", 1): 1.0, ("native4x3", "row", 2): 0.9, ("native4x3", "row", 4): 2.4}
     best = tuning._best_per_bucket(ms, "row", buckets)
-    assert tuning._invariant_option({"native4x3": _per_row}, w, best, ms, buckets) == ("native4x3", 0)
+    assert tuning._invariant_option({"native4x3": _per_row}, w, {"row": best}, ms, buckets) == ("native4x3", 0, "row")
 
 
 class _ColdClock:

@@ -31,11 +31,15 @@ needs_native = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(params=["bfloat16", "float16"])
+@pytest.fixture(params=[(d, k) for d in ("bfloat16", "float16") for k in ("tile", "panel")])
 def fused_model(request, monkeypatch, tmp_path):
-    monkeypatch.setenv("RACER_KERNELS", _widening_native() or "linear")
+    """A reduced-precision model whose projections run a native row tile, or the panel kernel over
+    weights stored as panels."""
+    dtype, kind = request.param
+    spec = native.PANEL if kind == "panel" and native.panel_width() else _widening_native()
+    monkeypatch.setenv("RACER_KERNELS", spec or "linear")
     monkeypatch.setenv("RACER_CACHE", str(tmp_path))
-    return make_wide_llama(dtype=getattr(torch, request.param))
+    return make_wide_llama(dtype=getattr(torch, dtype))
 
 
 def _step(session, token: int) -> torch.Tensor:
@@ -134,7 +138,7 @@ def test_the_sources_build_for_cpus_other_than_this_one(tmp_path, arch):
     import subprocess
 
     flags = [f if f != "-march=native" else f"-march={arch}" for f in native.FLAGS]
-    sources = [str(p) for p in (native.SOURCE, native.ATTENTION_SOURCE, native.LAYER_SOURCE)]
+    sources = [str(p) for p in native.sources()]
     cmd = [native._compiler(), *flags, *sources, "-o", str(tmp_path / "lib.so")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
