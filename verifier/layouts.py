@@ -86,17 +86,39 @@ def embedding(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return weight.view(n // width, k, width)[ids // width, :, ids % width]
 
 
+def _own_storage(param: torch.Tensor) -> torch.Tensor | None:
+    """A flat view of the storage that holds exactly a weight's values (rows, or a transposed view),
+    or None."""
+    d = param.data
+    base = d if d.is_contiguous() else d.t() if d.dim() == 2 and d.t().is_contiguous() else None
+    if base is None or d.storage_offset() != 0 or d.untyped_storage().nbytes() != d.numel() * d.element_size():
+        return None
+    return base.view(-1)
+
+
 def set_layout(param: torch.Tensor, layout: str) -> None:
-    """Stores a weight (in place: its ``data``, so tied modules follow) as ``layout``; same values. A
-    packed weight (``verifier/arena.py``) is written back into its own slot."""
+    """Stores a weight (in place: its ``data``, so tied modules follow) as ``layout``; same values.
+    The new layout is written into the memory the weight holds (its arena slot, ``verifier/arena.py``,
+    or its own storage), so a pointer to it taken earlier (the native decoder's) stays valid."""
     if stored_as(param) != layout:
         value = in_layout(param, layout).detach()
         flat = arena.slot(param)
+        flat = flat if flat is not None else _own_storage(param)
         if flat is None:
+            global _moved
             param.data = value
+            _moved += 1
         else:
             arena.place(param, flat, value)
         param._racer_layout = layout
+
+
+_moved = 0  # weights given new memory by ``set_layout`` so far
+
+
+def moves() -> int:
+    """How many times a weight was given new memory (a pointer to its old memory then dangles)."""
+    return _moved
 
 
 def projection_weights(model) -> dict[tuple[int, int], torch.Tensor]:

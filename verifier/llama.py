@@ -21,6 +21,8 @@ implement go to the "hf" backend (``verifier/hf.py``).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -65,9 +67,20 @@ class LlamaBackend:
         self.length = 0  # rows of the cache that hold committed context
         self.reserved_rows: int | None = None  # None: grow by doubling (no reservation to answer to)
         self._rope: dict = {}  # invariant mode: dtype -> (cos, sin) by position
-        # Reduced precision with native kernels throughout: every layer in one native call (float32
-        # residual stream and activations). None: the layers run op by op below.
-        self.fused = _fused_decoder(self)
+        self._op_by_op = False  # True: never the native decoder (``fused = None``)
+
+    @property
+    def fused(self) -> native.Decoder | None:
+        """Reduced precision with native kernels throughout: every layer in one native call (float32
+        residual stream and activations), the model's decoder. None: the layers run op by op."""
+        return None if self._op_by_op else _model_decoder(self)
+
+    @fused.setter
+    def fused(self, value: None) -> None:
+        """``None``: this session runs the layers op by op (a negative control of the native decoder)."""
+        if value is not None:
+            raise ValueError("a session's native decoder is the model's; it can only be switched off (None)")
+        self._op_by_op = True
 
     _ROPE_CHUNK = 256
 
@@ -264,6 +277,20 @@ def _embed(b, tokens: torch.Tensor) -> torch.Tensor:
 
 _FUSED_TYPES = {"llama", "mistral", "qwen2", "smollm3"}
 _FUSED_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "SmolLM3RMSNorm"}
+
+
+_DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (plan, moves, its decoder)
+
+
+def _model_decoder(b) -> native.Decoder | None:
+    """The model's native decoder for ``b``'s plan, built once and shared by every session of the
+    model (its weights and norms are the model's; each call brings its own caches), built again if
+    a weight was given new memory since. Held beside the model, not on it: a copy of the model must
+    not read the original's weights."""
+    held = _DECODERS.get(b.model)
+    if held is None or held[0] is not b.plan or held[1] != layouts.moves():
+        held = _DECODERS[b.model] = (b.plan, layouts.moves(), _fused_decoder(b))
+    return held[2]
 
 
 def _fused_decoder(b) -> native.Decoder | None:

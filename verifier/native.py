@@ -493,18 +493,19 @@ class Decoder:
         row keys). Writes each segment's new K/V rows at [past, past + rows) of every layer. Returns
         the final-normed hidden states [n, hidden] float32."""
         segs = (_Segment * len(segments))()
+        shape = _Shape.from_buffer_copy(self.shape)  # this call's: one decoder serves every session, any thread
         for seg, (r0, r1, cache, past, counts, inplace, tail) in zip(segs, segments):
             if cache.dtype not in _ATTENTION_TYPES or not cache.is_contiguous():
                 raise TypeError("native decoder: a contiguous float32, bfloat16 or float16 cache only")
-            self.shape.cache_type = _ATTENTION_TYPES[cache.dtype]
+            shape.cache_type = _ATTENTION_TYPES[cache.dtype]
             seg.r0, seg.r1, seg.cache, seg.capacity, seg.past = r0, r1, cache.data_ptr(), cache.shape[3], past
             seg.counts, seg.inplace, seg.tail = counts.data_ptr(), inplace.data_ptr(), tail.data_ptr()
             seg.tail_width = tail.shape[1]
-        self.shape.threads = torch.get_num_threads()
+        shape.threads = torch.get_num_threads()
         n = x.shape[0]
         out = torch.empty_like(x)
         rc = self.lib.racer_decoder(
-            ctypes.byref(self.shape), self.layers, len(self.layers), segs, len(segs), x.data_ptr(), n,
+            ctypes.byref(shape), self.layers, len(self.layers), segs, len(segs), x.data_ptr(), n,
             cos.data_ptr(), sin.data_ptr(), self._norm, out.data_ptr(),
         )  # fmt: skip
         if rc:

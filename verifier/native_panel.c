@@ -61,6 +61,16 @@ enum { R = 6 };
 
 enum { PW = 2 * VL }; /* a panel's width: its columns */
 
+/* Software prefetch, one line per LINE_ROWS(W) panel rows: a thread's panels follow one another in
+ * memory, so its weight is one stream, which the prefetch carries across the 4 KiB pages the
+ * hardware prefetchers stop at. A one-row pass, quick per row, runs AHEAD bytes in front; a pass
+ * of several rows, slower per row and made again for the next rows from the caches, brings in the
+ * next panel as it goes. On an AVX2 Zen 3, one thread, weights not in the caches: one row 10-40%
+ * faster than the hardware prefetchers alone (512 to 2048 bytes ahead alike), 4-16 rows 5-10%
+ * faster a panel ahead than 1024 bytes ahead (scripts/bench_gemm.py). */
+enum { AHEAD = 1024 };
+#define LINE_ROWS(W) (64 / (sizeof(W) * PW) ? 64 / (sizeof(W) * PW) : 1)
+
 typedef void (*pass_fn)(const float *restrict x, long K, const void *restrict p, float *restrict y, long ldy,
                         const float *restrict bias);
 
@@ -74,6 +84,7 @@ typedef void (*pass_fn)(const float *restrict x, long K, const void *restrict p,
         vf a0[ROWS], a1[ROWS];                                                                             \
         for (int i = 0; i < ROWS; i++) a0[i] = a1[i] = (vf){0};                                            \
         for (long k = 0; k < K; k++, p += PW) {                                                            \
+            if (!(k % LINE_ROWS(W))) __builtin_prefetch(p + K * PW, 0, 3); /* the next panel */            \
             vf w0 = load_##T(p), w1 = load_##T(p + VL);                                                    \
             KEEP_IN_REGISTER(w0);                                                                          \
             KEEP_IN_REGISTER(w1);                                                                          \
@@ -99,6 +110,10 @@ typedef void (*pass_fn)(const float *restrict x, long K, const void *restrict p,
         const W *p = pv, *q = p + K * PW;                                                                  \
         vf a[4] = {{0}, {0}, {0}, {0}};                                                                    \
         for (long k = 0; k < K; k++, p += PW, q += PW) {                                                   \
+            if (!(k % LINE_ROWS(W))) {                                                                     \
+                __builtin_prefetch((const char *)p + AHEAD, 0, 3);                                         \
+                __builtin_prefetch((const char *)q + AHEAD, 0, 3);                                         \
+            }                                                                                              \
             const vf xb = splat(x[k]);                                                                     \
             a[0] = VFMA(xb, load_##T(p), a[0]);                                                            \
             a[1] = VFMA(xb, load_##T(p + VL), a[1]);                                                       \
