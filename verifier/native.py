@@ -149,6 +149,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.racer_attention_amx.restype = ctypes.c_int
     lib.racer_attention_tiles.restype = ctypes.c_int
     lib.racer_attention_tiles.argtypes = lib.racer_attention.argtypes[1:]
+    lib.racer_flush.restype = None
+    lib.racer_flush.argtypes = [ctypes.c_void_p, ctypes.c_long]
     lib.racer_panel_width.restype = ctypes.c_int
     lib.racer_linear_panel.restype = ctypes.c_int
     lib.racer_linear_panel.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
@@ -216,6 +218,38 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _library(name: str) -> ctypes.CDLL:
+    lib = _state.get("lib")
+    if lib is None:
+        raise TypeError(f"{name}: native kernels not available: {why()}")
+    return lib
+
+
+def _kernel(name: str, kinds, prepare, call, pairs: bool = False):
+    """A native kernel ``(x, w, b) -> y`` (in x's dtype) from ``prepare(lib, w)`` (checks the weight,
+    returns the kernel's constants) and ``call(lib, constants, x, w, b, y)`` (the library call on
+    checked operands). Its ``bare(x, w)`` is a call of the kernel alone on operands made ready once,
+    as the native decoder makes it (the tuner times that: the checks and casts around a call cost
+    about as much as a one-row kernel)."""
+
+    def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        lib = _library(name)
+        const = prepare(lib, w)
+        x, b, y = _operands(name, x, w, b, kinds, pairs)
+        call(lib, const, x, w, b, y)
+        return y.to(w.dtype) if w.dtype != torch.float32 else y
+
+    def bare(x: torch.Tensor, w: torch.Tensor):
+        lib = _library(name)
+        const = prepare(lib, w)
+        x, b, y = _operands(name, x, w, None, kinds, pairs)
+        return lambda: call(lib, const, x, w, b, y)
+
+    run.__name__ = name
+    run.bare = bare
+    return run
+
+
 def linear(name: str):
     """The variant ``name`` as a kernel ``(x [M, K], w [N, K], b [N] or None) -> [M, N]`` on a CPU,
     ``w`` stored as rows (contiguous) in float32, bfloat16 or float16 (read at that width, every
@@ -224,22 +258,26 @@ def linear(name: str):
     nr, mr = VARIANTS[name][0]
     pairs = name in PAIRS
 
-    def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        lib = _state.get("lib")
-        if lib is None:
-            raise TypeError(f"{name}: native kernels not available: {why()}")
-        x, b, y = _operands(name, x, w, b, dtypes(name), pairs)
+    def prepare(lib, w: torch.Tensor) -> int:
+        return 3 if pairs else WEIGHT_TYPES.get(w.dtype, -1)
+
+    def call(lib, kind: int, x, w, b, y) -> None:
         m, k = x.shape
-        kind = 3 if pairs else WEIGHT_TYPES[w.dtype]
         rc = lib.racer_linear(
             nr, mr, kind, x.data_ptr(), w.data_ptr(), _ptr(b), y.data_ptr(), m, y.shape[1], k, torch.get_num_threads()
         )
         if rc:
             raise RuntimeError(f"{name}: the built library has no {nr}x{mr} tile")
-        return y.to(w.dtype) if w.dtype != torch.float32 else y
 
-    run.__name__ = name
-    return run
+    return _kernel(name, dtypes(name), prepare, call, pairs)
+
+
+def flush(t: torch.Tensor) -> None:
+    """Drops a CPU tensor's memory from the caches (written back first), where the library is built
+    and the CPU can: its next read comes from memory."""
+    lib = _state.get("lib")
+    if lib is not None and t.device.type == "cpu":
+        lib.racer_flush(t.data_ptr(), t.numel() * t.element_size())  # contiguous, or a transposed view of such
 
 
 PANEL = "panel"  # the broadcast GEMM over a weight stored as panels (native_panel.c, layouts "panel")
@@ -251,31 +289,26 @@ def panel_width() -> int:
     return lib.racer_panel_width() if lib is not None else 0
 
 
-def linear_panel(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T (+ b)`` on a CPU for a bfloat16 or float16 weight stored as panels
-    (``layouts.stored_as(w) == "panel"``: the caller's promise, as a row tile's is that w holds rows);
-    every product and sum in float32, each output one FMA chain over K in order, the result rounded
-    once to ``x``'s dtype. TypeError for anything else (the tuner skips it)."""
-    lib = _state.get("lib")
+def _panel_prepare(lib, w: torch.Tensor) -> int:
     width = panel_width()
-    if lib is None or not width:
+    if not width:
         raise TypeError(f"{PANEL}: native kernels not available: {why()}")
-    x, b, y = _operands(PANEL, x, w, b, (torch.bfloat16, torch.float16))
     if w.shape[0] % width:
         raise TypeError(f"{PANEL}: {w.shape[0]} output rows are not a whole number of {width}-wide panels")
+    return WEIGHT_TYPES.get(w.dtype, -1)
+
+
+def _panel_call(lib, kind: int, x, w, b, y) -> None:
     m, k = x.shape
-    lib.racer_linear_panel(
-        WEIGHT_TYPES[w.dtype],
-        x.data_ptr(),
-        w.data_ptr(),
-        _ptr(b),
-        y.data_ptr(),
-        m,
-        y.shape[1],
-        k,
-        torch.get_num_threads(),
-    )
-    return y.to(w.dtype)
+    args = (x.data_ptr(), w.data_ptr(), _ptr(b), y.data_ptr(), m, y.shape[1], k, torch.get_num_threads())
+    lib.racer_linear_panel(kind, *args)
+
+
+# ``x @ W.T (+ b)`` on a CPU for a bfloat16 or float16 weight stored as panels (``layouts.stored_as(w)
+# == "panel"``: the caller's promise, as a row tile's is that w holds rows); every product and sum in
+# float32, each output one FMA chain over K in order, the result rounded once to x's dtype.
+# TypeError for anything else (the tuner skips it).
+linear_panel = _kernel(PANEL, (torch.bfloat16, torch.float16), _panel_prepare, _panel_call)
 
 
 _ATTENTION_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

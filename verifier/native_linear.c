@@ -218,6 +218,20 @@ static void block(const struct variant *v, const char *x, long xs, const char *w
 
 int racer_vector_bits(void) { return VL * 32; }
 
+/* ``bytes`` from p on written back and dropped from every cache level (where the CPU has a flush
+ * instruction; else nothing): the next read of them comes from memory, as a forward's read of a
+ * weight does, the layers between having streamed everything else through the caches. */
+void racer_flush(const void *p, long bytes)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    for (long i = 0; i < bytes; i += 64) __builtin_ia32_clflush((const char *)p + i);
+    if (bytes > 0) __builtin_ia32_clflush((const char *)p + bytes - 1);
+    __builtin_ia32_mfence();
+#else
+    (void)p, (void)bytes;
+#endif
+}
+
 enum { X_BLOCK_BYTES = 256 << 10 }; /* rows of x a weight tile meets per pass over the weight: L2-resident */
 
 static const struct variant *find_variant(int nr, int mr, int type)

@@ -18,7 +18,7 @@
  * (scripts/bench_gemm.py measures it on any machine). A panel is widened as it is loaded, in every
  * pass: with at most R rows a pass, the widening is 1 in R of the FMAs.
  *
- * One row: two panels a pass (four independent FMA chains instead of two, so the FMA latency is
+ * One row: three panels a pass (six independent FMA chains instead of two, so the FMA latency is
  * hidden). Many rows: passes of at most R rows (balanced: 16 rows go 6 + 5 + 5), rows of x taken in
  * blocks that stay in the L2 cache while the panels stream past.
  */
@@ -63,7 +63,7 @@ enum { PW = 2 * VL }; /* a panel's width: its columns */
 
 /* Software prefetch, one line per LINE_ROWS(W) panel rows: a thread's panels follow one another in
  * memory, so its weight is one stream, which the prefetch carries across the 4 KiB pages the
- * hardware prefetchers stop at. A one-row pass, quick per row, runs AHEAD bytes in front; a pass
+ * hardware prefetchers stop at. A one-row pass, quick per row, runs AHEAD bytes in front of each panel; a pass
  * of several rows, slower per row and made again for the next rows from the caches, brings in the
  * next panel as it goes. On an AVX2 Zen 3, one thread, weights not in the caches: one row 10-40%
  * faster than the hardware prefetchers alone (512 to 2048 bytes ahead alike), 4-16 rows 5-10%
@@ -101,47 +101,49 @@ typedef void (*pass_fn)(const float *restrict x, long K, const void *restrict p,
         }                                                                                                  \
     }
 
-/* One row of x against two neighbouring panels (``p`` and the one after it), into y and bias from
- * the first panel's first column on: the same chain per output as a pass, twice the chains in flight. */
-#define DEFPAIR(T, W)                                                                                      \
-    static void pair_##T(const float *restrict x, long K, const void *restrict pv, float *restrict y,      \
-                         const float *restrict bias)                                                       \
+/* One row of x against GROUP neighbouring panels (``p`` and the ones after it), into y and bias from
+ * the first panel's first column on: the same chain per output as a pass, GROUP times the chains in
+ * flight (two per panel: one alone would wait on the FMA latency, not on memory). */
+enum { GROUP = 3 };
+#define DEFGROUP(T, W)                                                                                     \
+    static void group_##T(const float *restrict x, long K, const void *restrict pv, float *restrict y,     \
+                          const float *restrict bias)                                                      \
     {                                                                                                      \
-        const W *p = pv, *q = p + K * PW;                                                                  \
-        vf a[4] = {{0}, {0}, {0}, {0}};                                                                    \
-        for (long k = 0; k < K; k++, p += PW, q += PW) {                                                   \
-            if (!(k % LINE_ROWS(W))) {                                                                     \
-                __builtin_prefetch((const char *)p + AHEAD, 0, 3);                                         \
-                __builtin_prefetch((const char *)q + AHEAD, 0, 3);                                         \
-            }                                                                                              \
+        const W *p = pv;                                                                                   \
+        vf a[GROUP][2];                                                                                    \
+        for (int g = 0; g < GROUP; g++) a[g][0] = a[g][1] = (vf){0};                                       \
+        for (long k = 0; k < K; k++) {                                                                     \
             const vf xb = splat(x[k]);                                                                     \
-            a[0] = VFMA(xb, load_##T(p), a[0]);                                                            \
-            a[1] = VFMA(xb, load_##T(p + VL), a[1]);                                                       \
-            a[2] = VFMA(xb, load_##T(q), a[2]);                                                            \
-            a[3] = VFMA(xb, load_##T(q + VL), a[3]);                                                       \
+            for (int g = 0; g < GROUP; g++) {                                                              \
+                const W *q = p + g * K * PW + k * PW;                                                      \
+                if (!(k % LINE_ROWS(W))) __builtin_prefetch((const char *)q + AHEAD, 0, 3);                \
+                a[g][0] = VFMA(xb, load_##T(q), a[g][0]);                                                  \
+                a[g][1] = VFMA(xb, load_##T(q + VL), a[g][1]);                                             \
+            }                                                                                              \
         }                                                                                                  \
-        for (int j = 0; j < 4; j++) {                                                                      \
-            if (bias) a[j] += load_f32(bias + j * VL);                                                     \
-            memcpy(y + j * VL, &a[j], sizeof(vf));                                                         \
-        }                                                                                                  \
+        for (int g = 0; g < GROUP; g++)                                                                    \
+            for (int j = 0; j < 2; j++) {                                                                  \
+                if (bias) a[g][j] += load_f32(bias + g * PW + j * VL);                                     \
+                memcpy(y + g * PW + j * VL, &a[g][j], sizeof(vf));                                         \
+            }                                                                                              \
     }
 
 #define DEFPASSES(T, W)                                                                                    \
     DEFPASS(T, W, 1) DEFPASS(T, W, 2) DEFPASS(T, W, 3) DEFPASS(T, W, 4) DEFPASS(T, W, 5) DEFPASS(T, W, 6) \
     DEFPASS(T, W, 7) DEFPASS(T, W, 8) DEFPASS(T, W, 9) DEFPASS(T, W, 10) DEFPASS(T, W, 11)               \
-    DEFPASS(T, W, 12) DEFPAIR(T, W)
+    DEFPASS(T, W, 12) DEFGROUP(T, W)
 DEFPASSES(f32, float)
 DEFPASSES(bf16, uint16_t)
 DEFPASSES(f16, _Float16)
 
-typedef void (*pair_fn)(const float *restrict, long, const void *restrict, float *restrict, const float *restrict);
+typedef void (*group_fn)(const float *restrict, long, const void *restrict, float *restrict, const float *restrict);
 
-/* [type][rows]: the pass of that many rows (1..R), and the two-panel one-row pass. */
+/* [type][rows]: the pass of that many rows (1..R); [type]: the one-row pass over GROUP panels. */
 #define PASSES_OF(T)                                                                                       \
     {0, pass_##T##_1, pass_##T##_2, pass_##T##_3, pass_##T##_4, pass_##T##_5, pass_##T##_6, pass_##T##_7, \
      pass_##T##_8, pass_##T##_9, pass_##T##_10, pass_##T##_11, pass_##T##_12}
 static const pass_fn PASSES[3][13] = {PASSES_OF(f32), PASSES_OF(bf16), PASSES_OF(f16)};
-static const pair_fn PAIRS_OF[3] = {pair_f32, pair_bf16, pair_f16};
+static const group_fn GROUPS[3] = {group_f32, group_bf16, group_f16};
 static const long ESIZE[3] = {4, 2, 2};
 
 int racer_panel_width(void) { return PW; }
@@ -164,7 +166,7 @@ static void panel_rows(int type, const float *x, long M, long K, const char *w, 
 enum { X_BLOCK_BYTES = 256 << 10 }; /* rows of x the panels meet per sweep: L2-resident */
 enum { MAX_WEIGHTS = 8 };
 
-/* ``count`` weights against the same rows of x, in one parallel region (their panels, or pairs of
+/* ``count`` weights against the same rows of x, in one parallel region (their panels, or groups of
  * panels for one row, shared out among the threads as one list): y[i][M, N[i]] = x[M, K] @
  * w[i][N[i], K]^T (+ bias[i]). Each output is computed exactly as alone. 0, or -1 for a weight type
  * this build does not have, a count out of range or an N that is not a whole number of panels. */
@@ -173,7 +175,7 @@ int racer_panel_many(int count, int type, const float *x, const void *const *w, 
 {
     long first[MAX_WEIGHTS + 1] = {0};
     if (type < F32 || type > F16 || count < 1 || count > MAX_WEIGHTS || M < 1) return -1;
-    const long per = M == 1 ? 2 : 1; /* panels a unit of work takes */
+    const long per = M == 1 ? GROUP : 1; /* panels a unit of work takes */
     for (int i = 0; i < count; i++) {
         if (N[i] % PW) return -1;
         first[i + 1] = first[i] + (N[i] / PW + per - 1) / per;
@@ -189,10 +191,11 @@ int racer_panel_many(int count, int type, const float *x, const void *const *w, 
             while (u >= first[i + 1]) i++;
             const long p = (u - first[i]) * per;
             const char *wi = w[i];
-            if (per == 2 && p + 1 < N[i] / PW)
-                PAIRS_OF[type](x, K, wi + p * K * PW * ESIZE[type], y[i] + p * PW, bias[i] ? bias[i] + p * PW : NULL);
-            else
-                panel_rows(type, x + m0 * K, m, K, wi, bias[i], y[i] + m0 * N[i], N[i], p);
+            if (per == GROUP && p + GROUP <= N[i] / PW)
+                GROUPS[type](x, K, wi + p * K * PW * ESIZE[type], y[i] + p * PW, bias[i] ? bias[i] + p * PW : NULL);
+            else /* many rows, or one row's last panels past a whole group */
+                for (long q = p; q < p + per && q < N[i] / PW; q++)
+                    panel_rows(type, x + m0 * K, m, K, wi, bias[i], y[i] + m0 * N[i], N[i], q);
         }
     }
     return 0;

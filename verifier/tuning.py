@@ -32,7 +32,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import arena, kernels, plan_cache
+from . import arena, kernels, native, plan_cache
 from .kernels import BUCKETS, CANDIDATES, LAYOUTS, KernelPlan, ShapePlan, Timing
 from .layouts import (
     all_projections,
@@ -185,7 +185,7 @@ def tune_shape(
         layouts = default_layouts(w, invariant)
     gen = torch.Generator(device="cpu").manual_seed(0)
     inputs = {m: torch.randn((m, w.shape[1]), generator=gen).to(w.dtype).to(w.device) for m in buckets}
-    fns, slow = _checked_calls(cands, w, {lay: in_layout(w, lay) for lay in layouts}, inputs)
+    fns, slow = _checked_calls(cands, w, {lay: in_layout(w, lay) for lay in layouts}, inputs, bare=invariant)
     ms = _measure(fns, inputs, reps)
     for (name, lay), last in slow.items():  # linear in the rows beyond the last one timed (a lower bound, in practice)
         if (name, lay, last) in ms:
@@ -212,10 +212,28 @@ def default_layouts(w: torch.Tensor, invariant: bool) -> tuple[str, ...]:
     return ("row", other[0]) if other[1](w) else ("row",)
 
 
-def _checked_calls(cands: dict, w: torch.Tensor, stored: dict, inputs: dict) -> tuple[dict, dict]:
-    """The calls on ``w`` stored each way that agree with ``F.linear``, keyed (kernel, layout, rows),
-    and the candidates too slow to time at larger buckets: (kernel, layout) -> the last rows tried."""
-    refs = {m: F.linear(x, w) for m, x in inputs.items()}
+def _call_of(fn, x: torch.Tensor, w: torch.Tensor, bare: bool):
+    """What is timed of ``fn`` on ``w``: its call; with ``bare`` (an invariant plan, whose forwards
+    run in the native decoder where it is built) a native kernel alone on operands made ready once
+    (``native._kernel``), as the decoder calls it, and every call on a weight dropped from the caches
+    first (``before``, not timed), as a forward streams each weight from memory: hot in the caches,
+    a kernel that keeps more FMA chains in flight wins what a forward never sees."""
+    if bare and hasattr(fn, "bare"):
+        call = fn.bare(x, w)
+        timed = lambda _x: call()  # noqa: E731
+    else:
+        timed = lambda x_, fn=fn, w=w: fn(x_, w, None)  # noqa: E731
+    if bare:
+        timed.before = lambda: native.flush(w)
+    return timed
+
+
+def _checked_calls(cands: dict, w: torch.Tensor, stored: dict, inputs: dict, bare: bool = False) -> tuple[dict, dict]:
+    """The calls on ``w`` stored each way that agree with ``F.linear``, keyed (kernel, layout, rows)
+    (``bare``: native kernels alone, ``_call_of``), and the candidates too slow to time at larger
+    buckets: (kernel, layout) -> the last rows tried."""
+    rows = in_layout(w, "row")  # the weight's values, whichever layout it is stored in
+    refs = {m: F.linear(x, rows) for m, x in inputs.items()}
     fns, slow = {}, {}
     for lay, wl in stored.items():
         for name, fn in cands.items():
@@ -232,7 +250,7 @@ def _checked_calls(cands: dict, w: torch.Tensor, stored: dict, inputs: dict) -> 
                 except (RuntimeError, TypeError):  # e.g. oneDNN without a kernel for this dtype on this CPU
                     ok = False
                 if ok:
-                    fns[(name, lay, m)] = lambda x, fn=fn, wl=wl: fn(x, wl, None)
+                    fns[(name, lay, m)] = _call_of(fn, inputs[m], wl, bare)
     return fns, slow
 
 
@@ -329,6 +347,8 @@ def _time(fns: dict, inputs: dict, reps: int) -> dict:
             round_ = {k: fn for k, fn in fns.items() if k[-1] == rows}
             for rep in range(min(ROUND_REPS, reps - done) + 1):
                 for k, fn in round_.items():
+                    if hasattr(fn, "before"):
+                        fn.before()
                     t0 = time.perf_counter()
                     fn(inputs[rows])
                     if rep:
