@@ -19,7 +19,7 @@ import pytest
 from drafter.snapshot import snapshot_length
 from racer.client import Client
 from tests.support.engine import hf_greedy
-from tests.support.procs import Proc, RedisProc, drafter_procs, reap, verifier_procs
+from tests.support.procs import Proc, RedisProc, TurnSpan, drafter_procs, drain_mid_turn, frozen, reap, verifier_procs
 from tests.support.stack import prompt, wait_until
 
 N = 240  # long enough that a turn is still running when a fault lands right after its first chunk
@@ -146,19 +146,6 @@ def stream_turn(target: str, sid: str, p2: list[int], n: int, on_first, budget: 
     return got, last
 
 
-def hold(proc: Proc):
-    """Context: the process is frozen inside (its peers' streams wait on it)."""
-
-    class _Hold:
-        def __enter__(self):
-            proc.signal(signal.SIGSTOP)
-
-        def __exit__(self, *exc):
-            proc.signal(signal.SIGCONT)
-
-    return _Hold()
-
-
 def test_drafter_sigkill_mid_stream_fails_over_and_restores_from_redis(healthy, tiny_llama):
     cl = healthy
     p1, ids1, sid = first_turn(cl.gateway.target, 1)
@@ -169,7 +156,7 @@ def test_drafter_sigkill_mid_stream_fails_over_and_restores_from_redis(healthy, 
     p2 = prompt(101, n=4)
 
     def fault():
-        with hold(verifier):  # the turn waits on its verifier while its drafter dies
+        with frozen([verifier]):  # the turn waits on its verifier while its drafter dies
             owner.proc.kill()
             owner.proc.wait(10)
 
@@ -280,7 +267,7 @@ def test_redis_stopped_mid_session_and_restarted(healthy, tiny_llama):
     restarter = threading.Thread(target=restart, daemon=True)
 
     def fault():
-        with hold(verifier):
+        with frozen([verifier]):
             cl.redis.stop()
         restarter.start()
 
@@ -354,13 +341,20 @@ def test_a_killed_or_frozen_gateway_frees_the_round_state(healthy):
         cl.gateway.start().wait_healthy()
 
 
-def _load(target: str, jobs: list[tuple[str, list[int], int]], results: dict, budget: int = 4):
-    """One thread per (session, prompt, n): results[i] = ("ok", ids) or (status code, details)."""
+def _load(
+    target: str, jobs: list[tuple[str, list[int], int]], results: dict, budget: int = 4, started: set | None = None
+):
+    """One thread per (session, prompt, n): results[i] = ("ok", ids) or (status code, details);
+    ``started`` (a set) gets i once turn i's first chunk arrived (its streams are open)."""
 
     def one(i, sid, p, n):
         try:
+            ids: list[int] = []
             with Client(target, timeout=90) as c:
-                ids, _, last = c.complete(p, session_id=sid, max_new_tokens=n, budget=budget)
+                for r in c.generate(p, session_id=sid, max_new_tokens=n, budget=budget):
+                    ids.extend(r.token_ids)
+                    if ids and started is not None:
+                        started.add(i)
             results[i] = ("ok", ids)
         except grpc.RpcError as e:
             results[i] = (e.code(), e.details())
@@ -376,27 +370,30 @@ def test_sigterm_on_a_backend_under_load_loses_no_stream(healthy, tiny_llama, ki
     cl = healthy
     starts = [first_turn(cl.gateway.target, 300 + i, n=6) for i in range(4)]
     jobs = [(sid, prompt(400 + i, n=4), N) for i, (_, _, sid) in enumerate(starts)]
+    spans = [TurnSpan(len(p1 + ids1 + p2), len(p1 + ids1 + p2) + n) for (p1, ids1, _), (_, p2, n) in zip(starts, jobs)]
+    moved = cl.gateway.metric("racer_sessions_moved_total", kind=kind, reason="drain")
     results: dict = {}
-    threads = _load(cl.gateway.target, jobs, results)
-    # The victim is a backend these turns stream through. Not a fixed one: drafters are chosen by
-    # rendezvous hashing of the (random) session ids, so all four sessions miss drafters[0] once in
-    # 16 runs, and a fixed drafters[0] would then have no stream to lose.
-    pool = cl.drafters if kind == "drafter" else cl.verifiers
-    busy: list[Proc] = []
+    started: set[int] = set()
+    budget = 4
+    threads = _load(cl.gateway.target, jobs, results, budget, started)
 
-    def streaming_backend() -> bool:
-        busy[:] = [p for p in pool if any(s.streaming for s in p.sessions())]
-        return bool(busy)
+    def running() -> dict[str, TurnSpan]:
+        return {jobs[i][0]: spans[i] for i in list(started) if i not in results}
 
-    wait_until(streaming_backend, timeout=20, what=f"streams on a {kind}")
-    victim = busy[0]
-    victim.signal(signal.SIGTERM)
+    # The victim is a backend one of these turns streams through with rounds to come when SIGTERM
+    # comes (the backends of the other kind frozen meanwhile hold the turn there). Not a fixed one:
+    # drafters are chosen by rendezvous hashing of the (random) session ids, so all four sessions
+    # miss drafters[0] once in 16 runs.
+    pool, held = (cl.drafters, cl.verifiers) if kind == "drafter" else (cl.verifiers, cl.drafters)
+    victim = drain_mid_turn(pool, held, running, budget, timeout=20)
     assert victim.wait_exit(15) == 0, f"{victim.name} did not exit cleanly after SIGTERM"
     for t in threads:
         t.join(60)
     assert not any(t.is_alive() for t in threads), "a stream hangs"
     for i, (p1, ids1, _sid) in enumerate(starts):
         assert results[i] == ("ok", hf_greedy(tiny_llama, p1 + ids1 + jobs[i][1], N)), f"session {i}"
+    # the turn in mid-stream on the victim moved at its next message (a drain, not a failover)
+    assert cl.gateway.metric("racer_sessions_moved_total", kind=kind, reason="drain") > moved
 
 
 def test_sigterm_on_the_gateway_under_load_ends_every_stream_clearly(healthy, tiny_llama):
