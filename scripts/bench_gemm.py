@@ -2,9 +2,11 @@
 rows against the panel kernel (native_panel.c) over the same weights stored as panels.
 
 A verification step streams every weight from memory, so each call here reads a weight the caches
-no longer hold: ``--copies`` copies of each shape (enough to pass the last-level cache) are taken in
-turn. The kernels alternate within each repetition, so a shared machine's drift falls on all of
-them; the table holds medians (ms per call) and each kernel's speed-up over the first tile.
+no longer hold: copies of each shape (``--copies-bytes`` of them, past the last-level cache) are
+taken in turn. Each kernel is called alone on operands made ready once, as the native decoder calls
+it (the checks and casts of the Python wrapper cost about as much as a one-row kernel). The
+kernels alternate within each repetition, so a shared machine's drift falls on all of them; the
+table holds medians (ms per call) and each kernel's speed-up over the first tile.
 
     PYTHONPATH=. python scripts/bench_gemm.py [--threads 2] [--dtype bfloat16] [--rows 1,4,16,64]
 """
@@ -48,12 +50,13 @@ def bench_shape(n: int, k: int, rows: list[int], dtype, reps: int, budget: float
     table = []
     for m in rows:
         x = torch.randn((m, k), generator=g).to(dtype)
+        calls = {name: [fn.bare(x, w) for w in stored[lay]] for name, (fn, lay) in found.items()}
         times = {name: [] for name in found}
         for _ in range(reps):
-            for name, (fn, lay) in found.items():
+            for name, run in calls.items():
                 t0 = time.perf_counter()
-                for w in stored[lay]:
-                    fn(x, w, None)
+                for call in run:
+                    call()
                 times[name].append((time.perf_counter() - t0) / copies * 1e3)
         med = {name: statistics.median(v) for name, v in times.items()}
         base = next(iter(med.values()))
