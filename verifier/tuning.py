@@ -89,9 +89,10 @@ def kernel_plan(
         frozen = held is not None or (invariant and any(p.is_inference() for p in all_projections(model)))
         keep = {shape: stored_as(w) for shape, w in weights.items()} if frozen else None
         plan = _tuned(model, weights, invariant, use_cache=cache and spec != "tune", keep=keep)
-    apply_layouts(model, plan.layouts())
-    stray = {tuple(p.shape) for p in all_projections(model) if stored_as(p) != plan.layouts()[tuple(p.shape)]}
-    if any("panel" in (plan.layouts()[s], stored_as(weights[s])) for s in stray):  # the values would be misread
+    layouts = plan.layouts()
+    apply_layouts(model, layouts)
+    stray = {tuple(p.shape) for p in all_projections(model) if stored_as(p) != layouts[tuple(p.shape)]}
+    if any("panel" in (layouts[s], stored_as(weights[s])) for s in stray):  # the values would be misread
         raise ValueError(f"RACER_KERNELS={spec!r}: the weights of {sorted(stray)} cannot be stored as the plan says")
     model._racer_kernels = ((spec, invariant, threads), plan)
     return plan
