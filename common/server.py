@@ -13,6 +13,7 @@ import contextlib
 import inspect
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -194,6 +195,7 @@ class Server:
         self.port = port
         self.health_server = health_server  # plaintext, health only (probes when the main port needs TLS)
         self.health_port = health_port
+        self.address = ""  # what clients dial: host:port, or unix:PATH
         self.health = health_servicer
         self._drain = drain
         self._closed = closed
@@ -255,34 +257,79 @@ async def start_server(
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     name = HEALTH_SERVICES[kind]
     reflection.enable_server_reflection((name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    address = f"{host}:{port}"
-    bound = (
-        server.add_secure_port(address, credentials) if credentials is not None else server.add_insecure_port(address)
-    )
+    address = listen_address(host, port)
+    try:
+        bound = (
+            server.add_secure_port(address, credentials)
+            if credentials is not None
+            else server.add_insecure_port(address)
+        )
+    except RuntimeError:
+        bound = 0
     if bound == 0:
-        raise RuntimeError(f"{kind}: cannot bind {host}:{port}")
+        raise RuntimeError(f"{kind}: cannot bind {address}")
+    if is_unix(host):
+        bound = 0  # no TCP port: the socket's path is the address
     health_server, health_bound = None, 0
     if health_port:
+        if is_unix(host):
+            raise RuntimeError(f"{kind}: --health-port needs a TCP --host, not {host}")
         health_server = grpc.aio.server(options=server_options(64 * 1024, keepalive_seconds))
         health_pb2_grpc.add_HealthServicer_to_server(hs, health_server)
-        health_bound = health_server.add_insecure_port(f"{host}:{health_port}")
+        health_bound = health_server.add_insecure_port(f"{host}:{max(health_port, 0)}")
         if health_bound == 0:
             raise RuntimeError(f"{kind}: cannot bind the health port {host}:{health_port}")
     await server.start()
     if health_server is not None:
         await health_server.start()
     srv = Server(kind, server, bound, hs, drain, closed, health_server, health_bound)
+    srv.address = address if is_unix(host) else f"{host}:{bound}"
     await srv.set_serving(True)
     log.info(
         "serving",
-        extra={"service": kind, "port": bound, "tls": credentials is not None, "health_port": health_bound or None},
+        extra={
+            "service": kind,
+            "address": srv.address,
+            "port": bound or None,
+            "tls": credentials is not None,
+            "health_port": health_bound or None,
+        },
     )
     return srv
 
 
-def start_metrics(port: int) -> None:
-    if port:
-        start_http_server(port)
+# A port setting's value that asks the OS for a free port (0 turns an optional listener off); the
+# port it got is logged and written to --ports-file.
+ANY_PORT = -1
+
+
+def is_unix(host: str) -> bool:
+    """Whether ``host`` names a Unix domain socket (``unix:PATH``) instead of an address to bind a port on."""
+    return host.startswith("unix:")
+
+
+def listen_address(host: str, port: int) -> str:
+    """gRPC's listening address for ``--host`` and ``--port``: ``unix:PATH`` as it is (no port), else
+    ``host:port`` (port 0 or ``ANY_PORT``: one the OS picks)."""
+    return host if is_unix(host) else f"{host}:{max(port, 0)}"
+
+
+def start_metrics(port: int, host: str = "0.0.0.0") -> int:
+    """The Prometheus endpoint on ``port`` (0: off; ``ANY_PORT``: one the OS picks) of ``host`` (all
+    interfaces when ``host`` is a Unix socket); the port it listens on, 0 when off."""
+    if not port:
+        return 0
+    server, _ = start_http_server(max(port, 0), addr="0.0.0.0" if is_unix(host) else host)
+    return server.server_port
+
+
+def write_ports_file(path: str, ports: dict[str, object]) -> None:
+    """``ports`` (what this process listens on) as JSON in ``path``, written whole or not at all (a
+    reader polling for the file never sees half of it)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(ports, f)
+    os.replace(tmp, path)
 
 
 async def serve_forever(srv: Server, drain_seconds: float) -> None:

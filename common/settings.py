@@ -111,7 +111,20 @@ HEALTH_SERVICES = {
 }
 
 COMMON = [
-    Setting("--host", "RACER_HOST", "0.0.0.0", "address to bind"),
+    Setting(
+        "--host",
+        "RACER_HOST",
+        "0.0.0.0",
+        "address to bind; unix:PATH: the gRPC server listens on that Unix domain socket instead of --port (the "
+        "metrics and HTTP listeners then bind all interfaces)",
+    ),
+    Setting(
+        "--ports-file",
+        "RACER_PORTS_FILE",
+        "",
+        "once serving, write what this process listens on (grpc address, port, health, metrics, http) as JSON to "
+        "this file: how a supervisor learns the ports of listeners set to -1",
+    ),
     Setting("--log-level", "RACER_LOG_LEVEL", "INFO", "logging level"),
     Setting("--drain-seconds", "RACER_DRAIN_SECONDS", 20.0, "on SIGTERM, time in-flight streams get to finish", float),
     Setting(
@@ -153,7 +166,7 @@ COMMON = [
         "RACER_HEALTH_PORT",
         0,
         "also serve grpc.health.v1 alone, in plaintext, on this port (probes while the gRPC port needs mutual "
-        "TLS; 0: off)",
+        "TLS; 0: off; -1: a port the OS picks)",
         int,
     ),
     Setting(
@@ -514,7 +527,8 @@ SERVICE = {
             "--http-port",
             "RACER_HTTP_PORT",
             0,
-            "OpenAI-compatible HTTP API port (/v1/chat/completions, /v1/completions, /v1/models; 0: off)",
+            "OpenAI-compatible HTTP API port (/v1/chat/completions, /v1/completions, /v1/models; 0: off; -1: a port "
+            "the OS picks)",
             int,
         ),
         Setting(
@@ -537,8 +551,14 @@ SERVICE = {
 def port_settings(service: str) -> list[Setting]:
     port, metrics = PORTS[service]
     return [
-        Setting("--port", "RACER_PORT", port, "gRPC port", int),
-        Setting("--metrics-port", "RACER_METRICS_PORT", metrics, "Prometheus metrics HTTP port (0: off)", int),
+        Setting("--port", "RACER_PORT", port, "gRPC port (0: a port the OS picks)", int),
+        Setting(
+            "--metrics-port",
+            "RACER_METRICS_PORT",
+            metrics,
+            "Prometheus metrics HTTP port (0: off; -1: a port the OS picks)",
+            int,
+        ),
     ]
 
 

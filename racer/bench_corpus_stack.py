@@ -1,6 +1,6 @@
 """``racer bench-corpus --through stack``: the repeat run through real services, drafter replicas apart.
 
-Starts a ``redis-server`` on a free loopback port, one verifier, ``--drafters`` drafter processes
+Starts a ``redis-server`` (on a Unix socket), one verifier, ``--drafters`` drafter processes
 (all on that Redis, so the tenant corpus replicates between them through its capped stream) and one
 gateway per drafter, each sending its sessions to its own drafter only: the client picks the
 replica by picking the gateway. (One gateway over all drafters would pick by rendezvous hashing of
@@ -21,23 +21,20 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
-from common.settings import HEALTH_SERVICES
 from drafter.corpora import decode, stream_key
 
 from . import bench_corpus
 from .bench_corpus import Result, format_table, summarize
 from .client import Client
+from .procs import RedisServer, Service, sample, scrape, wait_for
 from .prompts import Prompt
-from .stack import _TOKEN, _spawn, stop
+from .stack import _TOKEN
 
 OFF = "no-corpus"
 LAG = "racer_corpus_replication_lag_seconds"
@@ -47,73 +44,9 @@ def corpus_tenant(budget: int) -> str:
     return f"corpus-c{budget}"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(cond, timeout: float, what, every: float = 0.05) -> float:
-    """Polls ``cond`` until true; the seconds it took. ``TimeoutError`` naming ``what`` (or what it
-    returns, if a callable) past ``timeout``."""
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise TimeoutError(f"{what() if callable(what) else what}: not reached in {timeout:.0f} s")
-        time.sleep(every)
-    return time.monotonic() - t0
-
-
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    """A process's Prometheus samples: (name, sorted labels) -> value."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-    }
-
-
 def metric(samples: dict, name: str, **labels) -> float:
     """The sum of ``name``'s samples whose labels include ``labels`` (0 when absent)."""
-    return sum(
-        v for (n, ls), v in samples.items() if n == name and all(dict(ls).get(k) == x for k, x in labels.items())
-    )
-
-
-@contextlib.contextmanager
-def redis_server(workdir: str):
-    """A ``redis-server`` on a free loopback port, without persistence; yields its URL."""
-    import redis
-
-    exe = shutil.which("redis-server")
-    if not exe:
-        raise RuntimeError("no redis-server on PATH (scripts/setup.sh installs it)")
-    port = free_port()
-    proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        client = redis.Redis(port=port)
-        wait_for(lambda: proc.poll() is None and _pings(client), 30, "redis-server answering PING")
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(30)
-
-
-def _pings(client) -> bool:
-    import redis
-
-    try:
-        return bool(client.ping())
-    except (redis.ConnectionError, redis.exceptions.BusyLoadingError):
-        return False
+    return sample(samples, name, **labels)
 
 
 @dataclass
@@ -150,32 +83,29 @@ def _tenant_files(tmp: str, tenants: list[str]) -> dict[str, str]:
 
 
 class _Procs:
-    """The replicas' processes, each on free loopback ports, with the environment they share."""
+    """The replicas' processes (``racer.procs``: each picks its own ports), with the settings they share."""
 
-    def __init__(self, base: dict[str, str], split):
-        self.base, self.split = base, split
-        self.procs: list[tuple[str, str, subprocess.Popen]] = []
+    def __init__(self, base: dict[str, str], split, log_dir: str):
+        self.base, self.split, self.log_dir = base, split, log_dir
+        self.procs: list[Service] = []
 
-    def start(self, kind: str, **env) -> tuple[str, int]:
-        """Starts a ``kind`` process; its (target, metrics port)."""
+    def start(self, kind: str, **env) -> Service:
         from common import cpus
 
-        port, mport = free_port(), free_port()
-        e = dict(self.base, RACER_PORT=str(port), RACER_METRICS_PORT=str(mport), **env)
+        e = dict(self.base, **env)
         if self.split:
             e["RACER_CPUS"] = cpus.format_list(self.split[0] if kind == "verifier" else self.split[1])
-        target = f"127.0.0.1:{port}"
-        self.procs.append((kind, target, _spawn(kind, e)))
-        return target, mport
+        p = Service(kind, e, Path(self.log_dir), f"{kind}{len(self.procs)}").start()
+        self.procs.append(p)
+        return p
 
     def healthy(self) -> None:
-        from common.health import wait_serving
-
-        for kind, target, p in self.procs:
-            wait_serving(target, HEALTH_SERVICES[kind], timeout=300, alive=lambda p=p: p.poll() is None, what=kind)
+        for p in self.procs:
+            p.wait_healthy()
 
     def stop(self) -> None:
-        stop([(kind, p) for kind, _, p in self.procs])
+        for p in self.procs:
+            p.terminate()
 
 
 @contextlib.contextmanager
@@ -197,10 +127,11 @@ def replicas(
     from verifier.model import resolve_model_dir
 
     resolve_model_dir(model)
-    with tempfile.TemporaryDirectory(prefix="racer-corpus-stack-") as tmp, redis_server(tmp) as url:
+    with tempfile.TemporaryDirectory(prefix="racer-corpus-stack-") as tmp:
+        redis = RedisServer(Path(tmp) / "redis", appendonly=False).start()
+        url = redis.url
         keys = _tenant_files(tmp, tenants)
-        base = {k: v for k, v in os.environ.items() if not k.startswith("RACER_")}
-        base.update(
+        base = dict(
             RACER_MODEL=model,
             RACER_HOST="127.0.0.1",
             RACER_LOG_LEVEL=log_level,
@@ -209,30 +140,29 @@ def replicas(
         )
         if dtype:
             base["RACER_DTYPE"] = dtype
-        procs = _Procs(base, cpus.split_for_verifier(cpus.available()) if pin else None)
+        procs = _Procs(base, cpus.split_for_verifier(cpus.available()) if pin else None, tmp)
         try:
             # the verifier measures its cost curve at start-up: the others start once it is up
-            verifier, _ = procs.start("verifier")
+            verifier = procs.start("verifier")
             procs.healthy()
             gateways, dmetrics = [], []
             for _ in range(drafters):
-                drafter, dm = procs.start(
-                    "drafter", RACER_SNAPSHOT_URL=url, **({} if prior else {"RACER_PRIOR": "none"})
-                )
-                gateway, _ = procs.start(
+                drafter = procs.start("drafter", RACER_SNAPSHOT_URL=url, **({} if prior else {"RACER_PRIOR": "none"}))
+                gateway = procs.start(
                     "gateway",
-                    RACER_DRAFTERS=drafter,
-                    RACER_VERIFIERS=verifier,
+                    RACER_DRAFTERS=drafter.target,
+                    RACER_VERIFIERS=verifier.target,
                     RACER_API_KEYS=os.path.join(tmp, "keys"),
                     RACER_TENANT_LIMITS=os.path.join(tmp, "limits.toml"),
                     **({"RACER_MODEL": gateway_model} if gateway_model else {}),
                 )
                 gateways.append(gateway)
-                dmetrics.append(dm)
+                dmetrics.append(drafter)
             procs.healthy()
-            yield Replicas(gateways, dmetrics, keys, url)
+            yield Replicas([g.target for g in gateways], [d.metrics_port for d in dmetrics], keys, url)
         finally:
             procs.stop()
+            redis.stop()
 
 
 def _new_sessions(samples: list[dict]) -> list[float]:

@@ -255,6 +255,12 @@ def stack_arguments(st) -> None:
     st.add_argument(
         "--http-port", type=int, default=8000, help="the gateway's OpenAI-compatible HTTP API (0: off; default 8000)"
     )
+    st.add_argument(
+        "--any-ports",
+        action="store_true",
+        help="every listener (gRPC, metrics, HTTP) on a port the OS picks, read back and printed; "
+        "--port-base and --metrics-base are then unused (a stack beside other programs)",
+    )
     st.add_argument("--log-level", default="WARNING")
 
 

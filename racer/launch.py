@@ -18,7 +18,16 @@ from common.cpus import confine
 from common.identity import PeerAuthInterceptor, load_tokens, require_peer_auth
 from common.identity import metadata as identity_metadata
 from common.priors import load_prior
-from common.server import Server, channel_options, serve_forever, setup_logging, start_metrics, start_server
+from common.server import (
+    Server,
+    channel_options,
+    is_unix,
+    serve_forever,
+    setup_logging,
+    start_metrics,
+    start_server,
+    write_ports_file,
+)
 from common.sessions import janitor
 from common.store import open_store
 from common.tls import channel_credentials, server_credentials
@@ -351,7 +360,7 @@ async def start_gateway(args, tokenizer=None, eos_ids=None, vocab_size=None, res
     )
     if keys is not None:
         srv.reload = keys.reload  # SIGHUP (common.server.serve_forever)
-    if args.http_port:
+    if args.http_port:  # ANY_PORT (-1): one the OS picks
         http.append(await _start_http(srv, core, args))
     srv.http_port = http[0].port if http else 0  # the bound port (tests ask for a free one)
     return srv, core
@@ -362,7 +371,8 @@ async def _start_http(srv: Server, core, args):
     from gateway.openai_http import start_http
 
     try:
-        return await start_http(core, args.host, args.http_port, served_model_name(args), args.max_message_bytes)
+        host = "0.0.0.0" if is_unix(args.host) else args.host
+        return await start_http(core, host, max(args.http_port, 0), served_model_name(args), args.max_message_bytes)
     except BaseException as e:
         await srv.stop(0)
         if isinstance(e, OSError):
@@ -414,7 +424,10 @@ def serve(args) -> int:
 
     async def go():
         srv, _ = await start(args)
-        start_metrics(args.metrics_port)
+        metrics = start_metrics(args.metrics_port, args.host)
+        if args.ports_file:  # after every listener is up: a reader of the file may connect at once
+            ports = {"grpc": srv.address, "port": srv.port, "health": srv.health_port, "metrics": metrics}
+            write_ports_file(args.ports_file, dict(ports, http=getattr(srv, "http_port", 0)))
         await serve_forever(srv, args.drain_seconds)
 
     asyncio.run(go())

@@ -14,11 +14,13 @@ local demo does not hand every session to whoever can reach its ports.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
 
@@ -85,9 +87,18 @@ def how_clients_authenticate(environ: Mapping[str, str] | None = None) -> str:
 
 
 def _environments(
-    model: str, port_base: int, metrics_base: int, log_level: str, env: dict | None, dtype: str | None, http_port: int
+    model: str,
+    port_base: int,
+    metrics_base: int,
+    log_level: str,
+    env: dict | None,
+    dtype: str | None,
+    http_port: int,
+    ports_dir: str | None = None,
 ) -> tuple[dict[str, str], dict[str, tuple[int, int]], dict[str, dict[str, str]]]:
-    """(the environment all three share, each service's ports, each service's environment)."""
+    """(the environment all three share, each service's ports, each service's environment).
+    ``ports_dir``: every listener on a port the OS picks, written to ``ports_dir/SERVICE.json``
+    (the gateway's drafter and verifier are set once they listen: ``start_healthy``)."""
     base = dict(os.environ, RACER_MODEL=model, RACER_HOST="127.0.0.1", RACER_LOG_LEVEL=log_level, **(env or {}))
     if dtype:
         base["RACER_DTYPE"] = dtype
@@ -98,30 +109,58 @@ def _environments(
     if not base.get("RACER_INTERNAL_TOKEN") and not base.get("RACER_INTERNAL_TOKEN_FILE"):
         base["RACER_INTERNAL_TOKEN"] = _TOKEN
     ports = _ports(port_base, metrics_base)
-    envs = {s: dict(base, RACER_PORT=str(p), RACER_METRICS_PORT=str(m)) for s, (p, m) in ports.items()}
-    envs["gateway"].update(
-        RACER_DRAFTERS=f"127.0.0.1:{ports['drafter'][0]}", RACER_VERIFIERS=f"127.0.0.1:{ports['verifier'][0]}"
-    )
+    if ports_dir:
+        anywhere = dict(RACER_PORT="0", RACER_METRICS_PORT="-1")
+        envs = {s: dict(base, **anywhere, RACER_PORTS_FILE=os.path.join(ports_dir, f"{s}.json")) for s in ports}
+    else:
+        envs = {s: dict(base, RACER_PORT=str(p), RACER_METRICS_PORT=str(m)) for s, (p, m) in ports.items()}
+        envs["gateway"].update(
+            RACER_DRAFTERS=f"127.0.0.1:{ports['drafter'][0]}", RACER_VERIFIERS=f"127.0.0.1:{ports['verifier'][0]}"
+        )
     if http_port:
-        envs["gateway"]["RACER_HTTP_PORT"] = str(http_port)
+        envs["gateway"]["RACER_HTTP_PORT"] = "-1" if ports_dir else str(http_port)
     for service, e in envs.items():  # a malformed RACER_* variable stops the stack here, in one line
         settings.parse(service, environ=e)
     client_key(envs["gateway"])
     return base, ports, envs
 
 
-def start_healthy(procs: dict[str, subprocess.Popen], envs: dict[str, dict[str, str]], targets: dict[str, str]) -> None:
-    """Starts ``envs``' services in order, each group once the one before serves. The verifier
-    measures its cost curve (the adaptive budget's input) at start-up: on a machine this small, the
-    others' start-up would skew it, so they start once it is up."""
+def start_healthy(
+    procs: dict[str, subprocess.Popen], envs: dict[str, dict[str, str]], targets: dict[str, str] | None = None
+) -> dict[str, dict]:
+    """Starts ``envs``' services in order, each group once the one before serves, and returns what
+    each listens on ({"grpc": target, "metrics": port, "http": port}). The verifier measures its
+    cost curve (the adaptive budget's input) at start-up: on a machine this small, the others'
+    start-up would skew it, so they start once it is up. ``targets``: fixed gRPC targets; without
+    them each service's ``RACER_PORTS_FILE`` says where it listens, and the gateway is given the
+    drafter's and verifier's addresses from theirs."""
     from common.health import wait_serving
 
-    for group in (("verifier",), ("drafter", "gateway")):
+    from .procs import wait_for
+
+    def listening(s: str) -> dict:
+        if targets is not None:
+            metrics = int(envs[s]["RACER_METRICS_PORT"])
+            return {"grpc": targets[s], "metrics": metrics, "http": int(envs[s].get("RACER_HTTP_PORT", 0))}
+        path = envs[s]["RACER_PORTS_FILE"]
+        wait_for(lambda: os.path.exists(path), 300, f"{s} listening", alive=lambda: procs[s].poll() is None)
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+
+    found: dict[str, dict] = {}
+    groups = [("verifier",), ("drafter", "gateway")]
+    if targets is None:  # the gateway is told where the drafter listens
+        groups = [("verifier",), ("drafter",), ("gateway",)]
+    for group in groups:
         for s in group:
+            if s == "gateway" and targets is None:
+                envs[s].update(RACER_DRAFTERS=found["drafter"]["grpc"], RACER_VERIFIERS=found["verifier"]["grpc"])
             procs[s] = _spawn(s, envs[s])
         for s in group:
+            found[s] = listening(s)
             alive = procs[s].poll
-            wait_serving(targets[s], HEALTH_SERVICES[s], timeout=300, alive=lambda a=alive: a() is None, what=s)
+            wait_serving(found[s]["grpc"], HEALTH_SERVICES[s], timeout=300, alive=lambda a=alive: a() is None, what=s)
+    return found
 
 
 def stop(procs) -> None:
@@ -148,10 +187,13 @@ def running(
     pin: bool = True,
     dtype: str | None = None,
     http_port: int = 0,
+    any_ports: bool = False,
 ):
     """Starts the three services, waits for their health, yields the gateway target, stops them.
 
     ``http_port``: the gateway also serves the OpenAI-compatible HTTP API there (0: off).
+    ``any_ports``: every listener on a port the OS picks (``port_base``, ``metrics_base`` and the
+    value of ``http_port`` unused); the "stack up" line says which.
 
     ``pin`` (on two CPUs or more): the verifier runs on CPUs of its own (the upper half), the
     drafter, the gateway and this thread (the client, and the threads it starts) on the others,
@@ -161,41 +203,42 @@ def running(
     from common import cpus
     from verifier.model import resolve_model_dir
 
-    base, ports, envs = _environments(model, port_base, metrics_base, log_level, env, dtype, http_port)
-    resolve_model_dir(model)  # convert the default model once, before two services want it
-    before = cpus.available()
-    mine = _outer[0] if _outer else before  # a stack started inside another splits the same CPUs
-    split = cpus.split_for_verifier(mine) if pin and "RACER_CPUS" not in base else None
-    if split:
-        for s, group in (("verifier", split[0]), ("drafter", split[1]), ("gateway", split[1])):
-            envs[s]["RACER_CPUS"] = cpus.format_list(group)
-    procs: dict[str, subprocess.Popen] = {}
-    _outer.append(mine)
-    try:
-        t0 = time.monotonic()
-        start_healthy(procs, envs, {s: f"127.0.0.1:{p}" for s, (p, _) in ports.items()})
-        gateway = f"127.0.0.1:{ports['gateway'][0]}"
-        if split:  # the client side, off the verifier's CPUs (threads started from here on inherit it)
-            cpus.confine(cpus.format_list(split[1]))
-        print(
-            f"stack up in {time.monotonic() - t0:.1f} s: gateway {gateway}"
-            + (f", OpenAI API http://127.0.0.1:{http_port}/v1" if http_port else "")
-            + ", metrics on "
-            + ", ".join(f"{s} :{m}" for s, (_, m) in ports.items())
-            + (
-                f"; verifier on CPUs {envs['verifier']['RACER_CPUS']}, the others on {envs['gateway']['RACER_CPUS']}"
-                if split
-                else ""
-            )
-            + f"\n{how_clients_authenticate(envs['gateway'])}",
-            file=sys.stderr,
-        )
-        yield gateway
-    finally:
-        _outer.pop()
+    with contextlib.ExitStack() as cleanup:
+        ports_dir = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="racer-stack-")) if any_ports else None
+        base, ports, envs = _environments(model, port_base, metrics_base, log_level, env, dtype, http_port, ports_dir)
+        resolve_model_dir(model)  # convert the default model once, before two services want it
+        before = cpus.available()
+        mine = _outer[0] if _outer else before  # a stack started inside another splits the same CPUs
+        split = cpus.split_for_verifier(mine) if pin and "RACER_CPUS" not in base else None
         if split:
-            cpus.confine(cpus.format_list(before))
-        stop(procs.items())
+            for s, group in (("verifier", split[0]), ("drafter", split[1]), ("gateway", split[1])):
+                envs[s]["RACER_CPUS"] = cpus.format_list(group)
+        procs: dict[str, subprocess.Popen] = {}
+        _outer.append(mine)
+        try:
+            t0 = time.monotonic()
+            fixed = None if any_ports else {s: f"127.0.0.1:{p}" for s, (p, _) in ports.items()}
+            found = start_healthy(procs, envs, fixed)
+            gateway = found["gateway"]["grpc"]
+            http = found["gateway"]["http"]
+            if split:  # the client side, off the verifier's CPUs (threads started from here on inherit it)
+                cpus.confine(cpus.format_list(split[1]))
+            print(
+                f"stack up in {time.monotonic() - t0:.1f} s: gateway {gateway}"
+                + (f", OpenAI API http://127.0.0.1:{http}/v1" if http else "")
+                + ", metrics on "
+                + ", ".join(f"{s} :{found[s]['metrics']}" for s in ports)
+                + (f"; verifier on CPUs {envs['verifier']['RACER_CPUS']}" if split else "")
+                + (f", the others on {envs['gateway']['RACER_CPUS']}" if split else "")
+                + f"\n{how_clients_authenticate(envs['gateway'])}",
+                file=sys.stderr,
+            )
+            yield gateway
+        finally:
+            _outer.pop()
+            if split:
+                cpus.confine(cpus.format_list(before))
+            stop(procs.items())
 
 
 def _answer(gateway: str, args) -> int:
@@ -230,6 +273,7 @@ def run(args) -> int:
         pin=args.pin,
         dtype=args.dtype,
         http_port=args.http_port,
+        any_ports=args.any_ports,
     ) as gateway:
         if args.prompt and _answer(gateway, args):
             return 1

@@ -41,13 +41,13 @@ import grpc  # noqa: E402
 from common.health import wait_serving  # noqa: E402
 from common.v1 import verifier_pb2 as vpb  # noqa: E402
 from common.v1 import verifier_pb2_grpc as vgrpc  # noqa: E402
-from tests.support.stack import free_port  # noqa: E402
+from racer.procs import socket_dir  # noqa: E402
 
 HEADROOM = 320  # --kv-headroom-tokens default: rows an open reserves past its history
 
 
 def spawn(args, budget: int, chunk: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+    target = f"unix:{socket_dir() / f'verifier-{budget}-{chunk}.sock'}"  # an address nothing else can take
     cmd = [
         sys.executable,
         "-m",
@@ -55,9 +55,7 @@ def spawn(args, budget: int, chunk: int) -> tuple[subprocess.Popen, str]:
         "serve",
         "verifier",
         "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
+        target,
         "--metrics-port",
         "0",
         "--measure-cost",
@@ -80,7 +78,6 @@ def spawn(args, budget: int, chunk: int) -> tuple[subprocess.Popen, str]:
         "1",
     ]
     proc = subprocess.Popen(cmd, env=dict(os.environ), start_new_session=True)
-    target = f"127.0.0.1:{port}"
     wait_serving(target, "racer.v1.Verifier", timeout=600, alive=lambda: proc.poll() is None, what="verifier")
     return proc, target
 

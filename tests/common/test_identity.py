@@ -78,13 +78,11 @@ def test_every_method_but_health_needs_one_of_the_tokens():
 
 
 def test_the_health_port_answers_health_alone_in_plaintext_and_flips_on_shutdown():
-    from tests.support.stack import free_port
-
     async def go():
-        port = free_port()
         srv = await start_server(
-            "verifier", _register, port=0, interceptors=[identity.PeerAuthInterceptor((NEW,))], health_port=port
+            "verifier", _register, port=0, interceptors=[identity.PeerAuthInterceptor((NEW,))], health_port=-1
         )
+        port = srv.health_port
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                 check = health_pb2_grpc.HealthStub(ch).Check

@@ -139,7 +139,6 @@ def test_a_stack_whose_key_file_holds_no_key_says_so_before_it_starts(tmp_path, 
 
 
 def test_the_stack_with_api_keys_answers_with_a_key_of_the_file_and_says_how_clients_authenticate(tmp_path, tiny_llama):
-    from tests.services.test_default_model import _three_free_ports
     from tests.support.tinytok import make_char_tokenizer
 
     model = tmp_path / "model"
@@ -151,7 +150,7 @@ def test_the_stack_with_api_keys_answers_with_a_key_of_the_file_and_says_how_cli
     env = {k: v for k, v in os.environ.items() if not k.startswith("RACER_")}
     env.update(RACER_API_KEYS=str(keys), RACER_THREADS="1", RACER_MEASURE_COST="0", OMP_NUM_THREADS="1")
     argv = ["stack", "Hi", "--model", str(model), "--max-new-tokens", "6", "--budget", "4", "--no-pin"]
-    argv += ["--port-base", str(_three_free_ports()), "--metrics-base", str(_three_free_ports()), "--http-port", "0"]
+    argv += ["--any-ports", "--http-port", "0"]
     proc = subprocess.run(
         [sys.executable, "-m", "racer.cli", *argv], env=env, capture_output=True, text=True, timeout=300
     )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import queue
 import signal
-import socket
 
 import grpc
 import pytest
@@ -136,7 +135,7 @@ def test_redis_refuses_clients_without_the_password_and_the_stack_uses_it(cluste
     rd = cluster["redis"]
 
     def ask(*commands: bytes) -> bytes:  # raw RESP: what any client that reaches the port can send
-        with socket.create_connection(("127.0.0.1", rd.port), timeout=10) as s:
+        with rd.raw_connection() as s:
             for c in commands:
                 s.sendall(c)
             return s.recv(4096)

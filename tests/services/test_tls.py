@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import time
 
 import grpc
 import pytest
@@ -162,11 +161,10 @@ def test_probes_without_a_certificate_pass_on_the_health_port_of_a_mutual_tls_ba
     """What the kubelet does in k8s/overlays/mtls: a plaintext gRPC health check without a
     certificate. It fails on the gRPC port (mutual TLS) and passes on the health-only port."""
     from common.health import status
-    from tests.support.stack import free_port
 
     cert, key = pki["server"]
-    health_port = free_port()
-    srv, _ = start_drafter(loop_thread, tls_cert=cert, tls_key=key, tls_client_ca=pki["ca"], health_port=health_port)
+    srv, _ = start_drafter(loop_thread, tls_cert=cert, tls_key=key, tls_client_ca=pki["ca"], health_port=-1)
+    health_port = srv.health_port
     try:
         assert status(f"127.0.0.1:{srv.port}", "racer.v1.Drafter") == "UNAVAILABLE"
         assert status(f"127.0.0.1:{health_port}", "racer.v1.Drafter") == "SERVING"
@@ -183,24 +181,43 @@ def test_the_stores_speak_tls_to_a_redis_that_requires_it_from_the_url_alone(pki
     import shutil
     import socket
     import subprocess
+    import threading
 
     import redis
 
     from common.store import open_store
-    from tests.support.stack import free_port
 
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.fail("no redis-server on PATH; run scripts/setup.sh")
     cert, key = pki["server"]
-    port = free_port()
-    proc = subprocess.Popen(
-        [exe, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        + ["--tls-cert-file", cert, "--tls-key-file", key, "--tls-ca-cert-file", pki["ca"], "--tls-auth-clients", "no"]
-        + ["--requirepass", "pw-0123456789"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    # Redis serves TLS on a TCP port only, and cannot be given port 0: it gets a port the OS just
+    # offered. Another program may bind that port first; redis-server then says so and exits, and
+    # the next offer is tried (its log tells which happened, nothing is timed).
+    for _ in range(5):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = subprocess.Popen(
+            [exe, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+            + ["--tls-cert-file", cert, "--tls-key-file", key, "--tls-ca-cert-file", pki["ca"]]
+            + ["--tls-auth-clients", "no", "--requirepass", "pw-0123456789"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        log = []
+        for line in proc.stdout:  # until it is ready, or it could not listen (then it exits: EOF)
+            log.append(line)
+            if "Ready to accept connections" in line:
+                break
+        else:
+            proc.wait(10)
+            continue
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # its later lines, never read
+        break
+    else:
+        pytest.fail("redis-server found no TLS port to listen on:\n" + "".join(log))
 
     async def round_trip(url: str) -> bytes | None:
         store = open_store(url)
@@ -212,12 +229,6 @@ def test_the_stores_speak_tls_to_a_redis_that_requires_it_from_the_url_alone(pki
 
     try:
         good = f"rediss://:pw-0123456789@localhost:{port}/0?ssl_ca_certs={pki['ca']}"
-        for _ in range(100):  # until it listens
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.05)
         assert asyncio.run(round_trip(good)) == b"v"
         for bad in (
             f"rediss://:pw-0123456789@localhost:{port}/0?ssl_ca_certs={pki['rogue_ca']}",  # not our CA

@@ -11,11 +11,11 @@ import contextlib
 import random
 import secrets
 import shutil
-import socket
-import subprocess
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import pytest
@@ -23,6 +23,7 @@ import pytest
 from common import identity
 from common.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from racer import launch as services
+from racer.procs import RedisServer
 
 # The internal token of the stacks and processes this test process starts (drafters and verifiers
 # refuse calls without it); tests that call a backend directly send ``BACKEND_METADATA``, as an
@@ -59,40 +60,16 @@ def backend_channel(target: str) -> grpc.Channel:
     return grpc.intercept_channel(grpc.insecure_channel(target), _WithToken())
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def redis_server():
-    """A Redis for the tests: yields its URL."""
-    exe = shutil.which("redis-server")
-    if exe:
-        port = free_port()
-        proc = subprocess.Popen(
-            [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        import redis
-
-        r = redis.Redis(port=port)
-        for _ in range(100):
+    """A Redis for the tests (no persistence): yields its URL."""
+    if shutil.which("redis-server"):
+        with tempfile.TemporaryDirectory(prefix="racer-redis-") as workdir:
+            server = RedisServer(Path(workdir), appendonly=False).start()
             try:
-                r.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        else:
-            proc.kill()
-            pytest.fail("redis-server did not answer PING")
-        try:
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            proc.terminate()
-            proc.wait(10)
+                yield server.url
+            finally:
+                server.stop()
         return
     try:
         from testcontainers.redis import RedisContainer
@@ -196,9 +173,11 @@ def start_stack(
     eos_ids=(),
     snapshot_every: int = 32,
     backend: dict | None = None,
+    verifier: dict | None = None,
     **gateway,
 ) -> Stack:
-    """``backend``: settings for the drafters and verifiers; the other keywords are the gateway's.
+    """``backend``: settings for the drafters and verifiers, ``verifier``: for the verifiers alone; the
+    other keywords are the gateway's.
     All of them share ``INTERNAL_TOKEN`` unless ``internal_token`` is given (to both)."""
     st = Stack(lt)
     backend = dict(backend or {})
@@ -209,7 +188,13 @@ def start_stack(
         for _ in range(verifiers):
             st.verifiers.append(
                 await services.start_verifier(
-                    services.defaults("verifier", host="127.0.0.1", port=0, max_sessions=16, **backend), model=model
+                    services.defaults(
+                        "verifier",
+                        host="127.0.0.1",
+                        port=0,
+                        **dict({"max_sessions": 16}, **backend, **(verifier or {})),
+                    ),
+                    model=model,
                 )
             )
         for _ in range(drafters):
