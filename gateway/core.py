@@ -138,7 +138,7 @@ class Gateway:
         kept = len(record.history)  # what the session holds if this turn is not saved
 
         def attempt():
-            return self._take_lease(key, len(history) + req.max_new, not r.session_id, kept)
+            return self._take_lease(key, len(history) + req.max_new, not r.session_id, kept, r.keep)
 
         async with contextlib.aclosing(self.queue.enter(tenant, record.session_id, attempt, deadline_s)) as admission:
             async for item in admission:
@@ -152,9 +152,9 @@ class Gateway:
             async for item in items:
                 yield item
 
-    async def _take_lease(self, key: tuple[str, str], need: int, new: bool, kept: int) -> Lease:
-        """The turn's lease and its place in the quotas (``need`` tokens); ``TurnsFull`` while the
-        tenant's turns are."""
+    async def _take_lease(self, key: tuple[str, str], need: int, new: bool, kept: int, keep: bool = True) -> Lease:
+        """The turn's lease and its place in the quotas (``need`` tokens; ``keep`` False: a one-call
+        session, never counted as kept); ``TurnsFull`` while the tenant's turns are."""
         tenant, sid = key
         if key in self._turns:
             raise _running(sid)
@@ -167,7 +167,7 @@ class Gateway:
                 cap,
             )
         lease = Lease(self.records, self.quotas, tenant, sid, self.lease_s)
-        await lease.take(need, new=new)  # ABORTED if a turn runs anywhere
+        await lease.take(need, new=new, kept=keep)  # ABORTED if a turn runs anywhere
         if key in self._turns:  # a turn of this gateway whose lease expired: never overwrite it
             await lease.end(None, kept)
             raise _running(sid)

@@ -40,9 +40,10 @@ class Lease:
         self.lost: str | None = None  # why the lease was lost, once it was
         self._renewing: asyncio.Task | None = None
 
-    async def take(self, need: int, new: bool) -> None:
+    async def take(self, need: int, new: bool, kept: bool = True) -> None:
         """Takes the lease, then the turn's place in the quotas (``need``: tokens the session may grow
-        to); ABORTED if another turn holds the session, RESOURCE_EXHAUSTED if a quota is full."""
+        to; ``kept`` False: a one-call session, which never counts as a kept session); ABORTED if
+        another turn holds the session, RESOURCE_EXHAUSTED if a quota is full."""
         store = self.records.store
         if not await self.records.call("lease", store.acquire, self.key, self.token, self.ttl_s):
             raise Abort(
@@ -50,11 +51,12 @@ class Lease:
             )
         try:
             record = record_key(self.tenant, self.session_id)
-            await self.quotas.admit(self.tenant, self.session_id, need, self.token, self.ttl_s, new, record)
+            await self.quotas.admit(self.tenant, self.session_id, need, self.token, self.ttl_s, new, record, kept)
         except BaseException:
             await self._release()
             raise
         self.new = new
+        self.kept = kept
         self.need = need
 
     def keep(self, on_lost) -> None:
@@ -103,6 +105,8 @@ class Lease:
             self._ended.set()
             await asyncio.gather(self._renewing, return_exceptions=True)  # a renewal in flight: one store call
         outcome = "saved" if saved_tokens is not None else ("new" if self.new else "kept")
+        if not self.kept:
+            outcome = "call"
         tokens = saved_tokens if saved_tokens is not None else kept_tokens
         try:
             await self.quotas.end(self.tenant, self.session_id, self.token, outcome, tokens, self.need)

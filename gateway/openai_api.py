@@ -312,6 +312,7 @@ def parse(body, chat: bool, session_header: str = "") -> Call:
         seed=b.seed,
         stop=stop,
         share=b.share is not False,
+        keep=bool(sid),
     )
     include_usage = b.stream_options is not None and b.stream_options.include_usage
     return Call(request, chat, b.model, bool(b.stream), include_usage, bool(sid), bool(b.return_token_ids), stop)

@@ -109,34 +109,46 @@ def quota_keys(tenant: str) -> tuple[str, str, str]:
 
 # KEYS: sessions (zset sid -> expiry), tokens (hash sid -> tokens), turns (zset turn -> expiry), the record
 # ARGV: now, sid, need, turn id, turn expiry, session expiry, max sessions, max tokens, max turns, key ttl ms,
-# '1' if the session is new
+# '1' if the session is new, '1' if it is kept ('0': a one-call session, closed after its turn: it never
+# counts as kept, and its tokens count under 'turn:<turn id>' while the turn runs)
 # Returns {0, 0} when admitted, else {1 turns | 2 sessions | 3 tokens, the count that is full} or {4, 0}: an
-# existing session whose record is gone (closed since the turn read it).
+# existing session whose record is gone (closed since the turn read it). {2, n, expiry}: the first kept
+# session expires then, unless it is used again.
 _PRUNE = """
 local now = tonumber(ARGV[1])
 local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. now)
 for _, s in ipairs(gone) do redis.call('HDEL', KEYS[2], s) end
 if #gone > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. now) end
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. now)
+local ended = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. now)
+for _, t in ipairs(ended) do redis.call('HDEL', KEYS[2], 'turn:' .. t) end
+if #ended > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. now) end
 """
 _ADMIT = (
     _PRUNE
     + """
 local sid, need = ARGV[2], tonumber(ARGV[3])
 local max_s, max_t, max_c = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+local kept = ARGV[12] == '1'
 if ARGV[11] ~= '1' and redis.call('EXISTS', KEYS[4]) == 0 then return {4, 0} end
 local turns = redis.call('ZCARD', KEYS[3])
 if max_c > 0 and turns >= max_c then return {1, turns} end
-if not redis.call('ZSCORE', KEYS[1], sid) then
+if kept and not redis.call('ZSCORE', KEYS[1], sid) then
   local n = redis.call('ZCARD', KEYS[1])
-  if max_s > 0 and n >= max_s then return {2, n} end
+  if max_s > 0 and n >= max_s then
+    local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+    return {2, n, first[2]}
+  end
 end
 local total = 0
 for _, v in ipairs(redis.call('HVALS', KEYS[2])) do total = total + tonumber(v) end
 total = total - tonumber(redis.call('HGET', KEYS[2], sid) or '0')
 if max_t > 0 and total + need > max_t then return {3, total} end
-redis.call('ZADD', KEYS[1], 'GT', ARGV[6], sid)
-redis.call('HSET', KEYS[2], sid, need)
+if kept then
+  redis.call('ZADD', KEYS[1], 'GT', ARGV[6], sid)
+  redis.call('HSET', KEYS[2], sid, need)
+else
+  redis.call('HSET', KEYS[2], 'turn:' .. ARGV[4], need)
+end
 redis.call('ZADD', KEYS[3], ARGV[5], ARGV[4])
 for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[10]) end
 return {0, 0}
@@ -151,11 +163,16 @@ if redis.call('ZADD', KEYS[3], 'XX', 'CH', ARGV[2], ARGV[1]) == 1 then
 end
 return 1
 """
-# ARGV: turn id, sid, outcome ('saved' | 'new' | 'kept'), tokens (saved or restored), session expiry, key ttl ms,
+# ARGV: turn id, sid, outcome ('saved' | 'new' | 'kept' | 'call': a one-call session's turn), tokens (saved or
+# restored), session expiry, key ttl ms,
 # the turn's reservation (a 'kept' turn restores the count only if no later turn changed it)
 _END = """
 redis.call('ZREM', KEYS[3], ARGV[1])
 local sid = ARGV[2]
+if ARGV[3] == 'call' then
+  redis.call('HDEL', KEYS[2], 'turn:' .. ARGV[1])
+  return 1
+end
 if not redis.call('ZSCORE', KEYS[1], sid) then return 0 end
 if ARGV[3] == 'kept' and redis.call('HGET', KEYS[2], sid) ~= ARGV[7] then return 0 end
 if ARGV[3] == 'new' then
@@ -195,6 +212,7 @@ class _Tenant:  # the in-memory store's counts of one tenant
             self.tokens.pop(sid, None)
         for t in [t for t, exp in self.turns.items() if exp < now]:
             del self.turns[t]
+            self.tokens.pop(f"turn:{t}", None)
 
 
 class Quotas:
@@ -220,7 +238,15 @@ class Quotas:
         return t
 
     async def admit(
-        self, tenant: str, session_id: str, need: int, turn_id: str, lease_s: float, new: bool = True, record: str = ""
+        self,
+        tenant: str,
+        session_id: str,
+        need: int,
+        turn_id: str,
+        lease_s: float,
+        new: bool = True,
+        record: str = "",
+        kept: bool = True,
     ) -> None:
         """Counts a starting turn that may grow the session to ``need`` tokens; RESOURCE_EXHAUSTED
         (nothing counted) when a quota of the tenant is full (``TurnsFull`` for the turns quota: the
@@ -228,20 +254,25 @@ class Quotas:
         closed since the turn read it.
 
         A new session counts as long as its turn's lease (renewed with it) until a save gives it the
-        record's TTL: a turn whose gateway died leaves nothing counted past its lease."""
+        record's TTL: a turn whose gateway died leaves nothing counted past its lease. ``kept``
+        False: a one-call session (closed after its turn) is no kept session: only its turn and
+        the tokens it reserves count, until the turn ends (``end(..., 'call', ...)``)."""
         q = self.limits.of(tenant)
         now = self._clock()
         expiry = now + lease_s if new else now + self.ttl_s + lease_s
         if self._mem is None:
             args = [now, session_id, need, turn_id, now + lease_s, expiry]
             args += [q.sessions, q.tokens, q.turns, int((self.ttl_s + lease_s) * 1000), "1" if new else "0"]
-            code, n = await self._call("quota", self._admit, (*quota_keys(tenant), record), args)
+            args.append("1" if kept else "0")
+            code, n, *first = await self._call("quota", self._admit, (*quota_keys(tenant), record), args)
         else:
             # One process: nothing runs between this check and the admission (no await in between).
             if not new and (not record or await self._call("get", self._store.get, record) is None):
-                code, n = 4, 0
+                code, n, first = 4, 0, []
             else:
-                code, n = self._admit_memory(self._t(tenant), q, now, session_id, need, turn_id, lease_s, expiry)
+                t = self._t(tenant)
+                code, n = self._admit_memory(t, q, now, session_id, need, turn_id, lease_s, expiry, kept)
+                first = [min(t.sessions.values())] if code == 2 else []
         if code == 4:
             raise Abort(
                 Status.NOT_FOUND, f"session_id {session_id!r}: no such session (it was closed)", field="session_id"
@@ -253,10 +284,14 @@ class Quotas:
                 f"tenant {tenant!r}: {n} turns are running on the gateways, the quota is turns={q.turns}", q.turns
             )
         if code == 2:
+            wait = max(1.0, float(first[0]) - now) if first else None
             raise Abort(
                 Status.RESOURCE_EXHAUSTED,
-                f"tenant {tenant!r}: {n} sessions are kept, the quota is sessions={q.sessions}; close one "
-                "(CloseSession) or wait for an idle one to expire",
+                f"tenant {tenant!r}: {n} sessions are kept, the quota is sessions={q.sessions}; close one you no "
+                "longer continue (CloseSession, DELETE /v1/sessions/ID), or send this request without a session "
+                "(a one-call session is not kept)"
+                + (f", or retry after {wait:.0f} s, when the idlest one expires unless it is used" if wait else ""),
+                retry_after=wait,
             )
         if code == 3:
             raise Abort(
@@ -266,16 +301,21 @@ class Quotas:
                 "max_new_tokens",
             )
 
-    def _admit_memory(self, t: _Tenant, q: Quota, now, sid, need, turn_id, lease_s, expiry) -> tuple[int, int]:
+    def _admit_memory(
+        self, t: _Tenant, q: Quota, now, sid, need, turn_id, lease_s, expiry, kept: bool
+    ) -> tuple[int, int]:
         if q.turns and len(t.turns) >= q.turns:
             return 1, len(t.turns)
-        if sid not in t.sessions and q.sessions and len(t.sessions) >= q.sessions:
+        if kept and sid not in t.sessions and q.sessions and len(t.sessions) >= q.sessions:
             return 2, len(t.sessions)
         total = sum(t.tokens.values()) - t.tokens.get(sid, 0)
         if q.tokens and total + need > q.tokens:
             return 3, total
-        t.sessions[sid] = max(t.sessions.get(sid, 0.0), expiry)
-        t.tokens[sid] = need
+        if kept:
+            t.sessions[sid] = max(t.sessions.get(sid, 0.0), expiry)
+            t.tokens[sid] = need
+        else:
+            t.tokens[f"turn:{turn_id}"] = need
         t.turns[turn_id] = now + lease_s
         return 0, 0
 
@@ -294,7 +334,8 @@ class Quotas:
     async def end(self, tenant: str, session_id: str, turn_id: str, outcome: str, tokens: int, need: int) -> None:
         """The turn (which reserved ``need``) ended: ``outcome`` 'saved' (the session now holds
         ``tokens``), 'kept' (not saved: back to ``tokens``, unless a later turn of the session changed
-        the count) or 'new' (not saved, and the session never existed: it stops counting)."""
+        the count), 'new' (not saved, and the session never existed: it stops counting) or 'call' (a
+        one-call session's turn: its reservation goes, whether it was saved or not)."""
         now = self._clock()
         if self._mem is None:
             args = [turn_id, session_id, outcome, tokens, now + self.ttl_s, int(self.ttl_s * 1000), need]
@@ -302,6 +343,9 @@ class Quotas:
             return
         t = self._t(tenant)
         t.turns.pop(turn_id, None)
+        if outcome == "call":
+            t.tokens.pop(f"turn:{turn_id}", None)
+            return
         if session_id not in t.sessions or (outcome == "kept" and t.tokens.get(session_id) != need):
             return
         if outcome == "new":

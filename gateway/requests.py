@@ -55,6 +55,7 @@ class Request:
     stop: tuple[str, ...] = ()
     stop_ids: tuple[int, ...] = ()
     share: bool = True  # False: this turn is not added to the tenant corpus
+    keep: bool = True  # False: a one-call session, closed after this turn (never counted as a kept session)
 
 
 @dataclass(frozen=True)

@@ -404,10 +404,19 @@ def _gauge_endpoints(drafters, verifiers) -> None:
 def _tenant_limits(args, turns: int):
     """The per-tenant quotas: the settings' defaults (``turns``: the default turns quota), then the
     tenant-limits file if one is named."""
+    from dataclasses import replace
+
+    from gateway.auth import LOCAL_TENANT
     from gateway.quotas import Quota, TenantLimits, load_tenant_limits
 
     default = Quota(args.max_sessions_kept, args.max_tokens_stored, turns)
-    return load_tenant_limits(args.tenant_limits, default) if args.tenant_limits else TenantLimits(default)
+    limits = load_tenant_limits(args.tenant_limits, default) if args.tenant_limits else TenantLimits(default)
+    if not args.api_keys and LOCAL_TENANT not in dict(limits.tenants):
+        # Without keys every caller is the one local tenant: a per-tenant count of kept sessions would
+        # cap the whole server below what its verifiers admit. The file may still name it.
+        local = replace(limits.of(LOCAL_TENANT), sessions=0)
+        limits = TenantLimits(limits.default, (*limits.tenants, (LOCAL_TENANT, local)))
+    return limits
 
 
 def serve(args) -> int:

@@ -158,6 +158,39 @@ def test_a_dead_turns_new_session_stops_counting_with_its_lease_and_a_closed_ses
     run(go)
 
 
+def test_one_call_sessions_count_only_while_their_turn_runs_and_never_as_kept(run):
+    """A one-call session (closed after its turn: ``kept=False``) takes no kept-session slot, so a
+    burst of them passes a full sessions quota; its reservation counts while its turn runs, and
+    goes when the turn ends (saved or not) or its lease runs out (its gateway died)."""
+    a = f"a{uuid.uuid4().hex[:8]}"
+    limits = TenantLimits(Quota(sessions=2, tokens=1000, turns=0))
+
+    async def go(store):
+        clock = Clock()
+        q = Quotas(store, limits, 60.0, _call, clock=clock)
+        for i in range(2):  # the kept sessions fill the quota
+            await q.admit(a, f"k{i}", 10, f"kt{i}", 30)
+            await q.end(a, f"k{i}", f"kt{i}", "saved", 10, 10)
+        for i in range(8):  # a burst of one-call sessions, all running at once
+            await q.admit(a, f"c{i}", 50, f"ct{i}", 30, kept=False)
+        assert await q.usage(a) == (2, 20 + 8 * 50, 8)
+        with pytest.raises(Abort) as e:  # their tokens count against the tokens quota while they run
+            await q.admit(a, "c8", 600, "ct8", 30, kept=False)
+        assert "tokens=1000" in e.value.message
+        for i in range(7):
+            await q.end(a, f"c{i}", f"ct{i}", "call", 60, 50)
+        assert await q.usage(a) == (2, 70, 1)
+        clock.advance(31)  # the last one's gateway died: its turn and tokens go with its lease
+        assert await q.usage(a) == (2, 20, 0)
+        with pytest.raises(Abort) as e:  # a kept session is still refused, with when to retry
+            await q.admit(a, "k2", 10, "kt2", 30)
+        assert e.value.code is Status.RESOURCE_EXHAUSTED and "sessions=2" in e.value.message
+        assert "without a session" in e.value.message and "CloseSession" in e.value.message
+        assert 0 < e.value.retry_after <= 60 + 30 - 31 + 1
+
+    run(go)
+
+
 def test_quotas_random_sequences_agree_between_memory_and_redis(redis_url):
     limits = TenantLimits(Quota(3, 200, 2))
     rng = random.Random(7)
@@ -165,18 +198,18 @@ def test_quotas_random_sequences_agree_between_memory_and_redis(redis_url):
     for _ in range(300):
         sid, turn = f"s{rng.randrange(6)}", f"t{rng.randrange(4)}"
         kind = rng.choice(["admit", "admit", "end", "forget", "usage"])
-        arg = rng.choice(["saved", "new", "kept"])
+        arg = rng.choice(["saved", "new", "kept", "call"])
         ops.append((kind, sid, turn, rng.randrange(1, 120), arg))
 
     tenant = f"x{uuid.uuid4().hex[:8]}"
 
     async def run(store):
         rng2 = random.Random(8)  # the same reservations for both stores
-        q, out = Quotas(store, limits, 60.0, _call), []
+        q, out = Quotas(store, limits, 60.0, _call, clock=Clock()), []  # one instant: the same retry hints
         for kind, sid, turn, n, arg in ops:
             if kind == "admit":
                 try:
-                    await q.admit(tenant, sid, n, turn, 60)
+                    await q.admit(tenant, sid, n, turn, 60, kept=arg != "call")
                     out.append("ok")
                 except Abort as e:
                     out.append(e.message)

@@ -9,6 +9,7 @@ import asyncio
 import http.client
 import json
 import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
@@ -20,7 +21,7 @@ from prometheus_client import REGISTRY
 from common.text import continue_ids, messages_ids, text_ids
 from racer.client import Client
 from tests.support.engine import hf_greedy
-from tests.support.stack import free_port, start_stack, wait_until
+from tests.support.stack import start_stack, wait_until
 from tests.support.tinytok import make_char_tokenizer
 
 VOCAB = 96
@@ -47,7 +48,7 @@ def stack(loop_thread, tiny_llama, tok, redis_url, tmp_path_factory):
         eos_ids=(),
         snapshot_url=redis_url,
         session_url=redis_url,
-        http_port=free_port(),
+        http_port=-1,
         served_model_name=MODEL,
         max_new_tokens=64,
         max_message_bytes=1 << 16,  # HTTP bodies too
@@ -313,9 +314,7 @@ class Held:
 
     def __init__(self, loop_thread, tiny_llama, tok, hold=lambda req: True, **gateway):
         self.lt = loop_thread
-        self.st = start_stack(
-            loop_thread, tiny_llama, tokenizer=tok, http_port=free_port(), served_model_name=MODEL, **gateway
-        )
+        self.st = start_stack(loop_thread, tiny_llama, tokenizer=tok, http_port=-1, served_model_name=MODEL, **gateway)
         self.srv, self.gw = self.st.gateway_pair
         self.base_url = f"http://127.0.0.1:{self.srv.http_port}/v1"
         self.gate, self.opened = asyncio.Event(), asyncio.Event()
@@ -563,4 +562,61 @@ def test_without_api_keys_no_per_tenant_cap_limits_the_service(stack, loop_threa
     try:
         assert h.gw.limits.max_sessions_per_tenant == 0 and h.gw.quotas.limits.of("local").turns == 0
     finally:
+        h.st.stop()
+
+
+@pytest.mark.parametrize("keys", [False, True], ids=["no-keys", "tenant-sessions-8"])
+def test_64_concurrent_one_call_requests_after_10_lone_ones_are_all_answered(
+    loop_thread, tiny_llama, tok, tmp_path, redis_url, keys
+):
+    """One-call sessions (no ``session_id``) count only while they run, never as kept sessions:
+    after ten lone requests, 64 streaming requests at once are all answered, each as alone, without
+    API keys (the local tenant) and for a tenant whose kept-sessions quota is 8. All 64 are held
+    open in the drafter until every one of them is admitted, so they do run at once. Real Redis."""
+    # a long lease: 64 turns held on a loaded machine must not lose theirs (what is tested is the quotas)
+    gateway = dict(session_url=redis_url, snapshot_url=redis_url, verifier={"max_sessions": 64}, lease_seconds=60.0)
+    api_key = "none"
+    if keys:
+        tenant = f"burst-{uuid.uuid4().hex[:8]}"
+        (tmp_path / "keys").write_text(f"key-burst {tenant}\n")
+        (tmp_path / "limits.toml").write_text(f"[tenants.{tenant}]\nsessions = 8\nturns = 0\n")
+        gateway.update(api_keys=str(tmp_path / "keys"), tenant_limits=str(tmp_path / "limits.toml"))
+        gateway.update(max_sessions_per_tenant=0)
+        api_key = "key-burst"
+    opened = []
+    h = Held(loop_thread, tiny_llama, tok, hold=lambda req: opened.append(1) or len(opened) > 10, **gateway)
+    prompts = [[{"role": "user", "content": f"Burst {i}: go on."}] for i in range(74)]
+    params = {"temperature": 0, "max_tokens": 8}
+    refs = [_text(tok, hf_greedy(tiny_llama, messages_ids(tok, m), 8)) for m in prompts]
+    out: dict = {}
+
+    def call(i: int):
+        with openai.OpenAI(base_url=h.base_url, api_key=api_key, max_retries=0, timeout=120) as c:
+            try:
+                r = c.chat.completions.create(model=MODEL, messages=prompts[i], stream=True, **params)
+                out[i] = "".join(ch.choices[0].delta.content or "" for ch in r)
+            except openai.APIError as e:
+                out[i] = e
+
+    try:
+        for i in range(10):  # lone requests, one after another (not held)
+            call(i)
+        with ThreadPoolExecutor(64) as pool:
+            futures = [pool.submit(call, i) for i in range(10, 74)]
+            # every one is admitted and held in the drafter's open, or has failed: then they all go on
+            wait_until(lambda: len(opened) + len(out) >= 74, timeout=300, what="the 64 requests admitted")
+            h.release()
+            for f in futures:
+                f.result()
+        assert out == {i: refs[i] for i in range(74)}
+        assert len(opened) == 74  # all 64 were open at once
+        tenant_name = tenant if keys else "local"
+        # the answers' last bytes may arrive before their turns' quotas are settled: until they are
+        wait_until(
+            lambda: loop_thread.run(h.gw.quotas.usage(tenant_name)) == (0, 0, 0),
+            timeout=60,
+            what="nothing counted once every one-call session ended",
+        )
+    finally:
+        h.release()
         h.st.stop()
