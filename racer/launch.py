@@ -222,7 +222,7 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
         core,
         core.streaming,
         closed=closed,
-        background=(lambda srv: watch_model_thread(core, srv),),
+        background=(lambda srv: watch_model_thread(core, srv), lambda srv: trim_heap_when_idle(core)),
         server_kw=server_kw,
     )
     VM.SATURATION.set_function(lambda: verifier_load.of(core))
@@ -235,6 +235,22 @@ async def _streams_ended(streaming, grace: float) -> int:
     while streaming() and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
     return streaming()
+
+
+async def trim_heap_when_idle(core, period: float = 1.0) -> None:
+    """The C heap's gauges every ``period`` seconds, and its free memory handed back once the verifier
+    is idle (no stream open) after the model did work: a wave's activations and buffers are not
+    kept resident after the wave (``verifier/heap.py``)."""
+    from verifier import heap
+
+    trimmed = core.model_thread.last_done
+    while True:
+        await asyncio.sleep(period)
+        done = core.model_thread.last_done
+        if done != trimmed and not core.streaming():
+            trimmed = done
+            await asyncio.to_thread(heap.trim)
+        heap.export()
 
 
 async def watch_model_thread(core, srv: Server) -> None:

@@ -120,6 +120,11 @@ class ModelThread:
         with self._cv:
             return self._queued() + (self._running is not None)
 
+    @property
+    def last_done(self) -> float:
+        """When a job last finished (``time.monotonic``): it changes whenever the model did work."""
+        return self._last_done
+
     def stalled(self, bound: float) -> bool:
         """Work has waited or run for ``bound`` seconds and no job finished meanwhile."""
         with self._cv:
