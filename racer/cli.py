@@ -264,6 +264,24 @@ def stack_arguments(st) -> None:
     st.add_argument("--log-level", default="WARNING")
 
 
+def soak_arguments(sk) -> None:
+    sk.add_argument("--minutes", type=float, default=5.0, help="how long the load runs (default %(default)s)")
+    sk.add_argument("--clients", type=int, default=3, help="client threads, each one request at a time")
+    sk.add_argument("--burst", type=int, default=8, help="one-call OpenAI requests sent at once in a burst")
+    sk.add_argument("--max-new-tokens", type=int, default=32)
+    sk.add_argument("--sample-seconds", type=float, default=5.0, help="how often memory is sampled")
+    sk.add_argument("--seed", type=int, default=0)
+    sk.add_argument(
+        "--waves",
+        type=int,
+        default=0,
+        help="instead: this many identical waves of --burst requests, no faults; "
+        "the verifiers' memory once idle after each",
+    )
+    sk.add_argument("--model", default="default")
+    dtype_flag(sk)
+
+
 def client_arguments(cl) -> None:
     cl.add_argument("action", choices=("generate", "chat", "sessions", "close"))
     cl.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
@@ -428,6 +446,12 @@ COMMANDS = (
         "racer.stack:run",
     ),
     Command("client", "talk to a running gateway", client_arguments, "racer.client:main"),
+    Command(
+        "soak",
+        "mixed load for N minutes while a drafter, a verifier and Redis are restarted; lost, changed, memory",
+        soak_arguments,
+        "racer.soak:main",
+    ),
     Command(
         "bench-stack",
         "tokens/s through the gateway vs in process, side by side",

@@ -239,11 +239,11 @@ async def _streams_ended(streaming, grace: float) -> int:
 
 async def trim_heap_when_idle(core, period: float = 1.0) -> None:
     """The C heap's gauges every ``period`` seconds, and its free memory handed back once the verifier
-    is idle (no stream open) after the model did work: a wave's activations and buffers are not
-    kept resident after the wave (``verifier/heap.py``)."""
+    is idle (no stream open) after the model did work, and once after start-up: a wave's
+    activations and buffers are not kept resident after the wave (``verifier/heap.py``)."""
     from verifier import heap
 
-    trimmed = core.model_thread.last_done
+    trimmed = None  # the first idle check trims what start-up (loading, tuning) left free
     while True:
         await asyncio.sleep(period)
         done = core.model_thread.last_done
