@@ -133,7 +133,6 @@ def replicas(
         keys = _tenant_files(tmp, tenants)
         base = dict(
             RACER_MODEL=model,
-            RACER_HOST="127.0.0.1",
             RACER_LOG_LEVEL=log_level,
             RACER_INTERNAL_TOKEN=os.environ.get("RACER_INTERNAL_TOKEN") or _TOKEN,
             **(env or {}),

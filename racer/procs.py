@@ -107,6 +107,10 @@ class Service:
         )
         self.env.update(env)
         self.env["RACER_PORTS_FILE"] = str(self.ports_file)
+        host = self.env["RACER_HOST"]  # ``env`` may name its own
+        self.unix = host.startswith("unix:")
+        if self.unix:
+            self.socket = Path(host[len("unix:") :])
         self.proc: subprocess.Popen | None = None
         self._ports: dict | None = None
 
