@@ -10,7 +10,7 @@ production stack scales on waiting requests at 5 too. Below 1 a verifier takes m
 without slowing the others much; above it, new sessions wait (for memory or for the model).
 
 The same expression, on the exported gauges, is the PrometheusRule's ``racer:verifier_saturation``
-(``k8s/components/autoscaling``), which KEDA or the HPA scale on; the verifier exports its own value
+(``k8s/components/saturation``), which KEDA or the HPA scale on; the verifier exports its own value
 as ``racer_verifier_saturation`` and reports it to gateways in ``Stats`` (placement of new sessions).
 Idle caches count in ``kv_reserved`` until they are evicted: a verifier full of idle sessions reads
 as saturated, which is right for their next turns (they would otherwise be re-prefilled).
