@@ -199,6 +199,35 @@ class Service:
         """The sum of the process's samples of ``name`` with ``labels`` (0 when absent)."""
         return sample(self.scrape(), name, **labels)
 
+    def sessions(self):
+        """Stats of a drafter or verifier: the sessions it holds (asked with its internal token)."""
+        import grpc
+
+        from common import identity
+        from common.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+
+        token = self.env.get("RACER_INTERNAL_TOKEN", "")
+        meta = identity.metadata((token,)) if token else ()
+        with grpc.insecure_channel(self.target) as ch:
+            if self.kind == "drafter":
+                stub = drafter_pb2_grpc.DrafterStub(ch)
+                stats = stub.Stats(drafter_pb2.DrafterStatsRequest(), timeout=5, metadata=meta)
+            else:
+                stub = verifier_pb2_grpc.VerifierStub(ch)
+                stats = stub.Stats(verifier_pb2.VerifierStatsRequest(), timeout=5, metadata=meta)
+        return list(stats.sessions)
+
+
+def stop_all(procs) -> None:
+    """Every process of ``procs`` (services and Redis servers) continued if frozen and stopped."""
+    for p in procs:
+        if p.alive():
+            p.proc.send_signal(signal.SIGCONT)
+        if isinstance(p, RedisServer):
+            p.stop()
+        else:
+            p.kill()
+
 
 class RedisServer:
     """``redis-server`` on a Unix socket of its own, no TCP port. ``appendonly``: an append-only file

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import secrets
 import signal
 import statistics
 import sys
@@ -35,8 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc  # noqa: E402
 
 from racer.client import Client  # noqa: E402
-from tests.support.procs import Proc, RedisProc, reap  # noqa: E402
-from tests.support.stack import wait_until  # noqa: E402
+from racer.procs import RedisServer, Service, stop_all, wait_for  # noqa: E402
 
 
 def drained_seconds(log: str) -> float | None:
@@ -56,14 +56,15 @@ def main(argv=None) -> None:
     ap.add_argument("--scrape", default="", help="write the loaded verifier's /metrics text here")
     args = ap.parse_args(argv)
 
+    token = {"RACER_INTERNAL_TOKEN": secrets.token_urlsafe(32), "OMP_NUM_THREADS": "1"}
     tmp = Path(tempfile.mkdtemp(prefix="racer-drain-"))
-    redis = RedisProc(tmp / "redis").start()
-    venv = {"RACER_THREADS": str(args.threads), "RACER_DRAIN_SECONDS": "60"}
+    redis = RedisServer(tmp / "redis").start()
+    venv = {"RACER_THREADS": str(args.threads), "RACER_DRAIN_SECONDS": "60", **token}
     if args.model:
         venv["RACER_MODEL"] = args.model
-    verifiers = [Proc("verifier", dict(venv), tmp, f"verifier{i}") for i in range(2)]
-    drafter = Proc("drafter", {"RACER_SNAPSHOT_URL": redis.url, "RACER_PRIOR": "none"}, tmp, "drafter")
-    gateway = Proc(
+    verifiers = [Service("verifier", dict(venv), tmp, f"verifier{i}") for i in range(2)]
+    drafter = Service("drafter", {"RACER_SNAPSHOT_URL": redis.url, "RACER_PRIOR": "none", **token}, tmp, "drafter")
+    gateway = Service(
         "gateway",
         {
             "RACER_MODEL": "none",
@@ -71,6 +72,7 @@ def main(argv=None) -> None:
             "RACER_DRAFTERS": drafter.target,
             "RACER_VERIFIERS": ",".join(v.target for v in verifiers),
             "RACER_RECONNECT_SECONDS": "120",
+            **token,
         },
         tmp,
     )
@@ -100,7 +102,7 @@ def main(argv=None) -> None:
             threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(args.sessions)]
             for t in threads:
                 t.start()
-            wait_until(
+            wait_for(
                 lambda: sum(s.streaming for s in first.sessions()) == args.sessions, 600, "every session streaming"
             )
             second.signal(signal.SIGCONT)
@@ -118,7 +120,7 @@ def main(argv=None) -> None:
             rows.append((streaming, drained_seconds(first.log_text()), exit_s, code, ok, len(results)))
             print(f"run {rep + 1}: {rows[-1]}", flush=True)
     finally:
-        reap([*verifiers, drafter, gateway, redis])
+        stop_all([*verifiers, drafter, gateway, redis])
     print("\n| run | sessions streaming at SIGTERM | drain (s) | SIGTERM to exit (s) | exit code | turns OK |")
     print("|---|---|---|---|---|---|")
     for i, (n, d, e, code, ok, total) in enumerate(rows, 1):

@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import math
 import os
+import secrets
 import statistics
 import sys
 import tempfile
@@ -32,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from racer.load import run_load  # noqa: E402
-from tests.support.procs import Proc, RedisProc, reap  # noqa: E402
+from racer.procs import RedisServer, Service, stop_all  # noqa: E402
 
 
 def saturation(port: int) -> float:
@@ -58,15 +59,18 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     counts = [int(x) for x in args.sessions.split(",")]
 
+    token = {"RACER_INTERNAL_TOKEN": secrets.token_urlsafe(32)}
     tmp = Path(tempfile.mkdtemp(prefix="racer-sessions-"))
-    redis = RedisProc(tmp / "redis").start()
+    redis = RedisServer(tmp / "redis").start()
     model = {"RACER_MODEL": args.model} if args.model else {}
     device = {"RACER_DEVICE": os.environ["RACER_DEVICE"]} if "RACER_DEVICE" in os.environ else {}
-    verifier = Proc(
-        "verifier", dict(model, **device, RACER_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads)), tmp
+    verifier = Service(
+        "verifier",
+        dict(model, **device, **token, RACER_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads)),
+        tmp,
     )
-    drafter = Proc("drafter", {"RACER_SNAPSHOT_URL": redis.url, "RACER_PRIOR": "none"}, tmp)
-    gateway = Proc(
+    drafter = Service("drafter", {"RACER_SNAPSHOT_URL": redis.url, "RACER_PRIOR": "none", **token}, tmp)
+    gateway = Service(
         "gateway",
         dict(
             model,
@@ -74,6 +78,7 @@ def main(argv=None) -> None:
             RACER_DRAFTERS=drafter.target,
             RACER_VERIFIERS=verifier.target,
             RACER_MAX_SESSIONS_PER_TENANT="0",
+            **token,
         ),
         tmp,
     )
@@ -103,7 +108,7 @@ def main(argv=None) -> None:
             rows.append((n, rep, sat, max(samples, default=0.0)))
             print(f"{n} sessions: {rep.format().splitlines()[0]}; saturation median {sat:.2f}", flush=True)
     finally:
-        reap([verifier, drafter, gateway, redis])
+        stop_all([verifier, drafter, gateway, redis])
 
     print("\n| sessions | TPOT p50 / p99 (ms) | TTFT p50 / p99 (ms) | tok/s | saturation median / max | errors |")
     print("|---|---|---|---|---|---|")

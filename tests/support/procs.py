@@ -31,12 +31,6 @@ class Proc(Service):
         base = dict(OMP_NUM_THREADS="1", RACER_INTERNAL_TOKEN=INTERNAL_TOKEN)
         super().__init__(kind, dict(base, **env), log_dir, name, unix)
 
-    def sessions(self):
-        """Stats of a drafter or verifier: the sessions it holds."""
-        request = drafter_pb2.DrafterStatsRequest() if self.kind == "drafter" else verifier_pb2.VerifierStatsRequest()
-        with grpc.insecure_channel(self.target) as ch:
-            return list(self._stub(ch).Stats(request, timeout=5, metadata=BACKEND_METADATA).sessions)
-
     def refuses_as_draining(self) -> bool:
         """Whether the drafter or verifier refuses a ``Session`` message as draining (its SIGTERM drain
         has begun). The probe is one empty message, which a backend that is not draining refuses as
