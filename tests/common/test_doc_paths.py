@@ -13,7 +13,8 @@ CODE = re.compile(r"`([^`\s]+)`")
 
 
 def docs() -> list[Path]:
-    return [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").glob("**/*.md"))]
+    pages = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").glob("**/*.md"))]
+    return [p for p in pages if p.resolve() != ROOT / "CHANGELOG.md"]
 
 
 def named_paths(text: str) -> set[str]:
