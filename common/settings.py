@@ -208,6 +208,14 @@ SERVICE = {
             "--snapshot-url", "RACER_SNAPSHOT_URL", "memory://", "snapshot store: memory:// or redis://host:port/db"
         ),
         Setting(
+            "--logits-tree",
+            "RACER_LOGITS_TREE",
+            "halving",
+            "shape of the copy-logit tree: halving (the paper's) or best-first",
+            str,
+            choices=("halving", "best-first"),
+        ),
+        Setting(
             "--snapshot-every", "RACER_SNAPSHOT_EVERY", 32, "rounds between snapshots (also at every turn end)", int
         ),
         Setting(

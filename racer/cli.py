@@ -100,9 +100,7 @@ def engine_flags(parser) -> None:
         action="store_false",
         help="no model-derived copy-logit prior for tokens a session has not seen yet",
     )
-    parser.add_argument(
-        "--logits-tree", default="halving", choices=("halving", "best-first"), help="shape of the copy-logit tree"
-    )
+    settings.add_flag(parser, "drafter", "--logits-tree")  # the served drafter's setting, the same default
 
 
 def answer_flags(parser, budget_default: int = 0) -> None:

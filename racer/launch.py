@@ -116,7 +116,9 @@ async def start_drafter(args) -> tuple[Server, object]:
     server_kw = _server_kw(args, "drafter")  # first: a drafter that cannot authenticate its callers never starts
     store = open_store(args.snapshot_url)
     core = Drafter(
-        config=DrafterConfig(window=args.window, max_nodes=args.max_nodes, topk=args.topk),
+        config=DrafterConfig(
+            window=args.window, max_nodes=args.max_nodes, topk=args.topk, logits_tree=args.logits_tree
+        ),
         store=store,
         prior=load_prior(args.prior, args.topk),
         snapshot_every=args.snapshot_every,

@@ -1,6 +1,6 @@
 """A local OTLP/gRPC trace collector that keeps nothing: it accepts every export, counts the spans
 by service and span name, and prints the counts when stopped (SIGTERM or Ctrl-C). For measuring
-what tracing costs the services without a real backend (README, "Traces").
+what tracing costs the services without a real backend (docs/serving/observability.md, "Traces").
 
     PYTHONPATH=. python scripts/otlp_sink.py [--port 4317] &
     RACER_OTLP_ENDPOINT=http://127.0.0.1:4317 racer bench-stack ...

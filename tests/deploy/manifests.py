@@ -3,7 +3,8 @@
 - k8s/: rendered with the Python kustomize equivalent in ``kustomize.py`` (base and overlays).
 - docker-compose.yml: YAML with anchors and merge keys, then compose's `${VAR}` / `${VAR:-default}`
   / `${VAR-default}` / `${VAR:?error}` interpolation with every variable unset but the secrets the
-  README has the user put in `.env` (``COMPOSE_SECRETS``): the defaults a fresh checkout gets.
+  deployment guide (docs/deployment/index.md) has the user put in `.env` (``COMPOSE_SECRETS``):
+  the defaults a fresh checkout gets.
 - Dockerfile: the official BuildKit parser (the `dockerfile` package), heredoc bodies read back
   from the file.
 """
@@ -158,7 +159,7 @@ def cpu_quantity(q) -> float:
 # --- docker-compose.yml -----------------------------------------------------------------------------
 
 _INTERPOLATION = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<default>[^}]*))?\}|\$\$")
-# What the README has the user write into .env before `docker compose up` (compose refuses to start
+# What the deployment guide has the user write into .env before `docker compose up` (compose refuses to start
 # without them: `${VAR:?...}`).
 COMPOSE_SECRETS = {
     "RACER_REDIS_PASSWORD": "a-redis-password-for-tests",

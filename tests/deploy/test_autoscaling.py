@@ -243,7 +243,7 @@ def test_the_verifier_grace_period_covers_its_drain(renders, scaler, overlay):
             env.update(cm["data"])
     env.update({e["name"]: e["value"] for e in c.get("env", []) if "value" in e})
     drain = float(env["RACER_DRAIN_SECONDS"])
-    assert drain >= 4 * 2.5  # 4x the longest drain measured with 8 sessions streaming (README)
+    assert drain >= 4 * 2.5  # 4x the longest drain measured with 8 sessions streaming (docs/deployment/index.md)
     assert pod["terminationGracePeriodSeconds"] >= sleep + drain + 5
 
 

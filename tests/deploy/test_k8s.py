@@ -280,10 +280,10 @@ def test_gateway_endpoints_resolve_to_the_headless_services(overlay):
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_redis_urls_point_at_the_redis_service(overlay):
     """The URLs carry the password, so they come from the racer-redis Secret (never a ConfigMap);
-    the URL the README's command puts there names the Redis Service, and Redis requires the
+    the URL the deployment guide's command puts there names the Redis Service, and Redis requires the
     password of the same Secret."""
     objs = render(overlay)
-    readme = (RENDERS["base"].parents[1] / "README.md").read_text()
+    readme = (RENDERS["base"].parents[1] / "docs" / "deployment" / "index.md").read_text()
     (documented,) = set(re.findall(r"url=(redis://:\$\w+@[\w.-]+:\d+/\d+)", readme))
     for service, variable in (("drafter", "RACER_SNAPSHOT_URL"), ("gateway", "RACER_SESSION_URL")):
         assert service_env(objs, service)[variable] == secret_value("racer-redis", "url"), variable
@@ -313,7 +313,7 @@ def test_redis_urls_point_at_the_redis_service(overlay):
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_api_keys_file_is_mounted_from_the_secret(overlay):
-    """From the racer-api-keys Secret, which the repository does not hold: the README's command
+    """From the racer-api-keys Secret, which the repository does not hold: the deployment guide's command
     makes it, with the key name the gateway reads. The mount is the whole volume (no subPath), so
     an updated Secret reaches the file and the gateway reads it again."""
     objs = render(overlay)
@@ -327,7 +327,7 @@ def test_api_keys_file_is_mounted_from_the_secret(overlay):
     (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
     assert volume["secret"]["secretName"] == "racer-api-keys"
     key = path[len(mount["mountPath"].rstrip("/")) + 1 :]
-    readme = (RENDERS["base"].parents[1] / "README.md").read_text()
+    readme = (RENDERS["base"].parents[1] / "docs" / "deployment" / "index.md").read_text()
     assert f"create secret generic racer-api-keys --from-file={key}=" in readme
     assert effective("gateway", service_env(objs, "gateway"), "RACER_API_KEYS_RELOAD_SECONDS") > 0
 

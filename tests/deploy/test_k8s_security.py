@@ -211,7 +211,7 @@ def _redis(objs):
 def test_redis_probe_needs_a_pong_and_tls_where_redis_serves_it(overlay):
     """redis-cli exits 0 even when Redis refuses it, so the probe looks for PONG. Where an overlay
     turns TLS on, Redis has no plaintext port, the probe and the clients trust the CA file of a
-    mounted Secret, and the README gives the rediss:// URL that names that file."""
+    mounted Secret, and the deployment guide gives the rediss:// URL that names that file."""
     objs = render(overlay)
     pod = _redis(objs)
     (c,) = pod["containers"]
@@ -229,7 +229,7 @@ def test_redis_probe_needs_a_pong_and_tls_where_redis_serves_it(overlay):
         (mount,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")]
         (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
         assert "secret" in volume
-    readme = (RENDERS["base"].parents[1] / "README.md").read_text()
+    readme = (RENDERS["base"].parents[1] / "docs" / "deployment" / "index.md").read_text()
     assert f"rediss://:$PW@redis:{args[args.index('--tls-port') + 1]}/0?ssl_ca_certs={ca}" in readme
     for service in ("drafter", "gateway"):  # the clients of Redis can read that CA file
         w = workload(objs, service)["spec"]["template"]["spec"]

@@ -292,7 +292,7 @@ def test_metric_names_follow_prometheus_conventions():
 def test_latency_buckets_cover_the_measured_ranges():
     from common.metrics import FAST_SECONDS_BUCKETS, MODEL_SECONDS_BUCKETS, REQUEST_SECONDS_BUCKETS
 
-    # README "Measured": a drafter step 0.1-0.6 ms; a verification 2-10 ms (GPU) to 30-200 ms (two
+    # docs/benchmarks/results.md: a drafter step 0.1-0.6 ms; a verification 2-10 ms (GPU) to 30-200 ms (two
     # CPU cores); a first token up to seconds. Each range spans several buckets.
     def inside(buckets, lo, hi):
         return sum(lo <= b <= hi for b in buckets)

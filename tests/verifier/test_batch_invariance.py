@@ -1,6 +1,6 @@
 """Reduced precision: a row's bits do not depend on what shares its forward (tree nodes, sessions).
 
-The contract this buys (README, Exactness): in bfloat16 speculation never changes what the engine
+The contract this buys (docs/design/round.md, Exactness): in bfloat16 speculation never changes what the engine
 produces, because every tree node's hidden state, logits and K/V rows are bit-identical to those a
 one-token step at that position computes.
 """
