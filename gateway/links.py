@@ -51,6 +51,26 @@ class Lost(Exception):
 
 
 @dataclass(frozen=True)
+class LogProbs:
+    """Of chosen tokens, in order: each one's log-probability and the top ``n`` (ids, values)."""
+
+    chosen: list[float]
+    top_ids: list[list[int]]
+    top: list[list[float]]
+
+
+def _logprobs(resp) -> LogProbs | None:
+    if not resp.logprobs:
+        return None
+    k = len(resp.logprobs)
+    n = len(resp.top_ids) // k
+    ids, vals = list(resp.top_ids), list(resp.top_logprobs)
+    return LogProbs(
+        list(resp.logprobs), [ids[i * n : (i + 1) * n] for i in range(k)], [vals[i * n : (i + 1) * n] for i in range(k)]
+    )
+
+
+@dataclass(frozen=True)
 class Opened:
     """A verifier's answer to an open: the prefill's next token and top-k rows, and its cost curve."""
 
@@ -60,6 +80,7 @@ class Opened:
     cost: Cost | None  # None: not measured
     elapsed_ms: float
     reused_tokens: int = 0  # of the history, found in the verifier's cache (the rest was prefilled)
+    logprobs: LogProbs | None = None  # of next_token, when asked for
 
 
 @dataclass(frozen=True)
@@ -76,6 +97,7 @@ class Verified:
     topk: list[int]  # the tree's top-k rows, for the drafter to learn from
     batch_rows: int  # rows of other sessions' trees in the same forward
     elapsed_ms: float  # inside the verifier
+    logprobs: LogProbs | None = None  # of the accepted path's successors and the bonus, when asked for
 
 
 @dataclass(frozen=True)
@@ -219,22 +241,49 @@ class DrafterLink(_Link):
 
 
 class VerifierLink(_Link):
-    async def open(self, session_id: str, tenant: str, history: list[int], sampling, reserve_tokens: int = 0) -> Opened:
+    async def open(
+        self,
+        session_id: str,
+        tenant: str,
+        history: list[int],
+        sampling,
+        reserve_tokens: int = 0,
+        mask: bytes = b"",
+        logprobs: int = -1,
+    ) -> Opened:
         """Prefills ``history`` (what the verifier's cache lacks of it); ``sampling``: a SamplingParams;
-        ``reserve_tokens``: new tokens the turn may add (the verifier reserves KV memory for them)."""
+        ``reserve_tokens``: new tokens the turn may add (the verifier reserves KV memory for them);
+        ``mask``: the tokens allowed next (packed, empty: all); ``logprobs``: -1 none, else top n."""
         s = vpb.Sampling(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
         if sampling.seed is not None:
             s.seed = sampling.seed
         op = vpb.VerifierOpen(
-            session_id=session_id, tenant=tenant, history=history, sampling=s, reserve_tokens=reserve_tokens
+            session_id=session_id,
+            tenant=tenant,
+            history=history,
+            sampling=s,
+            reserve_tokens=reserve_tokens,
+            mask=mask,
+            logprobs=logprobs,
         )
         resp = await self.ask(vpb.VerifyRequest(open=op))
         cost = (tuple(resp.cost.sizes), tuple(resp.cost.ms)) if resp.cost.sizes else None
-        return Opened(resp.next_token, list(resp.topk), resp.topk_width, cost, resp.elapsed_ms, resp.reused_tokens)
+        return Opened(
+            resp.next_token,
+            list(resp.topk),
+            resp.topk_width,
+            cost,
+            resp.elapsed_ms,
+            resp.reused_tokens,
+            _logprobs(resp),
+        )
 
-    async def verify(self, tokens: list[int], parents: list[int]) -> Verified:
-        resp = await self.ask(vpb.VerifyRequest(tree=vpb.VerifyTree(tokens=tokens, parents=parents)))
-        return Verified(list(resp.accepted), resp.next_token, list(resp.topk), resp.batch_rows, resp.elapsed_ms)
+    async def verify(self, tokens: list[int], parents: list[int], masks: bytes = b"") -> Verified:
+        """``masks``: per node, the tokens allowed after its path (packed, empty: all)."""
+        resp = await self.ask(vpb.VerifyRequest(tree=vpb.VerifyTree(tokens=tokens, parents=parents, masks=masks)))
+        return Verified(
+            list(resp.accepted), resp.next_token, list(resp.topk), resp.batch_rows, resp.elapsed_ms, _logprobs(resp)
+        )
 
 
 @dataclass

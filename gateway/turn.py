@@ -19,7 +19,7 @@ from common.text import Detokenizer
 from common.tracing import TurnSpans
 
 from . import metrics as M
-from .links import Feedback, Tree, Verified
+from .links import Feedback, LogProbs, Tree, Verified
 from .records import Record
 from .requests import TurnRequest
 from .stops import StopStrings
@@ -35,6 +35,7 @@ class Chunk:
     session_id: str
     text: str
     token_ids: list[int]
+    logprobs: LogProbs | None = None  # of token_ids, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -66,11 +67,17 @@ class Turn:
         self.rounds = Rounds(history, GenerationParams(req.max_new, tuple(self.stop_ids), req.mode, req.budget))
         self.stats = self.rounds.stats
         self.links = TurnLinks(gw, record, req.sampling, self.rounds)
+        self.links.logprobs = req.logprobs
+        self.constraint = None  # gateway.grammar.Constraint: the output's grammar state (None: free)
         q = gw.quotas.limits.of(record.tenant)  # the tenant's corpus switch and bound
         self.links.corpus = dict(share=req.share and q.share, corpus=q.share, corpus_tokens=q.corpus_tokens)
         self.lease = None  # leases.Lease: the record is saved only while it holds
         self.saved_tokens: int | None = None  # the saved record's length, once saved
         self._generated = M.GENERATED_TOKENS.labels(record.tenant)
+
+    def constrain(self, constraint) -> None:
+        """The turn's output follows ``constraint`` (a ``gateway.grammar.Constraint``, or None)."""
+        self.constraint = self.links.grammar = constraint
 
     def stop(self, reason: str, code: Status = Status.UNAVAILABLE, field: str | None = None) -> None:
         """Ends the turn with ``code`` at its next round or failover (a draining gateway: UNAVAILABLE;
@@ -95,10 +102,13 @@ class Turn:
                 await links.open_drafter(opened.topk, opened.topk_width)
             spans.start_rounds()
             out, done = rounds.start(opened.next_token)
+            lp = opened.logprobs
             feedback = Feedback()
             sent = False  # the next step is already on its way to the drafter
             while True:
                 out, done, text = self._stop_strings(detok, out, done)
+                if self.constraint is not None:
+                    self.constraint.advance(out)
                 if out:
                     now = time.perf_counter()
                     if not emitted:
@@ -111,7 +121,7 @@ class Turn:
                     emitted.extend(out)
                     rounds.emitted(out)
                     self._generated.inc(len(out))
-                    yield Chunk(sid, text, out)
+                    yield Chunk(sid, text, out, _cut(lp, len(out)))
                 if done:
                     break
                 links.check_abort()
@@ -119,6 +129,7 @@ class Turn:
                 tree = await links.draft(feedback, sent)
                 res = await links.verify(tree)
                 out, fed, done = rounds.settle(tree.tokens, res.accepted, res.next_token)
+                lp = res.logprobs
                 feedback = Feedback(res.topk, res.accepted, len(fed), res.batch_rows)
                 # The next step goes out before this round's bookkeeping and text, which are then done
                 # while the drafter works. Not with stop strings: the text may still end the turn, and
@@ -187,3 +198,8 @@ class Turn:
             total * 1e3,
             s.new_tokens / total if total else 0.0,
         )
+
+
+def _cut(lp: LogProbs | None, n: int) -> LogProbs | None:
+    """The first ``n`` tokens' log-probabilities (a round's tokens may be cut by a stop)."""
+    return None if lp is None else LogProbs(lp.chosen[:n], lp.top_ids[:n], lp.top[:n])

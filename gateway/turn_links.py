@@ -53,6 +53,8 @@ class TurnLinks:
         self.abort_field: str | None = None  # the request field the abort is about (Abort.field)
         self.waiting: dict[str, float] = {}  # kind -> when to stop waiting for one to come back
         self.corpus: dict = {}  # the tenant corpus for the drafter's open: share, corpus, corpus_tokens
+        self.grammar = None  # gateway.grammar.Constraint: the masks the verifier applies (None: none)
+        self.logprobs = -1  # log-probabilities the verifier returns (VerifierOpen.logprobs)
         self.drafter_opened = 0  # the session's tokens the drafter stream was opened with
         # kind -> why the session is leaving its backend (drain, lost, full, unreachable); None: it is not
         self.leaving: dict[str, str | None] = {"drafter": None, "verifier": None}
@@ -124,7 +126,10 @@ class TurnLinks:
             link = gw.backends.verifier(ep)
             try:
                 left = max(0, self.rounds.max_new - self.rounds.stats.new_tokens)  # KV rows to reserve
-                opened = await link.open(rec.session_id, rec.tenant, self.rounds.committed, self.sampling, left)
+                mask = self.grammar.open_mask() if self.grammar is not None else b""
+                opened = await link.open(
+                    rec.session_id, rec.tenant, self.rounds.committed, self.sampling, left, mask, self.logprobs
+                )
             except (Lost, Abort) as e:
                 await link.close(cancel=True)
                 if isinstance(e, Abort) and e.code == Status.RESOURCE_EXHAUSTED:
@@ -286,11 +291,13 @@ class TurnLinks:
             return tree
 
     async def verify(self, tree: Tree) -> Verified:
+        # each node's mask from its own path's grammar state
+        masks = self.grammar.tree_masks(tree.tokens, tree.parents) if self.grammar is not None else b""
         while True:
             if self.verifier is None:
                 await self.open_verifier()  # its next token is the root again (greedy) or a discarded draw
             try:
-                res = await self.verifier.verify(tree.tokens, tree.parents)
+                res = await self.verifier.verify(tree.tokens, tree.parents, masks)
             except Abort as e:
                 raise Abort(
                     Status.INTERNAL,

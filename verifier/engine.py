@@ -15,6 +15,7 @@ from common.params import SamplingParams
 
 from .acceptance import accept
 from .backend import Backend
+from .constraints import LogProbs, logprobs, masked
 from .hf import HFBackend, chain_of
 from .llama import LlamaBackend, forward_segments
 from .sampling import Sampler
@@ -32,6 +33,7 @@ class PrefillResult:
     # [rows, k]: top-k next-token ids at the prompt's last ``rows`` positions (every position unless
     # the prefill asked for fewer: ``topk_rows``)
     topk: list[list[int]]
+    logprobs: LogProbs | None = None  # of next_token, when the session asks for them
 
 
 @dataclass
@@ -39,6 +41,7 @@ class VerifyResult:
     accepted: list[int]  # accepted node indices, root first
     bonus: int  # the target's choice after the last accepted node
     topk: list[list[int]]  # [n_nodes, k]: top-k next-token ids at every tree node
+    logprobs: LogProbs | None = None  # of each accepted node's successor, then the bonus
 
 
 def make_backend(model, kind: str = "auto", capacity: int = 1024) -> Backend:
@@ -84,6 +87,9 @@ class VerifierSession:
         self.topk = topk
         self.backend = make_backend(model, backend, capacity)
         self.set_sampling(sampling)
+        self.logprobs = -1  # log-probabilities of chosen tokens: -1 none, 0 the chosen one, n: and the top n
+        self.open_mask: torch.Tensor | None = None  # bool [V]: allowed after the prompt (its next choice)
+        self.masks: torch.Tensor | None = None  # bool [nodes, V]: allowed after each node of the next tree
 
     def set_sampling(self, sampling: SamplingParams) -> None:
         self.sampling = sampling
@@ -153,6 +159,11 @@ class VerifierSession:
         hidden = self.backend.forward(ids, positions, mask)
         return self._settle(tokens, parents, self.backend.logits(hidden))
 
+    def _take_masks(self, rows: list[int] | None = None) -> torch.Tensor | None:
+        """The next tree's masks (used once), of ``rows`` only if given."""
+        masks, self.masks = self.masks, None
+        return masks if masks is None or rows is None else masks[rows]
+
     def _verify_chain(self, tokens: list[int], parents: list[int]) -> VerifyResult:
         """For a model that cannot verify trees: the tree's first path, verified as a chain.
 
@@ -161,6 +172,7 @@ class VerifierSession:
         else of their nearest evaluated ancestor."""
         validate(tokens, parents, self.vocab_size)
         chain = chain_of(parents)
+        self.masks = self._take_masks(chain)
         sub = self._settle(
             [tokens[i] for i in chain],
             [-1, *range(len(chain) - 1)],
@@ -174,7 +186,7 @@ class VerifierSession:
             while a not in on:
                 a = parents[a]
             topk.append(on[i] if i in on else by_token.get(tokens[i], on[a]))
-        return VerifyResult([chain[j] for j in sub.accepted], sub.bonus, topk)
+        return VerifyResult([chain[j] for j in sub.accepted], sub.bonus, topk, sub.logprobs)
 
     def _inputs_chain(self, tokens: list[int], chain: list[int]):
         n = len(chain)
@@ -187,7 +199,10 @@ class VerifierSession:
         return torch.tensor(tokens, dtype=torch.long), positions, mask
 
     def _settle(self, tokens: list[int], parents: list[int], logits: torch.Tensor) -> VerifyResult:
-        """Top-k, acceptance and KV commit from the tree's logits [n, V]."""
+        """Top-k, acceptance and KV commit from the tree's logits [n, V]; each node's choice among the
+        tokens its mask allows (its own path's grammar state)."""
+        raw = logits
+        logits = masked(logits, self._take_masks())
         topk = torch.topk(logits, self.topk, dim=-1).indices.tolist()
         if self._sampler is None:
             argmax = torch.argmax(logits, dim=-1).tolist()
@@ -195,7 +210,10 @@ class VerifierSession:
         else:
             path, bonus = accept(tokens, parents, lambda i: self._sampler(logits[i].cpu()))
         self.backend.commit(path, len(tokens))
-        return VerifyResult(path, bonus, topk)
+        lp = None
+        if self.logprobs >= 0:  # the token chosen at each accepted node: the next one on the path, then the bonus
+            lp = logprobs(raw[path], [tokens[i] for i in path[1:]] + [bonus], self.logprobs)
+        return VerifyResult(path, bonus, topk, lp)
 
 
 @torch.inference_mode()
@@ -298,7 +316,13 @@ def _prefilled(items) -> list[PrefillResult]:
     out = []
     for (session, _, choose, *_), (pieces, top, end) in zip(items, spans):
         rows = [row for first, count in pieces for row in topk[first : first + count]]
-        out.append(PrefillResult(session._choose(last[end]) if choose else -1, rows[len(rows) - top :]))
+        nxt, lp = -1, None
+        if choose:
+            allowed, session.open_mask = session.open_mask, None
+            nxt = session._choose(masked(last[end], allowed))
+            if session.logprobs >= 0:
+                lp = logprobs(last[end][None], [nxt], session.logprobs)
+        out.append(PrefillResult(nxt, rows[len(rows) - top :], lp))
     return out
 
 
