@@ -45,6 +45,7 @@ class Grammars:
 
         self.xgr = xgr
         self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
         self.info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_ids) or None
         )
@@ -83,7 +84,10 @@ class Grammars:
         return compiled
 
     def constraint(self, spec: GrammarSpec) -> Constraint:
-        return Constraint(self.xgr, self.compile(spec), self.vocab_size)
+        return Constraint(self.xgr, self.compile(spec), self.vocab_size, self._encode)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _literal(xgr, text: str):
@@ -98,7 +102,8 @@ def _first_line(e: Exception) -> str:
 class Constraint:
     """One turn's grammar state: after every token emitted so far (``advance``)."""
 
-    def __init__(self, xgr, compiled, vocab_size: int):
+    def __init__(self, xgr, compiled, vocab_size: int, encode=None):
+        self.encode = encode  # text -> token ids: the forced text as the model would likely spell it
         self.matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
         self.words = (vocab_size + 31) // 32
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
@@ -155,18 +160,30 @@ class Constraint:
             self.emitted += 1
 
     def forced(self, limit: int) -> list[int]:
-        """The tokens the grammar allows one at a time after the emitted ones (at most ``limit``):
-        where it leaves exactly one choice, that choice is the output whatever the model's logits."""
+        """A draft of what the grammar forces after the emitted tokens (at most ``limit`` tokens): the
+        text it leaves no choice about (JSON keys, quotes, braces, a tool's name), tokenized, and a
+        token that is the only one allowed (the end of the output). The text has one spelling but
+        several tokenizations may be allowed, so these are drafts for the verifier to check, like
+        any other: the target still chooses every token."""
         out: list[int] = []
-        while len(out) < limit:
-            mask = self._fill()
-            bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
+        m = self.matcher
+        while len(out) < limit and not m.is_terminated():
+            text = m.find_jump_forward_string() if self.encode is not None else ""
+            took = 0
+            for t in self.encode(text) if text else ():
+                if len(out) == limit or not m.accept_token(t):
+                    break
+                out.append(t)
+                took += 1
+            if took:
+                continue
+            bits = np.unpackbits(self._fill().view(np.uint8), bitorder="little")
             ones = np.flatnonzero(bits)
-            if len(ones) != 1 or not self.matcher.accept_token(int(ones[0])):
+            if len(ones) != 1 or not m.accept_token(int(ones[0])):
                 break
             out.append(int(ones[0]))
         if out:
-            self.matcher.rollback(len(out))
+            m.rollback(len(out))
         return out
 
 

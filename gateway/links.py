@@ -214,8 +214,9 @@ class DrafterLink(_Link):
         )
         return resp.restored_from, resp.elapsed_ms
 
-    async def send_step(self, root: int, budget: int, mode: str, feedback: Feedback) -> None:
-        """The next step; ``receive_tree`` reads its tree (so the gateway can work while the drafter does)."""
+    async def send_step(self, root: int, budget: int, mode: str, feedback: Feedback, forced=()) -> None:
+        """The next step; ``receive_tree`` reads its tree (so the gateway can work while the drafter does).
+        ``forced``: tokens that must follow the root (a grammar's only choices), drafted as a path."""
         await self.send(
             dpb.DraftRequest(
                 step=dpb.DraftStep(
@@ -226,6 +227,7 @@ class DrafterLink(_Link):
                     budget=budget,
                     mode=mode,
                     batch_rows=feedback.batch_rows,
+                    forced=forced,
                 )
             )
         )

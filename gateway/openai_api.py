@@ -250,6 +250,7 @@ ToolChoice = Annotated[
 class Speculation(BaseModel):
     mode: StrictStr = ""  # "": racer
     budget: StrictInt = 0  # 0: adaptive
+    forced: StrictBool = True  # the tokens a grammar forces are drafted as a path of their own
 
 
 class StreamOptions(BaseModel):
@@ -424,6 +425,7 @@ def parse(body, chat: bool, session_header: str = "", tool_parser: str = "hermes
         tools=tools_json,
         grammar=grammar,
         logprobs=logprobs,
+        forced=spec.forced,
     )
     include_usage = b.stream_options is not None and b.stream_options.include_usage
     parallel = not chat or b.parallel_tool_calls is not False

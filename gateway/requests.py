@@ -61,6 +61,7 @@ class Request:
     tools: str = ""  # JSON array of tool definitions for the chat template ("" none)
     grammar: object = None  # gateway.grammar.GrammarSpec: what the output is constrained to (None: free)
     logprobs: int = -1  # log-probabilities of each new token: -1 none, 0 its own, n: and the top n
+    forced: bool = True  # with a grammar: the tokens it forces are drafted as a path of their own
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class TurnRequest:
     share: bool = True  # this turn's response goes into the tenant corpus (if the tenant shares)
     grammar: object = None  # gateway.grammar.GrammarSpec, or None
     logprobs: int = -1
+    forced: bool = True
 
 
 def check(r: Request, limits: Limits, vocab_size: int | None) -> TurnRequest:
@@ -105,7 +107,7 @@ def check(r: Request, limits: Limits, vocab_size: int | None) -> TurnRequest:
     if r.system and r.input != "prompt":
         raise invalid("system", "only with a prompt input (chat carries its own)")
     return TurnRequest(
-        r.session_id, max_new, mode, r.budget, sampling, r.stop, r.stop_ids, r.share, r.grammar, r.logprobs
+        r.session_id, max_new, mode, r.budget, sampling, r.stop, r.stop_ids, r.share, r.grammar, r.logprobs, r.forced
     )
 
 

@@ -68,6 +68,7 @@ class Turn:
         self.stats = self.rounds.stats
         self.links = TurnLinks(gw, record, req.sampling, self.rounds)
         self.links.logprobs = req.logprobs
+        self.links.draft_forced = req.forced
         self.constraint = None  # gateway.grammar.Constraint: the output's grammar state (None: free)
         q = gw.quotas.limits.of(record.tenant)  # the tenant's corpus switch and bound
         self.links.corpus = dict(share=req.share and q.share, corpus=q.share, corpus_tokens=q.corpus_tokens)
@@ -102,13 +103,12 @@ class Turn:
                 await links.open_drafter(opened.topk, opened.topk_width)
             spans.start_rounds()
             out, done = rounds.start(opened.next_token)
+            self._advance(out)
             lp = opened.logprobs
             feedback = Feedback()
             sent = False  # the next step is already on its way to the drafter
             while True:
                 out, done, text = self._stop_strings(detok, out, done)
-                if self.constraint is not None:
-                    self.constraint.advance(out)
                 if out:
                     now = time.perf_counter()
                     if not emitted:
@@ -129,6 +129,7 @@ class Turn:
                 tree = await links.draft(feedback, sent)
                 res = await links.verify(tree)
                 out, fed, done = rounds.settle(tree.tokens, res.accepted, res.next_token)
+                self._advance(out)  # before the next step: its forced tokens follow these
                 lp = res.logprobs
                 feedback = Feedback(res.topk, res.accepted, len(fed), res.batch_rows)
                 # The next step goes out before this round's bookkeeping and text, which are then done
@@ -146,6 +147,11 @@ class Turn:
         finally:
             spans.close()
             await links.release(cancel=not finished)
+
+    def _advance(self, out: list[int]) -> None:
+        """The grammar follows the emitted tokens (a stop string may cut them, but then the turn ends)."""
+        if self.constraint is not None:
+            self.constraint.advance(out)
 
     def _stop_strings(self, detok, out, done):
         """Text of ``out``; cut after the token that completes a stop string (which ends the turn)."""

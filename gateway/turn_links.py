@@ -29,6 +29,7 @@ log = logging.getLogger("racer.gateway")
 
 DEFAULT_BUDGET = 16  # when the request asks for the adaptive budget but the verifier has no cost curve
 ROUND_OVERHEAD_MS = 1.5  # per round outside the verifier's forward: drafter, two RPCs, this loop
+FORCED = 64  # forced tokens sent with a step, at most (drafter.core.MAX_FORCED)
 FAILOVERS = 3  # streams lost mid-turn, per service kind and turn (failed opens are bounded by time)
 
 
@@ -55,6 +56,7 @@ class TurnLinks:
         self.corpus: dict = {}  # the tenant corpus for the drafter's open: share, corpus, corpus_tokens
         self.grammar = None  # gateway.grammar.Constraint: the masks the verifier applies (None: none)
         self.logprobs = -1  # log-probabilities the verifier returns (VerifierOpen.logprobs)
+        self.draft_forced = True  # the grammar's forced tokens go to the drafter as a path
         self.drafter_opened = 0  # the session's tokens the drafter stream was opened with
         # kind -> why the session is leaving its backend (drain, lost, full, unreachable); None: it is not
         self.leaving: dict[str, str | None] = {"drafter": None, "verifier": None}
@@ -256,11 +258,17 @@ class TurnLinks:
             self.gw.backends.closed(self.verifier.endpoint)
         self.drafter = self.verifier = None
 
+    def _forced(self) -> list[int]:
+        """The tokens the grammar forces after the root (none without drafts: mode "off")."""
+        if self.grammar is None or self.rounds.mode == "off" or not self.draft_forced:
+            return []
+        return self.grammar.forced(FORCED)
+
     async def send_step(self, feedback: Feedback) -> bool:
         """Sends the next step now, for ``draft(sent=True)`` to read its tree; False: no drafter to send to."""
         if self.drafter is None:
             return False
-        await self.drafter.send_step(self.rounds.root, self.rounds.budget, self.rounds.mode, feedback)
+        await self.drafter.send_step(self.rounds.root, self.rounds.budget, self.rounds.mode, feedback, self._forced())
         return True
 
     async def draft(self, feedback: Feedback, sent: bool = False) -> Tree:
@@ -273,7 +281,7 @@ class TurnLinks:
                 sent = False
             try:
                 if not sent:
-                    await self.drafter.send_step(rounds.root, rounds.budget, rounds.mode, feedback)
+                    await self.drafter.send_step(rounds.root, rounds.budget, rounds.mode, feedback, self._forced())
                 sent = False
                 tree = await self.drafter.receive_tree()
             except Lost as e:

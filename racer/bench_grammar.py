@@ -61,7 +61,7 @@ def sample(schema: dict):
     if t == "object":
         req = schema.get("required", list(schema.get("properties", {})))
         return {k: sample(schema["properties"].get(k, {"type": "string"})) for k in req if k in schema["properties"]}
-    return {"integer": 7, "number": 1.5, "boolean": True, "array": [], "string": "Paris, \"FR\""}.get(t, "x")
+    return {"integer": 7, "number": 1.5, "boolean": True, "array": [], "string": 'Paris, "FR"'}.get(t, "x")
 
 
 def call_text(tool: dict) -> str:
@@ -123,7 +123,8 @@ def bench_llguidance(tok, vocab: int, tools: list[dict]) -> dict:
     bitmask = lln.allocate_token_bitmask(1, vocab)
     for tool in tools:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            json.dumps(call_schema(tool)), defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+            json.dumps(call_schema(tool)),
+            defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
         )
         t = time.perf_counter()
         m = llguidance.LLMatcher(lt, grammar)
