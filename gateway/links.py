@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -70,6 +71,20 @@ def _logprobs(resp) -> LogProbs | None:
     )
 
 
+def _echo(resp) -> LogProbs:
+    values = [None if math.isnan(v) else v for v in resp.echo_logprobs]
+    have = sum(v is not None for v in values)
+    n = len(resp.echo_top_ids) // have if have else 0
+    ids, vals = list(resp.echo_top_ids), list(resp.echo_top_logprobs)
+    top_ids, top, i = [], [], 0
+    for v in values:
+        k = 0 if v is None else n
+        top_ids.append(ids[i : i + k])
+        top.append(vals[i : i + k])
+        i += k
+    return LogProbs(values, top_ids, top)
+
+
 @dataclass(frozen=True)
 class Opened:
     """A verifier's answer to an open: the prefill's next token and top-k rows, and its cost curve."""
@@ -81,6 +96,8 @@ class Opened:
     elapsed_ms: float
     reused_tokens: int = 0  # of the history, found in the verifier's cache (the rest was prefilled)
     logprobs: LogProbs | None = None  # of next_token, when asked for
+    # echo: the prefilled history tokens' log-probabilities (None: the first, without its predecessor's)
+    echo: LogProbs | None = None
 
 
 @dataclass(frozen=True)
@@ -252,6 +269,8 @@ class VerifierLink(_Link):
         reserve_tokens: int = 0,
         mask: bytes = b"",
         logprobs: int = -1,
+        adjust: tuple = ({}, 0.0, 0.0),
+        echo: bool = False,
     ) -> Opened:
         """Prefills ``history`` (what the verifier's cache lacks of it); ``sampling``: a SamplingParams;
         ``reserve_tokens``: new tokens the turn may add (the verifier reserves KV memory for them);
@@ -267,6 +286,10 @@ class VerifierLink(_Link):
             reserve_tokens=reserve_tokens,
             mask=mask,
             logprobs=logprobs,
+            logit_bias=adjust[0],
+            presence_penalty=adjust[1],
+            frequency_penalty=adjust[2],
+            echo=echo,
         )
         resp = await self.ask(vpb.VerifyRequest(open=op))
         cost = (tuple(resp.cost.sizes), tuple(resp.cost.ms)) if resp.cost.sizes else None
@@ -278,6 +301,7 @@ class VerifierLink(_Link):
             resp.elapsed_ms,
             resp.reused_tokens,
             _logprobs(resp),
+            _echo(resp) if echo else None,
         )
 
     async def verify(self, tokens: list[int], parents: list[int], masks: bytes = b"") -> Verified:

@@ -277,12 +277,8 @@ class ResponseFormat(BaseModel):
 
 # Fields this server does not implement, with the values that ask for nothing (refused otherwise).
 _NO_OP = {
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "logit_bias": ({},),
     "functions": ([],),
     "function_call": ("none",),
-    "echo": (False,),
     "suffix": ("",),
     "best_of": (1,),
 }
@@ -309,6 +305,12 @@ class _Body(BaseModel):
     return_token_ids: StrictBool | None = None
     share: StrictBool | None = None  # False: the turn stays out of the tenant corpus
     response_format: ResponseFormat | None = None
+    presence_penalty: Annotated[float, Field(strict=True, ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(strict=True, ge=-2.0, le=2.0)] | None = None
+    logit_bias: (
+        dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")], Annotated[float, Field(strict=True, ge=-100, le=100)]]
+        | None
+    ) = None
 
     @model_validator(mode="after")
     def _no_ops(self):
@@ -332,6 +334,7 @@ class ChatBody(_Body):
 
 class CompletionBody(_Body):
     prompt: Prompt
+    echo: StrictBool | None = None  # the prompt before the completion (with its log-probabilities)
     logprobs: Annotated[int, Field(strict=True, ge=0, le=5)] | None = None
 
 
@@ -350,6 +353,7 @@ class Call:
     tool_parser: str = ""  # how tool calls are read from the text ("": they are not: plain content)
     parallel_tool_calls: bool = True  # False: the first call only
     logprobs: int = -1  # -1: none; else top_logprobs (chat) or logprobs (completions)
+    echo: bool = False  # completions: the prompt before the completion
     id: str = field(default_factory=lambda: secrets.token_hex(12))  # after "chatcmpl-" or "cmpl-"
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -426,6 +430,10 @@ def parse(body, chat: bool, session_header: str = "", tool_parser: str = "hermes
         grammar=grammar,
         logprobs=logprobs,
         forced=spec.forced,
+        logit_bias=tuple((int(k), float(v)) for k, v in (b.logit_bias or {}).items()),
+        presence_penalty=float(b.presence_penalty or 0.0),
+        frequency_penalty=float(b.frequency_penalty or 0.0),
+        echo=not chat and bool(b.echo),
     )
     include_usage = b.stream_options is not None and b.stream_options.include_usage
     parallel = not chat or b.parallel_tool_calls is not False
@@ -441,6 +449,7 @@ def parse(body, chat: bool, session_header: str = "", tool_parser: str = "hermes
         parser,
         parallel,
         logprobs,
+        not chat and bool(b.echo),
     )
 
 
@@ -594,6 +603,12 @@ class Tokens:
     def _text(self, t: int) -> str:
         return self.tokenizer.decode([t], skip_special_tokens=False) if self.tokenizer is not None else ""
 
+    def echo(self, ids: list[int], lp: LogProbs | None) -> tuple[str, dict | None]:
+        """The echoed prompt: its text, and its tokens' entries (the first one's log-probability is None)."""
+        r = self.call.request
+        text = r.prompt if r.input == "text" else (self.tokenizer.decode(ids) if self.tokenizer is not None else "")
+        return text, self.entries(ids, lp)
+
     def entries(self, ids: list[int], lp: LogProbs | None) -> dict | None:
         if lp is None or self.call.logprobs < 0:
             return None
@@ -618,7 +633,7 @@ class Tokens:
             text = self._text(t)
             out["tokens"].append(text)
             out["token_logprobs"].append(v)
-            out["top_logprobs"].append({self._text(i): w for i, w in zip(top_ids, top)})
+            out["top_logprobs"].append(None if v is None else {self._text(i): w for i, w in zip(top_ids, top)})
             out["text_offset"].append(self.offset)
             self.offset += len(text)
         return out

@@ -172,10 +172,16 @@ async def _whole(call: api.Call, first, items, done, tokens: api.Tokens) -> web.
     parts: list[str] = []
     ids: list[int] = []
     logprobs: list[dict] = []
+    echoed = ""
     item = first
     while isinstance(item, Queued):  # no keep-alive without a stream: the status line waits for the turn
         item = await anext(items)
     while isinstance(item, Chunk):
+        if item.echo_ids is not None:  # completions' echo: the prompt first
+            prompt, lp = tokens.echo(item.echo_ids, item.echo)
+            echoed = prompt
+            if lp is not None:
+                logprobs.append(lp)
         parts.append(text.push(item.text))
         ids.extend(item.token_ids)
         lp = tokens.entries(item.token_ids, item.logprobs)
@@ -186,7 +192,9 @@ async def _whole(call: api.Call, first, items, done, tokens: api.Tokens) -> web.
     await _rest(items)
     await done(item.session_id)
     parts.append(text.flush())
-    body = api.response(call, item, "".join(parts), api.finish_reason(item, text), ids, api.Tokens.join(logprobs))
+    body = api.response(
+        call, item, echoed + "".join(parts), api.finish_reason(item, text), ids, api.Tokens.join(logprobs)
+    )
     return web.json_response(body, headers={SESSION_HEADER: item.session_id} if call.keep_session else None)
 
 
@@ -220,6 +228,9 @@ async def _stream(request: web.Request, call: api.Call, first, items, done) -> t
         if call.chat:
             await resp.write(_event(api.chunk(call, sid, None, [])))
         while isinstance(item, Chunk):
+            if item.echo_ids is not None:  # completions' echo: the prompt first
+                prompt, lp = tokens.echo(item.echo_ids, item.echo)
+                await resp.write(_event(api.chunk(call, sid, prompt, [], logprobs=lp)))
             delta = text.push(item.text)
             lp = tokens.entries(item.token_ids, item.logprobs)
             if calls is not None:

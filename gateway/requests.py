@@ -62,6 +62,10 @@ class Request:
     grammar: object = None  # gateway.grammar.GrammarSpec: what the output is constrained to (None: free)
     logprobs: int = -1  # log-probabilities of each new token: -1 none, 0 its own, n: and the top n
     forced: bool = True  # with a grammar: the tokens it forces are drafted as a path of their own
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    echo: bool = False  # the turn's first chunk carries the input tokens' log-probabilities
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,10 @@ class TurnRequest:
     grammar: object = None  # gateway.grammar.GrammarSpec, or None
     logprobs: int = -1
     forced: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    echo: bool = False
 
 
 def check(r: Request, limits: Limits, vocab_size: int | None) -> TurnRequest:
@@ -104,10 +112,26 @@ def check(r: Request, limits: Limits, vocab_size: int | None) -> TurnRequest:
         raise invalid("stop_ids", f"{len(r.stop_ids)} ids, at most {MAX_STOP_IDS}")
     if any(t < 0 or (vocab_size and t >= vocab_size) for t in r.stop_ids):
         raise invalid("stop_ids", "token id outside the vocabulary")
+    if any(t < 0 or (vocab_size and t >= vocab_size) for t, _ in r.logit_bias):
+        raise invalid("logit_bias", f"a token id outside the vocabulary [0, {vocab_size})")
     if r.system and r.input != "prompt":
         raise invalid("system", "only with a prompt input (chat carries its own)")
     return TurnRequest(
-        r.session_id, max_new, mode, r.budget, sampling, r.stop, r.stop_ids, r.share, r.grammar, r.logprobs, r.forced
+        r.session_id,
+        max_new,
+        mode,
+        r.budget,
+        sampling,
+        r.stop,
+        r.stop_ids,
+        r.share,
+        r.grammar,
+        r.logprobs,
+        r.forced,
+        r.logit_bias,
+        r.presence_penalty,
+        r.frequency_penalty,
+        r.echo,
     )
 
 

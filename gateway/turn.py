@@ -36,6 +36,9 @@ class Chunk:
     text: str
     token_ids: list[int]
     logprobs: LogProbs | None = None  # of token_ids, when the request asked for them
+    # the first chunk, when the request asked for echo: the turn's input tokens and their log-probabilities
+    echo_ids: list[int] | None = None
+    echo: LogProbs | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,8 @@ class Turn:
         self.links = TurnLinks(gw, record, req.sampling, self.rounds)
         self.links.logprobs = req.logprobs
         self.links.draft_forced = req.forced
+        self.links.adjust = (dict(req.logit_bias), req.presence_penalty, req.frequency_penalty)
+        self.links.echo = req.echo and req.logprobs >= 0
         self.constraint = None  # gateway.grammar.Constraint: the output's grammar state (None: free)
         q = gw.quotas.limits.of(record.tenant)  # the tenant's corpus switch and bound
         self.links.corpus = dict(share=req.share and q.share, corpus=q.share, corpus_tokens=q.corpus_tokens)
@@ -121,7 +126,10 @@ class Turn:
                     emitted.extend(out)
                     rounds.emitted(out)
                     self._generated.inc(len(out))
-                    yield Chunk(sid, text, out, _cut(lp, len(out)))
+                    chunk = Chunk(sid, text, out, _cut(lp, len(out)))
+                    if len(emitted) == len(out) and self.req.echo:  # the first chunk
+                        chunk = self._echo(chunk, opened)
+                    yield chunk
                 if done:
                     break
                 links.check_abort()
@@ -147,6 +155,20 @@ class Turn:
         finally:
             spans.close()
             await links.release(cancel=not finished)
+
+    def _echo(self, chunk: Chunk, opened) -> Chunk:
+        """The first chunk with the turn's input (and, asked for, their log-probabilities)."""
+        ids = self.history[len(self.history) - self.n_turn :]
+        lp = opened.echo
+        if lp is not None:  # what the verifier prefilled of them (all, unless it held a prefix)
+            k = min(len(ids), len(lp.chosen))
+            pad = len(ids) - k
+            lp = LogProbs(
+                [None] * pad + lp.chosen[len(lp.chosen) - k :],
+                [[]] * pad + lp.top_ids[len(lp.chosen) - k :],
+                [[]] * pad + lp.top[len(lp.chosen) - k :],
+            )
+        return Chunk(chunk.session_id, chunk.text, chunk.token_ids, chunk.logprobs, ids, lp)
 
     def _advance(self, out: list[int]) -> None:
         """The grammar follows the emitted tokens (a stop string may cut them, but then the turn ends)."""

@@ -57,6 +57,7 @@ class TurnLinks:
         self.grammar = None  # gateway.grammar.Constraint: the masks the verifier applies (None: none)
         self.logprobs = -1  # log-probabilities the verifier returns (VerifierOpen.logprobs)
         self.draft_forced = True  # the grammar's forced tokens go to the drafter as a path
+        self.adjust: tuple = ({}, 0.0, 0.0)  # logit_bias, presence and frequency penalties
         self.drafter_opened = 0  # the session's tokens the drafter stream was opened with
         # kind -> why the session is leaving its backend (drain, lost, full, unreachable); None: it is not
         self.leaving: dict[str, str | None] = {"drafter": None, "verifier": None}
@@ -130,7 +131,15 @@ class TurnLinks:
                 left = max(0, self.rounds.max_new - self.rounds.stats.new_tokens)  # KV rows to reserve
                 mask = self.grammar.open_mask() if self.grammar is not None else b""
                 opened = await link.open(
-                    rec.session_id, rec.tenant, self.rounds.committed, self.sampling, left, mask, self.logprobs
+                    rec.session_id,
+                    rec.tenant,
+                    self.rounds.committed,
+                    self.sampling,
+                    left,
+                    mask,
+                    self.logprobs,
+                    self.adjust,
+                    self.echo and not self.rounds.stats.rounds,  # the turn's first open only
                 )
             except (Lost, Abort) as e:
                 await link.close(cancel=True)

@@ -66,3 +66,39 @@ def logprobs(logits: torch.Tensor, chosen: list[int], n: int) -> LogProbs:
         return LogProbs(values, [[] for _ in chosen], [[] for _ in chosen])
     top = torch.topk(lp, min(n, lp.shape[-1]), dim=-1)
     return LogProbs(values, top.indices.tolist(), top.values.tolist())
+
+
+@dataclass
+class Adjust:
+    """OpenAI's ``logit_bias`` and presence and frequency penalties, added to raw logits before the
+    choice. Penalties count the tokens generated in the turn before a position: in a tree, those of
+    that node's own path, so a node's row is what one-token decoding of that path computes."""
+
+    bias: torch.Tensor | None  # [V] float32, or None
+    presence: float = 0.0
+    frequency: float = 0.0
+
+    @staticmethod
+    def of(bias: dict[int, float], presence: float, frequency: float, vocab: int) -> Adjust | None:
+        if not bias and not presence and not frequency:
+            return None
+        b = None
+        if bias:
+            b = torch.zeros(vocab)
+            ids = torch.tensor(list(bias), dtype=torch.long)
+            if ids.min() < 0 or ids.max() >= vocab:
+                raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
+            b[ids] = torch.tensor(list(bias.values()), dtype=torch.float32)
+        return Adjust(b, presence, frequency)
+
+    def apply(self, logits: torch.Tensor, contexts: list[list[int]]) -> torch.Tensor:
+        """``logits`` [n, V]; ``contexts[i]``: the tokens generated before row i's choice."""
+        x = logits.float().clone()
+        if self.bias is not None:
+            x += self.bias
+        if self.presence or self.frequency:
+            for i, ctx in enumerate(contexts):
+                if ctx:
+                    ids, counts = torch.tensor(ctx, dtype=torch.long).unique(return_counts=True)
+                    x[i, ids] -= self.presence + self.frequency * counts.float()
+        return x

@@ -14,7 +14,7 @@ from common.v1 import verifier_pb2 as pb
 from common.v1 import verifier_pb2_grpc as pb_grpc
 
 from . import load
-from .constraints import unpack
+from .constraints import Adjust, unpack
 from .sessions import Entry, Open, Verifier
 
 tracer = trace.get_tracer("racer.verifier")
@@ -78,13 +78,29 @@ class _VerifyStream(SessionStream[Entry]):
         )
         session = self.entry.session
         session.logprobs = max(-1, min(op.logprobs, 20))
+        session.generated = []
+        session.echo, session.echo_out, session._echo_prev = op.echo, [], None
+        try:
+            session.adjust = Adjust.of(
+                dict(op.logit_bias), op.presence_penalty, op.frequency_penalty, self.verifier.vocab_size
+            )
+        except ValueError as e:
+            raise Abort(Status.INVALID_ARGUMENT, str(e), field="logit_bias") from None
         session.open_mask = self._masks(op.mask, 1, "open.mask")
         if session.open_mask is not None:
             session.open_mask = session.open_mask[0]
         with tracer.start_as_current_span("verifier.prefill") as span:
             res = await v.open(self.entry, history, self.context.time_remaining(), op.reserve_tokens)
             span.set_attributes({"racer.history_tokens": len(history), "racer.reused_tokens": res.reused_tokens})
-        return self._answer(res, reused_tokens=res.reused_tokens, cost=_cost_curve(v))
+        echo = {}
+        if session.echo:
+            out, session.echo, session.echo_out = session.echo_out, False, []
+            echo = dict(
+                echo_logprobs=[float("nan") if v is None else v for v, _, _ in out],
+                echo_top_ids=[t for _, ids, _ in out for t in ids],
+                echo_top_logprobs=[w for _, _, vals in out for w in vals],
+            )
+        return self._answer(res, reused_tokens=res.reused_tokens, cost=_cost_curve(v), **echo)
 
     async def tree(self, tree: pb.VerifyTree) -> pb.VerifyResponse:
         self.entry.session.masks = self._masks(tree.masks, len(tree.tokens), "tree.masks")

@@ -282,3 +282,40 @@ def test_completion_logprobs_streamed_equal_whole(client):
         for t in ch.logprobs.tokens
     ]
     assert streamed == lp.tokens
+
+
+def test_penalties_and_logit_bias_with_drafts_equal_without(client):
+    """Penalties count each node's own path: drafts change nothing, and the bias acts."""
+    plain = _ids(client, False, max_tokens=40)
+    banned = plain[len(plain) // 2]
+    kw = dict(max_tokens=40, presence_penalty=0.7, frequency_penalty=0.9, logit_bias={str(banned): -100})
+    off = _ids(client, False, **kw)
+    assert banned not in off and off != plain
+    for mode in ("racer", "logits"):
+        assert _ids(client, True, extra_body={"speculation": {"mode": mode}}, **kw) == off
+    # the penalties alone change the output: each repeat is pushed down
+    assert _ids(client, False, max_tokens=40, frequency_penalty=2.0) != plain
+
+
+def test_echo_covers_the_prompt_with_the_models_own_logprobs(client, tok):
+    """A completion's tokens, sent back as the prompt with ``echo``: the prompt's log-probabilities
+    there are the completion's (one distribution, whether the model generated or read the tokens)."""
+    prompt = tok("The weather", add_special_tokens=False)["input_ids"]
+    first = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=10, logprobs=2, extra_body={"return_token_ids": True}
+    )
+    gen = first.choices[0].model_extra["token_ids"]
+    echo = client.completions.create(model=MODEL, prompt=prompt + gen, max_tokens=1, logprobs=2, echo=True)
+    lp = echo.choices[0].logprobs
+    assert echo.choices[0].text.startswith(tok.decode(prompt + gen))
+    assert len(lp.tokens) == len(prompt) + len(gen) + 1  # the prompt, then the one new token
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    want = first.choices[0].logprobs.token_logprobs
+    assert lp.token_logprobs[len(prompt) : len(prompt) + len(gen)] == pytest.approx(want, abs=1e-4)
+    streamed = [
+        t for c in client.completions.create(model=MODEL, prompt=prompt + gen, max_tokens=1, logprobs=2, echo=True,
+                                             stream=True)
+        for ch in c.choices if ch.logprobs for t in ch.logprobs.tokens
+    ]  # fmt: skip
+    assert streamed == lp.tokens
