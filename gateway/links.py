@@ -271,6 +271,7 @@ class VerifierLink(_Link):
         logprobs: int = -1,
         adjust: tuple = ({}, 0.0, 0.0),
         echo: bool = False,
+        generated_tokens: int = 0,
     ) -> Opened:
         """Prefills ``history`` (what the verifier's cache lacks of it); ``sampling``: a SamplingParams;
         ``reserve_tokens``: new tokens the turn may add (the verifier reserves KV memory for them);
@@ -290,6 +291,7 @@ class VerifierLink(_Link):
             presence_penalty=adjust[1],
             frequency_penalty=adjust[2],
             echo=echo,
+            generated_tokens=generated_tokens,
         )
         resp = await self.ask(vpb.VerifyRequest(open=op))
         cost = (tuple(resp.cost.sizes), tuple(resp.cost.ms)) if resp.cost.sizes else None

@@ -58,6 +58,8 @@ class TurnLinks:
         self.logprobs = -1  # log-probabilities the verifier returns (VerifierOpen.logprobs)
         self.draft_forced = True  # the grammar's forced tokens go to the drafter as a path
         self.adjust: tuple = ({}, 0.0, 0.0)  # logit_bias, presence and frequency penalties
+        self.echo = False  # the turn's first open returns the prefilled tokens' log-probabilities
+        self.turn_start = len(rounds.committed)  # the turn's output starts here in the committed tokens
         self.drafter_opened = 0  # the session's tokens the drafter stream was opened with
         # kind -> why the session is leaving its backend (drain, lost, full, unreachable); None: it is not
         self.leaving: dict[str, str | None] = {"drafter": None, "verifier": None}
@@ -140,6 +142,7 @@ class TurnLinks:
                     self.logprobs,
                     self.adjust,
                     self.echo and not self.rounds.stats.rounds,  # the turn's first open only
+                    len(self.rounds.committed) - self.turn_start,
                 )
             except (Lost, Abort) as e:
                 await link.close(cancel=True)

@@ -78,7 +78,7 @@ class _VerifyStream(SessionStream[Entry]):
         )
         session = self.entry.session
         session.logprobs = max(-1, min(op.logprobs, 20))
-        session.generated = []
+        session.generated = history[len(history) - op.generated_tokens :] if op.generated_tokens > 0 else []
         session.echo, session.echo_out, session._echo_prev = op.echo, [], None
         try:
             session.adjust = Adjust.of(

@@ -20,7 +20,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class VerifierOpen(_message.Message):
-    __slots__ = ("session_id", "tenant", "history", "sampling", "reserve_tokens", "mask", "logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "echo")
+    __slots__ = ("session_id", "tenant", "history", "sampling", "reserve_tokens", "mask", "logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "echo", "generated_tokens")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class VerifierOpen(_message.Message):
     PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     ECHO_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     history: _containers.RepeatedScalarFieldContainer[int]
@@ -50,7 +51,8 @@ class VerifierOpen(_message.Message):
     presence_penalty: float
     frequency_penalty: float
     echo: bool
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., history: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., reserve_tokens: _Optional[int] = ..., mask: _Optional[bytes] = ..., logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., echo: _Optional[bool] = ...) -> None: ...
+    generated_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., history: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., reserve_tokens: _Optional[int] = ..., mask: _Optional[bytes] = ..., logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., echo: _Optional[bool] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyTree(_message.Message):
     __slots__ = ("tokens", "parents", "masks")
