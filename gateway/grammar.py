@@ -61,8 +61,10 @@ class Grammars:
             return got
         xgr = self.xgr
         try:
-            if spec.kind == "json_object":
-                compiled = self.compiler.compile_builtin_json_grammar()
+            if spec.kind == "json_object":  # an object (OpenAI's json_object), whatever it holds
+                compiled = self.compiler.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=False, strict_mode=False
+                )
             elif spec.kind == "json_schema":
                 compiled = self.compiler.compile_json_schema(spec.text, any_whitespace=False, strict_mode=True)
             elif spec.kind == "tool_call":

@@ -81,3 +81,10 @@ def test_a_refused_schema_names_its_field(grammars):
     assert e.value.field == "response_format" and "nope" in e.value.message
     spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
     assert g.compile(spec) is g.compile(spec)  # cached
+
+
+def test_json_object_is_an_object(grammars):
+    g, tok = grammars
+    c = g.constraint(GrammarSpec("json_object"))
+    first = np.flatnonzero(np.unpackbits(c._fill().view(np.uint8), bitorder="little"))
+    assert tok.decode([int(t) for t in first]) == "{"
