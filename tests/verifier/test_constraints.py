@@ -37,6 +37,17 @@ def bf16():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_tree_rows_with_masks_and_penalties_equal_one_token_steps(bf16, seed):
+    _compare(bf16, seed, blind=False)
+
+
+def test_rows_masked_by_the_roots_state_alone_do_not(bf16):
+    """Negative control: every node given the root's mask (blind to its own path's state)."""
+    with pytest.raises(AssertionError):
+        for seed in range(4):
+            _compare(bf16, seed, blind=True)
+
+
+def _compare(bf16, seed: int, blind: bool) -> None:
     rng = random.Random(seed)
     adjust = Adjust.of({rng.randrange(VOCAB): 3.0, rng.randrange(VOCAB): -5.0}, 0.4, 0.6, VOCAB)
     prompt = [rng.randrange(3, VOCAB) for _ in range(12)]
@@ -66,7 +77,7 @@ def test_tree_rows_with_masks_and_penalties_equal_one_token_steps(bf16, seed):
             chain.append(tokens[j])
             j = parents[j]
         prefixes.append(tuple(chain[::-1]))
-    tree_s.masks = torch.stack([_mask(p) for p in prefixes])
+    tree_s.masks = torch.stack([_mask(prefixes[0] if blind else p) for p in prefixes])
     res = tree_s.verify(tokens, parents)
     emitted = [tokens[i] for i in res.accepted[1:]] + [res.bonus]
     assert emitted == path[: len(emitted)] and len(emitted) == 5  # the whole path, then the bonus
