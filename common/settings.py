@@ -546,6 +546,21 @@ SERVICE = {
             "the model name the HTTP API lists and accepts (default: the --model directory's name)",
         ),
         Setting(
+            "--chat-template",
+            "RACER_CHAT_TEMPLATE",
+            "",
+            "a Jinja chat template file for every chat request (default: the model's own; requests with tools "
+            "use a shipped hermes-style template when the model's own cannot render tools)",
+        ),
+        Setting(
+            "--tool-call-parser",
+            "RACER_TOOL_CALL_PARSER",
+            "hermes",
+            "how tool calls are read from the model's text: hermes (JSON in <tool_call> tags) or pythonic "
+            "([f(a=1), ...])",
+            choices=("hermes", "pythonic"),
+        ),
+        Setting(
             "--tls-server-name",
             "RACER_TLS_SERVER_NAME",
             "",

@@ -20,8 +20,9 @@ def chat_ids(tokenizer, user: str, system: str | None = DEFAULT_SYSTEM) -> list[
     return messages_ids(tokenizer, messages)
 
 
-def messages_ids(tokenizer, messages: list[dict]) -> list[int]:
-    return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+def messages_ids(tokenizer, messages: list[dict], **template) -> list[int]:
+    """``template``: ``apply_chat_template``'s own keywords (``tools``, ``chat_template``)."""
+    return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **template))
 
 
 def text_ids(tokenizer, text: str, special: bool = True) -> list[int]:
@@ -30,7 +31,7 @@ def text_ids(tokenizer, text: str, special: bool = True) -> list[int]:
     return _ids(tokenizer(text, add_special_tokens=special))
 
 
-def continue_ids(tokenizer, history: list[int], messages: list[dict], eos_ids=()) -> list[int]:
+def continue_ids(tokenizer, history: list[int], messages: list[dict], eos_ids=(), **template) -> list[int]:
     """Ids that continue a chat session whose ``history`` ends with the assistant's last answer.
 
     The template decides what closes an assistant turn and opens the next ones; a probe
@@ -38,8 +39,8 @@ def continue_ids(tokenizer, history: list[int], messages: list[dict], eos_ids=()
     closing text that token already wrote is not repeated.
     """
     probe = [{"role": "user", "content": "\x00u"}, {"role": "assistant", "content": "\x00a"}]
-    base = tokenizer.apply_chat_template(probe, tokenize=False)
-    full = tokenizer.apply_chat_template(probe + list(messages), tokenize=False, add_generation_prompt=True)
+    base = tokenizer.apply_chat_template(probe, tokenize=False, **template)
+    full = tokenizer.apply_chat_template(probe + list(messages), tokenize=False, add_generation_prompt=True, **template)
     if not full.startswith(base) or "\x00a" not in base:
         raise ValueError("this model's chat template cannot continue a conversation turn by turn")
     close = base[base.rindex("\x00a") + 2 :]  # e.g. "<|im_end|>\n"

@@ -35,6 +35,7 @@ from .tree import DraftTree
 log = logging.getLogger("racer.drafter")
 
 MAX_BUDGET = 4096
+MAX_FORCED = 64  # forced tokens drafted per step (a tree stays within MAX_BUDGET nodes)
 MAX_CORPUS_TOKENS = 1 << 26  # a tenant corpus bound (~3 GB at 45 bytes a token)
 
 
@@ -88,6 +89,7 @@ class Step:
     budget: int
     mode: str
     batch_rows: int = 0
+    forced: tuple[int, ...] = ()  # tokens that must follow the root: a draft path of their own
 
 
 @dataclass(frozen=True)
@@ -209,6 +211,8 @@ class Drafter(Holder):
         if n_corpus:
             M.DRAFT_NODES.labels("corpus").inc(n_corpus)
         M.DRAFT_NODES.labels("session").inc(len(tree) - 1 - n_corpus)
+        if st.forced:
+            tree = tree.with_path(st.forced[: max(0, min(MAX_FORCED, MAX_BUDGET - len(tree)))])
         entry.tree = list(tree.tokens)
         entry.parents = list(tree.parents)
         entry.touch()

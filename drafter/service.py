@@ -105,6 +105,7 @@ def _step(st: pb.DraftStep) -> Step:
         budget=st.budget,
         mode=st.mode or "racer",
         batch_rows=st.batch_rows,
+        forced=tuple(st.forced),
     )
 
 

@@ -26,6 +26,24 @@ class DraftTree:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def with_path(self, path) -> "DraftTree":
+        """This tree with ``path`` (tokens after the root) as one of its paths: the nodes it already
+        has are followed, the rest appended (each after its parent, so ``parents[i] < i`` holds)."""
+        tokens, parents = list(self.tokens), list(self.parents)
+        child = {(p, t): i for i, (t, p) in enumerate(zip(tokens, parents)) if p >= 0}
+        node = 0
+        for t in path:
+            nxt = child.get((node, t))
+            if nxt is None:
+                nxt = len(tokens)
+                tokens.append(t)
+                parents.append(node)
+                child[(node, t)] = nxt
+            node = nxt
+        extra = len(tokens) - len(self.tokens)
+        ranks = self.ranks + tuple(range(len(self.tokens), len(tokens))) if self.ranks else ()
+        return DraftTree(tuple(tokens), tuple(parents), self.n_retrieval, ranks, self.corpus_nodes) if extra else self
+
     def prefix(self, budget: int) -> "DraftTree":
         """The sub-tree of the ``budget`` first-inserted nodes (a parent is inserted before its children)."""
         if budget >= len(self.tokens):

@@ -26,6 +26,7 @@ from .quotas import Quotas, TenantLimits
 from .records import Record, Records
 from .requests import Limits, Request, check, input_ids
 from .routing import Endpoints
+from .tools import template_for
 from .turn import Chunk, Finished, Turn
 
 log = logging.getLogger("racer.gateway")
@@ -74,8 +75,13 @@ class Gateway:
         tenant_limits: TenantLimits = TenantLimits(),
         lease_s: float = 10.0,
         queueing: Queueing = Queueing(),
+        chat_template: str = "",
+        tool_parser: str = "hermes",
     ):
         self.tokenizer = tokenizer
+        self.chat_template = chat_template  # the operator's template text ("": the model's own)
+        self.tool_parser = tool_parser  # how tool calls are read out of the text (gateway.tools.PARSERS)
+        self._grammars = None  # gateway.grammar.Grammars, made at the first constrained request
         self.eos_ids = tuple(eos_ids)
         self.backends = Backends(drafters, verifiers, timeouts.backend)
         self.api_keys = api_keys  # None: no auth; keys (possibly none: nobody gets in) otherwise
@@ -118,6 +124,9 @@ class Gateway:
         if self.stopping:
             raise Abort(Status.UNAVAILABLE, self.stopping)
         req = check(r, self.limits, self.vocab_size)
+        constraint = None
+        if req.grammar is not None:  # compiled before the turn takes anything: a refused schema is a 400
+            constraint = await asyncio.to_thread(self._constraint, req.grammar)
         if r.session_id:
             record = await self.records.load(tenant, r.session_id)
         else:
@@ -148,6 +157,7 @@ class Gateway:
                     lease = item
         # Listed at once (no await since the lease was taken): the drain waits for it, and _run settles it.
         run = self._turns[key] = Turn(self, record, history, len(turn), req)
+        run.constrain(constraint)
         async with contextlib.aclosing(self._run(key, run, lease, kept)) as items:
             async for item in items:
                 yield item
@@ -210,10 +220,23 @@ class Gateway:
     async def _input_ids(self, r: Request, history: list[int]) -> list[int]:
         """The turn's input tokens: text is tokenized, and a large ``prompt_ids`` scanned, off the event
         loop, so one large request does not hold up every other stream of this gateway."""
-        args = (r, history, self.tokenizer, self.eos_ids, self.limits, self.vocab_size)
+        template = None
+        if r.input == "chat":
+            wants_tools = bool(r.tools) or any(r.chat_extra)
+            template = template_for(self.tokenizer, self.chat_template, wants_tools)
+        args = (r, history, self.tokenizer, self.eos_ids, self.limits, self.vocab_size, template)
         if r.input == "prompt_ids" and len(r.prompt_ids) <= 2048:
             return input_ids(*args)
         return await asyncio.to_thread(input_ids, *args)
+
+    def _constraint(self, spec):
+        if self.tokenizer is None:
+            raise Abort(Status.FAILED_PRECONDITION, f"{spec.field}: this gateway has no tokenizer", field=spec.field)
+        if self._grammars is None:
+            from .grammar import Grammars  # the grammar library loads only when a request needs it
+
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
+        return self._grammars.constraint(spec)
 
     # -- sessions -----------------------------------------------------------------------------
     async def session(self, tenant: str, session_id: str) -> Record:

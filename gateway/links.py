@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -51,6 +52,40 @@ class Lost(Exception):
 
 
 @dataclass(frozen=True)
+class LogProbs:
+    """Of chosen tokens, in order: each one's log-probability and the top ``n`` (ids, values)."""
+
+    chosen: list[float]
+    top_ids: list[list[int]]
+    top: list[list[float]]
+
+
+def _logprobs(resp) -> LogProbs | None:
+    if not resp.logprobs:
+        return None
+    k = len(resp.logprobs)
+    n = len(resp.top_ids) // k
+    ids, vals = list(resp.top_ids), list(resp.top_logprobs)
+    return LogProbs(
+        list(resp.logprobs), [ids[i * n : (i + 1) * n] for i in range(k)], [vals[i * n : (i + 1) * n] for i in range(k)]
+    )
+
+
+def _echo(resp) -> LogProbs:
+    values = [None if math.isnan(v) else v for v in resp.echo_logprobs]
+    have = sum(v is not None for v in values)
+    n = len(resp.echo_top_ids) // have if have else 0
+    ids, vals = list(resp.echo_top_ids), list(resp.echo_top_logprobs)
+    top_ids, top, i = [], [], 0
+    for v in values:
+        k = 0 if v is None else n
+        top_ids.append(ids[i : i + k])
+        top.append(vals[i : i + k])
+        i += k
+    return LogProbs(values, top_ids, top)
+
+
+@dataclass(frozen=True)
 class Opened:
     """A verifier's answer to an open: the prefill's next token and top-k rows, and its cost curve."""
 
@@ -60,6 +95,9 @@ class Opened:
     cost: Cost | None  # None: not measured
     elapsed_ms: float
     reused_tokens: int = 0  # of the history, found in the verifier's cache (the rest was prefilled)
+    logprobs: LogProbs | None = None  # of next_token, when asked for
+    # echo: the prefilled history tokens' log-probabilities (None: the first, without its predecessor's)
+    echo: LogProbs | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +114,7 @@ class Verified:
     topk: list[int]  # the tree's top-k rows, for the drafter to learn from
     batch_rows: int  # rows of other sessions' trees in the same forward
     elapsed_ms: float  # inside the verifier
+    logprobs: LogProbs | None = None  # of the accepted path's successors and the bonus, when asked for
 
 
 @dataclass(frozen=True)
@@ -192,8 +231,9 @@ class DrafterLink(_Link):
         )
         return resp.restored_from, resp.elapsed_ms
 
-    async def send_step(self, root: int, budget: int, mode: str, feedback: Feedback) -> None:
-        """The next step; ``receive_tree`` reads its tree (so the gateway can work while the drafter does)."""
+    async def send_step(self, root: int, budget: int, mode: str, feedback: Feedback, forced=()) -> None:
+        """The next step; ``receive_tree`` reads its tree (so the gateway can work while the drafter does).
+        ``forced``: tokens that must follow the root (a grammar's only choices), drafted as a path."""
         await self.send(
             dpb.DraftRequest(
                 step=dpb.DraftStep(
@@ -204,6 +244,7 @@ class DrafterLink(_Link):
                     budget=budget,
                     mode=mode,
                     batch_rows=feedback.batch_rows,
+                    forced=forced,
                 )
             )
         )
@@ -219,22 +260,58 @@ class DrafterLink(_Link):
 
 
 class VerifierLink(_Link):
-    async def open(self, session_id: str, tenant: str, history: list[int], sampling, reserve_tokens: int = 0) -> Opened:
+    async def open(
+        self,
+        session_id: str,
+        tenant: str,
+        history: list[int],
+        sampling,
+        reserve_tokens: int = 0,
+        mask: bytes = b"",
+        logprobs: int = -1,
+        adjust: tuple = ({}, 0.0, 0.0),
+        echo: bool = False,
+        generated_tokens: int = 0,
+    ) -> Opened:
         """Prefills ``history`` (what the verifier's cache lacks of it); ``sampling``: a SamplingParams;
-        ``reserve_tokens``: new tokens the turn may add (the verifier reserves KV memory for them)."""
+        ``reserve_tokens``: new tokens the turn may add (the verifier reserves KV memory for them);
+        ``mask``: the tokens allowed next (packed, empty: all); ``logprobs``: -1 none, else top n."""
         s = vpb.Sampling(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
         if sampling.seed is not None:
             s.seed = sampling.seed
         op = vpb.VerifierOpen(
-            session_id=session_id, tenant=tenant, history=history, sampling=s, reserve_tokens=reserve_tokens
+            session_id=session_id,
+            tenant=tenant,
+            history=history,
+            sampling=s,
+            reserve_tokens=reserve_tokens,
+            mask=mask,
+            logprobs=logprobs,
+            logit_bias=adjust[0],
+            presence_penalty=adjust[1],
+            frequency_penalty=adjust[2],
+            echo=echo,
+            generated_tokens=generated_tokens,
         )
         resp = await self.ask(vpb.VerifyRequest(open=op))
         cost = (tuple(resp.cost.sizes), tuple(resp.cost.ms)) if resp.cost.sizes else None
-        return Opened(resp.next_token, list(resp.topk), resp.topk_width, cost, resp.elapsed_ms, resp.reused_tokens)
+        return Opened(
+            resp.next_token,
+            list(resp.topk),
+            resp.topk_width,
+            cost,
+            resp.elapsed_ms,
+            resp.reused_tokens,
+            _logprobs(resp),
+            _echo(resp) if echo else None,
+        )
 
-    async def verify(self, tokens: list[int], parents: list[int]) -> Verified:
-        resp = await self.ask(vpb.VerifyRequest(tree=vpb.VerifyTree(tokens=tokens, parents=parents)))
-        return Verified(list(resp.accepted), resp.next_token, list(resp.topk), resp.batch_rows, resp.elapsed_ms)
+    async def verify(self, tokens: list[int], parents: list[int], masks: bytes = b"") -> Verified:
+        """``masks``: per node, the tokens allowed after its path (packed, empty: all)."""
+        resp = await self.ask(vpb.VerifyRequest(tree=vpb.VerifyTree(tokens=tokens, parents=parents, masks=masks)))
+        return Verified(
+            list(resp.accepted), resp.next_token, list(resp.topk), resp.batch_rows, resp.elapsed_ms, _logprobs(resp)
+        )
 
 
 @dataclass

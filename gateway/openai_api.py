@@ -16,6 +16,7 @@ the gateway's ``Request``, ``Chunk`` and ``Finished``:
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import time
@@ -39,6 +40,9 @@ from pydantic_core import PydanticCustomError
 
 from common.errors import Abort, Status
 
+from . import tools as T
+from .grammar import GrammarSpec
+from .links import LogProbs
 from .requests import Request
 from .stops import StopText
 from .turn import Finished
@@ -163,41 +167,118 @@ class _Part(BaseModel):
     text: StrictStr
 
 
+class _FunctionCall(BaseModel):
+    name: Annotated[StrictStr, Field(min_length=1)]
+    arguments: StrictStr  # JSON text of an object, as the API returned it
+
+
+class _ToolCall(BaseModel):
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: _FunctionCall
+
+
 class Message(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[StrictStr | list[_Part], _one_error("expected a string or an array of text parts")]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[StrictStr | list[_Part], _one_error("expected a string or an array of text parts")] | None = None
+    tool_calls: list[_ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: StrictStr | None = None  # a tool's answer: to which call
+    name: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _content(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise PydanticCustomError("missing", "content: Field required")
+        return self
 
     def pair(self) -> tuple[str, str]:
         """(role, text): developer is system, parts are joined."""
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        content = self.content or ""
+        text = content if isinstance(content, str) else "".join(p.text for p in content)
         return ("system" if self.role == "developer" else self.role), text
+
+    def extra(self) -> str:
+        """The keys the chat template reads beyond role and content, as JSON ("" none)."""
+        out: dict = {}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _args(c)}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return json.dumps(out, ensure_ascii=False) if out else ""
+
+
+def _args(c: _ToolCall):
+    """A call's arguments as the object templates render (its JSON text when it is not one)."""
+    try:
+        value = json.loads(c.function.arguments)
+    except ValueError:
+        return c.function.arguments
+    return value if isinstance(value, dict) else c.function.arguments
+
+
+class _Function(BaseModel):
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: StrictStr | None = None
+    parameters: dict | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: _Function
+
+
+class _Named(BaseModel):
+    class _Name(BaseModel):
+        name: StrictStr
+
+    type: Literal["function"]
+    function: _Name
+
+
+ToolChoice = Annotated[
+    Literal["none", "auto", "required"] | _Named,
+    _one_error('expected "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'),
+]
 
 
 class Speculation(BaseModel):
     mode: StrictStr = ""  # "": racer
     budget: StrictInt = 0  # 0: adaptive
+    forced: StrictBool = True  # the tokens a grammar forces are drafted as a path of their own
 
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class _JsonSchema(BaseModel):
+    name: StrictStr = "response"
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+    description: StrictStr | None = None
+
+
 class ResponseFormat(BaseModel):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: _JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise PydanticCustomError("missing", 'json_schema: required with type "json_schema"')
+        return self
 
 
 # Fields this server does not implement, with the values that ask for nothing (refused otherwise).
 _NO_OP = {
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "logit_bias": ({},),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
-    "echo": (False,),
     "suffix": ("",),
     "best_of": (1,),
 }
@@ -224,6 +305,12 @@ class _Body(BaseModel):
     return_token_ids: StrictBool | None = None
     share: StrictBool | None = None  # False: the turn stays out of the tenant corpus
     response_format: ResponseFormat | None = None
+    presence_penalty: Annotated[float, Field(strict=True, ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(strict=True, ge=-2.0, le=2.0)] | None = None
+    logit_bias: (
+        dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")], Annotated[float, Field(strict=True, ge=-100, le=100)]]
+        | None
+    ) = None
 
     @model_validator(mode="after")
     def _no_ops(self):
@@ -238,10 +325,17 @@ class _Body(BaseModel):
 
 class ChatBody(_Body):
     messages: Annotated[list[Message], Field(min_length=1)]
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: Annotated[int, Field(strict=True, ge=0, le=20)] | None = None
 
 
 class CompletionBody(_Body):
     prompt: Prompt
+    echo: StrictBool | None = None  # the prompt before the completion (with its log-probabilities)
+    logprobs: Annotated[int, Field(strict=True, ge=0, le=5)] | None = None
 
 
 @dataclass(frozen=True)
@@ -256,6 +350,10 @@ class Call:
     keep_session: bool  # False: the session is closed after the call
     return_token_ids: bool
     stop: tuple[str, ...] = ()
+    tool_parser: str = ""  # how tool calls are read from the text ("": they are not: plain content)
+    parallel_tool_calls: bool = True  # False: the first call only
+    logprobs: int = -1  # -1: none; else top_logprobs (chat) or logprobs (completions)
+    echo: bool = False  # completions: the prompt before the completion
     id: str = field(default_factory=lambda: secrets.token_hex(12))  # after "chatcmpl-" or "cmpl-"
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -281,9 +379,10 @@ def _short(v) -> str:
     return text if len(text) <= 32 else f"{text[:29]}..."
 
 
-def parse(body, chat: bool, session_header: str = "") -> Call:
+def parse(body, chat: bool, session_header: str = "", tool_parser: str = "hermes") -> Call:
     """A request body (parsed JSON) as a ``Call``; ``ApiError`` 400 for what is malformed here
-    (the gateway's own checks, limits included, come later as ``Abort``)."""
+    (the gateway's own checks, limits included, come later as ``Abort``). ``tool_parser``: the
+    server's (``gateway.tools.PARSERS``)."""
     try:
         b = (ChatBody if chat else CompletionBody).model_validate(body)
     except ValidationError as e:
@@ -291,12 +390,26 @@ def parse(body, chat: bool, session_header: str = "") -> Call:
     sid = b.session_id or session_header
     stop = (b.stop,) if isinstance(b.stop, str) else tuple(b.stop or ())
     spec = b.speculation or Speculation()
+    extra: tuple[str, ...] = ()
+    tools_json, parser, grammar = "", "", _response_grammar(b.response_format)
+    logprobs = -1
     if chat:
         kind, text, ids, messages = "chat", "", (), tuple(m.pair() for m in b.messages)
+        extra = tuple(m.extra() for m in b.messages)
+        if not any(extra):
+            extra = ()
+        tools_json, parser, tool_grammar = _tools(b, tool_parser)
+        grammar = tool_grammar or grammar
+        if b.logprobs:
+            logprobs = b.top_logprobs or 0
+        elif b.top_logprobs:
+            raise bad_request("top_logprobs: requires logprobs: true", "top_logprobs")
     elif isinstance(b.prompt, str):
         kind, text, ids, messages = "text", b.prompt, (), ()
     else:
         kind, text, ids, messages = "prompt_ids", "", tuple(b.prompt), ()
+    if not chat and b.logprobs is not None:
+        logprobs = b.logprobs
     request = Request(
         session_id="" if sid == NEW_SESSION else sid,
         input=kind,
@@ -313,9 +426,71 @@ def parse(body, chat: bool, session_header: str = "") -> Call:
         stop=stop,
         share=b.share is not False,
         keep=bool(sid),
+        chat_extra=extra,
+        tools=tools_json,
+        grammar=grammar,
+        logprobs=logprobs,
+        forced=spec.forced,
+        logit_bias=tuple((int(k), float(v)) for k, v in (b.logit_bias or {}).items()),
+        presence_penalty=float(b.presence_penalty or 0.0),
+        frequency_penalty=float(b.frequency_penalty or 0.0),
+        echo=not chat and bool(b.echo),
     )
     include_usage = b.stream_options is not None and b.stream_options.include_usage
-    return Call(request, chat, b.model, bool(b.stream), include_usage, bool(sid), bool(b.return_token_ids), stop)
+    parallel = not chat or b.parallel_tool_calls is not False
+    return Call(
+        request,
+        chat,
+        b.model,
+        bool(b.stream),
+        include_usage,
+        bool(sid),
+        bool(b.return_token_ids),
+        stop,
+        parser,
+        parallel,
+        logprobs,
+        not chat and bool(b.echo),
+    )
+
+
+def _response_grammar(rf: ResponseFormat | None) -> GrammarSpec | None:
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return GrammarSpec("json_object")
+    schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {"type": "object"}
+    return GrammarSpec("json_schema", json.dumps(schema, sort_keys=True), "response_format")
+
+
+def _tools(b: ChatBody, parser: str) -> tuple[str, str, GrammarSpec | None]:
+    """(tools as JSON for the template, the parser to read calls with ("": none), the grammar of a
+    required or named call)."""
+    choice = b.tool_choice
+    tools = [t.model_dump(exclude_none=True) for t in b.tools or ()]
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice: requires tools", "tool_choice")
+        return "", "", None
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise bad_request("tools: two tools have the same name", "tools")
+    if choice == "none":  # the model is told of no tools and its text is not read for calls
+        return "", "", None
+    grammar = None
+    if choice == "required" or isinstance(choice, _Named):
+        name = choice.function.name if isinstance(choice, _Named) else None
+        if name is not None and name not in names:
+            raise bad_request(f"tool_choice: no tool is named {name!r}", "tool_choice")
+        if parser != "hermes":
+            raise bad_request(
+                f"tool_choice: {choice if isinstance(choice, str) else 'a named function'} needs the hermes "
+                f"tool-call parser (this server reads calls with {parser!r})",
+                "tool_choice",
+            )
+        schema = T.call_schema(tools, name)
+        grammar = GrammarSpec("tool_call", json.dumps(schema, sort_keys=True), "tools")
+    return json.dumps(tools, ensure_ascii=False), parser, grammar
 
 
 def _stats(f: Finished) -> dict:
@@ -354,13 +529,23 @@ def _head(call: Call, obj: str, session_id: str) -> dict:
     return out
 
 
-def response(call: Call, f: Finished, text: str, reason: str, token_ids: list[int]) -> dict:
-    """The whole answer of a call without ``stream``."""
+def response(
+    call: Call, f: Finished, text: str, reason: str, token_ids: list[int], logprobs: dict | None = None
+) -> dict:
+    """The whole answer of a call without ``stream`` (``logprobs``: the choice's, made by ``Tokens``)."""
     if call.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
+        message: dict = {"role": "assistant", "content": text}
+        parsed = T.parse(call.tool_parser, text) if call.tool_parser else None
+        if parsed is not None and parsed[1]:
+            content, calls = parsed
+            calls = calls if call.parallel_tool_calls else calls[:1]
+            message = {"role": "assistant", "content": content or None, "tool_calls": [c.openai() for c in calls]}
+            if reason == "stop":
+                reason = "tool_calls"
+        choice = {"index": 0, "message": message, "logprobs": logprobs}
         out = _head(call, "chat.completion", f.session_id)
     else:
-        choice = {"index": 0, "text": text, "logprobs": None}
+        choice = {"index": 0, "text": text, "logprobs": logprobs}
         out = _head(call, "text_completion", f.session_id)
     choice["finish_reason"] = reason
     if call.return_token_ids:
@@ -369,19 +554,100 @@ def response(call: Call, f: Finished, text: str, reason: str, token_ids: list[in
     return out
 
 
-def chunk(call: Call, session_id: str, text: str | None, token_ids: list[int], reason: str | None = None) -> dict:
+def chunk(
+    call: Call,
+    session_id: str,
+    text: str | None,
+    token_ids: list[int],
+    reason: str | None = None,
+    logprobs: dict | None = None,
+) -> dict:
     """One streamed event: a text delta (chat: ``text`` None is the opening delta with the role)."""
     if call.chat:
         delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         out = _head(call, "chat.completion.chunk", session_id)
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
         out = _head(call, "text_completion", session_id)
     if call.return_token_ids and text is not None:
         choice["token_ids"] = token_ids
     out["choices"] = [choice]
     return out
+
+
+def tool_call_chunks(call: Call, session_id: str, index: int, tc: T.ToolCall, piece: int = 32) -> list[dict]:
+    """A call as streamed deltas: the first with its index, id, type and name (arguments ""), then
+    its arguments in fragments of ``piece`` characters."""
+    first = {"index": index, "id": T.new_call_id(), "type": "function", "function": {"name": tc.name, "arguments": ""}}
+    deltas = [first] + [
+        {"index": index, "function": {"arguments": tc.arguments[i : i + piece]}}
+        for i in range(0, len(tc.arguments), piece)
+    ]
+    out = []
+    for d in deltas:
+        ev = _head(call, "chat.completion.chunk", session_id)
+        ev["choices"] = [{"index": 0, "delta": {"tool_calls": [d]}, "logprobs": None, "finish_reason": None}]
+        out.append(ev)
+    return out
+
+
+class Tokens:
+    """Log-probabilities as OpenAI returns them, from the verifier's (chat: ``content`` entries;
+    completions: ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``)."""
+
+    def __init__(self, call: Call, tokenizer):
+        self.call = call
+        self.tokenizer = tokenizer
+        self.offset = 0  # completions: characters before the next token
+
+    def _text(self, t: int) -> str:
+        return self.tokenizer.decode([t], skip_special_tokens=False) if self.tokenizer is not None else ""
+
+    def echo(self, ids: list[int], lp: LogProbs | None) -> tuple[str, dict | None]:
+        """The echoed prompt: its text, and its tokens' entries (the first one's log-probability is None)."""
+        r = self.call.request
+        text = r.prompt if r.input == "text" else (self.tokenizer.decode(ids) if self.tokenizer is not None else "")
+        return text, self.entries(ids, lp)
+
+    def entries(self, ids: list[int], lp: LogProbs | None) -> dict | None:
+        if lp is None or self.call.logprobs < 0:
+            return None
+        if self.call.chat:
+            content = []
+            for t, v, top_ids, top in zip(ids, lp.chosen, lp.top_ids, lp.top):
+                text = self._text(t)
+                content.append(
+                    {
+                        "token": text,
+                        "logprob": v,
+                        "bytes": list(text.encode()),
+                        "top_logprobs": [
+                            {"token": (s := self._text(i)), "logprob": w, "bytes": list(s.encode())}
+                            for i, w in zip(top_ids, top)
+                        ],
+                    }
+                )
+            return {"content": content}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, v, top_ids, top in zip(ids, lp.chosen, lp.top_ids, lp.top):
+            text = self._text(t)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(v)
+            out["top_logprobs"].append(None if v is None else {self._text(i): w for i, w in zip(top_ids, top)})
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+    @staticmethod
+    def join(parts: list[dict]) -> dict | None:
+        if not parts:
+            return None
+        out = {k: [] for k in parts[0]}
+        for p in parts:
+            for k, v in p.items():
+                out[k].extend(v)
+        return out
 
 
 def last_chunk(call: Call, f: Finished, reason: str) -> dict:

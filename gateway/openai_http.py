@@ -27,6 +27,7 @@ from . import openai_api as api
 from .admission import Queued
 from .core import Gateway
 from .stops import StopText
+from .tools import StreamParser, ToolCall
 from .turn import Chunk, Finished
 
 log = logging.getLogger("racer.gateway")
@@ -100,7 +101,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     gw = request.app[_GATEWAY]
     tenant = _tenant(request)
     body = _json(await request.read())
-    call = api.parse(body, chat, request.headers.get(SESSION_HEADER, ""))
+    call = api.parse(body, chat, request.headers.get(SESSION_HEADER, ""), gw.tool_parser)
     if call.model != request.app[_MODEL]:
         raise api.model_not_found(call.model, request.app[_MODEL])
     closing: list[asyncio.Future] = []  # the one-call session's close, once started
@@ -123,7 +124,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                 if call.stream:
                     resp, outcome[0] = await _stream(request, call, first, items, done)
                     return resp
-                return await _whole(call, first, items, done)
+                return await _whole(call, first, items, done, api.Tokens(call, gw.tokenizer))
     finally:
         if started and not call.keep_session and not closing:
             # An error or a client gone after the turn began (its record may have been saved just
@@ -166,22 +167,34 @@ async def _rest(items) -> None:
         raise AssertionError(f"a turn went on after its Finished message: {item!r}")
 
 
-async def _whole(call: api.Call, first, items, done) -> web.Response:
+async def _whole(call: api.Call, first, items, done, tokens: api.Tokens) -> web.Response:
     text = StopText(call.stop)
     parts: list[str] = []
     ids: list[int] = []
+    logprobs: list[dict] = []
+    echoed = ""
     item = first
     while isinstance(item, Queued):  # no keep-alive without a stream: the status line waits for the turn
         item = await anext(items)
     while isinstance(item, Chunk):
+        if item.echo_ids is not None:  # completions' echo: the prompt first
+            prompt, lp = tokens.echo(item.echo_ids, item.echo)
+            echoed = prompt
+            if lp is not None:
+                logprobs.append(lp)
         parts.append(text.push(item.text))
         ids.extend(item.token_ids)
+        lp = tokens.entries(item.token_ids, item.logprobs)
+        if lp is not None:
+            logprobs.append(lp)
         item = await anext(items)
     assert isinstance(item, Finished)
     await _rest(items)
     await done(item.session_id)
     parts.append(text.flush())
-    body = api.response(call, item, "".join(parts), api.finish_reason(item, text), ids)
+    body = api.response(
+        call, item, echoed + "".join(parts), api.finish_reason(item, text), ids, api.Tokens.join(logprobs)
+    )
     return web.json_response(body, headers={SESSION_HEADER: item.session_id} if call.keep_session else None)
 
 
@@ -202,6 +215,8 @@ async def _stream(request: web.Request, call: api.Call, first, items, done) -> t
     await resp.prepare(request)
     sid = first.session_id
     text = StopText(call.stop)
+    tokens = api.Tokens(call, request.app[_GATEWAY].tokenizer)
+    calls = _Calls(call, sid, resp) if call.tool_parser else None
     code = "OK"
     try:
         item = first
@@ -213,17 +228,28 @@ async def _stream(request: web.Request, call: api.Call, first, items, done) -> t
         if call.chat:
             await resp.write(_event(api.chunk(call, sid, None, [])))
         while isinstance(item, Chunk):
+            if item.echo_ids is not None:  # completions' echo: the prompt first
+                prompt, lp = tokens.echo(item.echo_ids, item.echo)
+                await resp.write(_event(api.chunk(call, sid, prompt, [], logprobs=lp)))
             delta = text.push(item.text)
-            if delta or call.return_token_ids:
-                await resp.write(_event(api.chunk(call, sid, delta, item.token_ids)))
+            lp = tokens.entries(item.token_ids, item.logprobs)
+            if calls is not None:
+                await calls.push(delta, item.token_ids, lp)
+            elif delta or call.return_token_ids or lp is not None:
+                await resp.write(_event(api.chunk(call, sid, delta, item.token_ids, logprobs=lp)))
             item = await anext(items)
         assert isinstance(item, Finished)
         await _rest(items)
         await done(item.session_id)
         rest = text.flush()
-        if rest:
+        reason = api.finish_reason(item, text)
+        if calls is not None:
+            await calls.push(rest, [], None, final=True)
+            if calls.index and reason == "stop":
+                reason = "tool_calls"
+        elif rest:
             await resp.write(_event(api.chunk(call, sid, rest, [])))
-        await resp.write(_event(api.last_chunk(call, item, api.finish_reason(item, text))))
+        await resp.write(_event(api.last_chunk(call, item, reason)))
         if call.include_usage:
             await resp.write(_event(api.usage_chunk(call, item)))
     except Abort as e:
@@ -237,6 +263,33 @@ async def _stream(request: web.Request, call: api.Call, first, items, done) -> t
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp, code
+
+
+class _Calls:
+    """A stream whose text is read for tool calls: content deltas as they come, each call once it is
+    whole (its first delta with index, id, type and name, then its argument fragments)."""
+
+    def __init__(self, call: api.Call, sid: str, resp: web.StreamResponse):
+        self.call, self.sid, self.resp = call, sid, resp
+        self.parser = StreamParser(call.tool_parser)
+        self.index = 0  # calls sent
+
+    async def push(self, delta: str, token_ids: list[int], logprobs: dict | None, final: bool = False) -> None:
+        out = self.parser.push(delta) if delta else []
+        if final:
+            out += self.parser.flush()
+        if logprobs is not None or (self.call.return_token_ids and token_ids):
+            # the tokens' own event (their text goes out below, as content or as a call)
+            await self.resp.write(_event(api.chunk(self.call, self.sid, "", token_ids, logprobs=logprobs)))
+        for it in out:
+            if isinstance(it, ToolCall):
+                if self.index and not self.call.parallel_tool_calls:
+                    continue
+                for ev in api.tool_call_chunks(self.call, self.sid, self.index, it):
+                    await self.resp.write(_event(ev))
+                self.index += 1
+            else:
+                await self.resp.write(_event(api.chunk(self.call, self.sid, it, [])))
 
 
 def app(gateway: Gateway, model: str, max_body_bytes: int) -> web.Application:

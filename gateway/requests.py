@@ -6,6 +6,7 @@ there is the gateway's bug (INTERNAL), not the caller's.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from common.errors import Abort, FieldError, Status, invalid
@@ -16,7 +17,7 @@ DEFAULT_MAX_NEW_TOKENS = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_IDS = 64
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass
@@ -56,6 +57,16 @@ class Request:
     stop_ids: tuple[int, ...] = ()
     share: bool = True  # False: this turn is not added to the tenant corpus
     keep: bool = True  # False: a one-call session, closed after this turn (never counted as a kept session)
+    # chat: per message, JSON of its keys beyond role and content ("" none): tool_calls, tool_call_id
+    chat_extra: tuple[str, ...] = ()
+    tools: str = ""  # JSON array of tool definitions for the chat template ("" none)
+    grammar: object = None  # gateway.grammar.GrammarSpec: what the output is constrained to (None: free)
+    logprobs: int = -1  # log-probabilities of each new token: -1 none, 0 its own, n: and the top n
+    forced: bool = True  # with a grammar: the tokens it forces are drafted as a path of their own
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    echo: bool = False  # the turn's first chunk carries the input tokens' log-probabilities
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,13 @@ class TurnRequest:
     stop: tuple[str, ...]  # stop strings
     stop_ids: tuple[int, ...]  # the request's own; the turn adds the model's end-of-sequence ids
     share: bool = True  # this turn's response goes into the tenant corpus (if the tenant shares)
+    grammar: object = None  # gateway.grammar.GrammarSpec, or None
+    logprobs: int = -1
+    forced: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    echo: bool = False
 
 
 def check(r: Request, limits: Limits, vocab_size: int | None) -> TurnRequest:
@@ -95,20 +113,41 @@ def check(r: Request, limits: Limits, vocab_size: int | None) -> TurnRequest:
         raise invalid("stop_ids", f"{len(r.stop_ids)} ids, at most {MAX_STOP_IDS}")
     if any(t < 0 or (vocab_size and t >= vocab_size) for t in r.stop_ids):
         raise invalid("stop_ids", "token id outside the vocabulary")
+    if any(t < 0 or (vocab_size and t >= vocab_size) for t, _ in r.logit_bias):
+        raise invalid("logit_bias", f"a token id outside the vocabulary [0, {vocab_size})")
     if r.system and r.input != "prompt":
         raise invalid("system", "only with a prompt input (chat carries its own)")
-    return TurnRequest(r.session_id, max_new, mode, r.budget, sampling, r.stop, r.stop_ids, r.share)
+    return TurnRequest(
+        r.session_id,
+        max_new,
+        mode,
+        r.budget,
+        sampling,
+        r.stop,
+        r.stop_ids,
+        r.share,
+        r.grammar,
+        r.logprobs,
+        r.forced,
+        r.logit_bias,
+        r.presence_penalty,
+        r.frequency_penalty,
+        r.echo,
+    )
 
 
-def input_ids(r: Request, history: list[int], tokenizer, eos_ids, limits: Limits, vocab_size: int | None) -> list[int]:
-    """The turn's new tokens: ``prompt_ids`` as they are, text through the chat template after ``history``."""
-    ids = _input_ids(r, history, tokenizer, eos_ids, limits, vocab_size)
+def input_ids(
+    r: Request, history: list[int], tokenizer, eos_ids, limits: Limits, vocab_size: int | None, template=None
+) -> list[int]:
+    """The turn's new tokens: ``prompt_ids`` as they are, text through the chat template after ``history``
+    (``template``: the template text to use, None: the tokenizer's own)."""
+    ids = _input_ids(r, history, tokenizer, eos_ids, limits, vocab_size, template)
     if len(ids) > limits.max_prompt_tokens:
         raise invalid(r.input, f"{len(ids)} tokens, the limit is max_prompt_tokens={limits.max_prompt_tokens}")
     return ids
 
 
-def _input_ids(r: Request, history, tokenizer, eos_ids, limits: Limits, vocab_size: int | None) -> list[int]:
+def _input_ids(r: Request, history, tokenizer, eos_ids, limits: Limits, vocab_size: int | None, template) -> list[int]:
     kind = r.input
     if kind is None:
         raise invalid("input", "set one of prompt, chat, prompt_ids, text")
@@ -131,6 +170,9 @@ def _input_ids(r: Request, history, tokenizer, eos_ids, limits: Limits, vocab_si
             messages.insert(0, {"role": "system", "content": r.system})
     elif kind == "chat":
         messages = [{"role": role, "content": content} for role, content in r.chat]
+        for m, extra in zip(messages, r.chat_extra):
+            if extra:
+                m.update(json.loads(extra))
         if not messages:
             raise invalid("chat.messages", "empty")
         bad = next((m["role"] for m in messages if m["role"] not in ROLES), None)
@@ -141,6 +183,7 @@ def _input_ids(r: Request, history, tokenizer, eos_ids, limits: Limits, vocab_si
     # Text longer than this cannot fit the token limit (a token is at least one character for the
     # tokenizers this serves; checked before tokenizing a huge string).
     chars = len(r.prompt) + len(r.system) + sum(len(content) for _, content in r.chat)
+    chars += len(r.tools) + sum(len(extra) for extra in r.chat_extra)
     if chars > 64 * limits.max_prompt_tokens:
         raise invalid(
             kind,
@@ -152,7 +195,14 @@ def _input_ids(r: Request, history, tokenizer, eos_ids, limits: Limits, vocab_si
         if not ids:
             raise invalid("prompt", "no tokens")
         return ids
+    kw = {}
+    if r.tools:
+        kw["tools"] = json.loads(r.tools)
+    if template is not None:
+        kw["chat_template"] = template
     try:
-        return continue_ids(tokenizer, history, messages, eos_ids) if history else messages_ids(tokenizer, messages)
+        if history:
+            return continue_ids(tokenizer, history, messages, eos_ids, **kw)
+        return messages_ids(tokenizer, messages, **kw)
     except Exception as e:  # noqa: BLE001 - template errors are the caller's input
         raise invalid(kind, f"the chat template rejected it: {e}") from None

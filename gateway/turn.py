@@ -19,7 +19,7 @@ from common.text import Detokenizer
 from common.tracing import TurnSpans
 
 from . import metrics as M
-from .links import Feedback, Tree, Verified
+from .links import Feedback, LogProbs, Tree, Verified
 from .records import Record
 from .requests import TurnRequest
 from .stops import StopStrings
@@ -35,6 +35,10 @@ class Chunk:
     session_id: str
     text: str
     token_ids: list[int]
+    logprobs: LogProbs | None = None  # of token_ids, when the request asked for them
+    # the first chunk, when the request asked for echo: the turn's input tokens and their log-probabilities
+    echo_ids: list[int] | None = None
+    echo: LogProbs | None = None
 
 
 @dataclass(frozen=True)
@@ -66,11 +70,20 @@ class Turn:
         self.rounds = Rounds(history, GenerationParams(req.max_new, tuple(self.stop_ids), req.mode, req.budget))
         self.stats = self.rounds.stats
         self.links = TurnLinks(gw, record, req.sampling, self.rounds)
+        self.links.logprobs = req.logprobs
+        self.links.draft_forced = req.forced
+        self.links.adjust = (dict(req.logit_bias), req.presence_penalty, req.frequency_penalty)
+        self.links.echo = req.echo and req.logprobs >= 0
+        self.constraint = None  # gateway.grammar.Constraint: the output's grammar state (None: free)
         q = gw.quotas.limits.of(record.tenant)  # the tenant's corpus switch and bound
         self.links.corpus = dict(share=req.share and q.share, corpus=q.share, corpus_tokens=q.corpus_tokens)
         self.lease = None  # leases.Lease: the record is saved only while it holds
         self.saved_tokens: int | None = None  # the saved record's length, once saved
         self._generated = M.GENERATED_TOKENS.labels(record.tenant)
+
+    def constrain(self, constraint) -> None:
+        """The turn's output follows ``constraint`` (a ``gateway.grammar.Constraint``, or None)."""
+        self.constraint = self.links.grammar = constraint
 
     def stop(self, reason: str, code: Status = Status.UNAVAILABLE, field: str | None = None) -> None:
         """Ends the turn with ``code`` at its next round or failover (a draining gateway: UNAVAILABLE;
@@ -95,6 +108,8 @@ class Turn:
                 await links.open_drafter(opened.topk, opened.topk_width)
             spans.start_rounds()
             out, done = rounds.start(opened.next_token)
+            self._advance(out)
+            lp = opened.logprobs
             feedback = Feedback()
             sent = False  # the next step is already on its way to the drafter
             while True:
@@ -111,7 +126,10 @@ class Turn:
                     emitted.extend(out)
                     rounds.emitted(out)
                     self._generated.inc(len(out))
-                    yield Chunk(sid, text, out)
+                    chunk = Chunk(sid, text, out, _cut(lp, len(out)))
+                    if len(emitted) == len(out) and self.req.echo:  # the first chunk
+                        chunk = self._echo(chunk, opened)
+                    yield chunk
                 if done:
                     break
                 links.check_abort()
@@ -119,6 +137,8 @@ class Turn:
                 tree = await links.draft(feedback, sent)
                 res = await links.verify(tree)
                 out, fed, done = rounds.settle(tree.tokens, res.accepted, res.next_token)
+                self._advance(out)  # before the next step: its forced tokens follow these
+                lp = res.logprobs
                 feedback = Feedback(res.topk, res.accepted, len(fed), res.batch_rows)
                 # The next step goes out before this round's bookkeeping and text, which are then done
                 # while the drafter works. Not with stop strings: the text may still end the turn, and
@@ -135,6 +155,25 @@ class Turn:
         finally:
             spans.close()
             await links.release(cancel=not finished)
+
+    def _echo(self, chunk: Chunk, opened) -> Chunk:
+        """The first chunk with the turn's input (and, asked for, their log-probabilities)."""
+        ids = self.history[len(self.history) - self.n_turn :]
+        lp = opened.echo
+        if lp is not None:  # what the verifier prefilled of them (all, unless it held a prefix)
+            k = min(len(ids), len(lp.chosen))
+            pad = len(ids) - k
+            lp = LogProbs(
+                [None] * pad + lp.chosen[len(lp.chosen) - k :],
+                [[]] * pad + lp.top_ids[len(lp.chosen) - k :],
+                [[]] * pad + lp.top[len(lp.chosen) - k :],
+            )
+        return Chunk(chunk.session_id, chunk.text, chunk.token_ids, chunk.logprobs, ids, lp)
+
+    def _advance(self, out: list[int]) -> None:
+        """The grammar follows the emitted tokens (a stop string may cut them, but then the turn ends)."""
+        if self.constraint is not None:
+            self.constraint.advance(out)
 
     def _stop_strings(self, detok, out, done):
         """Text of ``out``; cut after the token that completes a stop string (which ends the turn)."""
@@ -187,3 +226,8 @@ class Turn:
             total * 1e3,
             s.new_tokens / total if total else 0.0,
         )
+
+
+def _cut(lp: LogProbs | None, n: int) -> LogProbs | None:
+    """The first ``n`` tokens' log-probabilities (a round's tokens may be cut by a stop)."""
+    return None if lp is None else LogProbs(lp.chosen[:n], lp.top_ids[:n], lp.top[:n])

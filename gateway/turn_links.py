@@ -29,6 +29,7 @@ log = logging.getLogger("racer.gateway")
 
 DEFAULT_BUDGET = 16  # when the request asks for the adaptive budget but the verifier has no cost curve
 ROUND_OVERHEAD_MS = 1.5  # per round outside the verifier's forward: drafter, two RPCs, this loop
+FORCED = 64  # forced tokens sent with a step, at most (drafter.core.MAX_FORCED)
 FAILOVERS = 3  # streams lost mid-turn, per service kind and turn (failed opens are bounded by time)
 
 
@@ -53,6 +54,12 @@ class TurnLinks:
         self.abort_field: str | None = None  # the request field the abort is about (Abort.field)
         self.waiting: dict[str, float] = {}  # kind -> when to stop waiting for one to come back
         self.corpus: dict = {}  # the tenant corpus for the drafter's open: share, corpus, corpus_tokens
+        self.grammar = None  # gateway.grammar.Constraint: the masks the verifier applies (None: none)
+        self.logprobs = -1  # log-probabilities the verifier returns (VerifierOpen.logprobs)
+        self.draft_forced = True  # the grammar's forced tokens go to the drafter as a path
+        self.adjust: tuple = ({}, 0.0, 0.0)  # logit_bias, presence and frequency penalties
+        self.echo = False  # the turn's first open returns the prefilled tokens' log-probabilities
+        self.turn_start = len(rounds.committed)  # the turn's output starts here in the committed tokens
         self.drafter_opened = 0  # the session's tokens the drafter stream was opened with
         # kind -> why the session is leaving its backend (drain, lost, full, unreachable); None: it is not
         self.leaving: dict[str, str | None] = {"drafter": None, "verifier": None}
@@ -124,7 +131,19 @@ class TurnLinks:
             link = gw.backends.verifier(ep)
             try:
                 left = max(0, self.rounds.max_new - self.rounds.stats.new_tokens)  # KV rows to reserve
-                opened = await link.open(rec.session_id, rec.tenant, self.rounds.committed, self.sampling, left)
+                mask = self.grammar.open_mask() if self.grammar is not None else b""
+                opened = await link.open(
+                    rec.session_id,
+                    rec.tenant,
+                    self.rounds.committed,
+                    self.sampling,
+                    left,
+                    mask,
+                    self.logprobs,
+                    self.adjust,
+                    self.echo and not self.rounds.stats.rounds,  # the turn's first open only
+                    len(self.rounds.committed) - self.turn_start,
+                )
             except (Lost, Abort) as e:
                 await link.close(cancel=True)
                 if isinstance(e, Abort) and e.code == Status.RESOURCE_EXHAUSTED:
@@ -251,11 +270,17 @@ class TurnLinks:
             self.gw.backends.closed(self.verifier.endpoint)
         self.drafter = self.verifier = None
 
+    def _forced(self) -> list[int]:
+        """The tokens the grammar forces after the root (none without drafts: mode "off")."""
+        if self.grammar is None or self.rounds.mode == "off" or not self.draft_forced:
+            return []
+        return self.grammar.forced(FORCED)
+
     async def send_step(self, feedback: Feedback) -> bool:
         """Sends the next step now, for ``draft(sent=True)`` to read its tree; False: no drafter to send to."""
         if self.drafter is None:
             return False
-        await self.drafter.send_step(self.rounds.root, self.rounds.budget, self.rounds.mode, feedback)
+        await self.drafter.send_step(self.rounds.root, self.rounds.budget, self.rounds.mode, feedback, self._forced())
         return True
 
     async def draft(self, feedback: Feedback, sent: bool = False) -> Tree:
@@ -268,7 +293,7 @@ class TurnLinks:
                 sent = False
             try:
                 if not sent:
-                    await self.drafter.send_step(rounds.root, rounds.budget, rounds.mode, feedback)
+                    await self.drafter.send_step(rounds.root, rounds.budget, rounds.mode, feedback, self._forced())
                 sent = False
                 tree = await self.drafter.receive_tree()
             except Lost as e:
@@ -286,11 +311,13 @@ class TurnLinks:
             return tree
 
     async def verify(self, tree: Tree) -> Verified:
+        # each node's mask from its own path's grammar state
+        masks = self.grammar.tree_masks(tree.tokens, tree.parents) if self.grammar is not None else b""
         while True:
             if self.verifier is None:
                 await self.open_verifier()  # its next token is the root again (greedy) or a discarded draw
             try:
-                res = await self.verifier.verify(tree.tokens, tree.parents)
+                res = await self.verifier.verify(tree.tokens, tree.parents, masks)
             except Abort as e:
                 raise Abort(
                     Status.INTERNAL,

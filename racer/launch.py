@@ -317,6 +317,7 @@ def _gateway_core(args, tokenizer, eos_ids, vocab_size, drafters, verifiers, key
     from gateway.admission import Queueing
     from gateway.core import Gateway, Timeouts
     from gateway.requests import Limits
+    from gateway.tools import load_template
 
     # Without API keys every turn is the one local tenant's: a per-tenant cap would be the whole
     # service's, below what the verifiers admit (they queue on KV memory and batch what runs).
@@ -335,6 +336,8 @@ def _gateway_core(args, tokenizer, eos_ids, vocab_size, drafters, verifiers, key
         tenant_limits=_tenant_limits(args, per_tenant),
         lease_s=args.lease_seconds,
         queueing=Queueing(args.queue_max_waiters, args.queue_wait_seconds, args.queue_poll_seconds),
+        chat_template=load_template(args.chat_template),
+        tool_parser=args.tool_call_parser,
     )
 
 

@@ -177,6 +177,14 @@ def stop(procs) -> None:
             p.kill()
 
 
+class Target(str):
+    """A running stack's gateway target (``host:port``), with the ports it found: ``http_port`` (0:
+    off) and ``metrics`` (each service's metrics port)."""
+
+    http_port: int = 0
+    metrics: dict[str, int] = {}
+
+
 @contextlib.contextmanager
 def running(
     model: str = settings.default("verifier", "--model"),
@@ -219,8 +227,9 @@ def running(
             t0 = time.monotonic()
             fixed = None if any_ports else {s: f"127.0.0.1:{p}" for s, (p, _) in ports.items()}
             found = start_healthy(procs, envs, fixed)
-            gateway = found["gateway"]["grpc"]
-            http = found["gateway"]["http"]
+            gateway = Target(found["gateway"]["grpc"])
+            http = gateway.http_port = found["gateway"]["http"]
+            gateway.metrics = {s: found[s]["metrics"] for s in ports}
             if split:  # the client side, off the verifier's CPUs (threads started from here on inherit it)
                 cpus.confine(cpus.format_list(split[1]))
             print(

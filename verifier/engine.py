@@ -15,6 +15,7 @@ from common.params import SamplingParams
 
 from .acceptance import accept
 from .backend import Backend
+from .constraints import Adjust, LogProbs, logprobs, masked
 from .hf import HFBackend, chain_of
 from .llama import LlamaBackend, forward_segments
 from .sampling import Sampler
@@ -32,6 +33,7 @@ class PrefillResult:
     # [rows, k]: top-k next-token ids at the prompt's last ``rows`` positions (every position unless
     # the prefill asked for fewer: ``topk_rows``)
     topk: list[list[int]]
+    logprobs: LogProbs | None = None  # of next_token, when the session asks for them
 
 
 @dataclass
@@ -39,6 +41,7 @@ class VerifyResult:
     accepted: list[int]  # accepted node indices, root first
     bonus: int  # the target's choice after the last accepted node
     topk: list[list[int]]  # [n_nodes, k]: top-k next-token ids at every tree node
+    logprobs: LogProbs | None = None  # of each accepted node's successor, then the bonus
 
 
 def make_backend(model, kind: str = "auto", capacity: int = 1024) -> Backend:
@@ -84,6 +87,16 @@ class VerifierSession:
         self.topk = topk
         self.backend = make_backend(model, backend, capacity)
         self.set_sampling(sampling)
+        self.logprobs = -1  # log-probabilities of chosen tokens: -1 none, 0 the chosen one, n: and the top n
+        self.open_mask: torch.Tensor | None = None  # bool [V]: allowed after the prompt (its next choice)
+        self.masks: torch.Tensor | None = None  # bool [nodes, V]: allowed after each node of the next tree
+        self.adjust: Adjust | None = None  # logit_bias and penalties of the turn (None: none)
+        self.generated: list[int] = []  # the turn's tokens in the cache (penalties count them)
+        # echo: prefills record each prompt token's log-probability given the ones before it
+        self.echo = False
+        self.echo_tokens: list[int] = []  # the prompt being prefilled
+        self.echo_out: list[tuple[float | None, list[int], list[float]]] = []  # per prefilled token
+        self._echo_prev: torch.Tensor | None = None  # log-probabilities after the last prefilled token
 
     def set_sampling(self, sampling: SamplingParams) -> None:
         self.sampling = sampling
@@ -122,6 +135,7 @@ class VerifierSession:
         the top-k of only the last that many positions (None: all); the output layer runs over the
         rows it needs only (those, and the last row when ``choose``)."""
         inputs = self._prefill_inputs(tokens)
+        self.echo_tokens = list(tokens) if self.echo else []
         # A prompt is one fused forward even in invariant mode: every run of the same prompt gets the
         # same bits; only tree rows must match what a one-token step computes.
         exact = {"rows_exact": False} if self.backend.invariant else {}
@@ -153,6 +167,11 @@ class VerifierSession:
         hidden = self.backend.forward(ids, positions, mask)
         return self._settle(tokens, parents, self.backend.logits(hidden))
 
+    def _take_masks(self, rows: list[int] | None = None) -> torch.Tensor | None:
+        """The next tree's masks (used once), of ``rows`` only if given."""
+        masks, self.masks = self.masks, None
+        return masks if masks is None or rows is None else masks[rows]
+
     def _verify_chain(self, tokens: list[int], parents: list[int]) -> VerifyResult:
         """For a model that cannot verify trees: the tree's first path, verified as a chain.
 
@@ -161,6 +180,7 @@ class VerifierSession:
         else of their nearest evaluated ancestor."""
         validate(tokens, parents, self.vocab_size)
         chain = chain_of(parents)
+        self.masks = self._take_masks(chain)
         sub = self._settle(
             [tokens[i] for i in chain],
             [-1, *range(len(chain) - 1)],
@@ -174,7 +194,7 @@ class VerifierSession:
             while a not in on:
                 a = parents[a]
             topk.append(on[i] if i in on else by_token.get(tokens[i], on[a]))
-        return VerifyResult([chain[j] for j in sub.accepted], sub.bonus, topk)
+        return VerifyResult([chain[j] for j in sub.accepted], sub.bonus, topk, sub.logprobs)
 
     def _inputs_chain(self, tokens: list[int], chain: list[int]):
         n = len(chain)
@@ -187,7 +207,12 @@ class VerifierSession:
         return torch.tensor(tokens, dtype=torch.long), positions, mask
 
     def _settle(self, tokens: list[int], parents: list[int], logits: torch.Tensor) -> VerifyResult:
-        """Top-k, acceptance and KV commit from the tree's logits [n, V]."""
+        """Top-k, acceptance and KV commit from the tree's logits [n, V]; each node's choice among the
+        tokens its mask allows (its own path's grammar state)."""
+        raw = logits
+        if self.adjust is not None:
+            logits = self.adjust.apply(logits, _contexts(self.generated, tokens, parents))
+        logits = masked(logits, self._take_masks())
         topk = torch.topk(logits, self.topk, dim=-1).indices.tolist()
         if self._sampler is None:
             argmax = torch.argmax(logits, dim=-1).tolist()
@@ -195,7 +220,59 @@ class VerifierSession:
         else:
             path, bonus = accept(tokens, parents, lambda i: self._sampler(logits[i].cpu()))
         self.backend.commit(path, len(tokens))
-        return VerifyResult(path, bonus, topk)
+        if self.adjust is not None:
+            self.generated.extend(tokens[i] for i in path)
+        lp = None
+        if self.logprobs >= 0:  # the token chosen at each accepted node: the next one on the path, then the bonus
+            lp = logprobs(raw[path], [tokens[i] for i in path[1:]] + [bonus], self.logprobs)
+        return VerifyResult(path, bonus, topk, lp)
+
+
+def _echo_rows(items, spans) -> dict[int, list[tuple["VerifierSession", int]]]:
+    """Head rows -> (echoing session, the row's position in its prompt)."""
+    rows: dict[int, list] = {}
+    for (session, *_), (pieces, _, _) in zip(items, spans):
+        if session.echo:
+            k = 0
+            for first, count in pieces:
+                for r in range(first, first + count):
+                    rows.setdefault(r, []).append((session, k))
+                    k += 1
+    return rows
+
+
+def _echo(rows: dict[int, list], logits: torch.Tensor, start: int) -> None:
+    """Each echoing session's prompt tokens' log-probabilities from the head rows ``start`` on
+    (``logits`` [rows, V]): row k gives token k + 1; a prompt's last row is kept for the first
+    token of its next chunk, and its first token takes the last row of the chunk before (or None)."""
+    for i in range(logits.shape[0]):
+        for session, k in rows.get(start + i, ()):
+            lp = torch.log_softmax(logits[i].float(), -1)
+            toks = session.echo_tokens
+            if k == 0:
+                prev, session._echo_prev = session._echo_prev, None
+                session.echo_out.append(_echo_entry(prev, toks[0], session.logprobs))
+            if k + 1 < len(toks):
+                session.echo_out.append(_echo_entry(lp, toks[k + 1], session.logprobs))
+            else:
+                session._echo_prev = lp
+
+
+def _echo_entry(lp: torch.Tensor | None, token: int, n: int) -> tuple[float | None, list[int], list[float]]:
+    if lp is None:
+        return None, [], []
+    if n <= 0:
+        return float(lp[token]), [], []
+    top = torch.topk(lp, n)
+    return float(lp[token]), top.indices.tolist(), top.values.tolist()
+
+
+def _contexts(generated: list[int], tokens: list[int], parents: list[int]) -> list[list[int]]:
+    """Per node: the turn's tokens before its choice (those cached, then its own path, root first)."""
+    paths: list[list[int]] = []
+    for i, p in enumerate(parents):
+        paths.append((paths[p] if p >= 0 else generated) + [tokens[i]])
+    return paths
 
 
 @torch.inference_mode()
@@ -243,9 +320,11 @@ def _head_input(items) -> tuple[list[torch.Tensor], list[tuple[list[tuple[int, i
     its input, and per item: its rows there as (first, count) pieces in order, how many of them get
     top-k, and its last one (None: no rows). A shared prefix's rows are one part for all of its
     items, sliced from the earliest row any of them needs, so none goes through the layer twice."""
-    wants = [
-        _logit_rows((0 if prefix is None else prefix.shape[0]) + hidden.shape[0], choose, topk_rows)
-        for _, hidden, choose, topk_rows, prefix in items
+    wants = [  # an echoing session needs every row: each one's log-probabilities of the next prompt token
+        _logit_rows(
+            (0 if prefix is None else prefix.shape[0]) + hidden.shape[0], choose, None if session.echo else topk_rows
+        )
+        for session, hidden, choose, topk_rows, prefix in items
     ]
     earliest: dict[int, int] = {}  # id(prefix) -> its first row any item needs
     for (_, hidden, _, _, prefix), (rows, _) in zip(items, wants):
@@ -289,16 +368,29 @@ def _prefilled(items) -> list[PrefillResult]:
     topk: list[list[int]] = []
     last: dict[int, torch.Tensor] = {}  # row -> its logits, for the prompts' last rows
     ends = {end for _, _, end in spans if end is not None}
+    echo = _echo_rows(items, spans)
     if parts:
         hidden = torch.cat(parts) if len(parts) > 1 else parts[0]
         for s in range(0, hidden.shape[0], _PREFILL_CHUNK):
             logits = session0.backend.logits(hidden[s : s + _PREFILL_CHUNK])
             topk.extend(torch.topk(logits, session0.topk, dim=-1).indices.tolist())
             last.update((r, logits[r - s]) for r in ends if s <= r < s + logits.shape[0])
+            _echo(echo, logits, s)
     out = []
-    for (session, _, choose, *_), (pieces, top, end) in zip(items, spans):
+    for (session, hidden, choose, topk_rows, prefix), (pieces, top, end) in zip(items, spans):
         rows = [row for first, count in pieces for row in topk[first : first + count]]
-        out.append(PrefillResult(session._choose(last[end]) if choose else -1, rows[len(rows) - top :]))
+        if session.echo:  # the top-k rows the caller asked for (the head ran over every row)
+            top = _logit_rows((0 if prefix is None else prefix.shape[0]) + hidden.shape[0], choose, topk_rows)[1]
+        nxt, lp = -1, None
+        if choose:
+            allowed, session.open_mask = session.open_mask, None
+            row = last[end]
+            if session.adjust is not None:
+                row = session.adjust.apply(row[None], [session.generated])[0]
+            nxt = session._choose(masked(row, allowed))
+            if session.logprobs >= 0:
+                lp = logprobs(last[end][None], [nxt], session.logprobs)
+        out.append(PrefillResult(nxt, rows[len(rows) - top :], lp))
     return out
 
 
@@ -333,6 +425,7 @@ def prefill_batch(
         except ValueError as e:
             results[j] = e
             continue
+        session.echo_tokens = list(tokens) if session.echo else []
         groups.setdefault((id(session.model), session.topk), []).append((j, inputs))
     for group in groups.values():
         heads = {} if items[group[0][0]][0].backend.invariant else _share_prefixes(group, items)

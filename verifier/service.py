@@ -7,12 +7,14 @@ from dataclasses import asdict
 
 from opentelemetry import trace
 
+from common.errors import Abort, Status
 from common.session_stream import SessionStream
 from common.v1 import common_pb2 as cpb
 from common.v1 import verifier_pb2 as pb
 from common.v1 import verifier_pb2_grpc as pb_grpc
 
 from . import load
+from .constraints import Adjust, unpack
 from .sessions import Entry, Open, Verifier
 
 tracer = trace.get_tracer("racer.verifier")
@@ -74,17 +76,52 @@ class _VerifyStream(SessionStream[Entry]):
                 reserve_tokens=op.reserve_tokens,
             )
         )
+        session = self.entry.session
+        session.logprobs = max(-1, min(op.logprobs, 20))
+        session.generated = history[len(history) - op.generated_tokens :] if op.generated_tokens > 0 else []
+        session.echo, session.echo_out, session._echo_prev = op.echo, [], None
+        try:
+            session.adjust = Adjust.of(
+                dict(op.logit_bias), op.presence_penalty, op.frequency_penalty, self.verifier.vocab_size
+            )
+        except ValueError as e:
+            raise Abort(Status.INVALID_ARGUMENT, str(e), field="logit_bias") from None
+        session.open_mask = self._masks(op.mask, 1, "open.mask")
+        if session.open_mask is not None:
+            session.open_mask = session.open_mask[0]
         with tracer.start_as_current_span("verifier.prefill") as span:
             res = await v.open(self.entry, history, self.context.time_remaining(), op.reserve_tokens)
             span.set_attributes({"racer.history_tokens": len(history), "racer.reused_tokens": res.reused_tokens})
-        return self._answer(res, reused_tokens=res.reused_tokens, cost=_cost_curve(v))
+        echo = {}
+        if session.echo:
+            out, session.echo, session.echo_out = session.echo_out, False, []
+            echo = dict(
+                echo_logprobs=[float("nan") if v is None else v for v, _, _ in out],
+                echo_top_ids=[t for _, ids, _ in out for t in ids],
+                echo_top_logprobs=[w for _, _, vals in out for w in vals],
+            )
+        return self._answer(res, reused_tokens=res.reused_tokens, cost=_cost_curve(v), **echo)
 
     async def tree(self, tree: pb.VerifyTree) -> pb.VerifyResponse:
+        self.entry.session.masks = self._masks(tree.masks, len(tree.tokens), "tree.masks")
         res = await self.verifier.verify(self.entry, list(tree.tokens), list(tree.parents))
         return self._answer(res, accepted=res.accepted, batch_rows=res.batch_rows)
 
+    def _masks(self, data: bytes, rows: int, field: str):
+        try:
+            return unpack(data, rows, self.verifier.vocab_size)
+        except ValueError as e:
+            raise Abort(Status.INVALID_ARGUMENT, f"{field}: {e}", field=field) from None
+
     def _answer(self, res, **fields) -> pb.VerifyResponse:
         """What every answer carries (after open: the next token; after a tree: the bonus token)."""
+        lp = res.logprobs
+        if lp is not None:
+            fields.update(
+                logprobs=lp.chosen,
+                top_ids=[t for row in lp.top_ids for t in row],
+                top_logprobs=[v for row in lp.top for v in row],
+            )
         return pb.VerifyResponse(
             next_token=res.next_token,
             topk=res.topk,

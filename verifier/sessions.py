@@ -31,6 +31,7 @@ from common.sessions import Holder, SessionTable
 
 from . import metrics as M
 from .batcher import Batcher, PrefillBatcher
+from .constraints import LogProbs
 from .engine import VerifierSession
 from .fair import ModelThread
 from .kv_memory import KVMemory, default_kv_bytes, kv_bytes_per_token
@@ -62,6 +63,7 @@ class Prefilled:
     reused_tokens: int
     cache_tokens: int
     elapsed_ms: float
+    logprobs: LogProbs | None = None  # of next_token, when the open asked for them
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class Verified:
     cache_tokens: int
     elapsed_ms: float
     batch_rows: int  # other sessions' rows in the same forward
+    logprobs: LogProbs | None = None  # of the accepted nodes' successors and the bonus, when asked for
 
 
 @dataclass(frozen=True)
@@ -276,7 +279,7 @@ class Verifier(Holder):
         M.PREFILL_SECONDS.observe(elapsed / 1e3)
         M.REUSED_TOKENS.inc(reuse)
         self._gauge()
-        return Prefilled(res.next_token, topk, reuse, len(entry.tokens), elapsed)
+        return Prefilled(res.next_token, topk, reuse, len(entry.tokens), elapsed, res.logprobs)
 
     async def verify(self, entry: Entry, tokens: list[int], parents: list[int]) -> Verified:
         """One tree of the session's, alone or batched with other sessions' trees."""
@@ -303,7 +306,13 @@ class Verifier(Holder):
         elapsed = (time.perf_counter() - t0) * 1e3
         M.VERIFY_SECONDS.observe(elapsed / 1e3)
         return Verified(
-            res.bonus, res.accepted, [t for row in res.topk for t in row], len(entry.tokens), elapsed, others
+            res.bonus,
+            res.accepted,
+            [t for row in res.topk for t in row],
+            len(entry.tokens),
+            elapsed,
+            others,
+            res.logprobs,
         )
 
     def streaming(self) -> int:

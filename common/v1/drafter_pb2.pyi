@@ -42,7 +42,7 @@ class DraftRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[DrafterOpen, _Mapping]] = ..., step: _Optional[_Union[DraftStep, _Mapping]] = ..., end_turn: _Optional[_Union[EndTurn, _Mapping]] = ...) -> None: ...
 
 class DraftStep(_message.Message):
-    __slots__ = ("tree_topk", "accepted", "commit", "root", "budget", "mode", "batch_rows")
+    __slots__ = ("tree_topk", "accepted", "commit", "root", "budget", "mode", "batch_rows", "forced")
     TREE_TOPK_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class DraftStep(_message.Message):
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_FIELD_NUMBER: _ClassVar[int]
     tree_topk: _containers.RepeatedScalarFieldContainer[int]
     accepted: _containers.RepeatedScalarFieldContainer[int]
     commit: int
@@ -57,7 +58,8 @@ class DraftStep(_message.Message):
     budget: int
     mode: str
     batch_rows: int
-    def __init__(self, tree_topk: _Optional[_Iterable[int]] = ..., accepted: _Optional[_Iterable[int]] = ..., commit: _Optional[int] = ..., root: _Optional[int] = ..., budget: _Optional[int] = ..., mode: _Optional[str] = ..., batch_rows: _Optional[int] = ...) -> None: ...
+    forced: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tree_topk: _Optional[_Iterable[int]] = ..., accepted: _Optional[_Iterable[int]] = ..., commit: _Optional[int] = ..., root: _Optional[int] = ..., budget: _Optional[int] = ..., mode: _Optional[str] = ..., batch_rows: _Optional[int] = ..., forced: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EndTurn(_message.Message):
     __slots__ = ("tokens",)

@@ -20,26 +20,49 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class VerifierOpen(_message.Message):
-    __slots__ = ("session_id", "tenant", "history", "sampling", "reserve_tokens")
+    __slots__ = ("session_id", "tenant", "history", "sampling", "reserve_tokens", "mask", "logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "echo", "generated_tokens")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MASK_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    ECHO_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     history: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
     reserve_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., history: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., reserve_tokens: _Optional[int] = ...) -> None: ...
+    mask: bytes
+    logprobs: int
+    logit_bias: _containers.ScalarMap[int, float]
+    presence_penalty: float
+    frequency_penalty: float
+    echo: bool
+    generated_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., history: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., reserve_tokens: _Optional[int] = ..., mask: _Optional[bytes] = ..., logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., echo: _Optional[bool] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyTree(_message.Message):
-    __slots__ = ("tokens", "parents")
+    __slots__ = ("tokens", "parents", "masks")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
+    MASKS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    masks: bytes
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., masks: _Optional[bytes] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("open", "tree")
@@ -50,7 +73,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[VerifierOpen, _Mapping]] = ..., tree: _Optional[_Union[VerifyTree, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("next_token", "accepted", "topk", "topk_width", "reused_tokens", "cache_tokens", "elapsed_ms", "cost", "batch_rows")
+    __slots__ = ("next_token", "accepted", "topk", "topk_width", "reused_tokens", "cache_tokens", "elapsed_ms", "cost", "batch_rows", "logprobs", "top_ids", "top_logprobs", "echo_logprobs", "echo_top_ids", "echo_top_logprobs")
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +83,12 @@ class VerifyResponse(_message.Message):
     ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ECHO_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ECHO_TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    ECHO_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     next_token: int
     accepted: _containers.RepeatedScalarFieldContainer[int]
     topk: _containers.RepeatedScalarFieldContainer[int]
@@ -69,7 +98,13 @@ class VerifyResponse(_message.Message):
     elapsed_ms: float
     cost: _common_pb2.CostCurve
     batch_rows: int
-    def __init__(self, next_token: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., topk: _Optional[_Iterable[int]] = ..., topk_width: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., cache_tokens: _Optional[int] = ..., elapsed_ms: _Optional[float] = ..., cost: _Optional[_Union[_common_pb2.CostCurve, _Mapping]] = ..., batch_rows: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    echo_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    echo_top_ids: _containers.RepeatedScalarFieldContainer[int]
+    echo_top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, next_token: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., topk: _Optional[_Iterable[int]] = ..., topk_width: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., cache_tokens: _Optional[int] = ..., elapsed_ms: _Optional[float] = ..., cost: _Optional[_Union[_common_pb2.CostCurve, _Mapping]] = ..., batch_rows: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., echo_logprobs: _Optional[_Iterable[float]] = ..., echo_top_ids: _Optional[_Iterable[int]] = ..., echo_top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifierDropRequest(_message.Message):
     __slots__ = ("session_id", "tenant")

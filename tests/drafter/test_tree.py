@@ -296,3 +296,13 @@ def test_add_logits_best_first_fills_budget_with_complete_table(root, k, budget,
     trie = _Trie(root, budget)
     add_logits_best_first(trie, lambda t: tuple(table[t]))
     assert len(trie.tokens) == budget
+
+
+def test_with_path_follows_existing_nodes_and_appends_the_rest():
+    from drafter.tree import DraftTree
+
+    tree = DraftTree((5, 6, 7, 8), (-1, 0, 0, 1), 1, (0, 1, 2, 3))
+    grown = tree.with_path([6, 8, 9, 10])
+    assert grown.tokens == (5, 6, 7, 8, 9, 10) and grown.parents == (-1, 0, 0, 1, 3, 4)
+    assert all(p < i for i, p in enumerate(grown.parents)) and grown.ranks == (0, 1, 2, 3, 4, 5)
+    assert tree.with_path([7]) is tree  # already a path of the tree

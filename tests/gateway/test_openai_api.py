@@ -142,11 +142,15 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         ({"speculation": {"mode": "pld", "budget": "8"}}, "speculation", "speculation.budget"),
         ({"session_id": 5}, "session_id", "session_id"),
         ({"return_token_ids": 1}, "return_token_ids", "return_token_ids"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "response_format.type"),
+        ({"response_format": {"type": "xml"}}, "response_format", "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "response_format"),
+        ({"tool_choice": "always"}, "tool_choice", "tool_choice"),
+        ({"top_logprobs": 21}, "top_logprobs", "top_logprobs"),
         ({"messages": []}, "messages", "messages"),
         ({"messages": [CHAT["messages"][0], {"role": "user", "content": [{"type": "image_url"}]}]}, "messages",
          "messages[1].content"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages", "messages[0].role"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages", "messages[0].role"),
+        ({"messages": [{"role": "user"}]}, "messages", "messages[0]"),
     ],
 )  # fmt: skip
 def test_a_field_error_names_the_field(fields, param, where):

@@ -235,7 +235,7 @@ def test_errors(client, base_url, stream):
         ({"temperature": -1}, "temperature"),
         ({"top_p": 1.5}, "top_p"),
         ({"stop": ["x"] * 17}, "stop"),
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"seed": 2**70}, "seed"),
         ({"extra_body": {"top_k": 2**40}}, "top_k"),
         ({"extra_body": {"speculation": {"mode": "warp"}}}, "speculation"),
@@ -248,7 +248,7 @@ def test_errors(client, base_url, stream):
         assert _error(e)["param"] == param, (kw, _error(e))
         assert _error(e)["message"]
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "x"}], stream=stream)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "x"}], stream=stream)
     assert _error(e)["param"] == "messages"
     for prompt in ([[1, 2], [3, 4]], [1, 2**40], [5, -1]):
         with pytest.raises(openai.BadRequestError) as e:

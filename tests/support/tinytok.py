@@ -14,11 +14,14 @@ TEMPLATE = (
 EOS = 5  # <|im_end|>
 
 
-def make_char_tokenizer(vocab_size: int = 96):
+JSON = "{}[]<>="  # what JSON and tool-call tags need beyond CHARS (``extra``)
+
+
+def make_char_tokenizer(vocab_size: int = 96, extra: str = ""):
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(SPECIAL + list(CHARS))}
+    vocab = {t: i for i, t in enumerate(SPECIAL + list(CHARS + extra))}
     assert len(vocab) <= vocab_size
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.add_special_tokens(SPECIAL)
