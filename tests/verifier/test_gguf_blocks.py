@@ -221,3 +221,59 @@ def test_a_format_the_kernel_does_not_take_is_dequantized_with_a_log_line(tmp_pa
     for j in _path(parents, 11):
         hidden = _step(alone, tokens[j])
     assert torch.equal(hidden, tree[11])
+
+
+# -- the bundled model, served from its GGUF file -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    from verifier.model import load
+
+    mp = pytest.MonkeyPatch()
+    mp.delenv("RACER_KERNELS", raising=False)
+    loaded = load("default", dtype="gguf")
+    assert gguf_blocks.kept(loaded.model)["blocks"] == {"Q4_1": 210, "Q8_0": 1}
+    yield loaded
+    mp.undo()
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_the_bundled_models_blocks_hold_the_values_hugging_face_dequantizes(bundled):
+    """Every projection's blocks, q and k rows put back in the model's order, are the file's values as
+    the float32 model holds them; so is the output layer (the Q8_0 embedding, tied)."""
+    m = bundled.model
+    for layer in (m.model.layers[0], m.model.layers[-1]):
+        attn = layer.self_attn
+        for mod in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.mlp.up_proj):
+            n = mod.weight.shape[0]
+            assert torch.equal(mod.racer_blocks.rows(torch.arange(n)), mod.weight)
+    ids = torch.arange(0, m.config.vocab_size, 97)
+    assert torch.equal(m.lm_head.racer_blocks.rows(ids), m.lm_head.weight[ids])
+
+
+def _generate(model, prompt: list[int], mode: str, budget: int, n: int) -> list[int]:
+    from common.loop import generate
+    from common.params import GenerationParams
+    from drafter.draft_session import DraftSession
+    from verifier.engine import VerifierSession
+
+    v = VerifierSession(model, backend="llama")
+    assert v.backend.fused is not None
+    params = GenerationParams(max_new_tokens=n, mode=mode, budget=budget)
+    return [t for c in generate(DraftSession(), v, prompt, params) for t in c]
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_the_bundled_model_in_every_mode_and_budget_equals_off(bundled):
+    from common.params import MODES
+    from common.text import DEFAULT_SYSTEM, chat_ids
+
+    prompt = chat_ids(bundled.tokenizer, "List the planets of the solar system in order.", DEFAULT_SYSTEM)
+    off = _generate(bundled.model, prompt, "off", 1, 32)
+    assert len(off) == 32 and len(set(off)) > 10
+    for mode in MODES:
+        for budget in (1, 64) if mode == "racer" else (16,):
+            assert _generate(bundled.model, prompt, mode, budget, 32) == off, f"{mode} C={budget}"
