@@ -1,5 +1,5 @@
-"""Hand-written kernels for a few rows, built for this CPU: projections (``native_linear.c``) and
-invariant tree attention (``native_attention.c``).
+"""Hand-written kernels for a few rows, built for this CPU: projections (``native_linear.c``; over GGUF
+blocks, ``native_quant.c``) and invariant tree attention (``native_attention.c``).
 
 A verification step multiplies 1 to 64 rows with each weight. Every BLAS at hand packs the weight
 first, so with a handful of rows it reads the weight more than once and runs well below both the

@@ -277,3 +277,30 @@ def test_the_bundled_model_in_every_mode_and_budget_equals_off(bundled):
     for mode in MODES:
         for budget in (1, 64) if mode == "racer" else (16,):
             assert _generate(bundled.model, prompt, mode, budget, 32) == off, f"{mode} C={budget}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", FORMATS)
+def test_the_generic_build_gives_this_builds_bits(tmp_path, name):
+    """The C fallback (a CPU without AVX2: x86-64-v2) makes the same integers and the same float32
+    steps as this CPU's vector code: its results equal the built library's bit for bit."""
+    import ctypes
+    import subprocess
+
+    out = tmp_path / "generic.so"
+    flags = [f if f != "-march=native" else "-march=x86-64-v2" for f in native.FLAGS]
+    done = subprocess.run([native._compiler(), *flags, str(native.QUANT_SOURCE), "-o", str(out)], capture_output=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lib = ctypes.CDLL(str(out))
+    assert lib.racer_quant_isa() == -1
+    rng = np.random.default_rng(9)
+    n, k = 24, 512
+    raw = _blocks(name, n, k, rng)
+    x = torch.randn((5, k), generator=torch.Generator().manual_seed(10))
+    y = torch.empty((5, n))
+    w = np.ascontiguousarray(raw)
+    args = (ctypes.c_int(int(_kind(name))), ctypes.c_void_p(x.data_ptr()), w.ctypes.data_as(ctypes.c_void_p))
+    rc = lib.racer_quant(*args, None, ctypes.c_void_p(y.data_ptr()), ctypes.c_long(5), ctypes.c_long(n),
+                         ctypes.c_long(k), ctypes.c_int(1))  # fmt: skip
+    assert rc == 0
+    assert torch.equal(y, _run(x, name, raw, n, k))
