@@ -92,8 +92,9 @@ class Setting:
 # The verifier's forward implementations (verifier/): "llama" is the hand-written Llama-family
 # forward, "hf" the model's own forward with tree masks; "auto" picks llama where it applies.
 BACKENDS = ("auto", "llama", "hf")
-# Model and KV cache dtypes; "auto" is bfloat16 where the machine computes it fast, else float32.
-DTYPES = ("float32", "bfloat16", "float16", "auto")
+# Model and KV cache dtypes; "auto" is bfloat16 where the machine computes it fast, else float32;
+# "gguf" serves the default model's projections as its GGUF file stores them (float32 around them).
+DTYPES = ("float32", "bfloat16", "float16", "gguf", "auto")
 
 # Ports each service listens on by default: gRPC (health and reflection on the same port) and the
 # Prometheus metrics HTTP port.
@@ -289,8 +290,9 @@ SERVICE = {
             "RACER_DTYPE",
             "float32",
             "model and KV cache dtype: float32 (output equals Hugging Face greedy), bfloat16 or float16 (output "
-            "equals the engine's own decoding without drafts; Llama-family models only), or auto (bfloat16 on "
-            "CUDA or a CPU with AMX/AVX512-BF16, else float32)",
+            "equals the engine's own decoding without drafts; Llama-family models only), gguf (the default model's "
+            "GGUF blocks read in place, 8-bit activations; output equals the engine's own decoding without "
+            "drafts), or auto (bfloat16 on CUDA or a CPU with AMX/AVX512-BF16, else float32)",
             choices=DTYPES,
         ),
         Setting("--threads", "RACER_THREADS", 0, "torch CPU threads (0: torch's default, one per core)", int),

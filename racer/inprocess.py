@@ -15,7 +15,8 @@ from common.loop import Stats, generate
 from common.params import GenerationParams, SamplingParams
 from drafter.draft_session import DrafterConfig, DraftSession
 from verifier.engine import VerifierSession
-from verifier.model import DEFAULT_MODEL, LoadedModel, load
+from verifier.gguf_blocks import kept
+from verifier.model import DEFAULT_MODEL, GGUF, LoadedModel, load
 
 
 @dataclass
@@ -67,6 +68,8 @@ class InProcessStack:
 
     @property
     def dtype(self) -> str:
+        if kept(self.loaded.model) is not None:
+            return GGUF
         return str(self.loaded.model.dtype).replace("torch.", "")
 
     def new_drafter(self) -> DraftSession:

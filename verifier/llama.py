@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from . import layouts, native
 from .backend import kept_rows
+from .gguf_blocks import kept
 from .machine import cpu_identity
 from .tuning import kernel_plan
 
@@ -189,7 +190,10 @@ class LlamaBackend:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden] -> logits [n, V]."""
+        """hidden [n, hidden] -> logits [n, V] (an output layer kept as GGUF blocks: the block kernel)."""
+        blocks = getattr(self.model.lm_head, "racer_blocks", None)
+        if blocks is not None:
+            return blocks.matmul(hidden)
         return self.plan.mm(hidden, self.lm_head_w, None)
 
     def take_prefix(self, src: "LlamaBackend", rows: int) -> None:
@@ -299,7 +303,8 @@ def _fused_decoder(b) -> native.Decoder | None:
     attention (its vector path), plain RMSNorms of one epsilon, SiLU-gated MLPs, no per-head q/k
     norms, a plain embedding, and every projection planned on a widening native tile, unchunked."""
     cfg, inner = b.model.config, b.model.model
-    if not (b.invariant and b.native_attention and b.dtype in (torch.bfloat16, torch.float16)):
+    half = b.dtype in (torch.bfloat16, torch.float16)
+    if not (b.invariant and b.native_attention and (half or kept(b.model) is not None)):
         return None
     if cfg.model_type not in _FUSED_TYPES or getattr(cfg, "hidden_act", "") not in ("silu", "swish"):
         return None

@@ -99,16 +99,21 @@ def load(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = resolve_dtype(dtype)
+    if dtype == GGUF and model != DEFAULT_MODEL:
+        raise ValueError("--dtype gguf serves the default model's GGUF file (a model directory has no blocks)")
     if threads:
         torch.set_num_threads(threads)
     path = resolve_model_dir(model)
     tokenizer = AutoTokenizer.from_pretrained(path) if tokenizer else None
-    model_obj = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model_obj = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, "float32" if dtype == GGUF else dtype))
     model_obj.eval()
+    if dtype == GGUF:  # its blocks are read when a plan or a backend first asks (verifier/gguf_blocks.py)
+        model_obj._racer_gguf_file = str(default_gguf_path())
     return LoadedModel(model_obj, tokenizer, path)
 
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+GGUF = "gguf"  # the projections as the GGUF file stores them (verifier/gguf_blocks.py), float32 around them
+DTYPES = ("auto", "float32", "bfloat16", "float16", GGUF)
 
 
 def resolve_dtype(dtype: str = "auto", device: str = "cpu") -> str:

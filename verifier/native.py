@@ -1,5 +1,5 @@
-"""Hand-written kernels for a few rows, built for this CPU: projections (``native_linear.c``) and
-invariant tree attention (``native_attention.c``).
+"""Hand-written kernels for a few rows, built for this CPU: projections (``native_linear.c``; over GGUF
+blocks, ``native_quant.c``) and invariant tree attention (``native_attention.c``).
 
 A verification step multiplies 1 to 64 rows with each weight. Every BLAS at hand packs the weight
 first, so with a handful of rows it reads the weight more than once and runs well below both the
@@ -41,6 +41,7 @@ SOURCE = Path(__file__).with_name("native_linear.c")
 ATTENTION_SOURCE = Path(__file__).with_name("native_attention.c")
 LAYER_SOURCE = Path(__file__).with_name("native_layer.c")  # a whole decoder on the ones above
 PANEL_SOURCE = Path(__file__).with_name("native_panel.c")  # projections over weights stored as panels
+QUANT_SOURCE = Path(__file__).with_name("native_quant.c")  # projections over GGUF blocks read in place
 HEADER = Path(__file__).with_name("native_vec.h")  # included by the sources
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 
@@ -64,7 +65,7 @@ _state: dict = {}  # "lib": the loaded library or None, once tried; "why": why n
 
 def sources() -> tuple[Path, ...]:
     """The C sources the library is built from (``native_vec.h`` aside)."""
-    return (SOURCE, ATTENTION_SOURCE, PANEL_SOURCE, LAYER_SOURCE)
+    return (SOURCE, ATTENTION_SOURCE, PANEL_SOURCE, QUANT_SOURCE, LAYER_SOURCE)
 
 
 def _compiler() -> str | None:
@@ -154,6 +155,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.racer_panel_width.restype = ctypes.c_int
     lib.racer_linear_panel.restype = ctypes.c_int
     lib.racer_linear_panel.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    lib.racer_quant_supported.restype = ctypes.c_int
+    lib.racer_quant_supported.argtypes = [ctypes.c_int]
+    lib.racer_quant_isa.restype = ctypes.c_int
+    lib.racer_quant.restype = ctypes.c_int
+    lib.racer_quant.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    lib.racer_quant_rows.restype = ctypes.c_int
+    lib.racer_quant_rows.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_void_p]
     lib.racer_decoder.restype = ctypes.c_int
     lib.racer_decoder.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_long]
     lib.racer_decoder.argtypes += [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 4
@@ -311,6 +319,49 @@ def _panel_call(lib, kind: int, x, w, b, y) -> None:
 linear_panel = _kernel(PANEL, (torch.bfloat16, torch.float16), _panel_prepare, _panel_call)
 
 
+# -- weights kept as a GGUF file's blocks (native_quant.c) ------------------------------------------
+
+
+def quant_supported(kind: int) -> bool:
+    """Whether the block kernel takes GGML type number ``kind`` here (built, not switched off)."""
+    lib = None if _off() else library()
+    return lib is not None and bool(lib.racer_quant_supported(int(kind)))
+
+
+def quant_isa() -> str:
+    """The integer instructions the block kernel was built with (all give the same bits)."""
+    lib = library()
+    return {2: "avx512-vnni", 1: "avx-vnni", 0: "avx2", -1: "generic"}[lib.racer_quant_isa()] if lib else "none"
+
+
+def quant_linear(x: torch.Tensor, kind: int, blocks: torch.Tensor, n: int, k: int, b=None) -> torch.Tensor:
+    """``x @ W.T (+ b)`` [M, n] float32 for W [n, k] stored as GGML type ``kind``'s blocks ``blocks``
+    (uint8 [n, row bytes], contiguous): x quantized per row to 8 bits a value in blocks of 32 and
+    multiplied as integers, each output the same float32 steps in a fixed order (row invariant)."""
+    lib = library() or _library("quant")
+    x = x.float().contiguous()
+    if x.shape[1] != k or blocks.dtype != torch.uint8 or not blocks.is_contiguous() or blocks.shape[0] != n:
+        raise RuntimeError(f"quant: x {tuple(x.shape)} against blocks {tuple(blocks.shape)} of a [{n}, {k}] weight")
+    bias = None if b is None else b.float().contiguous()
+    y = torch.empty((x.shape[0], n), dtype=torch.float32)
+    rc = lib.racer_quant(
+        int(kind), x.data_ptr(), blocks.data_ptr(), _ptr(bias), y.data_ptr(), x.shape[0], n, k, torch.get_num_threads()
+    )
+    if rc:
+        raise TypeError(f"quant: GGML type {kind} over {k} columns is not taken ({rc})")
+    return y
+
+
+def quant_rows(kind: int, blocks: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows ``ids`` of a weight kept as blocks, as the file's values in float32 ([len(ids), k])."""
+    lib = library() or _library("quant")
+    ids = ids.to(torch.int64).contiguous().view(-1)
+    out = torch.empty((ids.shape[0], k), dtype=torch.float32)
+    if lib.racer_quant_rows(int(kind), blocks.data_ptr(), ids.data_ptr(), ids.shape[0], k, out.data_ptr()):
+        raise TypeError(f"quant: GGML type {kind} over {k} columns is not taken")
+    return out
+
+
 _ATTENTION_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 # How a block's products are made: "amx" (bfloat16 caches, AMX tiles, where the CPU has them and Linux
@@ -463,6 +514,7 @@ class _Layer(ctypes.Structure):
         ("w", ctypes.c_void_p * len(PROJECTIONS)),
         ("bias", ctypes.c_void_p * len(PROJECTIONS)),
         ("tile", (ctypes.c_int64 * 2) * len(PROJECTIONS)),
+        ("qtype", ctypes.c_int64 * len(PROJECTIONS)),
     ]
 
 
@@ -485,15 +537,23 @@ class Decoder:
     ``tiles``: per projection the native variant its shape runs (row-invariant, not ``PAIRS``), or
     ``PANEL`` for a weight stored as panels;
     ``final_norm``: the last norm's weight. Norms and biases are kept as float32 copies; the
-    weights are read in place (they must stay where they are)."""
+    weights are read in place (they must stay where they are). A module holding ``racer_blocks``
+    (a GGUF file's blocks, ``verifier/gguf_blocks.py``) is read from them by the block kernel; the
+    others of such a model are float32, on their native tile."""
 
     def __init__(self, layers, tiles: dict[str, str], final_norm, dims: dict, eps: float, scale: float):
         lib = library()
         if lib is None:
             raise TypeError(f"native decoder not available: {why()}")
         weights = [mods[p].weight for _, _, mods in layers for p in PROJECTIONS]
+        blocks = [getattr(mods[p], "racer_blocks", None) for _, _, mods in layers for p in PROJECTIONS]
         dtype = weights[0].dtype
-        if dtype not in (torch.bfloat16, torch.float16) or any(
+        if any(b is not None for b in blocks):
+            weights = [w for w, b in zip(weights, blocks) if b is None] + [b.data for b in blocks if b is not None]
+            if any(w.dtype not in (torch.float32, torch.uint8) or not w.is_contiguous() for w in weights):
+                raise TypeError("native decoder: GGUF blocks beside contiguous float32 weights only")
+            dtype = torch.float32
+        elif dtype not in (torch.bfloat16, torch.float16) or any(
             w.dtype != dtype or not w.is_contiguous() or w.device.type != "cpu" for w in weights
         ):
             raise TypeError("native decoder: contiguous bfloat16 or float16 CPU weights of one dtype only")
@@ -517,6 +577,10 @@ class Decoder:
             layer.w[j] = mods[p].weight.data_ptr()
             layer.bias[j] = self._held(_f32(mods[p].bias))
             layer.tile[j][0], layer.tile[j][1] = (0, 0) if tiles[p] == PANEL else VARIANTS[tiles[p]][0]
+            blocks = getattr(mods[p], "racer_blocks", None)
+            if blocks is not None:
+                layer.w[j] = blocks.data.data_ptr()
+                layer.qtype[j] = blocks.kind
         return layer
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments) -> torch.Tensor:

@@ -6,7 +6,8 @@
  * The residual stream and every activation stay float32; only the weights and the KV cache are half
  * width (a K/V row is rounded to the cache's type once, when it is written). Each step is rowwise:
  * a norm, a rotation or a product of one row reads that row only, in a fixed order; projections are
- * racer_linear's row-invariant tiles (racer_panel_many's over weights stored as panels) and attention
+ * racer_linear's row-invariant tiles (racer_panel_many's over weights stored as panels, racer_quant_many's
+ * over GGUF blocks) and attention
  * is racer_attention's blocks at absolute positions. So a row's bits never depend on the other rows of the call or on the thread count: a
  * tree node, a batch of sessions and a one-token step at the same position compute the same thing.
  */
@@ -23,19 +24,23 @@ int racer_linear_many(int count, const int64_t *tiles, int type, const float *x,
                       const float *const *bias, float *const *y, const int64_t *N, long M, long K, int threads);
 int racer_panel_many(int count, int type, const float *x, const void *const *w, const float *const *bias,
                      float *const *y, const int64_t *N, long M, long K, int threads);
+int racer_quant_many(int count, const int64_t *types, const float *x, const void *const *w,
+                     const float *const *bias, float *const *y, const int64_t *N, long M, long K, int threads);
 int racer_attention(int type, const float *q, const void *k, const void *v, float *out, long n, long H, long Hkv,
                     long D, long cap, const int64_t *counts, const int64_t *inplace, const int64_t *tail, long T,
                     float scale, int threads);
 
 /* One layer's weights, as native.py lays them out (int64 words): norms and biases float32 (NULL for
  * no bias), projection weights at the weight type, and each projection's tile shape over a weight
- * stored as rows, or 0 x 0 for one stored as panels (native_panel.c). */
+ * stored as rows, or 0 x 0 for one stored as panels (native_panel.c); ``qtype``: 0, or the GGML type
+ * of a weight kept as the GGUF file's blocks (native_quant.c; its tile is then unused). */
 enum { Q, K, V, O, GATE, UP, DOWN, PROJECTIONS };
 struct layer {
     const float *norm1, *norm2;
     const void *w[PROJECTIONS];
     const float *bias[PROJECTIONS];
     int64_t tile[PROJECTIONS][2]; /* nr, mr */
+    int64_t qtype[PROJECTIONS];
 };
 
 /* One session's rows of the call [r0, r1) and its cache: layer 0's K at ``cache``, V after it;
@@ -101,7 +106,16 @@ static void store(void *dst, const float *src, long d, int type)
 static int project(const struct shape *s, const struct layer *l, int first, int count, const float *x,
                    float *const *y, const int64_t *out, long n, long in)
 {
-    int panels = 0;
+    int panels = 0, blocks = 0;
+    for (int j = first; j < first + count; j++) blocks += l->qtype[j] != 0;
+    if (blocks == count)
+        return racer_quant_many(count, &l->qtype[first], x, &l->w[first], &l->bias[first], y, out, n, in,
+                                (int)s->threads);
+    if (blocks) {
+        for (int j = 0, rc; j < count; j++)
+            if ((rc = project(s, l, first + j, 1, x, y + j, out + j, n, in))) return rc;
+        return 0;
+    }
     for (int j = first; j < first + count; j++) panels += l->tile[j][0] == 0;
     if (panels == count)
         return racer_panel_many(count, (int)s->weight_type, x, &l->w[first], &l->bias[first], y, out, n, in,

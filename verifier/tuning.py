@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from . import arena, kernels, native, plan_cache
+from .gguf_blocks import kept
 from .kernels import BUCKETS, CANDIDATES, LAYOUTS, KernelPlan, ShapePlan, Timing
 from .layouts import (
     all_projections,
@@ -71,9 +72,12 @@ def kernel_plan(
     reading the weights. Only a forced spec (tests, by hand) stores them anew."""
     weights = projection_weights(model)
     w0 = next(iter(weights.values()))
+    blocks = kept(model) is not None  # GGUF blocks: invariant, float32 weights on a native row tile
     if invariant is None:
-        invariant = w0.dtype != torch.float32
+        invariant = w0.dtype != torch.float32 or blocks
     spec = spec if spec is not None else os.environ.get("RACER_KERNELS", "auto")
+    if blocks and spec in ("auto", "tune", ""):
+        spec = _block_model_tile(w0)
     held = getattr(model, "_racer_kernels", None)
     threads = torch.get_num_threads()
     if held is not None and (held[0] == (spec, invariant, threads) or (held_ok and held[0][:2] == (spec, invariant))):
@@ -96,6 +100,16 @@ def kernel_plan(
         raise ValueError(f"RACER_KERNELS={spec!r}: the weights of {sorted(stray)} cannot be stored as the plan says")
     model._racer_kernels = ((spec, invariant, threads), plan)
     return plan
+
+
+def _block_model_tile(w0: torch.Tensor) -> str:
+    """The kernel of a model served from GGUF blocks for its float32 weights (the ones the block
+    kernel does not take, and the op-by-op path): a native row tile, row invariant, that runs here;
+    else the chunked torch kernel one row at a time."""
+    for name in native.VARIANTS:
+        if name not in native.PAIRS and kernels.usable(name, w0.device, w0.dtype):
+            return name
+    return "linear:1"
 
 
 def forced(spec: str, weights, invariant: bool) -> KernelPlan:

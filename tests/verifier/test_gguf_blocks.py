@@ -1,0 +1,306 @@
+"""GGUF weights served as the file stores them (verifier/gguf_blocks.py, native_quant.c).
+
+The block kernel multiplies 8-bit activations with each format's blocks as integers, every float32
+step in a fixed order: checked against a float64 product of the file's dequantized values within
+the bound of that arithmetic, for a row's bits alone, among 40 rows and at 1 and 2 threads, and with
+a negative control. Then the same through the native decoder of a small Llama whose projections a
+GGUF file holds in each format, a format the kernel does not take falling back with a log line, and
+the bundled model: its blocks hold exactly the values Hugging Face dequantizes, and speculation
+never changes its output.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+
+from tests.verifier.test_batch_invariance import VOCAB, _path, _session, _tree, _tree_hidden
+from tests.verifier.test_native_decoder import _step
+from verifier import gguf_blocks, native
+from verifier.llama import forward_segments
+
+FORMATS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
+
+needs_kernel = pytest.mark.skipif(not native.quant_supported(3), reason=f"native kernels not built: {native.why()}")
+
+
+def _kind(name: str) -> gguf.GGMLQuantizationType:
+    return getattr(gguf.GGMLQuantizationType, name)
+
+
+def _blocks(name: str, n: int, k: int, rng: np.random.Generator, scale: float = 0.05) -> np.ndarray:
+    """A weight [n, k] in format ``name``: uint8 [n, row bytes]. The 32-value formats quantize a
+    random weight (gguf's own quantizer); the K-quants (which it does not quantize) are random
+    blocks with small float16 scales."""
+    if name in ("Q4_0", "Q4_1", "Q8_0"):
+        return quants.quantize((rng.standard_normal((n, k)) * scale).astype(np.float32), _kind(name))
+    size = {"Q4_K": 144, "Q6_K": 210}[name]
+    raw = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+    if name == "Q4_K":  # d, dmin float16 first
+        raw[:, :, 0:2] = np.frombuffer(np.float16(scale / 400).tobytes(), np.uint8)
+        raw[:, :, 2:4] = np.frombuffer(np.float16(scale / 100).tobytes(), np.uint8)
+    else:  # d float16 last
+        raw[:, :, 208:210] = np.frombuffer(np.float16(scale / 2000).tobytes(), np.uint8)
+    return raw.reshape(n, -1)
+
+
+def _dequantized(name: str, raw: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(quants.dequantize(raw, _kind(name)).astype(np.float32))
+
+
+def _run(x: torch.Tensor, name: str, raw: np.ndarray, n: int, k: int, threads: int = 2) -> torch.Tensor:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return native.quant_linear(x, int(_kind(name)), torch.from_numpy(raw.copy()), n, k)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", FORMATS)
+def test_the_kernel_is_the_files_weight_times_8_bit_activations(name):
+    """Within the bound of its arithmetic: each activation within half a step of its 8-bit value
+    (max |x| / 254 per block of 32), the float32 sums a small relative error on top. The file's
+    values themselves are read exactly (its rows dequantized by the kernel are gguf's)."""
+    rng = np.random.default_rng(0)
+    n, k = 48, 512
+    raw = _blocks(name, n, k, rng)
+    w = _dequantized(name, raw).double()
+    assert torch.equal(native.quant_rows(int(_kind(name)), torch.from_numpy(raw.copy()), torch.arange(n), k), w.float())
+    x = torch.randn((40, k), generator=torch.Generator().manual_seed(1))
+    y = _run(x, name, raw, n, k).double()
+    ref = x.double() @ w.T
+    step = x.double().view(40, k // 32, 32).abs().amax(-1) / 254  # [M, blocks]
+    bound = step @ w.abs().view(n, k // 32, 32).sum(-1).T + 1e-5 * (x.double().abs() @ w.abs().T)
+    assert ((y - ref).abs() <= bound).all(), ((y - ref).abs() / bound).max()
+    assert (y - ref).abs().max() > 0  # 8-bit activations: not the float product
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_rows_bits_equal_alone_among_40_rows_and_at_1_and_2_threads(name):
+    rng = np.random.default_rng(2)
+    n, k = 40, 768 if "K" in name else 544  # 40 weight rows: threads split them unevenly
+    raw = _blocks(name, n, k, rng)
+    x = torch.randn((40, k), generator=torch.Generator().manual_seed(3))
+    many = _run(x, name, raw, n, k, threads=2)
+    assert torch.equal(_run(x, name, raw, n, k, threads=1), many)
+    for r in (0, 1, 6, 21, 39):
+        assert torch.equal(_run(x[r : r + 1], name, raw, n, k, threads=1)[0], many[r])
+    assert torch.equal(_run(x[5:12], name, raw, n, k, threads=2), many[5:12])
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_changed_activation_row_is_caught(name):
+    """Negative control: one value of one row changed changes that row's results, and no other's."""
+    rng = np.random.default_rng(4)
+    n, k = 32, 512
+    raw = _blocks(name, n, k, rng)
+    x = torch.randn((16, k), generator=torch.Generator().manual_seed(5))
+    y = _run(x, name, raw, n, k)
+    x2 = x.clone()
+    x2[9, 100] += 0.25
+    y2 = _run(x2, name, raw, n, k)
+    assert not torch.equal(y2[9], y[9])
+    assert torch.equal(torch.cat((y2[:9], y2[10:])), torch.cat((y[:9], y[10:])))
+
+
+# -- a small Llama served from a GGUF file ------------------------------------------------------------
+
+
+_FILE_NAMES = {v: k for k, v in gguf_blocks._NAMES.items()}
+
+
+def _permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's order of a q or k weight's rows (what ``unpermute`` undoes)."""
+    n = rows.shape[0]
+    return rows.reshape(heads, 2, n // heads // 2, -1).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _gguf_llama(tmp_path, name: str, other: str | None = None):
+    """A small Llama (SmolLM2's 64-wide heads) whose projections and output layer a GGUF file holds
+    in format ``name`` (``other``: its down projections in that format instead), the model's float32
+    weights the file's values, as a GGUF load dequantizes them; then served from the file."""
+    from tests.support.models import make_tiny_llama
+
+    model = make_tiny_llama(0, VOCAB, hidden=256)
+    rng = np.random.default_rng(6)
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(tmp_path / "model.gguf"), "llama")
+    wanted = [
+        (f"blk.{i}.{short}.weight", getattr(getattr(layer, part), proj))
+        for i, layer in enumerate(model.model.layers)
+        for (part, proj), short in _FILE_NAMES.items()
+    ] + [("output.weight", model.lm_head)]
+    with torch.no_grad():
+        for file_name, module in wanted:
+            fmt = other if other and "ffn_down" in file_name else name
+            n, k = module.weight.shape
+            scale = 0.5 if file_name == "output.weight" else 0.05
+            raw = _blocks(fmt, n, k, rng, scale) if fmt in FORMATS else None
+            if raw is None:
+                raw = quants.quantize(module.weight.numpy(), _kind(fmt))
+            module.weight.copy_(_dequantized(fmt, raw))
+            heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(file_name.split(".")[-2])
+            writer.add_tensor(file_name, _permute(raw, heads) if heads else raw, raw_dtype=_kind(fmt))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    gguf_blocks.attach(model, tmp_path / "model.gguf")
+    return model
+
+
+@pytest.fixture(params=FORMATS)
+def gguf_llama(request, tmp_path, monkeypatch):
+    monkeypatch.setenv("RACER_CACHE", str(tmp_path))
+    monkeypatch.delenv("RACER_KERNELS", raising=False)
+    return _gguf_llama(tmp_path, request.param)
+
+
+@needs_kernel
+def test_a_rows_bits_equal_alone_in_a_tree_in_a_batch_and_on_one_thread(gguf_llama):
+    model = gguf_llama
+    assert sum(gguf_blocks.kept(model)["blocks"].values()) == 2 * 7 + 1
+    q = model.model.layers[1].self_attn.q_proj
+    assert torch.equal(q.racer_blocks.rows(torch.arange(q.weight.shape[0])), q.weight)  # the rows' order
+    rng = random.Random(3)
+    prompt = [rng.randrange(3, VOCAB) for _ in range(70)]
+    tokens, parents = _tree(rng, 40)
+    s = _session(model, prompt)
+    assert s.backend.fused is not None and s.backend.cache.dtype == torch.float32
+    tree = _tree_hidden(s, tokens, parents)
+    logits = s.backend.logits(tree)
+
+    other = _session(model, [rng.randrange(3, VOCAB) for _ in range(11)])
+    segs = [
+        (b.backend, *b._inputs(tk, pa))
+        for b, tk, pa in [(other, *_tree(rng, 7)), (_session(model, prompt), tokens, parents)]
+    ]
+    assert torch.equal(forward_segments(segs)[1], tree)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _session(model, prompt)
+        assert torch.equal(_tree_hidden(one, tokens, parents), tree)
+        assert torch.equal(one.backend.logits(tree), logits)
+    finally:
+        torch.set_num_threads(threads)
+    for i in (0, 17, 39):
+        alone = _session(model, prompt)
+        for j in _path(parents, i):
+            hidden = _step(alone, tokens[j])
+        assert torch.equal(hidden, tree[i]), f"node {i} differs from its one-token step"
+        assert torch.equal(alone.backend.logits(hidden[None])[0], logits[i])
+
+
+@needs_kernel
+def test_a_format_the_kernel_does_not_take_is_dequantized_with_a_log_line(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("RACER_CACHE", str(tmp_path))
+    monkeypatch.delenv("RACER_KERNELS", raising=False)
+    with caplog.at_level(logging.WARNING, logger="verifier.gguf_blocks"):
+        model = _gguf_llama(tmp_path, "Q4_1", other="Q5_0")
+    assert any("Q5_0" in r.getMessage() and "dequantized" in r.getMessage() for r in caplog.records)
+    assert gguf_blocks.kept(model)["dequantized"] == {"Q5_0": 2}
+    assert not hasattr(model.model.layers[0].mlp.down_proj, "racer_blocks")
+    rng = random.Random(8)
+    prompt = [rng.randrange(3, VOCAB) for _ in range(20)]
+    tokens, parents = _tree(rng, 12)
+    s = _session(model, prompt)
+    assert s.backend.fused is not None  # blocks and float32 weights side by side
+    tree = _tree_hidden(s, tokens, parents)
+    alone = _session(model, prompt)
+    for j in _path(parents, 11):
+        hidden = _step(alone, tokens[j])
+    assert torch.equal(hidden, tree[11])
+
+
+# -- the bundled model, served from its GGUF file -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    from verifier.model import load
+
+    mp = pytest.MonkeyPatch()
+    mp.delenv("RACER_KERNELS", raising=False)
+    loaded = load("default", dtype="gguf")
+    assert gguf_blocks.kept(loaded.model)["blocks"] == {"Q4_1": 210, "Q8_0": 1}
+    yield loaded
+    mp.undo()
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_the_bundled_models_blocks_hold_the_values_hugging_face_dequantizes(bundled):
+    """Every projection's blocks, q and k rows put back in the model's order, are the file's values as
+    the float32 model holds them; so is the output layer (the Q8_0 embedding, tied)."""
+    m = bundled.model
+    for layer in (m.model.layers[0], m.model.layers[-1]):
+        attn = layer.self_attn
+        for mod in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.mlp.up_proj):
+            n = mod.weight.shape[0]
+            assert torch.equal(mod.racer_blocks.rows(torch.arange(n)), mod.weight)
+    ids = torch.arange(0, m.config.vocab_size, 97)
+    assert torch.equal(m.lm_head.racer_blocks.rows(ids), m.lm_head.weight[ids])
+
+
+def _generate(model, prompt: list[int], mode: str, budget: int, n: int) -> list[int]:
+    from common.loop import generate
+    from common.params import GenerationParams
+    from drafter.draft_session import DraftSession
+    from verifier.engine import VerifierSession
+
+    v = VerifierSession(model, backend="llama")
+    assert v.backend.fused is not None
+    params = GenerationParams(max_new_tokens=n, mode=mode, budget=budget)
+    return [t for c in generate(DraftSession(), v, prompt, params) for t in c]
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_the_bundled_model_in_every_mode_and_budget_equals_off(bundled):
+    from common.params import MODES
+    from common.text import DEFAULT_SYSTEM, chat_ids
+
+    prompt = chat_ids(bundled.tokenizer, "List the planets of the solar system in order.", DEFAULT_SYSTEM)
+    off = _generate(bundled.model, prompt, "off", 1, 32)
+    assert len(off) == 32 and len(set(off)) > 10
+    for mode in MODES:
+        for budget in (1, 64) if mode == "racer" else (16,):
+            assert _generate(bundled.model, prompt, mode, budget, 32) == off, f"{mode} C={budget}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", FORMATS)
+def test_the_generic_build_gives_this_builds_bits(tmp_path, name):
+    """The C fallback (a CPU without AVX2: x86-64-v2) makes the same integers and the same float32
+    steps as this CPU's vector code: its results equal the built library's bit for bit."""
+    import ctypes
+    import subprocess
+
+    out = tmp_path / "generic.so"
+    flags = [f if f != "-march=native" else "-march=x86-64-v2" for f in native.FLAGS]
+    done = subprocess.run([native._compiler(), *flags, str(native.QUANT_SOURCE), "-o", str(out)], capture_output=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lib = ctypes.CDLL(str(out))
+    assert lib.racer_quant_isa() == -1
+    rng = np.random.default_rng(9)
+    n, k = 24, 512
+    raw = _blocks(name, n, k, rng)
+    x = torch.randn((5, k), generator=torch.Generator().manual_seed(10))
+    y = torch.empty((5, n))
+    w = np.ascontiguousarray(raw)
+    args = (ctypes.c_int(int(_kind(name))), ctypes.c_void_p(x.data_ptr()), w.ctypes.data_as(ctypes.c_void_p))
+    rc = lib.racer_quant(*args, None, ctypes.c_void_p(y.data_ptr()), ctypes.c_long(5), ctypes.c_long(n),
+                         ctypes.c_long(k), ctypes.c_int(1))  # fmt: skip
+    assert rc == 0
+    assert torch.equal(y, _run(x, name, raw, n, k))

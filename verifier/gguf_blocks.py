@@ -1,0 +1,128 @@
+"""A GGUF file's projection weights kept as the file stores them: block-quantized, read in place.
+
+``--dtype gguf`` loads the model as float32 (norms, embedding, and every weight a kernel here does
+not take: the file's values, dequantized) and hands each Llama projection and the output layer the
+file's own blocks (``Blocks``): Q4_0, Q4_1, Q8_0, Q4_K and Q6_K, where the native block kernel is
+built (``native_quant.c``). The native decoder and the output layer then read those blocks; a
+weight stored in any other format is served from its dequantized float32 values, and a log line
+names it. The residual stream, activations and KV cache stay float32.
+
+The arithmetic is llama.cpp's (8-bit activations per 32 values, integer dot products) with every
+float32 step in a fixed order, so a row's result never depends on the rows it shares a call with or
+on the thread count: racer's output equals ``off``'s bit for bit, as in reduced precision.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import native
+
+log = logging.getLogger(__name__)
+
+# GGML type numbers the block kernel takes.
+KINDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+
+_NAMES = {
+    "attn_q": ("self_attn", "q_proj"),
+    "attn_k": ("self_attn", "k_proj"),
+    "attn_v": ("self_attn", "v_proj"),
+    "attn_output": ("self_attn", "o_proj"),
+    "ffn_gate": ("mlp", "gate_proj"),
+    "ffn_up": ("mlp", "up_proj"),
+    "ffn_down": ("mlp", "down_proj"),
+}
+
+
+@dataclass
+class Blocks:
+    """One weight [n, k] as a GGUF file stores it: ``data`` uint8 [n, row bytes], rows in the
+    module's order; ``kind`` its GGML type number; ``name`` its type's name."""
+
+    data: torch.Tensor
+    kind: int
+    name: str
+    n: int
+    k: int
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, k] -> x @ W.T [M, n] float32 by the block kernel."""
+        return native.quant_linear(x, self.kind, self.data, self.n, self.k)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The file's values of rows ``ids``, float32 [len(ids), k]."""
+        return native.quant_rows(self.kind, self.data, ids, self.k)
+
+
+def unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """A q or k weight's rows put back in the model's order: GGUF converters interleave each head's
+    two rotary halves (llama.cpp's ``permute``); rows are whole blocks, so the blocks move as they are."""
+    n = rows.shape[0]
+    order = np.arange(n).reshape(heads, 2, n // heads // 2).swapaxes(1, 2).reshape(-1)
+    out = np.empty_like(rows)
+    out[order] = rows
+    return out
+
+
+_lock = threading.Lock()
+
+
+def kept(model) -> dict | None:
+    """What ``attach`` kept of the model's file (None for a model loaded otherwise). A model that
+    ``model.load`` marked with its file (``--dtype gguf``) is given its blocks on the first call."""
+    held = getattr(model, "_racer_gguf", None)
+    path = getattr(model, "_racer_gguf_file", None)
+    if held is not None or path is None:
+        return held
+    with _lock:
+        if getattr(model, "_racer_gguf", None) is None:
+            attach(model, Path(path))
+    return model._racer_gguf
+
+
+def attach(model, path: Path) -> dict[str, int]:
+    """Gives each projection of a Llama-family ``model`` (loaded from ``path``, dequantized) and its
+    output layer the file's own blocks where the block kernel takes their format. Returns how many
+    weights of each format were kept as blocks; the others are logged and stay float32."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    wanted: list[tuple[str, torch.nn.Module, int]] = []
+    for i, layer in enumerate(model.model.layers):
+        for short, (part, proj) in _NAMES.items():
+            rope_heads = heads if short == "attn_q" else kv_heads if short == "attn_k" else 0
+            wanted.append((f"blk.{i}.{short}.weight", getattr(getattr(layer, part), proj), rope_heads))
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    wanted.append((head, model.lm_head, 0))
+    counts: dict[str, int] = {}
+    others: dict[str, int] = {}
+    for name, module, rope_heads in wanted:
+        t = tensors.get(name)
+        if t is None:
+            raise ValueError(f"{path.name} has no tensor {name}")
+        kind = t.tensor_type.name
+        n, k = module.weight.shape
+        if kind not in KINDS or not native.quant_supported(KINDS[kind]) or k % (256 if "K" in kind else 32):
+            others[kind] = others.get(kind, 0) + 1
+            continue
+        rows = np.asarray(t.data).reshape(n, -1)
+        if rope_heads:
+            rows = unpermute(rows, rope_heads)
+        module.racer_blocks = Blocks(torch.from_numpy(np.array(rows, order="C")), KINDS[kind], kind, n, k)
+        counts[kind] = counts.get(kind, 0) + 1
+    for kind, count in sorted(others.items()):
+        why = "no native block kernel here" if native.library() is None else "a format the block kernel does not take"
+        log.warning("%s: %d %s weights served dequantized to float32 (%s)", path.name, count, kind, why)
+    model._racer_gguf = {"path": str(path), "blocks": counts, "dequantized": others}
+    log.info("%s: weights kept as stored: %s", path.name, counts)
+    return counts

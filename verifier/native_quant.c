@@ -1,0 +1,373 @@
+/* y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) over a weight kept as a GGUF file stores it: each row a
+ * run of quantized blocks (Q4_0, Q4_1, Q8_0: 32 values a block; Q4_K, Q6_K: 256), read in place.
+ *
+ * The arithmetic is llama.cpp's: each row of x is quantized to 8 bits per 32 values (a float32 scale
+ * dx = max|x| / 127, the values rounded to nearest, and for the formats with a minimum the block's
+ * sum sx = dx * sum(q)), and each 32-value block of a weight row is multiplied with it as integers.
+ * The integer products and sums are exact in any order, so the float32 steps alone decide the bits,
+ * and they are fixed: per output, 8 float32 lanes, lane j of block b taking
+ *     acc[j] = fma(ws[j] * dx[b], (float) isum[j], acc[j])
+ * where isum[j] is the integer dot product of values 4j .. 4j + 3 of the block and ws[j] the weight's
+ * scale for them (one per block; Q6_K has one per 16 values); blocks in order. Then
+ *     y = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7])) + msum (+ bias)
+ * with msum = fma(min[b], sx[b], msum) over the blocks in order (Q4_1, Q4_K). Each output is thus
+ * the same float32 operations whatever the rows it shares a call with, the tile, the thread or the
+ * vector unit: row invariant by construction. AVX2's maddubs/madd, AVX-VNNI's and AVX512-VNNI's
+ * dpbusd and the generic C code all make the same integers, so every build gives the same bits.
+ *
+ * The integer products never saturate: a 4-bit (or 6-bit) unsigned weight value times a quantized
+ * activation (|q| <= 127), two of them summed into 16 bits, stays under 2 * 63 * 127; a signed 8-bit
+ * weight is multiplied as |w| times x with w's sign, at most 2 * 128 * 127 < 32768.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define QUANT_AVX2 1
+#endif
+
+/* GGML's type numbers. */
+enum { GQ4_0 = 2, GQ4_1 = 3, GQ8_0 = 8, GQ4_K = 12, GQ6_K = 14 };
+
+static float half_to_float(uint16_t h)
+{
+    _Float16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+}
+
+/* Bytes a block takes and values it holds. */
+static long block_bytes(int type)
+{
+    switch (type) {
+    case GQ4_0: return 18;
+    case GQ4_1: return 20;
+    case GQ8_0: return 34;
+    case GQ4_K: return 144;
+    case GQ6_K: return 210;
+    default: return 0;
+    }
+}
+static long block_values(int type) { return type == GQ4_K || type == GQ6_K ? 256 : 32; }
+
+/* Whether the kernel takes weights of ``type`` (GGML's number). */
+int racer_quant_supported(int type) { return block_bytes(type) > 0; }
+
+/* Which integer instructions this build multiplies with: 2 AVX512-VNNI, 1 AVX-VNNI, 0 AVX2, -1 C. */
+int racer_quant_isa(void)
+{
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return 2;
+#elif defined(__AVXVNNI__)
+    return 1;
+#elif defined(QUANT_AVX2)
+    return 0;
+#else
+    return -1;
+#endif
+}
+
+/* Q4_K's 6-bit scale and minimum of sub-block j (0..7), as llama.cpp unpacks them. */
+static void k4_scale(const uint8_t *q, int j, int *sc, int *m)
+{
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* 32-value block b of a row: its values as bytes (``sign``: 0 unsigned u8, 1 signed s8, or an offset
+ * o > 1: unsigned bytes standing for v - o), the scale of each group of 4 values (8 lanes) and the
+ * block's minimum (0 for formats without one). Value i of the block is ws[i / 4] * (v[i] - o) + min. */
+static void unpack(int type, const uint8_t *row, long b, uint8_t v[32], float ws[8], float *min, int *offset)
+{
+    *min = 0.f;
+    *offset = 0;
+    if (type == GQ4_0 || type == GQ4_1) {
+        const uint8_t *p = row + b * block_bytes(type);
+        const float d = half_to_float((uint16_t)(p[0] | p[1] << 8));
+        if (type == GQ4_1) *min = half_to_float((uint16_t)(p[2] | p[3] << 8));
+        const uint8_t *qs = p + (type == GQ4_1 ? 4 : 2);
+        for (int i = 0; i < 16; i++) v[i] = qs[i] & 0xF, v[i + 16] = qs[i] >> 4;
+        for (int j = 0; j < 8; j++) ws[j] = d;
+        *offset = type == GQ4_0 ? 8 : 0;
+    } else if (type == GQ8_0) {
+        const uint8_t *p = row + b * 34;
+        const float d = half_to_float((uint16_t)(p[0] | p[1] << 8));
+        memcpy(v, p + 2, 32);
+        for (int j = 0; j < 8; j++) ws[j] = d;
+        *offset = 1;
+    } else if (type == GQ4_K) {
+        const uint8_t *p = row + (b / 8) * 144;
+        const int s = (int)(b % 8);
+        const float d = half_to_float((uint16_t)(p[0] | p[1] << 8));
+        const float dmin = half_to_float((uint16_t)(p[2] | p[3] << 8));
+        int sc, m;
+        k4_scale(p + 4, s, &sc, &m);
+        const uint8_t *qs = p + 16 + 32 * (s / 2);
+        for (int i = 0; i < 32; i++) v[i] = s % 2 ? qs[i] >> 4 : qs[i] & 0xF;
+        for (int j = 0; j < 8; j++) ws[j] = d * (float)sc;
+        *min = -(dmin * (float)m);
+    } else { /* Q6_K */
+        const uint8_t *p = row + (b / 8) * 210;
+        const int s = (int)(b % 8), h = s / 4, k = s % 4;
+        const uint8_t *ql = p + 64 * h + 32 * (k & 1), *qh = p + 128 + 32 * h;
+        const int8_t *sc = (const int8_t *)(p + 192) + 8 * h + 2 * k;
+        const float d = half_to_float((uint16_t)(p[208] | p[209] << 8));
+        for (int i = 0; i < 32; i++)
+            v[i] = (uint8_t)(((k < 2 ? ql[i] & 0xF : ql[i] >> 4)) | (((qh[i] >> (2 * k)) & 3) << 4));
+        for (int j = 0; j < 8; j++) ws[j] = d * (float)sc[j / 4];
+        *offset = 32;
+    }
+}
+
+/* Rows of x quantized per 32 values: q [M, K] int8, d and s [M, K / 32] float32. */
+struct xq {
+    int8_t *q;
+    float *d, *s;
+    long nb;
+};
+
+static void quantize_row(const float *x, long K, int8_t *q, float *d, float *s)
+{
+    for (long b = 0; b < K / 32; b++) {
+        const float *xb = x + 32 * b;
+        float amax = 0.f;
+        for (int i = 0; i < 32; i++) {
+            const float a = fabsf(xb[i]);
+            amax = a > amax ? a : amax;
+        }
+        const float db = amax / 127.f, id = db != 0.f ? 127.f / amax : 0.f;
+        int sum = 0;
+        for (int i = 0; i < 32; i++) {
+            const int v = (int)nearbyintf(xb[i] * id);
+            q[32 * b + i] = (int8_t)v;
+            sum += v;
+        }
+        d[b] = db;
+        s[b] = db * (float)sum;
+    }
+}
+
+/* The fixed sum of 8 lanes. */
+static inline float lanes_sum(const float a[8])
+{
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+#if defined(QUANT_AVX2)
+/* 8 int32 lanes, lane j the dot product of bytes 4j .. 4j + 3: u unsigned, s signed. */
+static inline __m256i dot_us(__m256i u, __m256i s)
+{
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* Block b of a row widened in registers: 32 bytes (as ``unpack`` describes) and its lane scales. */
+static inline __attribute__((always_inline)) __m256i block_bytes_avx2(int type, const uint8_t *row, long b, __m256 *ws, float *min)
+{
+    const __m256i low4 = _mm256_set1_epi8(0xF);
+    if (type == GQ4_0 || type == GQ4_1) {
+        const uint8_t *p = row + b * block_bytes(type);
+        *ws = _mm256_set1_ps(half_to_float((uint16_t)(p[0] | p[1] << 8)));
+        *min = type == GQ4_1 ? half_to_float((uint16_t)(p[2] | p[3] << 8)) : 0.f;
+        const __m128i q = _mm_loadu_si128((const __m128i *)(p + (type == GQ4_1 ? 4 : 2)));
+        return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), low4);
+    }
+    if (type == GQ8_0) {
+        const uint8_t *p = row + b * 34;
+        *ws = _mm256_set1_ps(half_to_float((uint16_t)(p[0] | p[1] << 8)));
+        *min = 0.f;
+        return _mm256_loadu_si256((const __m256i *)(p + 2));
+    }
+    if (type == GQ4_K) {
+        const uint8_t *p = row + (b / 8) * 144;
+        const int s = (int)(b % 8);
+        int sc, m;
+        k4_scale(p + 4, s, &sc, &m);
+        *ws = _mm256_set1_ps(half_to_float((uint16_t)(p[0] | p[1] << 8)) * (float)sc);
+        *min = -(half_to_float((uint16_t)(p[2] | p[3] << 8)) * (float)m);
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * (s / 2)));
+        return _mm256_and_si256(s % 2 ? _mm256_srli_epi16(q, 4) : q, low4);
+    }
+    const uint8_t *p = row + (b / 8) * 210; /* Q6_K */
+    const int s = (int)(b % 8), h = s / 4, k = s % 4;
+    const int8_t *sc = (const int8_t *)(p + 192) + 8 * h + 2 * k;
+    const float d = half_to_float((uint16_t)(p[208] | p[209] << 8));
+    const float lo = d * (float)sc[0], hi = d * (float)sc[1];
+    *ws = _mm256_setr_ps(lo, lo, lo, lo, hi, hi, hi, hi);
+    *min = 0.f;
+    const __m256i ql = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32 * (k & 1)));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
+    const __m256i l4 = _mm256_and_si256(k < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
+    const __m256i h2 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), _mm256_set1_epi8(3));
+    return _mm256_or_si256(l4, _mm256_slli_epi16(h2, 4));
+}
+#endif
+
+/* One weight row against R rows of x (R <= 4), rows m0 .. m0 + R - 1: y[r] (stride ``ys``). */
+static inline __attribute__((always_inline)) void row_dot(int R, int type, const uint8_t *row, const struct xq *X,
+                                                          long m0, float *y, long ys, float bias)
+{
+    const long nb = X->nb;
+    const int signed8 = type == GQ8_0;
+    const int offset = type == GQ4_0 ? 8 : type == GQ6_K ? 32 : 0;
+    float msum[4] = {0.f, 0.f, 0.f, 0.f};
+#if defined(QUANT_AVX2)
+    __m256 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i off = _mm256_set1_epi8((char)offset);
+    for (long b = 0; b < nb; b++) {
+        __m256 ws;
+        float min;
+        const __m256i w = block_bytes_avx2(type, row, b, &ws, &min);
+        const __m256i wa = signed8 ? _mm256_sign_epi8(w, w) : w; /* |w| for signed weights */
+        for (int r = 0; r < R; r++) {
+            const long m = m0 + r;
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(X->q + m * nb * 32 + 32 * b));
+            __m256i isum;
+            if (signed8)
+                isum = dot_us(wa, _mm256_sign_epi8(x, w));
+            else if (offset)
+                isum = _mm256_sub_epi32(dot_us(w, x), dot_us(off, x));
+            else
+                isum = dot_us(w, x);
+            const __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(X->d[m * nb + b]));
+            acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum), acc[r]);
+            if (type == GQ4_1 || type == GQ4_K) msum[r] = fmaf(min, X->s[m * nb + b], msum[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float a[8];
+        _mm256_storeu_ps(a, acc[r]);
+        y[r * ys] = lanes_sum(a) + msum[r] + bias;
+    }
+#else
+    float acc[4][8] = {{0.f}};
+    for (long b = 0; b < nb; b++) {
+        uint8_t v[32];
+        float ws[8], min;
+        int o;
+        unpack(type, row, b, v, ws, &min, &o);
+        for (int r = 0; r < R; r++) {
+            const long m = m0 + r;
+            const int8_t *x = X->q + m * nb * 32 + 32 * b;
+            for (int j = 0; j < 8; j++) {
+                int isum = 0;
+                for (int i = 4 * j; i < 4 * j + 4; i++)
+                    isum += (signed8 ? (int)(int8_t)v[i] : (int)v[i] - offset) * (int)x[i];
+                acc[r][j] = fmaf(ws[j] * X->d[m * nb + b], (float)isum, acc[r][j]);
+            }
+            if (type == GQ4_1 || type == GQ4_K) msum[r] = fmaf(min, X->s[m * nb + b], msum[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) y[r * ys] = lanes_sum(acc[r]) + msum[r] + bias;
+#endif
+}
+
+/* One weight row against every row of x, four at a time; compiled once per type (``type`` constant). */
+static inline __attribute__((always_inline)) void row_all_of(int type, const uint8_t *row, const struct xq *X, long M,
+                                                             float *y, long N, float bias)
+{
+    long m = 0;
+    for (; m + 4 <= M; m += 4) row_dot(4, type, row, X, m, y + m * N, N, bias);
+    switch (M - m) {
+    case 3: row_dot(3, type, row, X, m, y + m * N, N, bias); break;
+    case 2: row_dot(2, type, row, X, m, y + m * N, N, bias); break;
+    case 1: row_dot(1, type, row, X, m, y + m * N, N, bias); break;
+    default: break;
+    }
+}
+
+#define ROW_ALL(T)                                                                                             \
+    static void row_all_##T(const uint8_t *row, const struct xq *X, long M, float *y, long N, float bias)      \
+    {                                                                                                          \
+        row_all_of(T, row, X, M, y, N, bias);                                                                  \
+    }
+ROW_ALL(GQ4_0)
+ROW_ALL(GQ4_1)
+ROW_ALL(GQ8_0)
+ROW_ALL(GQ4_K)
+ROW_ALL(GQ6_K)
+
+static void row_all(int type, const uint8_t *row, const struct xq *X, long M, float *y, long N, float bias)
+{
+    switch (type) {
+    case GQ4_0: row_all_GQ4_0(row, X, M, y, N, bias); break;
+    case GQ4_1: row_all_GQ4_1(row, X, M, y, N, bias); break;
+    case GQ8_0: row_all_GQ8_0(row, X, M, y, N, bias); break;
+    case GQ4_K: row_all_GQ4_K(row, X, M, y, N, bias); break;
+    default: row_all_GQ6_K(row, X, M, y, N, bias); break;
+    }
+}
+
+/* ``count`` projections of the same rows x [M, K] (float32): y[j] [M, N[j]] = x @ w[j]^T (+ bias[j]),
+ * w[j] of GGML type types[j], N[j] rows of K / block_values blocks. x is quantized once; the
+ * projections' rows share one parallel region (threads split weight rows, never K). 0, -1 for a type
+ * or K the kernel does not take, -2 out of memory. */
+int racer_quant_many(int count, const int64_t *types, const float *x, const void *const *w,
+                     const float *const *bias, float *const *y, const int64_t *N, long M, long K, int threads)
+{
+    long total = 0;
+    for (int j = 0; j < count; j++) {
+        if (!racer_quant_supported((int)types[j]) || K % block_values((int)types[j])) return -1;
+        total += N[j];
+    }
+    struct xq X = {.nb = K / 32};
+    void *mem = malloc((size_t)M * K + sizeof(float) * 2 * M * X.nb + 64);
+    if (!mem) return -2;
+    X.q = mem;
+    X.d = (float *)((char *)mem + ((M * K + 15) & ~15L));
+    X.s = X.d + M * X.nb;
+    for (long m = 0; m < M; m++) quantize_row(x + m * K, K, X.q + m * K, X.d + m * X.nb, X.s + m * X.nb);
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+    for (long t = 0; t < total; t++) {
+        int j = 0;
+        long n = t;
+        while (n >= N[j]) n -= N[j++];
+        const long row_bytes = K / block_values((int)types[j]) * block_bytes((int)types[j]);
+        row_all((int)types[j], (const uint8_t *)w[j] + n * row_bytes, &X, M, y[j] + n, N[j],
+                bias && bias[j] ? bias[j][n] : 0.f);
+    }
+    free(mem);
+    return 0;
+}
+
+/* One projection: y [M, N] = x [M, K] @ w^T (+ bias). */
+int racer_quant(int type, const float *x, const void *w, const float *bias, float *y, long M, long N, long K,
+                int threads)
+{
+    const int64_t t = type, n = N;
+    return racer_quant_many(1, &t, x, &w, &bias, &y, &n, M, K, threads);
+}
+
+/* Rows ``ids`` [n] of a quantized weight [rows, K] dequantized to float32 out [n, K]: value i of a
+ * block is ws * (v - offset) + min, as the file defines it (an embedding lookup). */
+int racer_quant_rows(int type, const void *w, const int64_t *ids, long n, long K, float *out)
+{
+    if (!racer_quant_supported(type) || K % block_values(type)) return -1;
+    const long row_bytes = K / block_values(type) * block_bytes(type);
+    for (long r = 0; r < n; r++)
+        for (long b = 0; b < K / 32; b++) {
+            uint8_t v[32];
+            float ws[8], min;
+            int o;
+            unpack(type, (const uint8_t *)w + ids[r] * row_bytes, b, v, ws, &min, &o);
+            for (int i = 0; i < 32; i++) {
+                const int q = o == 1 ? (int)(int8_t)v[i] : (int)v[i] - o;
+                out[r * K + 32 * b + i] = ws[i / 4] * (float)q + min;
+            }
+        }
+    return 0;
+}
