@@ -83,6 +83,7 @@ class VerifierSession:
         self.vocab_size = model.config.vocab_size
         self.topk = topk
         self.backend = make_backend(model, backend, capacity)
+        self.cuts = 0  # truncations that dropped committed rows: a copy of rows checks none came between
         self.set_sampling(sampling)
 
     def set_sampling(self, sampling: SamplingParams) -> None:
@@ -94,7 +95,20 @@ class VerifierSession:
         return self.backend.length
 
     def truncate(self, length: int) -> None:
+        if length < self.backend.length:
+            self.cuts += 1
         self.backend.truncate(length)
+
+    @property
+    def prefix_exact(self) -> bool:
+        """Rows from the prefix cache may be copied in (``read_rows`` / ``write_rows``)."""
+        return self.backend.prefix_exact
+
+    def read_rows(self, start: int, end: int):
+        return self.backend.read_rows(start, end)
+
+    def write_rows(self, rows) -> None:
+        self.backend.write_rows(rows)
 
     def rows_needed(self, n: int) -> int:
         """Cache rows a forward of ``n`` new tokens needs (KV memory reserves them beforehand)."""

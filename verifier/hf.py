@@ -92,6 +92,7 @@ class HFBackend:
     DynamicCache, gather of kept rows. A ``backend.Backend``, as ``LlamaBackend`` is."""
 
     invariant = False  # float32 only: rows may depend on what shares a forward
+    prefix_exact = False  # no rows copied in from the prefix cache: every prompt is prefilled
 
     def __init__(self, model, plan: HFPlan | None = None):
         from transformers import DynamicCache

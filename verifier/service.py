@@ -43,6 +43,9 @@ class VerifierService(pb_grpc.VerifierServicer):
             saturation=load.of(self.verifier),
             streaming=self.verifier.streaming(),
             draining=self.draining,
+            prefix_blocks=self.verifier.prefix_held(),
+            prefix_block_tokens=self.verifier.prefix.block if self.verifier.prefix is not None else 0,
+            epoch=self.verifier.epoch,
         )
 
 
@@ -72,12 +75,13 @@ class _VerifyStream(SessionStream[Entry]):
                 history=history,
                 sampling=sampling,
                 reserve_tokens=op.reserve_tokens,
+                scope=op.cache_scope,
             )
         )
         with tracer.start_as_current_span("verifier.prefill") as span:
             res = await v.open(self.entry, history, self.context.time_remaining(), op.reserve_tokens)
             span.set_attributes({"racer.history_tokens": len(history), "racer.reused_tokens": res.reused_tokens})
-        return self._answer(res, reused_tokens=res.reused_tokens, cost=_cost_curve(v))
+        return self._answer(res, reused_tokens=res.reused_tokens, prefix_tokens=res.prefix_tokens, cost=_cost_curve(v))
 
     async def tree(self, tree: pb.VerifyTree) -> pb.VerifyResponse:
         res = await self.verifier.verify(self.entry, list(tree.tokens), list(tree.parents))
