@@ -288,9 +288,10 @@ class Verifier(Holder):
         want = len(keys) - first
         if want <= 0:
             return
+        chain = set(keys[:first])  # the new blocks' parents: evicting one would strand them
         while mem.used + want * cache.block_bytes > mem.total:
             oldest = cache.oldest()
-            if oldest is None:
+            if oldest is None or oldest.key in chain:
                 break
             self._evict_block(oldest)
         fit = min(want, max(0, (mem.total - mem.used) // cache.block_bytes))

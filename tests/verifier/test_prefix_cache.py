@@ -250,13 +250,13 @@ def test_blocks_being_copied_into_a_session_are_never_evicted(tiny_llama):
 # -- reduced precision: bit for bit ----------------------------------------------------------------
 
 
-def _native_tile() -> str | None:
+def native_tile() -> str | None:
     usable = [n for n in native.VARIANTS if n not in native.PAIRS and native.usable(n)]
     return usable[0] if usable else None
 
 
 needs_native = pytest.mark.skipif(
-    _native_tile() is None or not native.attention_usable(torch.bfloat16, torch.device("cpu"), 64),
+    native_tile() is None or not native.attention_usable(torch.bfloat16, torch.device("cpu"), 64),
     reason=f"native kernels not built here: {native.why()}",
 )
 
@@ -265,7 +265,7 @@ needs_native = pytest.mark.skipif(
 def bf16_fused(tmp_path_factory):
     """SmolLM2's head size in bfloat16 on the native decoder (a native row tile forced)."""
     mp = pytest.MonkeyPatch()
-    mp.setenv("RACER_KERNELS", _native_tile() or "linear")
+    mp.setenv("RACER_KERNELS", native_tile() or "linear")
     mp.setenv("RACER_CACHE", str(tmp_path_factory.mktemp("cache")))
     yield make_wide_llama(dtype=torch.bfloat16)
     mp.undo()
