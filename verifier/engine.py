@@ -107,8 +107,8 @@ class VerifierSession:
     def read_rows(self, start: int, end: int):
         return self.backend.read_rows(start, end)
 
-    def write_rows(self, rows) -> None:
-        self.backend.write_rows(rows)
+    def write_rows(self, rows, skip: int = 0) -> None:
+        self.backend.write_rows(rows, skip)
 
     def rows_needed(self, n: int) -> int:
         """Cache rows a forward of ``n`` new tokens needs (KV memory reserves them beforehand)."""

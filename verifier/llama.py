@@ -217,11 +217,11 @@ class LlamaBackend:
             raise ValueError(f"read_rows: [{start}, {end}) of a cache of {self.length}")
         return self.cache[:, :, :, start:end].clone()
 
-    def write_rows(self, rows: torch.Tensor) -> None:
-        """Appends ``rows`` (as ``read_rows`` gives them) as committed context."""
-        n = rows.shape[3]
+    def write_rows(self, rows: torch.Tensor, skip: int = 0) -> None:
+        """Appends ``rows`` (as ``read_rows`` gives them) but their first ``skip`` as committed context."""
+        n = rows.shape[3] - skip
         self._ensure_capacity(self.length + n)
-        self.cache[:, :, :, self.length : self.length + n] = rows
+        self.cache[:, :, :, self.length : self.length + n] = rows[:, :, :, skip:]
         self.length += n
 
     def commit(self, keep: list[int] | None, n_new: int) -> None:

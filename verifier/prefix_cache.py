@@ -6,8 +6,8 @@ a tenant's *other* sessions one: a new session copies the rows of the longest ca
 its prompt into its own preallocated cache (a memcpy of a few MB where a prefill takes seconds)
 and prefills only the rest. Rows are copied, never shared: a session owns its cache as before, so
 nothing a running session needs can be evicted from here, and a row's bits are the bits the
-prompt's own prefill computed (the llama backend's rows are row-invariant where that matters:
-``LlamaBackend.prefix_exact``).
+prompt's own prefill computed (the backend says where: ``Backend.prefix_exact``; in reduced
+precision only the native decoder, whose rows are row-invariant, qualifies).
 
 Blocks. Cached KV is identified by blocks of ``block`` tokens (64 by default), hashed as a chain
 (``common/prefix.py``): block i's key is ``blake2b(key of block i-1, its tokens)``, block 0's

@@ -353,7 +353,8 @@ class Verifier(Holder):
         session = entry.session
         match = self._prefix_match(entry, history, reuse)
         start = reuse if match is None else match.tokens  # the first token to prefill
-        cached = [] if match is None else [(i * self.prefix.block, b.rows) for i, b in enumerate(match.blocks)]
+        size = self.prefix.block if self.prefix is not None else 0
+        cached = [] if match is None else [(i * size, b.rows) for i, b in enumerate(match.blocks)]
         new = history[start:]
         chunks = [new[i : i + self.prefill_chunk] for i in range(0, len(new), self.prefill_chunk)]
         topk: list[int] = []
@@ -364,8 +365,8 @@ class Verifier(Holder):
             session.resize(rows)  # exactly the reservation: grows, or gives back spare rows
             for first, block in cached:  # the prefix cache's rows past the session's own
                 skip = max(0, reuse - first)
-                if skip < block.shape[3]:
-                    session.write_rows(block[:, :, :, skip:] if skip else block)
+                if skip < size:
+                    session.write_rows(block, skip)
 
         for i, chunk in enumerate(chunks):
             last = i == len(chunks) - 1

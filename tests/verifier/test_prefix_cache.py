@@ -135,6 +135,20 @@ def test_two_tenants_with_one_system_prompt_share_nothing_and_a_tenants_second_s
     asyncio.run(go())
 
 
+def test_the_hf_backend_takes_cached_rows_too(tiny_llama):
+    v = _verifier(tiny_llama, backend="hf")
+
+    async def go():
+        await _session(v, "a", "a1", SYSTEM + prompt(2, 7))
+        p = SYSTEM + prompt(4, 9)
+        out, opened = await _session(v, "a", "a2", p)
+        assert opened.prefix_tokens == 4 * BLOCK
+        assert out == hf_greedy(tiny_llama, p, N)
+        v.close()
+
+    asyncio.run(go())
+
+
 def test_isolation_holds_with_the_scoped_cache(tiny_llama):
     v = _verifier(tiny_llama)
     _b_finds_nothing_of_a(v)
@@ -287,7 +301,8 @@ def test_cached_rows_are_bit_identical_to_a_full_prefills(bf16_fused):
     donor = VerifierSession(bf16_fused, backend="llama")
     donor.prefill(p[:128] + _wide_prompt(2, 30))  # another session of the tenant: same 128, then others
     got = VerifierSession(bf16_fused, backend="llama")
-    got.write_rows(donor.read_rows(0, 128))
+    got.write_rows(donor.read_rows(0, 100))
+    got.write_rows(donor.read_rows(64, 128), skip=36)  # the second block past what the session holds
     res = got.prefill(p[128:])
     assert torch.equal(got.backend.cache[:, :, :, :150], full.backend.cache[:, :, :, :150])
     assert res.next_token == want.next_token and res.topk == want.topk[128:]
