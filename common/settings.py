@@ -384,6 +384,21 @@ SERVICE = {
             int,
         ),
         Setting(
+            "--prefix-cache",
+            "RACER_PREFIX_CACHE",
+            True,
+            "keep the KV rows of prompts' leading blocks for the same tenant's later sessions (a new session "
+            "copies the longest cached block prefix of its prompt and prefills the rest), in free KV memory; 0: off",
+            bool,
+        ),
+        Setting(
+            "--prefix-block-tokens",
+            "RACER_PREFIX_BLOCK_TOKENS",
+            64,
+            "tokens per prefix-cache block: the unit of lookup, placement and eviction",
+            int,
+        ),
+        Setting(
             "--stall-seconds",
             "RACER_STALL_SECONDS",
             60.0,

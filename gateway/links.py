@@ -17,6 +17,7 @@ import grpc
 
 from common import tracing
 from common.errors import DRAINING, Abort, Status
+from common.prefix import chain_keys, key_id
 from common.v1 import common_pb2 as cpb
 from common.v1 import drafter_pb2 as dpb
 from common.v1 import drafter_pb2_grpc as dgrpc
@@ -98,6 +99,7 @@ class Opened:
     logprobs: LogProbs | None = None  # of next_token, when asked for
     # echo: the prefilled history tokens' log-probabilities (None: the first, without its predecessor's)
     echo: LogProbs | None = None
+    prefix_tokens: int = 0  # of the history, copied from the verifier's prefix cache (not prefilled)
 
 
 @dataclass(frozen=True)
@@ -272,10 +274,12 @@ class VerifierLink(_Link):
         adjust: tuple = ({}, 0.0, 0.0),
         echo: bool = False,
         generated_tokens: int = 0,
+        cache_scope: str = "",
     ) -> Opened:
         """Prefills ``history`` (what the verifier's cache lacks of it); ``sampling``: a SamplingParams;
         ``reserve_tokens``: new tokens the turn may add (the verifier reserves KV memory for them);
-        ``mask``: the tokens allowed next (packed, empty: all); ``logprobs``: -1 none, else top n."""
+        ``mask``: the tokens allowed next (packed, empty: all); ``logprobs``: -1 none, else top n;
+        ``cache_scope``: the tenant's sharing group for the prefix cache ("": its own)."""
         s = vpb.Sampling(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
         if sampling.seed is not None:
             s.seed = sampling.seed
@@ -292,6 +296,7 @@ class VerifierLink(_Link):
             frequency_penalty=adjust[2],
             echo=echo,
             generated_tokens=generated_tokens,
+            cache_scope=cache_scope,
         )
         resp = await self.ask(vpb.VerifyRequest(open=op))
         cost = (tuple(resp.cost.sizes), tuple(resp.cost.ms)) if resp.cost.sizes else None
@@ -304,6 +309,7 @@ class VerifierLink(_Link):
             resp.reused_tokens,
             _logprobs(resp),
             _echo(resp) if echo else None,
+            resp.prefix_tokens,
         )
 
     async def verify(self, tokens: list[int], parents: list[int], masks: bytes = b"") -> Verified:
@@ -323,10 +329,24 @@ class Load:
     draining: bool = False
     placed: int = 0  # sessions this gateway opened on it since that report
     silent: bool = False  # did not answer the last poll (not up yet, or going): tried after the others
+    prefix_blocks: frozenset[int] = frozenset()  # its prefix cache's blocks (``common.prefix.key_id``)
+    block_tokens: int = 0  # tokens per prefix-cache block (0: no prefix cache)
+    epoch: int = 0  # changes when it restarts (with a cold cache)
 
     def rank(self) -> tuple[float, int]:
         """Lower is better: saturation in steps of 0.1, then streams (those placed since included)."""
         return (int(self.saturation * 10) / 10, self.streaming + self.placed)
+
+    def overlap(self, scope: str, tokens: list[int], keys: dict) -> float:
+        """The share of ``tokens``' full blocks that its prefix cache holds as a prefix, 0 to 1
+        (``keys``: block size -> the tokens' key ids, computed once per placement)."""
+        if not self.block_tokens or not self.prefix_blocks or len(tokens) < self.block_tokens:
+            return 0.0
+        ids = keys.get(self.block_tokens)
+        if ids is None:
+            ids = keys[self.block_tokens] = [key_id(k) for k in chain_keys(scope, tokens, self.block_tokens)]
+        held = next((i for i, k in enumerate(ids) if k not in self.prefix_blocks), len(ids))
+        return held / len(ids)
 
 
 class Backends:
@@ -373,9 +393,21 @@ class Backends:
         self._loads_at = time.monotonic()
         for ep, res in zip(endpoints, results):
             if isinstance(res, Exception):
-                self.loads.setdefault(ep, Load()).silent = True  # its last report stays, for a tie
+                load = self.loads.setdefault(ep, Load())
+                load.silent = True  # its last report stays, for a tie
+                load.prefix_blocks = frozenset()  # but not what it held: it may come back cold
                 continue
-            self.loads[ep] = Load(res.saturation, res.streaming, res.draining)
+            old = self.loads.get(ep)
+            if old is not None and old.epoch and old.epoch != res.epoch:
+                log.info("verifier restarted: its prefix cache is cold", extra={"endpoint": ep})
+            self.loads[ep] = Load(
+                res.saturation,
+                res.streaming,
+                res.draining,
+                prefix_blocks=frozenset(res.prefix_blocks),
+                block_tokens=res.prefix_block_tokens,
+                epoch=res.epoch,
+            )
         for ep in list(self.loads):
             if ep not in endpoints:
                 del self.loads[ep]

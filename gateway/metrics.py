@@ -46,6 +46,12 @@ SESSIONS_MOVED = Counter(
     "lost (its stream broke), full, unreachable (at open), gone (no longer among the endpoints)",
     ["kind", "reason"],
 )
+PLACEMENTS = Counter(
+    "racer_verifier_placements",
+    "New sessions (and moved ones) placed on a verifier, by what decided: prefix (it holds a prefix of the "
+    "prompt in its prefix cache), load (none it could take does)",
+    ["by"],
+)
 REPREFILLED_TOKENS = Counter(
     "racer_reprefilled_tokens", "History tokens prefilled again on the verifier a session moved to"
 )

@@ -41,6 +41,9 @@ class Quota:
     # tenant shares at all (false: its sessions neither draft from nor add to a corpus).
     corpus_tokens: Count = 0
     share: Annotated[bool, Field(strict=True)] = True
+    # The verifiers' prefix cache: tenants with the same group share cached prompt blocks (one
+    # organisation's tenants, say); empty (the default): the tenant's blocks are its own.
+    prefix_group: Annotated[str, Field(strict=True, pattern=r"^[A-Za-z0-9_.@-]{0,64}$")] = ""
 
 
 _KEYS = tuple(f.name for f in fields(Quota))
@@ -80,6 +83,7 @@ def load_tenant_limits(path: str, default: Quota = Quota()) -> TenantLimits:
 
         [tenants.acme]       # overrides, key by key, on top of [default]
         turns = 4
+        prefix_group = "acme"  # shares prefix-cache blocks with the other tenants of group "acme"
 
     (or the same structure in JSON when the name ends in ``.json``)."""
     with open(path, "rb") as f:

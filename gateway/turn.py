@@ -15,6 +15,7 @@ from opentelemetry import trace
 from common.errors import Abort, Status
 from common.loop import Rounds, Stats
 from common.params import GenerationParams
+from common.prefix import group_scope
 from common.text import Detokenizer
 from common.tracing import TurnSpans
 
@@ -77,6 +78,7 @@ class Turn:
         self.constraint = None  # gateway.grammar.Constraint: the output's grammar state (None: free)
         q = gw.quotas.limits.of(record.tenant)  # the tenant's corpus switch and bound
         self.links.corpus = dict(share=req.share and q.share, corpus=q.share, corpus_tokens=q.corpus_tokens)
+        self.links.cache_scope = group_scope(q.prefix_group) if q.prefix_group else ""
         self.lease = None  # leases.Lease: the record is saved only while it holds
         self.saved_tokens: int | None = None  # the saved record's length, once saved
         self._generated = M.GENERATED_TOKENS.labels(record.tenant)

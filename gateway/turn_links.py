@@ -8,8 +8,8 @@ A backend that shuts down ends its streams on purpose (UNAVAILABLE, ``draining``
 in flight: the session moves at its next round (a verifier re-prefills it from the history, a
 drafter restores its snapshot), which is no failure and does not count against ``FAILOVERS``.
 A session stays on its verifier while that one is up and not draining; a new session (or one whose
-verifier is gone) goes to the least saturated verifier, as the verifiers report it to every gateway
-(``Backends.refresh_loads``).
+verifier is gone) goes where its prompt's prefix is cached, else to the least saturated verifier, as
+the verifiers report both to every gateway (``Backends.refresh_loads``, ``_verifiers``).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ class TurnLinks:
         self.adjust: tuple = ({}, 0.0, 0.0)  # logit_bias, presence and frequency penalties
         self.echo = False  # the turn's first open returns the prefilled tokens' log-probabilities
         self.turn_start = len(rounds.committed)  # the turn's output starts here in the committed tokens
+        self.cache_scope = ""  # the verifiers' prefix-cache scope: the tenant's sharing group ("": its own)
         self.drafter_opened = 0  # the session's tokens the drafter stream was opened with
         # kind -> why the session is leaving its backend (drain, lost, full, unreachable); None: it is not
         self.leaving: dict[str, str | None] = {"drafter": None, "verifier": None}
@@ -110,18 +111,48 @@ class TurnLinks:
 
     async def _verifiers(self, live: list[str]) -> list[str]:
         """The session's own verifier while it is up and not draining; else every live verifier,
-        least saturated first (by their reports, which count every gateway's sessions)."""
+        best first, by what each reports to every gateway (its load, counting every gateway's
+        sessions, and the blocks its prefix cache holds):
+
+            score = 2 * overlap - saturation    (saturation in steps of 0.1; ties: fewer streams)
+
+        ``overlap``: the share of the prompt's full blocks (in the session's scope) that the
+        verifier holds as a prefix, 0 to 1. A verifier with saturation >= 1 ranks after every one
+        below it whatever it holds; among those below, one holding the whole prompt beats any that
+        holds nothing (2 > 1), and a partial overlap is weighed against load. That is NVIDIA
+        Dynamo's KV router (2 x overlap - usage - queue; our saturation already combines KV usage
+        and queues, ``verifier/load.py``) with SGLang's rule that a worker past its load threshold
+        is not chosen for its cache. llm-d's precise prefix scorer adds the same two scores with
+        configurable weights. The trade-off: a tenant's sessions pile onto the verifier holding
+        its prefix until it saturates (a prefill there costs a copy, elsewhere seconds), then
+        spill to the next, which caches the prefix too. What a verifier holds comes from its own
+        reports, so every gateway places alike; a restarted verifier reports an empty cache (and a
+        new epoch), and a silent one is taken to hold nothing."""
         backends = self.gw.backends
         sticky = self.record.verifier
         if sticky in live and not backends.loads.get(sticky, Load()).draining:
             return [sticky]
         loads = await backends.refresh_loads(backends.verifiers.live())
+        scope = self.cache_scope or self.record.tenant
+        tokens, keys = self.rounds.committed, {}
+        overlap = {e: (loads.get(e) or Load()).overlap(scope, tokens, keys) for e in live}
 
         def key(e: str):
             load = loads.get(e) or Load()  # not asked yet (it just appeared): nothing on it
-            return (load.silent, load.draining, load.rank(), backends.verifier_load.get(e, 0))
+            saturated, streams = load.rank()
+            return (
+                load.silent,
+                load.draining,
+                saturated >= 1,
+                saturated - 2 * overlap[e],
+                streams,
+                backends.verifier_load.get(e, 0),
+            )
 
-        return sorted(live, key=key)
+        ranked = sorted(live, key=key)
+        if ranked:
+            M.PLACEMENTS.labels("prefix" if overlap[ranked[0]] > 0 else "load").inc()
+        return ranked
 
     async def open_verifier(self) -> Opened:
         """A verifier stream holding the committed tokens; its next token is the root again (greedy)."""
@@ -143,6 +174,7 @@ class TurnLinks:
                     self.adjust,
                     self.echo and not self.rounds.stats.rounds,  # the turn's first open only
                     len(self.rounds.committed) - self.turn_start,
+                    cache_scope=self.cache_scope,
                 )
             except (Lost, Abort) as e:
                 await link.close(cancel=True)
@@ -164,7 +196,7 @@ class TurnLinks:
                 gw.backends.placed(ep)
             if rec.verifier and rec.verifier != ep:
                 reason = self.leaving["verifier"] or "gone"  # gone: not among the verifiers when the turn began
-                reprefilled = len(self.rounds.committed) - opened.reused_tokens
+                reprefilled = len(self.rounds.committed) - opened.reused_tokens - opened.prefix_tokens
                 M.SESSIONS_MOVED.labels("verifier", reason).inc()
                 M.REPREFILLED_TOKENS.inc(reprefilled)
                 log.info(

@@ -24,6 +24,10 @@ class Backend(Protocol):
     length: int  # rows of the cache that hold committed context
     invariant: bool  # a row's bits do not depend on what else shares the forward (reduced precision)
     chain_only: bool  # verifies chains only (a tree is reduced to its first path)
+    # Rows may be copied in from the prefix cache (``read_rows`` / ``write_rows``) and are then the
+    # rows the session's own prefill would write (bit for bit in reduced precision; float32's
+    # contract is token identity with transformers); False: every prompt is prefilled.
+    prefix_exact: bool
     # The rows KV memory reserves for this cache (a growing cache grows to them at once); None: no
     # reservation to answer to.
     reserved_rows: int | None

@@ -86,6 +86,7 @@ class VerifierSession:
         self.vocab_size = model.config.vocab_size
         self.topk = topk
         self.backend = make_backend(model, backend, capacity)
+        self.cuts = 0  # truncations that dropped committed rows: a copy of rows checks none came between
         self.set_sampling(sampling)
         self.logprobs = -1  # log-probabilities of chosen tokens: -1 none, 0 the chosen one, n: and the top n
         self.open_mask: torch.Tensor | None = None  # bool [V]: allowed after the prompt (its next choice)
@@ -107,7 +108,20 @@ class VerifierSession:
         return self.backend.length
 
     def truncate(self, length: int) -> None:
+        if length < self.backend.length:
+            self.cuts += 1
         self.backend.truncate(length)
+
+    @property
+    def prefix_exact(self) -> bool:
+        """Rows from the prefix cache may be copied in (``read_rows`` / ``write_rows``)."""
+        return self.backend.prefix_exact
+
+    def read_rows(self, start: int, end: int):
+        return self.backend.read_rows(start, end)
+
+    def write_rows(self, rows, skip: int = 0) -> None:
+        self.backend.write_rows(rows, skip)
 
     def rows_needed(self, n: int) -> int:
         """Cache rows a forward of ``n`` new tokens needs (KV memory reserves them beforehand)."""

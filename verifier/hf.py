@@ -177,6 +177,28 @@ class HFBackend:
                 layer.values = layer.values.index_select(-2, idx)
         self.length = past + m
 
+    @property
+    def prefix_exact(self) -> bool:
+        """Rows may be copied in from the prefix cache: in float32 (token identity with transformers is
+        the contract, as for a chunked prefill) for models verified as trees, whose cache is plain
+        keys and values per position; a chain model's may hold other state, so it prefills."""
+        return self.plan.mode == "tree"
+
+    def read_rows(self, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of committed rows [start, end): per layer (keys, values) [1, kv_heads, end - start, head_dim]."""
+        if not 0 <= start <= end <= self.length:
+            raise ValueError(f"read_rows: [{start}, {end}) of a cache of {self.length}")
+        return [
+            (layer.keys[..., start:end, :].clone(), layer.values[..., start:end, :].clone())
+            for layer in self.cache.layers
+        ]
+
+    def write_rows(self, rows: list[tuple[torch.Tensor, torch.Tensor]], skip: int = 0) -> None:
+        """Appends ``rows`` (as ``read_rows`` gives them) but their first ``skip`` as committed context."""
+        for i, (k, v) in enumerate(rows):
+            self.cache.update(k[..., skip:, :], v[..., skip:, :], i)
+        self.length += rows[0][0].shape[-2] - skip
+
     def truncate(self, length: int) -> None:
         if length < self.length:
             self.cache.crop(length - self.length)  # negative: drop that many (transformers 5.x)

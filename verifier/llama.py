@@ -205,6 +205,29 @@ class LlamaBackend:
         self.cache[:, :, :, :rows] = src.cache[:, :, :, :rows]
         self.length = rows
 
+    @property
+    def prefix_exact(self) -> bool:
+        """Whether rows copied from another cache (the prefix cache) are the rows this cache's own
+        prefill would write: in float32 (token identity with Hugging Face is the contract there, as
+        for a chunked prefill), and in reduced precision where every prompt row is computed exactly,
+        as a one-token step computes it (the native decoder: row-invariant projections and native
+        attention). The op-by-op invariant path attends over a prompt in one fused call, whose rows
+        depend on the call's split: there a cached prefix would change bits, so it is not used."""
+        return not self.invariant or (self.native_attention and self.fused is not None)
+
+    def read_rows(self, start: int, end: int) -> torch.Tensor:
+        """A copy of committed rows [start, end): [layers, 2, kv_heads, end - start, head_dim]."""
+        if not 0 <= start <= end <= self.length:
+            raise ValueError(f"read_rows: [{start}, {end}) of a cache of {self.length}")
+        return self.cache[:, :, :, start:end].clone()
+
+    def write_rows(self, rows: torch.Tensor, skip: int = 0) -> None:
+        """Appends ``rows`` (as ``read_rows`` gives them) but their first ``skip`` as committed context."""
+        n = rows.shape[3] - skip
+        self._ensure_capacity(self.length + n)
+        self.cache[:, :, :, self.length : self.length + n] = rows[:, :, :, skip:]
+        self.length += n
+
     def commit(self, keep: list[int] | None, n_new: int) -> None:
         """Keeps the new rows at offsets ``keep`` (ascending; None = all ``n_new``), drops the rest
         (rows past ``length`` are never read: dropping them is moving ``length`` only)."""

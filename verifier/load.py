@@ -28,6 +28,7 @@ def saturation(kv_reserved: float, kv_memory: float, model_queue: int, admission
 
 
 def of(verifier) -> float:
-    """``verifier``'s saturation now (a ``verifier.sessions.Verifier``)."""
+    """``verifier``'s saturation now (a ``verifier.sessions.Verifier``). The prefix cache's blocks
+    do not count: they only fill free memory and are given back first when a session needs it."""
     b = verifier.kv_memory
-    return saturation(b.used, b.total, verifier.model_thread.queued, b.waiting)
+    return saturation(b.used - verifier.prefix_bytes, b.total, verifier.model_thread.queued, b.waiting)

@@ -44,3 +44,14 @@ SATURATION = Gauge(
     "racer_verifier_saturation",
     "max(KV reserved / budget / 0.8, (model queue + admission queue) / 5): 1 = saturated (verifier/load.py)",
 )
+# The prefix cache (verifier/prefix_cache.py); exported with _total where they count.
+PREFIX_BYTES = Gauge("racer_verifier_prefix_cache_bytes", "KV memory the prefix cache's blocks hold, in bytes")
+PREFIX_LOOKUPS = Counter(
+    "racer_verifier_prefix_cache_lookups",
+    "Opens that looked up the prefix cache, by outcome: hit (rows copied from it), miss",
+    ["outcome"],
+)
+PREFIX_SAVED_TOKENS = Counter(
+    "racer_verifier_prefix_cache_saved_tokens", "Prompt tokens whose rows were copied from the prefix cache"
+)
+PREFIX_EVICTED_BLOCKS = Counter("racer_verifier_prefix_cache_evicted_blocks", "Prefix cache blocks evicted for room")

@@ -45,6 +45,9 @@ class VerifierService(pb_grpc.VerifierServicer):
             saturation=load.of(self.verifier),
             streaming=self.verifier.streaming(),
             draining=self.draining,
+            prefix_blocks=self.verifier.prefix_held(),
+            prefix_block_tokens=self.verifier.prefix.block if self.verifier.prefix is not None else 0,
+            epoch=self.verifier.epoch,
         )
 
 
@@ -74,6 +77,7 @@ class _VerifyStream(SessionStream[Entry]):
                 history=history,
                 sampling=sampling,
                 reserve_tokens=op.reserve_tokens,
+                scope=op.cache_scope,
             )
         )
         session = self.entry.session
@@ -100,7 +104,9 @@ class _VerifyStream(SessionStream[Entry]):
                 echo_top_ids=[t for _, ids, _ in out for t in ids],
                 echo_top_logprobs=[w for _, _, vals in out for w in vals],
             )
-        return self._answer(res, reused_tokens=res.reused_tokens, cost=_cost_curve(v), **echo)
+        return self._answer(
+            res, reused_tokens=res.reused_tokens, prefix_tokens=res.prefix_tokens, cost=_cost_curve(v), **echo
+        )
 
     async def tree(self, tree: pb.VerifyTree) -> pb.VerifyResponse:
         self.entry.session.masks = self._masks(tree.masks, len(tree.tokens), "tree.masks")

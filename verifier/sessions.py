@@ -19,6 +19,7 @@ No grpc: ``verifier/service.py`` converts its messages.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -35,8 +36,14 @@ from .constraints import LogProbs
 from .engine import VerifierSession
 from .fair import ModelThread
 from .kv_memory import KVMemory, default_kv_bytes, kv_bytes_per_token
+from .prefix_cache import BLOCK_TOKENS, Match, PrefixCache
 
 MAX_TREE = 4096
+PREFIX_KEY = ("", "prefix cache")  # the prefix cache's reservation in KV memory (no tenant is empty)
+
+
+class _Moved(Exception):
+    """A session's rows changed before their copy into the prefix cache ran: nothing is copied."""
 
 
 @dataclass
@@ -44,6 +51,7 @@ class Entry(_Entry):
     session: VerifierSession = None  # type: ignore[assignment] - always given
     tokens: list[int] = field(default_factory=list)  # what the KV cache holds, in order
     reserved_rows: int = 0  # cache rows KV memory reserves for it
+    scope: str = ""  # the prefix cache's scope of its last open: its tenant, or the tenant's sharing group
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,8 @@ class Open:
     sampling: tuple = (0.0, 1.0, 0, None)  # SamplingParams' fields: temperature, top_p, top_k, seed
     timeout: float | None = None  # seconds the client still waits (its deadline): the longest wait for room
     reserve_tokens: int = 0  # new tokens the turn may add: reserved at open with the history and the headroom
+    # The prefix cache's scope, chosen by the gateway (a sharing group of tenants); empty: the tenant.
+    scope: str = ""
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,7 @@ class Prefilled:
     cache_tokens: int
     elapsed_ms: float
     logprobs: LogProbs | None = None  # of next_token, when the open asked for them
+    prefix_tokens: int = 0  # history tokens whose rows came from the prefix cache (not prefilled)
 
 
 @dataclass(frozen=True)
@@ -94,7 +105,8 @@ class Verifier(Holder):
     trees and ``max_wait_ms`` per batch, ``headroom`` rows, ``prefill_chunk`` tokens per prefill
     job, ``max_waiting`` opens for at most ``wait_seconds`` in KV memory's queue, ``stall_seconds``
     before the model thread counts as stalled, ``prefill_batch`` prompts per forward, ``prompt_topk``
-    the prompt's last positions whose top-k an open sends back (None: every position)."""
+    the prompt's last positions whose top-k an open sends back (None: every position),
+    ``prefix_cache`` on or off and its ``prefix_block`` (tokens per block, ``prefix_cache.py``)."""
 
     def __init__(
         self,
@@ -117,6 +129,8 @@ class Verifier(Holder):
         prefill_batch: int = 16,
         prefill_lead: int = 2048,
         prompt_topk: int | None = None,
+        prefix_cache: bool = True,
+        prefix_block: int = BLOCK_TOKENS,
     ):
         self.model = model
         self.topk = topk
@@ -131,6 +145,8 @@ class Verifier(Holder):
         per_token = kv_bytes_per_token(model.config, next(model.parameters()).element_size())
         total = kv_memory_bytes or default_kv_bytes(model, per_token, max_cache_tokens)
         self.kv_memory = KVMemory(total, per_token, self._evict, max_waiting, wait_seconds)
+        self.prefix = PrefixCache(per_token * prefix_block, prefix_block) if prefix_cache else None
+        self.epoch = secrets.randbits(64)  # reported to gateways: a restarted verifier's cache is known cold
         # ms per verification by tree size: measured at start-up, kept current by unbatched verifications
         self.cost: dict[int, float] = dict(cost or {})
         # OpenMP thread settings are per thread: the worker takes the creating thread's count.
@@ -188,17 +204,34 @@ class Verifier(Holder):
         if entry is not None and entry.streaming:
             raise Abort(Status.ABORTED, f"session {op.session_id}: another stream is open on it")
         while entry is None and len(self.sessions) >= self.max_sessions:
-            if not self._evict(key):
+            if not self._evict_session(key):
                 raise Abort(Status.RESOURCE_EXHAUSTED, "verifier full: every KV cache is in use by a stream")
         if entry is None:
             session = VerifierSession(self.model, self.topk, self.backend, sampling, capacity=0)
             entry = self.sessions.put(Entry(op.tenant, op.session_id, session=session))
         entry.session.set_sampling(sampling)
+        entry.scope = op.scope or op.tenant
         self.sessions.claim(entry)
         M.VERIFIER_SESSIONS.set(len(self.sessions))
         return entry
 
     def _evict(self, keep: tuple[str, str]) -> bool:
+        """Makes room in KV memory: drops the least recently used of the prefix cache's unpinned
+        blocks and the idle caches other than ``keep``'s. False when none is left."""
+        block = self.prefix.oldest() if self.prefix is not None else None
+        victim = self.sessions.idle_lru(keep)
+        if block is not None and (victim is None or block.last_used <= victim.last_used):
+            self._evict_block(block)
+            return True
+        return self._evict_session(keep)
+
+    def _evict_block(self, block) -> None:
+        self.prefix.evict(block)
+        self.kv_memory.shrink(PREFIX_KEY, self.prefix.nbytes)
+        M.PREFIX_EVICTED_BLOCKS.inc()
+        M.PREFIX_BYTES.set(self.prefix.nbytes)
+
+    def _evict_session(self, keep: tuple[str, str]) -> bool:
         """Drops the least recently used idle cache other than ``keep``'s: False when none is left."""
         victim = self.sessions.idle_lru(keep)
         if victim is None:
@@ -222,11 +255,87 @@ class Verifier(Holder):
             entry.reserved_rows = rows
             self.kv_memory.shrink(entry.key, self.kv_memory.bytes_for(rows))
 
+    def prefix_held(self) -> list[int]:
+        """The prefix cache's blocks as gateways see them (``common.prefix.key_id``)."""
+        return self.prefix.held() if self.prefix is not None else []
+
+    @property
+    def prefix_bytes(self) -> int:
+        """KV memory the prefix cache holds (given back first when sessions need room)."""
+        return self.kv_memory.held.get(PREFIX_KEY, 0)
+
+    def _prefix_match(self, entry: Entry, history: list[int], reuse: int) -> Match | None:
+        """The prefix cache's longest block prefix of ``history`` past the session's own ``reuse``
+        rows (pinned until copied), counted as a hit; None, counted as a miss, when it has none.
+        Not looked up (None, uncounted) when the session's own cache leaves less than a block, nor
+        for an open that echoes its prompt's log-probabilities (copied rows compute none)."""
+        cache = self.prefix
+        if cache is None or not entry.session.prefix_exact or len(history) - 1 - reuse < cache.block:
+            return None
+        if getattr(entry.session, "echo", False):
+            return None
+        match = cache.match(entry.scope, history, len(history) - 1)  # at least one token is fed
+        if match.tokens <= reuse:
+            cache.unpin(match)
+            M.PREFIX_LOOKUPS.labels("miss").inc()
+            return None
+        M.PREFIX_LOOKUPS.labels("hit").inc()
+        M.PREFIX_SAVED_TOKENS.inc(match.tokens - reuse)
+        return match
+
+    def _prefix_insert(self, entry: Entry, history: list[int]) -> None:
+        """Copies the full blocks of ``history`` the prefix cache lacks from the session's cache
+        (just prefilled) into it, as far as free KV memory (and its own oldest blocks) allow: on the
+        model thread, in the tenant's turn after the prefill, so the forward is not delayed by it."""
+        cache, session, mem = self.prefix, entry.session, self.kv_memory
+        if cache is None or not session.prefix_exact or mem.waiting:  # who waits for memory goes first
+            return
+        keys, first = cache.missing(entry.scope, history)
+        want = len(keys) - first
+        if want <= 0:
+            return
+        chain = set(keys[:first])  # the new blocks' parents: evicting one would strand them
+        while mem.used + want * cache.block_bytes > mem.total:
+            oldest = cache.oldest()
+            if oldest is None or oldest.key in chain:
+                break
+            self._evict_block(oldest)
+        fit = min(want, max(0, (mem.total - mem.used) // cache.block_bytes))
+        if fit <= 0:
+            return
+        blocks = cache.add(keys, history, first, fit)
+        held = cache.nbytes
+        if not mem.try_reserve(PREFIX_KEY, held):  # cannot fail: it fits in free memory
+            cache.discard(blocks)
+            return
+        M.PREFIX_BYTES.set(held)
+        size, cuts = cache.block, session.cuts
+        spans = [(i * size, (i + 1) * size) for i in range(first, first + fit)]
+
+        def copy():
+            if session.cuts != cuts or session.length < spans[-1][1]:
+                raise _Moved  # a later open truncated the cache: its rows may be other tokens' now
+            return [session.read_rows(s, e) for s, e in spans]
+
+        job = self.model_thread.submit(entry.tenant, 1, "resize", copy)
+        loop = asyncio.get_running_loop()
+        job.add_done_callback(lambda f: loop.call_soon_threadsafe(self._prefix_filled, blocks, f))
+
+    def _prefix_filled(self, blocks, job) -> None:
+        if not job.cancelled() and job.exception() is None:
+            self.prefix.fill(blocks, job.result())
+            return
+        self.prefix.discard(blocks)
+        self.kv_memory.shrink(PREFIX_KEY, self.prefix.nbytes)
+        M.PREFIX_BYTES.set(self.prefix.nbytes)
+
     async def open(
         self, entry: Entry, history: list[int], timeout: float | None = None, reserve_tokens: int = 0
     ) -> Prefilled:
-        """Keeps the longest prefix of ``history`` the cache holds and prefills the rest, in chunks
-        of ``prefill_chunk`` tokens, each its own job in the tenant's fair turn on the model thread."""
+        """Keeps the longest prefix of ``history`` the cache holds, copies the prefix cache's blocks
+        past it (``prefix_cache.py``) and prefills the rest, in chunks of ``prefill_chunk`` tokens,
+        each its own job in the tenant's fair turn on the model thread; then offers the history's
+        new full blocks to the prefix cache."""
         have = entry.tokens
         common = 0
         for a, b in zip(have, history):
@@ -248,7 +357,11 @@ class Verifier(Holder):
         # chunk) thus keeps a cache the next open can reuse.
         entry.tokens = have[:reuse]
         session = entry.session
-        new = history[reuse:]
+        match = self._prefix_match(entry, history, reuse)
+        start = reuse if match is None else match.tokens  # the first token to prefill
+        size = self.prefix.block if self.prefix is not None else 0
+        cached = [] if match is None else [(i * size, b.rows) for i, b in enumerate(match.blocks)]
+        new = history[start:]
         chunks = [new[i : i + self.prefill_chunk] for i in range(0, len(new), self.prefill_chunk)]
         topk: list[int] = []
         res = None
@@ -256,6 +369,10 @@ class Verifier(Holder):
         def prepare():
             session.truncate(reuse)
             session.resize(rows)  # exactly the reservation: grows, or gives back spare rows
+            for first, block in cached:  # the prefix cache's rows past the session's own
+                skip = max(0, reuse - first)
+                if skip < size:
+                    session.write_rows(block, skip)
 
         for i, chunk in enumerate(chunks):
             last = i == len(chunks) - 1
@@ -271,15 +388,20 @@ class Verifier(Holder):
             except BaseException:
                 self._forget(entry)  # a forward that failed halfway leaves the cache unknown
                 raise
+            finally:
+                if i == 0 and match is not None:
+                    self.prefix.unpin(match)  # copied (the job holds its rows while it runs)
             if i == 0:
                 self._shrunk(entry, rows)
+                entry.tokens = history[:start]  # the cache's copy ran with the first chunk
             entry.tokens.extend(chunk)
             topk.extend(t for row in res.topk for t in row)
         elapsed = (time.perf_counter() - t0) * 1e3
         M.PREFILL_SECONDS.observe(elapsed / 1e3)
         M.REUSED_TOKENS.inc(reuse)
+        self._prefix_insert(entry, history)
         self._gauge()
-        return Prefilled(res.next_token, topk, reuse, len(entry.tokens), elapsed, res.logprobs)
+        return Prefilled(res.next_token, topk, reuse, len(entry.tokens), elapsed, res.logprobs, start - reuse)
 
     async def verify(self, entry: Entry, tokens: list[int], parents: list[int]) -> Verified:
         """One tree of the session's, alone or batched with other sessions' trees."""

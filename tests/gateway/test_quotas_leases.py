@@ -277,3 +277,15 @@ def test_a_bad_tenant_limit_names_its_table_and_key(tmp_path):
             load_tenant_limits(str(f))
     with pytest.raises(ValueError):  # the settings' defaults are checked the same way
         Quota(sessions=True)
+
+
+def test_the_limits_file_puts_tenants_in_a_prefix_sharing_group(tmp_path):
+    f = tmp_path / "limits.toml"
+    f.write_text('[tenants.acme]\nprefix_group = "org"\n[tenants.globex]\nprefix_group = "org"\n')
+    limits = load_tenant_limits(str(f))
+    assert limits.of("acme").prefix_group == limits.of("globex").prefix_group == "org"
+    assert limits.of("initech").prefix_group == ""  # off by default: a tenant's blocks are its own
+    for bad in ('prefix_group = "a:b"', "prefix_group = 1"):
+        f.write_text(f"[tenants.acme]\n{bad}\n")
+        with pytest.raises(ValueError, match="tenants.acme.prefix_group"):
+            load_tenant_limits(str(f))

@@ -42,15 +42,17 @@ def moved(kind: str, reason: str) -> float:
 
 
 @contextlib.contextmanager
-def other_gateway_streams(target: str, n: int, tag: str):
-    """``n`` streams open on the verifier at ``target``, as another gateway's turns would hold them."""
+def other_gateway_streams(target: str, n: int, tag: str, reserve: int = 0):
+    """``n`` streams open on the verifier at ``target``, as another gateway's turns would hold them
+    (each reserving KV memory for ``reserve`` new tokens)."""
     calls, channels = [], []
     try:
         for i in range(n):
             ch = backend_channel(target)
             channels.append(ch)
             q: queue.Queue = queue.Queue()
-            q.put(vpb.VerifyRequest(open=vpb.VerifierOpen(session_id=f"{tag}{i}", tenant="other", history=prompt(i))))
+            op = vpb.VerifierOpen(session_id=f"{tag}{i}", tenant="other", history=prompt(i), reserve_tokens=reserve)
+            q.put(vpb.VerifyRequest(open=op))
             call = vgrpc.VerifierStub(ch).Session(iter(q.get, None), timeout=60)
             next(call)  # opened: streaming until the call ends
             calls.append((call, q))

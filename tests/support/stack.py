@@ -109,13 +109,13 @@ class Stack:
 
     @property
     def gateway(self) -> str:
-        return f"127.0.0.1:{self.gateway_pair[0].port}"
+        return self.gateway_pair[0].address
 
     def drafter_target(self, i: int) -> str:
-        return f"127.0.0.1:{self.drafters[i][0].port}"
+        return self.drafters[i][0].address
 
     def verifier_target(self, i: int = 0) -> str:
-        return f"127.0.0.1:{self.verifiers[i][0].port}"
+        return self.verifiers[i][0].address
 
     def drafter_sessions(self, i: int):
         with grpc.insecure_channel(self.drafter_target(i)) as ch:
