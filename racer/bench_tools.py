@@ -312,9 +312,7 @@ def through_stack(args, tenants: dict[str, list[ToolSession]]) -> list[SessionRu
                     if before is not None and after is not None:
                         r.prefix = {k: after[k] - before[k] for k in PREFIX_COUNTERS}
                     r.snapshot = tuple(
-                        metric(d1, f"racer_drafter_snapshot_bytes_{x}")
-                        - metric(d0, f"racer_drafter_snapshot_bytes_{x}")
-                        for x in ("sum", "count")
+                        metric(d1, f"{SNAPSHOT}_{x}") - metric(d0, f"{SNAPSHOT}_{x}") for x in ("sum", "count")
                     )
                     r.index = i
                     results.append(r)
