@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import io
 import random
+import uuid
 
 import numpy as np
 import pytest
 
-from common.store import MemoryStore
+from common.store import MemoryStore, RedisStore
 from drafter.core import Drafter, Open, Step, snapshot_key
 from drafter.draft_session import DrafterConfig, DraftSession
 from drafter.prefixes import BLOCK, SharedPrefixes, build
@@ -50,13 +51,20 @@ async def _turn(d: Drafter, tenant: str, sid: str, history: list[int], mode: str
     return source, (list(tree.tokens), list(tree.parents)), entry.session
 
 
-def test_sessions_of_a_tenant_share_one_prefix_and_other_tenants_never_do():
+def _tenants(n: int = 2) -> list[str]:
+    """Tenant names of their own in the shared test Redis."""
+    tag = uuid.uuid4().hex[:8]
+    return [f"{c}-{tag}" for c in "ab"[:n]]
+
+
+def test_sessions_of_a_tenant_share_one_prefix_and_other_tenants_never_do(redis_url):
     async def go():
-        d = _drafter()
-        s0 = (await _turn(d, "a", "s0", SYSTEM + _question(0)))[2]
+        a, b = _tenants()
+        d = _drafter(RedisStore(redis_url))
+        s0 = (await _turn(d, a, "s0", SYSTEM + _question(0)))[2]
         assert s0.prefix is None  # the first session drafts alone: nothing to share with yet
-        s1 = (await _turn(d, "a", "s1", SYSTEM + _question(1)))[2]
-        s2 = (await _turn(d, "a", "s2", SYSTEM + _question(2)))[2]
+        s1 = (await _turn(d, a, "s1", SYSTEM + _question(1)))[2]
+        s2 = (await _turn(d, a, "s2", SYSTEM + _question(2)))[2]
         assert s1.prefix is not None and s2.prefix is s1.prefix  # one object, referenced
         assert len(s1.prefix) == len(SYSTEM) // BLOCK * BLOCK and s1.prefix.tokens == tuple(SYSTEM[: len(s1.prefix)])
         assert d.prefixes.built == 1
@@ -64,11 +72,18 @@ def test_sessions_of_a_tenant_share_one_prefix_and_other_tenants_never_do():
         assert len(s2.automaton) < len(s0.automaton) / 2
         assert s2.history == SYSTEM + _question(2)
         # tenant b sends the very same prompts: it never gets a's prefix, and makes its own
-        b1 = (await _turn(d, "b", "s1", SYSTEM + _question(1)))[2]
+        b1 = (await _turn(d, b, "s1", SYSTEM + _question(1)))[2]
         assert b1.prefix is None
-        b2 = (await _turn(d, "b", "s2", SYSTEM + _question(2)))[2]
+        b2 = (await _turn(d, b, "s2", SYSTEM + _question(2)))[2]
         assert b2.prefix is not None and b2.prefix is not s1.prefix and b2.prefix.digest != s1.prefix.digest
         assert d.memory_bytes() >= d.prefixes.nbytes() > 0
+        # restored on another replica, b's session names b's prefix, not a's
+        other = _drafter(RedisStore(redis_url))
+        entry, source = await other.open(Open(b, "s2", SYSTEM + _question(2), []))
+        assert source == "snapshot" and entry.session.prefix.digest == b2.prefix.digest
+        other.release(entry)
+        await d.store.close()
+        await other.store.close()
 
     asyncio.run(go())
 
@@ -118,21 +133,22 @@ def test_a_snapshot_names_the_prefix_instead_of_holding_it():
 
 
 @pytest.mark.parametrize("where", ["same replica", "fresh replica"])
-def test_a_shared_session_restores_and_drafts_as_before(where):
+def test_a_shared_session_restores_and_drafts_as_before(where, redis_url):
     async def go():
-        store = MemoryStore()
+        (a,) = _tenants(1)
+        store = RedisStore(redis_url)
         d = _drafter(store)
         for i in range(2):
-            await _turn(d, "a", f"s{i}", SYSTEM + _question(i))
+            await _turn(d, a, f"s{i}", SYSTEM + _question(i))
         history = SYSTEM + _question(2)
-        _, _, original = await _turn(d, "a", "s2", history)
+        _, _, original = await _turn(d, a, "s2", history)
         more = history + _question(9, 12)
-        await d.drop("a", "s0")
+        await d.drop(a, "s0")
         other = d if where == "same replica" else _drafter(store)
         if where == "same replica":
-            other.sessions.pop(("a", "s2"))  # left memory: the next turn restores from the snapshot
+            other.sessions.pop((a, "s2"))  # left memory: the next turn restores from the snapshot
         # the turn goes on: the restored session and the one kept in memory draft alike
-        entry, source = await other.open(Open("a", "s2", more, []))
+        entry, source = await other.open(Open(a, "s2", more, []))
         assert source == "snapshot" and entry.session.prefix is not None
         assert entry.session.history == more
         if where == "same replica":
@@ -146,6 +162,7 @@ def test_a_shared_session_restores_and_drafts_as_before(where):
             want = original.draft(root, 24, mode)
             assert (got.tokens, got.parents) == (want.tokens, want.parents)
         other.release(entry)
+        await store.close()
 
     asyncio.run(go())
 
