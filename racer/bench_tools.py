@@ -281,7 +281,7 @@ def _run_stack_session(
                 result.prompt_tokens = last.usage.prompt_tokens
             sid = last.session_id
             result.turns.append(Turn(out, last.stats.rounds, ttft, time.perf_counter() - t0))
-        c.close_session(sid)
+    # the session stays open, as an agent's would (closing it would drop its drafter snapshot unmeasured)
     return result, sid
 
 
