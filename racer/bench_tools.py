@@ -19,8 +19,9 @@ Reported per tenant and overall: the first turn's time to first token (TTFT) of 
 session and the median of its later ones, in the ``on`` run; MAT (tokens per verification round)
 and decoding tok/s (tokens after the first over the time after it) with the corpus on and off; the
 verifier's prefix-cache hits, misses and prefill tokens saved, read from its metrics when it
-exports them (``n/a`` otherwise, and always in process); the drafter's snapshot bytes per save;
-and whether the outputs are identical.
+exports them (``n/a`` otherwise, and always in process); the drafter's snapshot bytes per save in
+the later sessions (those that can share the tenant's prompt start); and whether the outputs are
+identical.
 
 ``--through stack`` (the default) starts Redis, a verifier, a drafter and a gateway as processes
 and talks gRPC to the gateway; ``--through process`` runs the same sessions in this process
@@ -364,8 +365,9 @@ def summarize(results: list[SessionRun]) -> list[dict]:
         prefix = [r.prefix for r in on]
         if prefix and all(p is not None for p in prefix):
             row["prefix"] = {k: sum(p[k] for p in prefix) for k in PREFIX_COUNTERS}
-        saves = sum(r.snapshot[1] for r in on)
-        row["snapshot_kib"] = sum(r.snapshot[0] for r in on) / saves / 1024 if saves else None
+        later_on = [r for r in on if r.index > 0]  # the first session of a tenant shares nothing yet
+        saves = sum(r.snapshot[1] for r in later_on)
+        row["snapshot_kib"] = sum(r.snapshot[0] for r in later_on) / saves / 1024 if saves else None
         same = {(r.tenant, r.index, r.run): r.output for r in mine}
         identical = sum(
             1
@@ -398,7 +400,7 @@ def format_table(rows: list[dict]) -> str:
         "tok/s no drafts",
         "prefix hits / misses",
         "prefill tokens saved",
-        "snapshot KiB",
+        "drafter snapshot KiB (later)",
         "identical on / off",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
