@@ -21,8 +21,9 @@ prompt's copy-logit rows: the target's top-k at a position depends only on the t
 they are the same). The first session of a tenant therefore drafts as before; the next ones share.
 A prefix is always shorter than the prompt, so a session has at least one token of its own.
 
-Memory: prefixes are held in LRU order up to ``max_prefixes``; one that leaves the index stays alive
-as long as a session references it (its bytes are counted once, while indexed).
+Memory: prefixes are held in LRU order up to ``max_prefixes``, and the candidates of as many tenants
+(the last prompt's top-k rows as int32: ~100 KB for 3,000 tokens); a prefix that leaves the index
+stays alive as long as a session references it (its bytes are counted once, while indexed).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import hashlib
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from .automaton import ROOT, Automaton
 
@@ -144,7 +147,12 @@ class _Candidates:
 
     def __init__(self):
         self.digests: OrderedDict[bytes, None] = OrderedDict()  # every block digest of recent prompts
-        self.last: tuple[list[int], list | None, int] = ([], None, 0)  # tokens, rows, index of rows[0]
+        # the last prompt: its tokens, the top-k rows it came with ([rows, k] int32) and the position of rows[0]
+        self.last: tuple[list[int], np.ndarray | None, int] = ([], None, 0)
+
+    def nbytes(self) -> int:
+        rows = self.last[1]
+        return 8 * len(self.last[0]) + (rows.nbytes if rows is not None else 0) + 100 * len(self.digests)
 
 
 class SharedPrefixes:
@@ -168,7 +176,8 @@ class SharedPrefixes:
         return len(self._prefixes)
 
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self._prefixes.values())
+        """The prefixes indexed and the candidates kept to find the next ones."""
+        return sum(p.nbytes for p in self._prefixes.values()) + sum(c.nbytes() for c in self._candidates.values())
 
     def find(self, tenant: str, tokens) -> SharedPrefix | None:
         """The longest shared prefix of the tenant that ``tokens`` begins with (and outlasts)."""
@@ -195,7 +204,7 @@ class SharedPrefixes:
         cand = self._candidates.get(tenant)
         if cand is None:
             cand = self._candidates[tenant] = _Candidates()
-            while len(self._candidates) > 4 * self.max_prefixes:
+            while len(self._candidates) > self.max_prefixes:
                 self._candidates.popitem(last=False)
         self._candidates.move_to_end(tenant)
         common = 0
@@ -213,7 +222,8 @@ class SharedPrefixes:
         while len(cand.digests) > 8 * 1024:  # ~64 prompts of 8k tokens
             cand.digests.popitem(last=False)
         first_row = len(tokens) - len(rows)
-        cand.last = (list(tokens), [list(r) for r in rows], first_row)
+        kept = np.asarray(rows, dtype=np.int32).reshape(len(rows), -1) if len(rows) else None
+        cand.last = (list(tokens), kept, first_row)
         return made
 
     def _rows_for(self, cand: _Candidates, tokens, rows, n: int):
@@ -224,7 +234,7 @@ class SharedPrefixes:
             return rows[:n]
         ctoks, crows, cfirst = cand.last
         if crows is not None and cfirst == 0 and len(ctoks) >= n and ctoks[:n] == list(tokens[:n]):
-            return crows[:n]
+            return crows[:n].tolist()
         return None
 
     def _make(self, tenant: str, tokens, rows) -> SharedPrefix:
