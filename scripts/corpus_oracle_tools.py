@@ -46,35 +46,41 @@ DEFAULT_INPUT = Path(__file__).resolve().parents[2] / "shared" / "data" / "bfcl"
 
 
 def outputs(args) -> list[dict]:
-    """Per session: tenant, prompt ids, the target's greedy answer and the top-k after every token."""
+    """Per session: tenant, prompt ids, the target's greedy answer and the top-k after every token.
+    With ``--outputs``, each session is appended to that JSONL file as it is done, and sessions already
+    there are not generated again."""
+    done = []
     if args.outputs and os.path.exists(args.outputs):
         with open(args.outputs) as f:
-            return json.load(f)
-    from racer.inprocess import InProcessStack
-    from verifier.engine import VerifierSession
-
-    engine = InProcessStack.load(threads=args.threads or None)
-    params = engine.default_params(max_new_tokens=args.max_new_tokens, mode="racer", budget=16)
+            done = [json.loads(line) for line in f if line.strip()]
+    have = {(r["tenant"], r["session"]) for r in done}
     chosen = [
         (name, ss[: args.sessions])
         for name, ss in by_tenant(load(args.input)).items()
         if len(ss) >= 2 and args.min_system_chars <= len(ss[0].system) <= args.max_system_chars
     ][: args.tenants]
-    done = []
-    for name, sessions in chosen:
-        for s in sessions:
-            ids = messages_ids(engine.tokenizer, s.first_messages())
-            out: list[int] = []
-            for chunk in engine.stream(ids, params, stats=Stats()):
-                out += chunk
-            verifier = VerifierSession(engine.loaded.model, engine.drafter_config.topk, engine.backend)
-            topk = verifier.prefill(ids + out).topk
-            done.append({"tenant": name, "session": s.session, "prompt": ids, "output": out, "topk": topk})
-            print(f"{name} {s.session}: {len(ids)} prompt tokens, {len(out)} answered", file=sys.stderr)
-    if args.outputs:
-        with open(args.outputs, "w") as f:
-            json.dump(done, f)
-    return done
+    todo = [(name, s) for name, ss in chosen for s in ss if (name, s.session) not in have]
+    if todo:
+        from racer.inprocess import InProcessStack
+        from verifier.engine import VerifierSession
+
+        engine = InProcessStack.load(threads=args.threads or None)
+        params = engine.default_params(max_new_tokens=args.max_new_tokens, mode="racer", budget=16)
+    for name, s in todo:
+        ids = messages_ids(engine.tokenizer, s.first_messages())
+        out: list[int] = []
+        for chunk in engine.stream(ids, params, stats=Stats()):
+            out += chunk
+        verifier = VerifierSession(engine.loaded.model, engine.drafter_config.topk, engine.backend)
+        topk = verifier.prefill(ids + out).topk
+        rec = {"tenant": name, "session": s.session, "prompt": ids, "output": out, "topk": topk}
+        done.append(rec)
+        if args.outputs:
+            with open(args.outputs, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        print(f"{name} {s.session}: {len(ids)} prompt tokens, {len(out)} answered", file=sys.stderr)
+    wanted = {(name, s.session) for name, ss in chosen for s in ss}
+    return [r for r in done if (r["tenant"], r["session"]) in wanted]
 
 
 def _accepted_path(tree, out: list[int], i: int) -> list[int]:
@@ -159,7 +165,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--budgets", default="16,64", help="tree sizes C (comma-separated)")
-    ap.add_argument("--outputs", default="", help="JSON cache of the generated answers")
+    ap.add_argument("--outputs", default="", help="JSONL cache of the generated answers (appended, resumed)")
     args = ap.parse_args()
     from common.priors import load_prior
 
