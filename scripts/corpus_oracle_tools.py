@@ -104,8 +104,8 @@ def _tree_with(s: DraftSession, root: int, budget: int, candidate) -> object:
     add_retrieval(trie, s.automaton, root, cfg.min_depth, cfg.retrieval_min_prob)
     if s.view is not None and not trie.full():
         add_retrieval(trie, s.view, root, cfg.min_depth, cfg.retrieval_min_prob)
-    if candidate:
-        add_corpus(trie, [(1.0, tuple(candidate))], 0.0)
+    if candidate:  # the path and each of its prefixes, as the merge takes them (a parent first)
+        add_corpus(trie, [(1.0, tuple(candidate[: k + 1])) for k in range(len(candidate))], 0.0)
     add_logits(trie, s.table.get, cfg.topk)
     return trie.flatten(0)
 
