@@ -208,8 +208,11 @@ def tool_stack(args, names: list[str], no_share: list[str]):
             RACER_HOST="127.0.0.1",
             RACER_LOG_LEVEL="WARNING",
             RACER_INTERNAL_TOKEN=os.environ.get("RACER_INTERNAL_TOKEN") or _TOKEN,
-            **env,
+            # one verifier: a prefill of thousands of tokens on a busy CPU may take minutes, and there
+            # is nowhere to fail over to
+            RACER_BACKEND_TIMEOUT="1800",
         )
+        base.update(env)
         if args.dtype:
             base["RACER_DTYPE"] = args.dtype
         procs = _Procs(base, cpus.split_for_verifier(cpus.available()) if args.pin else None)
