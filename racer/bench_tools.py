@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import signal
 import statistics
 import sys
 import tempfile
@@ -455,6 +456,8 @@ def main(args) -> int:
         print(f"{args.input}: {n} sessions written to {args.convert}")
         return 0
     tenants = select(load(args.input), args)
+    # a SIGTERM unwinds like Ctrl-C, so the stack's processes and Redis are stopped on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results = (through_stack if args.through == "stack" else in_process)(args, tenants)
     rows = summarize(results)
     print(
