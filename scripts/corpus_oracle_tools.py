@@ -60,6 +60,8 @@ def outputs(args) -> list[dict]:
         if len(ss) >= 2 and args.min_system_chars <= len(ss[0].system) <= args.max_system_chars
     ][: args.tenants]
     todo = [(name, s) for name, ss in chosen for s in ss if (name, s.session) not in have]
+    if args.cached_only:
+        todo = []
     if todo:
         from racer.inprocess import InProcessStack
         from verifier.engine import VerifierSession
@@ -165,6 +167,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--budgets", default="16,64", help="tree sizes C (comma-separated)")
+    ap.add_argument("--cached-only", action="store_true", help="replay the answers --outputs holds, generate none")
     ap.add_argument("--outputs", default="", help="JSONL cache of the generated answers (appended, resumed)")
     args = ap.parse_args()
     from common.priors import load_prior
