@@ -290,6 +290,24 @@ def _run_stack_session(
     return result, sid
 
 
+def _after_snapshot(port: int, count: float, timeout: float = 30.0) -> dict:
+    """The drafter's metrics once the session's end-of-turn snapshot (written after the reply) is
+    counted, or after ``timeout`` seconds without it."""
+    from .bench_corpus_stack import metric, scrape, wait_for
+
+    samples = {}
+
+    def saved() -> bool:
+        samples.update(scrape(port))
+        return metric(samples, f"{SNAPSHOT}_count") > count
+
+    try:
+        wait_for(saved, timeout, "the session's snapshot", every=0.1)
+    except TimeoutError:
+        pass
+    return samples
+
+
 def through_stack(args, tenants: dict[str, list[ToolSession]]) -> list[SessionRun]:
     from tqdm import tqdm
 
@@ -312,7 +330,7 @@ def through_stack(args, tenants: dict[str, list[ToolSession]]) -> list[SessionRu
                     r, _ = _run_stack_session(
                         gateway, keys[names[(name, run)]], s, run, args.budget, args.max_new_tokens
                     )
-                    v1, d1 = scrape(vport), scrape(dport)
+                    v1, d1 = scrape(vport), _after_snapshot(dport, metric(d0, f"{SNAPSHOT}_count"))
                     before, after = prefix_counters(v0), prefix_counters(v1)
                     if before is not None and after is not None:
                         r.prefix = {k: after[k] - before[k] for k in PREFIX_COUNTERS}
