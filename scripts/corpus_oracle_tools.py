@@ -127,13 +127,13 @@ def _oracle_tree(s: DraftSession, corpus: Corpus, root: int, budget: int, out: l
     return best
 
 
-def replay(sessions: list[dict], budget: int, prior, rule: str) -> tuple[int, int]:
+def replay(sessions: list[dict], budget: int, prior, rule: str, cfg: DrafterConfig = DrafterConfig()):
     """One tenant's answers in order under ``rule`` (off, drafter, oracle): (tokens, rounds)."""
     corpus = Corpus(CorpusConfig()) if rule != "off" else None
     rounds = tokens = 0
     for rec in sessions:
         prompt, out, rows = rec["prompt"], rec["output"], rec["topk"]
-        s = DraftSession(DrafterConfig(), prior)
+        s = DraftSession(cfg, prior)
         s.corpus = corpus if rule == "drafter" else None
         s.extend(prompt, rows[: len(prompt)])
         writer = corpus.writer() if corpus is not None else None
@@ -167,6 +167,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--budgets", default="16,64", help="tree sizes C (comma-separated)")
+    ap.add_argument("--min-match", type=int, default=DrafterConfig.corpus_min_match, help="the drafter's")
+    ap.add_argument("--min-prob", type=float, default=DrafterConfig.corpus_min_prob, help="the drafter's")
     ap.add_argument("--cached-only", action="store_true", help="replay the answers --outputs holds, generate none")
     ap.add_argument("--outputs", default="", help="JSONL cache of the generated answers (appended, resumed)")
     args = ap.parse_args()
@@ -174,6 +176,7 @@ def main() -> int:
 
     recs = outputs(args)
     prior = load_prior("default", DrafterConfig().topk)
+    cfg = DrafterConfig(corpus_min_match=args.min_match, corpus_min_prob=args.min_prob)
     tenants: dict[str, list[dict]] = {}
     for r in recs:
         tenants.setdefault(r["tenant"], []).append(r)
@@ -192,7 +195,7 @@ def main() -> int:
             else:
                 mat = {}
                 for rule in totals:
-                    t, r = replay(ss, budget, prior, rule)
+                    t, r = replay(ss, budget, prior, rule, cfg)
                     totals[rule][0] += t
                     totals[rule][1] += r
                     mat[rule] = t / max(r, 1)
