@@ -237,7 +237,7 @@ def tool_stack(args, names: list[str], no_share: list[str]):
 
 
 PREFIX_COUNTERS = ("hits", "misses", "saved")
-SNAPSHOT = "racer_drafter_snapshot_bytes"
+SNAPSHOT = "racer_snapshot_bytes"  # the drafter's snapshot sizes (histogram)
 
 
 def prefix_counters(samples: dict) -> dict | None:
