@@ -245,6 +245,15 @@ SERVICE = {
             int,
         ),
         Setting(
+            "--shared-prefix-tokens",
+            "RACER_SHARED_PREFIX_TOKENS",
+            512,
+            "shortest prompt start (tokens, rounded up to 64-token blocks) that a tenant's new sessions share "
+            "when two of them begin with it: built once, referenced by each session and its snapshot instead of "
+            "copied (0: no sharing)",
+            int,
+        ),
+        Setting(
             "--corpus-tokens",
             "RACER_CORPUS_TOKENS",
             1 << 20,

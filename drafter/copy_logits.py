@@ -8,9 +8,11 @@ class CopyLogitTable:
 
     ``prior`` (optional, shared read-only by all sessions) answers for tokens the session has not
     seen yet: a [vocab, >= k] array of the model's own top-k successors (verifier/prior.py).
+    ``base`` (optional, shared read-only: a shared prompt prefix's rows, drafter/prefixes.py) answers
+    before the prior: the session's own rows are of later positions, the base's of earlier ones.
     """
 
-    __slots__ = ("k", "rows", "prior")
+    __slots__ = ("k", "rows", "prior", "base")
 
     def __init__(self, k: int = 8, prior=None):
         if k < 1:
@@ -18,6 +20,7 @@ class CopyLogitTable:
         self.k = k
         self.rows: dict[int, tuple[int, ...]] = {}
         self.prior = prior
+        self.base: dict[int, tuple[int, ...]] | None = None
 
     def put(self, token: int, topk) -> None:
         self.rows[token] = tuple(topk[: self.k])
@@ -32,6 +35,10 @@ class CopyLogitTable:
         row = self.rows.get(token)
         if row is not None:
             return row
+        if self.base is not None:
+            row = self.base.get(token)
+            if row is not None:
+                return row
         prior = self.prior
         if prior is not None and 0 <= token < len(prior):
             return tuple(int(x) for x in prior[token][: self.k])

@@ -29,6 +29,7 @@ from common.sessions import Holder, SessionTable
 from . import metrics as M
 from .corpora import Corpora, Response
 from .draft_session import DrafterConfig, DraftSession
+from .prefixes import SharedPrefixes
 from .snapshot import SnapshotError, dumps, loads
 from .tree import DraftTree
 
@@ -113,8 +114,11 @@ class Drafter(Holder):
         max_tokens: int = 65_536,
         max_bytes: int = 0,
         corpora: Corpora | None = None,
+        prefixes: SharedPrefixes | None = None,
     ):
         self.config = config
+        # shared prompt prefixes (the default: none)
+        self.prefixes = prefixes if prefixes is not None else SharedPrefixes(config.window, config.topk, 0)
         self.corpora = corpora or Corpora(0)  # tenant corpora (the default: none)
         self.max_tokens = max_tokens
         self.max_bytes = max_bytes  # sessions in memory, estimated; 0: bounded only by the TTL
@@ -139,7 +143,7 @@ class Drafter(Holder):
             session = await self._restore(req.tenant, req.session_id, history)
             source = "snapshot" if session is not None else "new"
             if session is None:
-                session = DraftSession(self.config, self.prior)
+                session = self._new_session(req.tenant, history, rows)
             entry = self.sessions.put(Entry(req.tenant, req.session_id, session=session))
             entry.saved_length = len(session.history) if source == "snapshot" else -1
         M.RESTORES.labels(source).inc()
@@ -156,6 +160,18 @@ class Drafter(Holder):
         self.sessions.claim(entry)  # only once the open succeeded: a failed one leaves no stream behind
         self._bound(entry, estimate=source != "memory")  # (~5 ms for a full session: not before every turn)
         return entry, source
+
+    def _new_session(self, tenant: str, history: list[int], rows: list[list[int]]) -> DraftSession:
+        """A session for ``history``, beginning with the tenant's shared prefix of it if there is one."""
+        session = DraftSession(self.config, self.prior)
+        if not self.prefixes.enabled:
+            return session
+        built = self.prefixes.built
+        prefix = self.prefixes.for_new_session(tenant, history, rows)
+        M.PREFIX_OPENS.labels("none" if prefix is None else "built" if self.prefixes.built > built else "shared").inc()
+        if prefix is not None:
+            session.attach_prefix(prefix)
+        return session
 
     def _checked_rows(self, req: Open) -> list[list[int]]:
         """Checks an open's fields; the top-k rows of the history's last positions."""
@@ -308,7 +324,7 @@ class Drafter(Holder):
     def memory_bytes(self) -> int:
         """Estimated bytes held: the sessions in memory (as of their last open or release) and the
         tenant corpora (as they are now)."""
-        return sum(e.bytes for e in self.sessions) + self.corpora.nbytes()
+        return sum(e.bytes for e in self.sessions) + self.corpora.nbytes() + self.prefixes.nbytes()
 
     def _bound(self, entry: Entry, estimate: bool = True) -> None:
         """Re-estimates ``entry`` (unless told not to); while the sessions and the tenant corpora are
@@ -318,7 +334,7 @@ class Drafter(Holder):
         if estimate:
             entry.bytes = entry.session.memory_estimate() if self.max_bytes else 0
         sessions = sum(e.bytes for e in self.sessions)
-        corpora = self.corpora.nbytes()
+        corpora = self.corpora.nbytes() + self.prefixes.nbytes()
         while self.max_bytes and sessions + corpora > self.max_bytes:
             victim = self.sessions.idle_lru(keep=entry.key)
             if victim is None:
@@ -329,7 +345,9 @@ class Drafter(Holder):
             sessions -= victim.bytes
             M.EVICTIONS.inc()
         M.DRAFTER_BYTES.set(sessions)
-        M.CORPUS_BYTES.set(corpora)
+        M.CORPUS_BYTES.set(self.corpora.nbytes())
+        M.PREFIX_BYTES.set(self.prefixes.nbytes())
+        M.PREFIXES.set(len(self.prefixes))
         M.DRAFTER_SESSIONS.set(len(self.sessions))
 
     # -- snapshots ----------------------------------------------------------------------------
@@ -378,7 +396,13 @@ class Drafter(Holder):
         if data is None:
             return None
         try:
-            session = loads(data, self.config, self.prior, max_tokens=self.max_tokens)
+            session = loads(
+                data,
+                self.config,
+                self.prior,
+                max_tokens=self.max_tokens,
+                prefix=lambda length, digest: self.prefixes.resolve(tenant, length, digest, history),
+            )
         except SnapshotError as e:  # checked with bounded work: discarded, the session is rebuilt from history
             M.SNAPSHOT_FAILURES.labels("restore").inc()
             self._warnings.warning(
@@ -420,6 +444,7 @@ class Drafter(Holder):
         no session drafts from what it held or adds to it again (running turns add nothing more)."""
         _check(bool(tenant), Status.INVALID_ARGUMENT, "erase.tenant: required")
         existed = await self.corpora.erase(tenant)
+        self.prefixes.drop_tenant(tenant)
         for e in self.sessions:
             if e.tenant == tenant:
                 e.session.corpus, e.response = None, None

@@ -13,6 +13,7 @@ from common.params import MODES
 from .adaptive import BudgetChooser
 from .automaton import Automaton
 from .copy_logits import CopyLogitTable
+from .prefixes import PrefixView, SharedPrefix
 from .tree import (
     DraftTree,
     _Trie,
@@ -69,6 +70,32 @@ class DraftSession:
         self.drafted = {"session": 0, "corpus": 0}
         self.accepted = {"session": 0, "corpus": 0}
         self._corpus_nodes: frozenset[int] | None = None
+        # A shared prompt prefix (drafter/prefixes.py) this session begins with: its automaton is read
+        # through ``view``, its copy-logit rows through the table's base; ``automaton``, the table's
+        # own rows and the n-gram index hold what comes after it.
+        self.prefix: SharedPrefix | None = None
+        self.view: PrefixView | None = None
+
+    def attach_prefix(self, prefix: SharedPrefix, tail=None) -> None:
+        """Begins this session with ``prefix`` (shared, never copied): a new session (``tail`` None),
+        or a restored one whose automaton and rows already hold ``tail``, the tokens after it. A new
+        session's own automaton starts with the prefix's last ``window - 1`` tokens, so the n-grams
+        across the boundary are its own."""
+        if self.history:
+            raise ValueError("a shared prefix begins a session: this one already holds tokens")
+        self.prefix = prefix
+        self.table.base = prefix.rows
+        self.history = list(prefix.tokens)
+        if tail is None:
+            self.automaton.extend(prefix.tokens[len(prefix) - self.prefix_seed :])
+            tail = ()
+        self.view = PrefixView(prefix, (prefix.tokens[-self.config.window :] + tuple(tail))[-self.config.window :])
+        self._index(tail)
+
+    @property
+    def prefix_seed(self) -> int:
+        """Tokens of the shared prefix the session's own automaton holds too (its last ones)."""
+        return min(self.config.window - 1, len(self.prefix)) if self.prefix is not None else 0
 
     def set_costs(self, cost_ms: dict[int, float], overhead_ms: float = 1.0) -> None:
         """The verifier's cost curve (ms per forward by tree size): enables ``budget=AUTO``."""
@@ -81,6 +108,8 @@ class DraftSession:
         if topk_rows is not None and len(topk_rows) != len(tokens):
             raise ValueError(f"topk_rows: {len(topk_rows)} rows for {len(tokens)} tokens")
         self.automaton.extend(tokens)
+        if self.view is not None:
+            self.view.extend(tokens)
         if topk_rows is not None:
             self.table.put_many(tokens, topk_rows)
             if tokens:
@@ -160,6 +189,8 @@ class DraftSession:
         n_retrieval = 0
         if mode in ("racer", "retrieval"):
             n_retrieval = add_retrieval(trie, self.automaton, root, cfg.min_depth, cfg.retrieval_min_prob)
+            if self.view is not None and not trie.full():  # the shared prefix, after the session's own text
+                n_retrieval += add_retrieval(trie, self.view, root, cfg.min_depth, cfg.retrieval_min_prob)
         fill = self._logits_fill(mode)
         if self.corpus is not None and mode == "racer" and not trie.full():
             seen = (self.accepted["corpus"], self.drafted["corpus"])
@@ -193,9 +224,10 @@ class DraftSession:
         for size in range(min(self.config.pld_ngram, len(hist) + 1), 0, -1):
             key = (*hist[len(hist) - size + 1 :], root) if size > 1 else (root,)
             ends = self._ngram_last.get(key)
-            if ends is None:
-                continue
-            end = ends[0] if ends[0] < len(hist) - 1 else ends[1]
+            end = -1 if ends is None else ends[0] if ends[0] < len(hist) - 1 else ends[1]
+            if end < 0 and self.prefix is not None:  # an occurrence in the shared prefix
+                ends = self.prefix.ngram_last.get(key)
+                end = -1 if ends is None else ends[0] if ends[0] < len(hist) - 1 else ends[1]
             if end < 0:
                 continue
             node = 0

@@ -47,3 +47,10 @@ CORPUS_RECORD_FAILURES = Counter(
 # Exported with _total: racer_draft_nodes_total{source}, racer_draft_accepted_total{source}.
 DRAFT_NODES = Counter("racer_draft_nodes", "Draft tree nodes (root excluded) by source", ["source"])
 DRAFT_ACCEPTED = Counter("racer_draft_accepted", "Accepted draft tree nodes by source", ["source"])
+PREFIX_OPENS = Counter(
+    "racer_drafter_prefix_opens",
+    "New sessions by their shared prompt prefix: shared (an existing one), built (made now), none",
+    ["result"],
+)
+PREFIXES = Gauge("racer_drafter_shared_prefixes", "Shared prompt prefixes held by this drafter")
+PREFIX_BYTES = Gauge("racer_drafter_shared_prefix_bytes", "Estimated bytes of the shared prompt prefixes held")

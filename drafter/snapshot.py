@@ -4,6 +4,13 @@ The format is an ``.npz`` archive of flat integer arrays, read with ``allow_pick
 snapshot from a store can never run code. ``meta`` holds the format version, the configuration the
 state was built with and the token count the snapshot stands for (its version).
 
+A session that begins with a shared prompt prefix (drafter/prefixes.py) is written in format 2: one
+more member, ``prefix`` (its length and digest), and only what the session holds of its own: the
+automaton and rows after the prefix, and the history after it. The restoring drafter resolves the
+prefix (``loads(..., prefix=)``: from memory, or rebuilt from the open's history, which must hash to
+the digest); a snapshot whose prefix it cannot resolve is a ``SnapshotError``. A session without
+one is written in format 1, as before.
+
 Nothing read from the store is trusted: before anything is decoded, every member's size is bounded
 by the header and the drafter's configuration (a small member that inflates to gigabytes is refused
 unread), and every array is checked (dtype, shape, ranges, the trie's links: see
@@ -21,8 +28,10 @@ import numpy as np
 
 from .automaton import Automaton
 from .draft_session import DrafterConfig, DraftSession
+from .prefixes import DIGEST_BYTES, SharedPrefix
 
 FORMAT = 1
+FORMAT_PREFIX = 2  # format 1 + the ``prefix`` member
 _META = ("format", "window", "max_nodes", "topk", "length", "nodes")
 _ARRAYS = (
     "meta",
@@ -44,6 +53,7 @@ _ARRAYS = (
     "last_topk",
     "history",
 )
+_ARRAYS_PREFIX = (*_ARRAYS, "prefix")
 MAX_TOKENS = 1 << 20  # history bound when the caller gives none (the drafter passes its max_tokens)
 MAX_TABLE_ROWS = 1 << 19  # copy-logit rows: one per distinct token, so at most the vocabulary
 _NPY_HEADER = 1024  # bytes an .npy member may hold beyond its data (numpy writes 128)
@@ -74,8 +84,19 @@ def dumps(session: DraftSession) -> bytes:
     table = np.full((len(rows), width), -1, dtype=np.int64)
     for i, row in enumerate(rows.values()):
         table[i, : len(row)] = row
+    prefix = session.prefix
+    own = len(prefix) if prefix is not None else 0  # history tokens the shared prefix stands for
     arrays = {
-        "meta": _i64([FORMAT, cfg.window, cfg.max_nodes, cfg.topk, len(session.history), len(st["parent"])]),
+        "meta": _i64(
+            [
+                FORMAT if prefix is None else FORMAT_PREFIX,
+                cfg.window,
+                cfg.max_nodes,
+                cfg.topk,
+                len(session.history),
+                len(st["parent"]),
+            ]
+        ),
         "parent": _i64(st["parent"]),
         "token": _i64(st["token"]),
         "freq": _i64(st["freq"]),
@@ -92,8 +113,10 @@ def dumps(session: DraftSession) -> bytes:
         "table_tokens": _i64(list(rows.keys())),
         "table_rows": table,
         "last_topk": _i64(session.last_topk),
-        "history": _i64(session.history),
+        "history": _i64(session.history[own:]),
     }
+    if prefix is not None:
+        arrays["prefix"] = np.concatenate([_i64([len(prefix)]), np.frombuffer(prefix.digest, dtype=np.int64)])
     buf = io.BytesIO()
     np.savez(buf, **arrays)
     return buf.getvalue()
@@ -116,7 +139,8 @@ class _Archive:
         except Exception as e:  # noqa: BLE001 - any decoding failure means "not a snapshot"
             raise SnapshotError(f"not a drafter snapshot: {e}") from None
         self.infos = {i.filename: i for i in infos}
-        if len(self.infos) != len(infos) or set(self.infos) != {f"{k}.npy" for k in _ARRAYS}:
+        names = set(self.infos)
+        if len(names) != len(infos) or names not in ({f"{k}.npy" for k in a} for a in (_ARRAYS, _ARRAYS_PREFIX)):
             self.zf.close()
             raise SnapshotError("not a drafter snapshot: unexpected archive members")
 
@@ -147,8 +171,10 @@ class _Archive:
 
     def meta(self) -> np.ndarray:
         meta = self.array("meta", len(_META))
-        if meta.shape != (len(_META),) or int(meta[0]) != FORMAT:
-            raise SnapshotError(f"unsupported snapshot format (expected {FORMAT})")
+        if meta.shape != (len(_META),) or int(meta[0]) not in (FORMAT, FORMAT_PREFIX):
+            raise SnapshotError(f"unsupported snapshot format (expected {FORMAT} or {FORMAT_PREFIX})")
+        if (int(meta[0]) == FORMAT_PREFIX) != ("prefix.npy" in self.infos):
+            raise SnapshotError("snapshot format and members disagree")
         return meta
 
 
@@ -165,11 +191,13 @@ def _groups(ptr: np.ndarray, ids: np.ndarray, groups: int, what: str) -> list[li
     return [flat[p[i] : p[i + 1]] for i in range(groups)]
 
 
-def loads(data: bytes, config: DrafterConfig, prior=None, max_tokens: int = MAX_TOKENS) -> DraftSession:
+def loads(data: bytes, config: DrafterConfig, prior=None, max_tokens: int = MAX_TOKENS, prefix=None) -> DraftSession:
     """Restores a session; its configuration must match ``config`` where it shapes the state, and its
-    history must hold at most ``max_tokens`` tokens. Raises ``SnapshotError`` on anything else."""
+    history must hold at most ``max_tokens`` tokens. ``prefix(length, digest)``: the shared prefix a
+    snapshot names (None when it cannot be had). Raises ``SnapshotError`` on anything else."""
     with _Archive(data) as z:
-        _, window, max_nodes, topk, length, nodes = (int(x) for x in z.meta())
+        fmt, window, max_nodes, topk, length, nodes = (int(x) for x in z.meta())
+        ref = z.array("prefix", 1 + DIGEST_BYTES // 8) if fmt == FORMAT_PREFIX else None
         if (window, max_nodes, topk) != (config.window, config.max_nodes, config.topk):
             raise SnapshotError(
                 f"snapshot built with window={window} max_nodes={max_nodes} topk={topk}, "
@@ -188,8 +216,11 @@ def loads(data: bytes, config: DrafterConfig, prior=None, max_tokens: int = MAX_
         table_rows = z.array("table_rows", MAX_TABLE_ROWS * topk, ndim=2)
         last_topk = z.array("last_topk", topk)
         history = z.array("history", length)
-    _need(a_length.shape == (1,) and int(a_length[0]) == length, "automaton length")
-    _need(history.size == length and bool(np.all(history >= 0)), "history")
+    shared = _shared_prefix(ref, length, config, prefix)
+    own = len(shared) if shared is not None else 0
+    seed = min(config.window - 1, own)  # the prefix's last tokens the session's automaton holds too
+    _need(a_length.shape == (1,) and int(a_length[0]) == length - own + seed, "automaton length")
+    _need(history.size == length - own and bool(np.all(history >= 0)), "history")
     _need(table_rows.shape == (table_tokens.size, topk), "copy-logit table shape")
     _need(bool(np.all(table_tokens >= 0)) and bool(np.all(table_rows >= -1)), "copy-logit table: negative token")
     _need(np.unique(table_tokens).size == table_tokens.size, "copy-logit table: repeated token")
@@ -209,12 +240,30 @@ def loads(data: bytes, config: DrafterConfig, prior=None, max_tokens: int = MAX_
         )
     except ValueError as e:
         raise SnapshotError(f"corrupt drafter snapshot: {e}") from None
-    _need(length == 0 or a.token[a.frontier[1]] == hist[-1], "the match state does not end with the last token")
+    last = hist[-1] if hist else shared.tokens[-1] if shared is not None and length else None
+    _need(last is None or a.token[a.frontier[1]] == last, "the match state does not end with the last token")
     s = DraftSession(config, prior)
     s.automaton = a
     rows = s.table.rows
     for t, row in zip(table_tokens.tolist(), table_rows.tolist()):
         rows[t] = tuple(x for x in row if x >= 0)
     s.last_topk = tuple(last_topk.tolist())
-    s._index(hist)
+    if shared is not None:
+        s.attach_prefix(shared, hist)
+    else:
+        s._index(hist)
     return s
+
+
+def _shared_prefix(ref, length: int, config: DrafterConfig, resolve) -> SharedPrefix | None:
+    """The shared prefix a format-2 snapshot names (None for format 1), resolved by ``resolve``."""
+    if ref is None:
+        return None
+    _need(ref.shape == (1 + DIGEST_BYTES // 8,), "prefix reference")
+    n = int(ref[0])
+    _need(0 < n < length, f"prefix of {n} tokens in a history of {length}")
+    shared = resolve(n, ref[1:].tobytes()) if resolve is not None else None
+    if shared is None:
+        raise SnapshotError(f"the snapshot's shared prefix ({n} tokens) cannot be resolved here")
+    _need(len(shared) == n and shared.automaton.window == config.window, "resolved prefix")
+    return shared

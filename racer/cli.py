@@ -8,7 +8,7 @@
 - In this process, no services: ``generate`` (stream an answer), ``prior`` (a model's copy-logit
   prior).
 - Benchmarks that print tables: ``bench`` (against HF greedy and prompt lookup), ``bench-stack``,
-  ``bench-batch``, ``bench-burst``, ``bench-corpus``, ``bench-snapshot``.
+  ``bench-batch``, ``bench-burst``, ``bench-corpus``, ``bench-snapshot``, ``bench-tools``.
 
 A command runs as ``module:function`` (or a function of this module), imported when it runs: a
 container's ``racer health`` probe, run every few seconds, never imports torch.
@@ -37,6 +37,14 @@ from common.settings import PORTS, SettingError  # noqa: E402
 DEFAULT_SYSTEM = "You are a helpful assistant."  # the system prompt of every command that chats
 DEFAULT_PROMPT = "Explain speculative decoding in three sentences."
 DEFAULT_MODEL = settings.default("verifier", "--model")
+_DEFAULT_BFCL = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    "..",
+    "shared",
+    "data",
+    "bfcl",
+    "BFCL_v4_live_multiple.json",
+)
 
 
 def _csv(kind):
@@ -377,6 +385,40 @@ def bench_corpus_arguments(bc) -> None:
     bc.add_argument("--drafters", type=int, default=2, help="drafter replicas with --through stack (2 or more)")
 
 
+def bench_tools_arguments(bt) -> None:
+    model_flag(bt)
+    dtype_flag(bt)
+    bt.add_argument(
+        "input",
+        nargs="?",
+        default=_DEFAULT_BFCL,
+        help="sessions as JSONL (racer/tool_sessions.py: tenant, tools or system, turns) or a BFCL file "
+        "(converted on the fly; default: the shared BFCL v4 live_multiple)",
+    )
+    bt.add_argument("--convert", default="", metavar="OUT", help="only write the BFCL input to OUT as JSONL")
+    bt.add_argument("--through", default="stack", choices=("stack", "process"), help="real services or this process")
+    bt.add_argument("--tenants", type=int, default=2, help="tenants (tool sets) to run")
+    bt.add_argument("--sessions", type=int, default=4, help="sessions per tenant, one after another")
+    bt.add_argument("--turns", type=int, default=4, help="turns per session at most")
+    bt.add_argument(
+        "--min-system-chars",
+        type=int,
+        default=0,
+        help="only tenants whose system prompt has at least this many characters",
+    )
+    bt.add_argument("--max-new-tokens", type=int, default=64)
+    bt.add_argument("--budget", type=int, default=16, help="draft tree nodes per round (C)")
+    settings.add_flag(bt, "drafter", "--corpus-tokens")
+    bt.add_argument("--threads", type=int, default=0, help="in process: torch threads (default: torch's)")
+    bt.add_argument(
+        "--no-prior", dest="prior", action="store_false", help="no model-derived copy-logit prior in the drafter"
+    )
+    bt.add_argument(
+        "--env", action="append", default=[], metavar="RACER_X=V", help="a setting for every service of the stack"
+    )
+    pin_flag(bt)
+
+
 def bench_snapshot_arguments(bn) -> None:
     bn.add_argument("--store", default="memory://", help="memory:// or redis://host:port/db")
     bn.add_argument("--tokens", type=int, default=4000, help="context tokens at least")
@@ -485,6 +527,12 @@ COMMANDS = (
         "size and save/restore time of a full drafter session snapshot",
         bench_snapshot_arguments,
         "racer.bench_services:bench_snapshot",
+    ),
+    Command(
+        "bench-tools",
+        "function-calling sessions per tenant (tool set): TTFT, MAT and tok/s with everything on and off",
+        bench_tools_arguments,
+        "racer.bench_tools:main",
     ),
     Command(
         "erase-corpus",

@@ -111,6 +111,7 @@ async def start_drafter(args) -> tuple[Server, object]:
     from drafter.core import Drafter
     from drafter.corpora import Corpora
     from drafter.draft_session import DrafterConfig
+    from drafter.prefixes import SharedPrefixes
     from drafter.service import DrafterService
 
     server_kw = _server_kw(args, "drafter")  # first: a drafter that cannot authenticate its callers never starts
@@ -126,6 +127,7 @@ async def start_drafter(args) -> tuple[Server, object]:
         max_tokens=args.max_session_tokens,
         max_bytes=args.max_memory_bytes,
         corpora=Corpora(args.corpus_tokens, args.corpus_idle, store, args.corpus_ttl),
+        prefixes=SharedPrefixes(args.window, args.topk, min_tokens=args.shared_prefix_tokens),
     )
 
     async def closed():
