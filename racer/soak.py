@@ -368,7 +368,16 @@ def waves(args) -> int:
     return 0
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM ends the run like Ctrl-C: the ``finally`` blocks stop every process it started."""
+    import signal
+    import sys
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def main(args) -> int:
+    _exit_on_sigterm()
     if args.waves:
         return waves(args)
     with tempfile.TemporaryDirectory(prefix="racer-soak-") as tmp:
