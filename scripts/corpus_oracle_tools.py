@@ -35,6 +35,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# the same accepted-path walk the Spec-Bench ceiling replays with (scripts/ is this script's path)
+from corpus_ceiling import _accepted_path  # noqa: E402
+
 from common.loop import Stats  # noqa: E402
 from common.text import messages_ids  # noqa: E402
 from drafter.corpus import Corpus, CorpusConfig  # noqa: E402
@@ -83,20 +86,6 @@ def outputs(args) -> list[dict]:
         print(f"{name} {s.session}: {len(ids)} prompt tokens, {len(out)} answered", file=sys.stderr)
     wanted = {(name, s.session) for name, ss in chosen for s in ss}
     return [r for r in done if (r["tenant"], r["session"]) in wanted]
-
-
-def _accepted_path(tree, out: list[int], i: int) -> list[int]:
-    """The tree's nodes (root first) a greedy target accepts after output position ``i``."""
-    kids: dict[int, list[int]] = {}
-    for v in range(1, len(tree)):
-        kids.setdefault(tree.parents[v], []).append(v)
-    path = [0]
-    while True:
-        d = len(path)
-        nxt = [v for v in kids.get(path[-1], []) if i + d < len(out) and tree.tokens[v] == out[i + d]]
-        if not nxt:
-            return path
-        path.append(nxt[0])
 
 
 def _tree_with(s: DraftSession, root: int, budget: int, candidate) -> object:
