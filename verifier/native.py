@@ -162,6 +162,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.racer_quant.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.racer_quant_rows.restype = ctypes.c_int
     lib.racer_quant_rows.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_void_p]
+    lib.racer_quant_pack.restype = ctypes.c_int
+    lib.racer_quant_pack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+    lib.racer_quant_packed.restype = ctypes.c_int
+    lib.racer_quant_packed.argtypes = lib.racer_quant.argtypes + [ctypes.c_int]
     lib.racer_decoder.restype = ctypes.c_int
     lib.racer_decoder.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_long]
     lib.racer_decoder.argtypes += [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 4
@@ -334,26 +338,54 @@ def quant_isa() -> str:
     return {2: "avx512-vnni", 1: "avx-vnni", 0: "avx2", -1: "generic"}[lib.racer_quant_isa()] if lib else "none"
 
 
-def quant_linear(x: torch.Tensor, kind: int, blocks: torch.Tensor, n: int, k: int, b=None) -> torch.Tensor:
+# A packed weight's type number: its GGML number + PACKED (``quant_pack``).
+PACKED = 256
+
+
+def quant_pack(kind: int, blocks: torch.Tensor, n: int, k: int) -> tuple[int, torch.Tensor] | None:
+    """A Q4_0, Q4_1 or Q8_0 weight's blocks (uint8 [n, row bytes], as the file stores them) moved
+    into groups of 8 rows (``native_quant.c``: the same bytes, nothing widened), which the block
+    kernel reads 8 rows a vector at a time: ``(packed type number, bytes)``, or None where the kernel
+    does not pack this format or shape (then the rows are read as stored)."""
+    lib = None if _off() else library()
+    if lib is None or n % 8 or not lib.racer_quant_supported(int(kind) + PACKED):
+        return None
+    blocks = blocks.contiguous()
+    out = torch.empty_like(blocks).view(n // 8, -1)
+    if lib.racer_quant_pack(int(kind), blocks.data_ptr(), n, k, out.data_ptr()):
+        return None
+    return int(kind) + PACKED, out
+
+
+def quant_linear(
+    x: torch.Tensor, kind: int, blocks: torch.Tensor, n: int, k: int, b=None, reference: bool = False
+) -> torch.Tensor:
     """``x @ W.T (+ b)`` [M, n] float32 for W [n, k] stored as GGML type ``kind``'s blocks ``blocks``
-    (uint8 [n, row bytes], contiguous): x quantized per row to 8 bits a value in blocks of 32 and
-    multiplied as integers, each output the same float32 steps in a fixed order (row invariant)."""
+    (uint8, contiguous: [n, row bytes] as the file stores them, or packed, ``quant_pack``): x
+    quantized per row to 8 bits a value in blocks of 32 and multiplied as integers, each output the
+    same float32 steps in a fixed order (row invariant). ``reference``: a packed weight by the C
+    code instead of the vector code (the same bits)."""
     lib = library() or _library("quant")
     x = x.float().contiguous()
-    if x.shape[1] != k or blocks.dtype != torch.uint8 or not blocks.is_contiguous() or blocks.shape[0] != n:
+    if x.shape[1] != k or blocks.dtype != torch.uint8 or not blocks.is_contiguous():
         raise RuntimeError(f"quant: x {tuple(x.shape)} against blocks {tuple(blocks.shape)} of a [{n}, {k}] weight")
+    if blocks.shape[0] != (n // 8 if kind > PACKED else n):
+        raise RuntimeError(f"quant: blocks {tuple(blocks.shape)} are not a [{n}, {k}] weight of type {kind}")
     bias = None if b is None else b.float().contiguous()
     y = torch.empty((x.shape[0], n), dtype=torch.float32)
-    rc = lib.racer_quant(
-        int(kind), x.data_ptr(), blocks.data_ptr(), _ptr(bias), y.data_ptr(), x.shape[0], n, k, torch.get_num_threads()
-    )
+    args = (x.data_ptr(), blocks.data_ptr(), _ptr(bias), y.data_ptr(), x.shape[0], n, k, torch.get_num_threads())
+    if kind > PACKED:
+        rc = lib.racer_quant_packed(int(kind), *args, 0 if reference else 1)
+    else:
+        rc = lib.racer_quant(int(kind), *args)
     if rc:
         raise TypeError(f"quant: GGML type {kind} over {k} columns is not taken ({rc})")
     return y
 
 
 def quant_rows(kind: int, blocks: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
-    """Rows ``ids`` of a weight kept as blocks, as the file's values in float32 ([len(ids), k])."""
+    """Rows ``ids`` of a weight kept as blocks (as stored or packed), as the file's values in
+    float32 ([len(ids), k])."""
     lib = library() or _library("quant")
     ids = ids.to(torch.int64).contiguous().view(-1)
     out = torch.empty((ids.shape[0], k), dtype=torch.float32)

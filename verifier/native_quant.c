@@ -53,8 +53,13 @@ static long block_bytes(int type)
 }
 static long block_values(int type) { return type == GQ4_K || type == GQ6_K ? 256 : 32; }
 
-/* Whether the kernel takes weights of ``type`` (GGML's number). */
-int racer_quant_supported(int type) { return block_bytes(type) > 0; }
+#define PACKED 256 /* a packed weight's type: its GGML number + PACKED (racer_quant_pack) */
+static long packed_bytes(int type);
+int racer_quant_many(int count, const int64_t *types, const float *x, const void *const *w,
+                     const float *const *bias, float *const *y, const int64_t *N, long M, long K, int threads);
+
+/* Whether the kernel takes weights of ``type`` (GGML's number, or a packed one's). */
+int racer_quant_supported(int type) { return block_bytes(type) > 0 || (type > PACKED && packed_bytes(type - PACKED) > 0); }
 
 /* Which integer instructions this build multiplies with: 2 AVX512-VNNI, 1 AVX-VNNI, 0 AVX2, -1 C. */
 int racer_quant_isa(void)
@@ -312,12 +317,12 @@ static void row_all(int type, const uint8_t *row, const struct xq *X, long M, fl
     }
 }
 
-/* ``count`` projections of the same rows x [M, K] (float32): y[j] [M, N[j]] = x @ w[j]^T (+ bias[j]),
- * w[j] of GGML type types[j], N[j] rows of K / block_values blocks. x is quantized once; the
+/* racer_quant_many over weights whose rows are as the file stores them: w[j] of GGML type types[j],
+ * N[j] rows of K / block_values blocks. x is quantized once; the
  * projections' rows share one parallel region (threads split weight rows, never K). 0, -1 for a type
  * or K the kernel does not take, -2 out of memory. */
-int racer_quant_many(int count, const int64_t *types, const float *x, const void *const *w,
-                     const float *const *bias, float *const *y, const int64_t *N, long M, long K, int threads)
+static int quant_rows_many(int count, const int64_t *types, const float *x, const void *const *w,
+                           const float *const *bias, float *const *y, const int64_t *N, long M, long K, int threads)
 {
     long total = 0;
     for (int j = 0; j < count; j++) {
@@ -352,22 +357,314 @@ int racer_quant(int type, const float *x, const void *w, const float *bias, floa
     return racer_quant_many(1, &t, x, &w, &bias, &y, &n, M, K, threads);
 }
 
-/* Rows ``ids`` [n] of a quantized weight [rows, K] dequantized to float32 out [n, K]: value i of a
- * block is ws * (v - offset) + min, as the file defines it (an embedding lookup). */
+static int quant_packed_many(int count, const int64_t *types, const float *x, const void *const *w,
+                             const float *const *bias, float *const *y, const int64_t *N, long M, long K,
+                             int threads, int simd);
+
+/* ``count`` projections of the same rows x [M, K] (float32): y[j] [M, N[j]] = x @ w[j]^T (+ bias[j]),
+ * w[j] of type types[j]: a GGML number (rows as the file stores them) or a packed one (groups of 8
+ * rows, racer_quant_pack). Projections of one layout share one parallel region; a mix runs one at a
+ * time. 0, -1 for a type or K the kernel does not take, -2 out of memory. */
+int racer_quant_many(int count, const int64_t *types, const float *x, const void *const *w,
+                     const float *const *bias, float *const *y, const int64_t *N, long M, long K, int threads)
+{
+    int packed = 0;
+    for (int j = 0; j < count; j++) packed += types[j] > PACKED;
+    if (packed == count) return quant_packed_many(count, types, x, w, bias, y, N, M, K, threads, 1);
+    if (packed == 0) return quant_rows_many(count, types, x, w, bias, y, N, M, K, threads);
+    for (int j = 0, rc; j < count; j++)
+        if ((rc = racer_quant_many(1, types + j, x, w + j, bias ? bias + j : NULL, y + j, N + j, M, K, threads)))
+            return rc;
+    return 0;
+}
+
+static void packed_block(int type, const uint8_t *gb, int j, uint8_t *out);
+
+/* Rows ``ids`` [n] of a quantized weight [rows, K] (as the file stores it, or packed) dequantized to
+ * float32 out [n, K]: value i of a block is ws * (v - offset) + min, as the file defines it (an
+ * embedding lookup). */
 int racer_quant_rows(int type, const void *w, const int64_t *ids, long n, long K, float *out)
 {
-    if (!racer_quant_supported(type) || K % block_values(type)) return -1;
-    const long row_bytes = K / block_values(type) * block_bytes(type);
+    const int packed = type > PACKED;
+    const int base = packed ? type - PACKED : type;
+    if (!racer_quant_supported(type) || K % block_values(base)) return -1;
+    const long nb = K / 32, row_bytes = K / block_values(base) * block_bytes(base);
     for (long r = 0; r < n; r++)
-        for (long b = 0; b < K / 32; b++) {
-            uint8_t v[32];
+        for (long b = 0; b < nb; b++) {
+            uint8_t v[32], blk[34];
             float ws[8], min;
             int o;
-            unpack(type, (const uint8_t *)w + ids[r] * row_bytes, b, v, ws, &min, &o);
+            if (packed) {
+                packed_block(base, (const uint8_t *)w + ((ids[r] / 8) * nb + b) * packed_bytes(base), (int)(ids[r] % 8), blk);
+                unpack(base, blk, 0, v, ws, &min, &o);
+            } else {
+                unpack(base, (const uint8_t *)w + ids[r] * row_bytes, b, v, ws, &min, &o);
+            }
             for (int i = 0; i < 32; i++) {
                 const int q = o == 1 ? (int)(int8_t)v[i] : (int)v[i] - o;
                 out[r * K + 32 * b + i] = ws[i / 4] * (float)q + min;
             }
         }
     return 0;
+}
+
+/* -- Packed groups: the 32-value formats' blocks, 8 weight rows interleaved ---------------------------
+ *
+ * racer_quant_pack moves a Q4_0, Q4_1 or Q8_0 weight's bytes (rows a multiple of 8) into groups of 8
+ * rows; within a group, block b of all 8 rows is one run of bytes: the values first (Q4_0/Q4_1:
+ * 4 runs of 32 bytes, run c holding bytes 4c .. 4c + 3 of each row's 16 nibble bytes in row order, so
+ * that its low nibbles are values 4c .. 4c + 3 of the 8 rows and its high nibbles values 16 + 4c ..
+ * 16 + 4c + 3; Q8_0: row j's 32 bytes at 32 j), then the 8 rows' float16 scales, then (Q4_1) their 8 float16 minimums. The same bytes as
+ * the file, moved: nothing is widened. A packed type's number is its GGML number + PACKED.
+ *
+ * Over packed groups each output is the integer dot product of a whole 32-value block (exact),
+ * then per block, in order, with float32 rounding at each step:
+ *     acc = fma(dw[b] * dx[b], (float) isum[b], acc)      msum = fma(min[b], sx[b], msum)
+ *     y = (acc + msum) + bias
+ * where dw/min are the weight block's, dx the activation block's scale and sx = dx * sum(q) (Q4_1
+ * only; msum stays 0 otherwise), and isum = sum(v * q) - offset * sum(q) (Q4_0's offset 8). The SIMD
+ * code computes 8 weight rows' outputs in the 8 float lanes of one vector, so each lane is one
+ * output's steps exactly: row invariant, and the same bits as the C code (quant_packed_ref). */
+static long packed_bytes(int type) /* one block of a group of 8 rows */
+{
+    switch (type) {
+    case GQ4_0: return 8 * 18;
+    case GQ4_1: return 8 * 20;
+    case GQ8_0: return 8 * 34;
+    default: return 0;
+    }
+}
+
+/* Bytes of row j's block b within a group's block, as the file stores the block (for unpacking). */
+static void packed_block(int type, const uint8_t *gb, int j, uint8_t *out)
+{
+    if (type == GQ8_0) {
+        memcpy(out, gb + 256 + 2 * j, 2);
+        memcpy(out + 2, gb + 32 * j, 32);
+        return;
+    }
+    const int head = type == GQ4_1 ? 4 : 2;
+    memcpy(out, gb + 128 + 2 * j, 2);
+    if (type == GQ4_1) memcpy(out + 2, gb + 144 + 2 * j, 2);
+    for (int c = 0; c < 4; c++) memcpy(out + head + 4 * c, gb + 32 * c + 4 * j, 4);
+}
+
+/* w [N, K / 32 blocks] as the file stores it -> ``out`` packed (N a multiple of 8). 0, or -1. */
+int racer_quant_pack(int type, const void *w, long N, long K, void *out)
+{
+    if (!packed_bytes(type) || N % 8 || K % 32) return -1;
+    const long nb = K / 32, bb = block_bytes(type), row_bytes = nb * bb, gbytes = packed_bytes(type);
+    const int head = type == GQ4_1 ? 4 : 2;
+    for (long n = 0; n < N; n++) {
+        const long g = n / 8;
+        const int j = (int)(n % 8);
+        for (long b = 0; b < nb; b++) {
+            const uint8_t *src = (const uint8_t *)w + n * row_bytes + b * bb;
+            uint8_t *gb = (uint8_t *)out + (g * nb + b) * gbytes;
+            if (type == GQ8_0) {
+                memcpy(gb + 256 + 2 * j, src, 2);
+                memcpy(gb + 32 * j, src + 2, 32);
+            } else {
+                memcpy(gb + 128 + 2 * j, src, 2);
+                if (type == GQ4_1) memcpy(gb + 144 + 2 * j, src + 2, 2);
+                for (int c = 0; c < 4; c++) memcpy(gb + 32 * c + 4 * j, src + head + 4 * c, 4);
+            }
+        }
+    }
+    return 0;
+}
+
+/* Rows of x quantized per 32 values, block-major: q [nb][M][32], d, s [nb][M] float32, sum [nb][M]. */
+struct xp {
+    int8_t *q;
+    float *d, *s;
+    int32_t *sum;
+    long nb, M;
+};
+
+static int quantize_packed(const float *x, long M, long K, int threads, struct xp *X, void **mem)
+{
+    X->nb = K / 32;
+    X->M = M;
+    *mem = malloc((size_t)M * K + (sizeof(float) * 2 + sizeof(int32_t)) * M * X->nb + 64);
+    if (!*mem) return -2;
+    X->q = *mem;
+    X->d = (float *)((char *)*mem + ((M * K + 31) & ~31L));
+    X->s = X->d + M * X->nb;
+    X->sum = (int32_t *)(X->s + M * X->nb);
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1) if (M * K >= 65536)
+    for (long m = 0; m < M; m++)
+        for (long b = 0; b < X->nb; b++) {
+            const float *xb = x + m * K + 32 * b;
+            int8_t *q = X->q + (b * M + m) * 32;
+            float amax = 0.f;
+            for (int i = 0; i < 32; i++) {
+                const float a = fabsf(xb[i]);
+                amax = a > amax ? a : amax;
+            }
+            const float db = amax / 127.f, id = db != 0.f ? 127.f / amax : 0.f;
+            int sum = 0;
+            for (int i = 0; i < 32; i++) {
+                const int v = (int)nearbyintf(xb[i] * id);
+                q[i] = (int8_t)v;
+                sum += v;
+            }
+            X->d[b * M + m] = db;
+            X->s[b * M + m] = db * (float)sum;
+            X->sum[b * M + m] = sum;
+        }
+    return 0;
+}
+
+/* The C code of the packed arithmetic: output (row j of group ``g``, x row m). */
+static float quant_packed_ref(int type, const uint8_t *g, const struct xp *X, int j, long m, float bias)
+{
+    const long gbytes = packed_bytes(type);
+    float acc = 0.f, msum = 0.f;
+    for (long b = 0; b < X->nb; b++) {
+        uint8_t blk[34], v[32];
+        float ws[8], min;
+        int o;
+        packed_block(type, g + b * gbytes, j, blk);
+        unpack(type, blk, 0, v, ws, &min, &o);
+        const int8_t *q = X->q + (b * X->M + m) * 32;
+        int isum = 0;
+        for (int i = 0; i < 32; i++) isum += (type == GQ8_0 ? (int)(int8_t)v[i] : (int)v[i]) * (int)q[i];
+        if (type == GQ4_0) isum -= 8 * X->sum[b * X->M + m];
+        acc = fmaf(ws[0] * X->d[b * X->M + m], (float)isum, acc);
+        if (type == GQ4_1) msum = fmaf(min, X->s[b * X->M + m], msum);
+    }
+    return (acc + msum) + bias;
+}
+
+#if defined(QUANT_AVX2)
+/* 8 vectors of 8 int32 -> lane j the sum of vector j's lanes. */
+static inline __m256i sum8(__m256i v0, __m256i v1, __m256i v2, __m256i v3, __m256i v4, __m256i v5, __m256i v6,
+                           __m256i v7)
+{
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v4, v5), _mm256_hadd_epi32(v6, v7));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+#define CHUNK 16 /* x rows a pass over a group's blocks keeps in registers and L1 */
+
+/* Group g (8 weight rows) against x rows m0 .. m1 - 1 (at most CHUNK): y[m * ys + 0..7]. */
+static inline __attribute__((always_inline)) void group_rows(int type, const uint8_t *g, const struct xp *X, long m0,
+                                                             long m1, float *y, long ys, __m256 bias)
+{
+    const long gbytes = packed_bytes(type), M = X->M;
+    const __m256i low4 = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
+    __m256 acc[CHUNK], msum[CHUNK];
+    for (long m = m0; m < m1; m++) acc[m - m0] = msum[m - m0] = _mm256_setzero_ps();
+    for (long b = 0; b < X->nb; b++) {
+        const uint8_t *p = g + b * gbytes;
+        if (type == GQ8_0) {
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256)));
+            __m256i w[8], aw[8];
+            for (int j = 0; j < 8; j++) {
+                w[j] = _mm256_loadu_si256((const __m256i *)(p + 32 * j));
+                aw[j] = _mm256_sign_epi8(w[j], w[j]);
+            }
+            for (long m = m0; m < m1; m++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(X->q + (b * M + m) * 32));
+                __m256i v[8];
+                for (int j = 0; j < 8; j++) v[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(x, w[j])), ones);
+                const __m256i isum = sum8(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
+                const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(X->d[b * M + m]));
+                acc[m - m0] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum), acc[m - m0]);
+            }
+            continue;
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 128)));
+        const __m256 mw = type == GQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 144))) : _mm256_setzero_ps();
+        __m256i wv[8]; /* wv[t]: values 4t .. 4t + 3 of each of the 8 rows, a row per 32-bit lane */
+        for (int c = 0; c < 4; c++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(p + 32 * c));
+            wv[c] = _mm256_and_si256(q, low4);
+            wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+        }
+        for (long m = m0; m < m1; m++) {
+            const int8_t *xq = X->q + (b * M + m) * 32;
+            int32_t xw[8];
+            memcpy(xw, xq, 32);
+            /* 16-bit sums: 8 products of pairs, each at most 2 * 15 * 127, stay under 32768 */
+            __m256i s16 = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(xw[0]));
+            for (int t = 1; t < 8; t++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[t], _mm256_set1_epi32(xw[t])));
+            __m256i isum = _mm256_madd_epi16(s16, ones);
+            if (type == GQ4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * X->sum[b * M + m]));
+            const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(X->d[b * M + m]));
+            acc[m - m0] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum), acc[m - m0]);
+            if (type == GQ4_1) msum[m - m0] = _mm256_fmadd_ps(mw, _mm256_set1_ps(X->s[b * M + m]), msum[m - m0]);
+        }
+    }
+    for (long m = m0; m < m1; m++)
+        _mm256_storeu_ps(y + m * ys, _mm256_add_ps(_mm256_add_ps(acc[m - m0], msum[m - m0]), bias));
+}
+
+#define GROUP_ROWS(T)                                                                                          \
+    static void group_rows_##T(const uint8_t *g, const struct xp *X, long m0, long m1, float *y, long ys,       \
+                               __m256 bias)                                                                    \
+    {                                                                                                          \
+        group_rows(T, g, X, m0, m1, y, ys, bias);                                                              \
+    }
+GROUP_ROWS(GQ4_0)
+GROUP_ROWS(GQ4_1)
+GROUP_ROWS(GQ8_0)
+#endif
+
+/* Group ``g`` (rows n0 .. n0 + 7 of a [M, N] output) against every x row. */
+static void group_all(int type, const uint8_t *g, const struct xp *X, float *y, long N, long n0, const float *bias,
+                      int simd)
+{
+#if defined(QUANT_AVX2)
+    if (simd) {
+        const __m256 bv = bias ? _mm256_loadu_ps(bias + n0) : _mm256_setzero_ps();
+        for (long m0 = 0; m0 < X->M; m0 += CHUNK) {
+            const long m1 = m0 + CHUNK < X->M ? m0 + CHUNK : X->M;
+            if (type == GQ4_0) group_rows_GQ4_0(g, X, m0, m1, y + n0, N, bv);
+            else if (type == GQ4_1) group_rows_GQ4_1(g, X, m0, m1, y + n0, N, bv);
+            else group_rows_GQ8_0(g, X, m0, m1, y + n0, N, bv);
+        }
+        return;
+    }
+#endif
+    (void)simd;
+    for (long m = 0; m < X->M; m++)
+        for (int j = 0; j < 8; j++) y[m * N + n0 + j] = quant_packed_ref(type, g, X, j, m, bias ? bias[n0 + j] : 0.f);
+}
+
+/* racer_quant_many over packed weights (types[j] = GGML number + PACKED, N[j] a multiple of 8);
+ * ``simd`` 0 runs the C code (the same bits: a test compares them). */
+static int quant_packed_many(int count, const int64_t *types, const float *x, const void *const *w,
+                             const float *const *bias, float *const *y, const int64_t *N, long M, long K,
+                             int threads, int simd)
+{
+    long groups = 0;
+    for (int j = 0; j < count; j++) {
+        if (!packed_bytes((int)types[j] - PACKED) || N[j] % 8 || K % 32) return -1;
+        groups += N[j] / 8;
+    }
+    struct xp X;
+    void *mem;
+    if (quantize_packed(x, M, K, threads, &X, &mem)) return -2;
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+    for (long t = 0; t < groups; t++) {
+        int j = 0;
+        long g = t;
+        while (g >= N[j] / 8) g -= N[j++] / 8;
+        const int type = (int)types[j] - PACKED;
+        group_all(type, (const uint8_t *)w[j] + g * X.nb * packed_bytes(type), &X, y[j], N[j], 8 * g,
+                  bias ? bias[j] : NULL, simd);
+    }
+    free(mem);
+    return 0;
+}
+
+/* One packed projection by the C code (``simd`` 0) or the vector code (1): for the tests. */
+int racer_quant_packed(int type, const float *x, const void *w, const float *bias, float *y, long M, long N, long K,
+                       int threads, int simd)
+{
+    const int64_t t = type, n = N;
+    return quant_packed_many(1, &t, x, &w, &bias, &y, &n, M, K, threads, simd);
 }

@@ -26,6 +26,9 @@ from verifier import gguf_blocks, native
 from verifier.llama import forward_segments
 
 FORMATS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
+PACKABLE = ["Q4_0", "Q4_1", "Q8_0"]
+# each format as the file stores its rows, and the 32-value formats packed 8 rows a group too
+LAYOUTS = [(name, False) for name in FORMATS] + [(name, True) for name in PACKABLE]
 
 needs_kernel = pytest.mark.skipif(not native.quant_supported(3), reason=f"native kernels not built: {native.why()}")
 
@@ -54,18 +57,29 @@ def _dequantized(name: str, raw: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(quants.dequantize(raw, _kind(name)).astype(np.float32))
 
 
-def _run(x: torch.Tensor, name: str, raw: np.ndarray, n: int, k: int, threads: int = 2) -> torch.Tensor:
+def _weight(name: str, raw: np.ndarray, n: int, k: int, packed: bool) -> tuple[int, torch.Tensor]:
+    kind, data = int(_kind(name)), torch.from_numpy(raw.copy())
+    if not packed:
+        return kind, data
+    got = native.quant_pack(kind, data, n, k)
+    assert got is not None
+    return got
+
+
+def _run(
+    x: torch.Tensor, name: str, raw: np.ndarray, n: int, k: int, threads: int = 2, packed: bool = False, **kw
+) -> torch.Tensor:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return native.quant_linear(x, int(_kind(name)), torch.from_numpy(raw.copy()), n, k)
+        return native.quant_linear(x, *_weight(name, raw, n, k, packed), n, k, **kw)
     finally:
         torch.set_num_threads(before)
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", FORMATS)
-def test_the_kernel_is_the_files_weight_times_8_bit_activations(name):
+@pytest.mark.parametrize("name,packed", LAYOUTS)
+def test_the_kernel_is_the_files_weight_times_8_bit_activations(name, packed):
     """Within the bound of its arithmetic: each activation within half a step of its 8-bit value
     (max |x| / 254 per block of 32), the float32 sums a small relative error on top. The file's
     values themselves are read exactly (its rows dequantized by the kernel are gguf's)."""
@@ -73,9 +87,9 @@ def test_the_kernel_is_the_files_weight_times_8_bit_activations(name):
     n, k = 48, 512
     raw = _blocks(name, n, k, rng)
     w = _dequantized(name, raw).double()
-    assert torch.equal(native.quant_rows(int(_kind(name)), torch.from_numpy(raw.copy()), torch.arange(n), k), w.float())
+    assert torch.equal(native.quant_rows(*_weight(name, raw, n, k, packed), torch.arange(n), k), w.float())
     x = torch.randn((40, k), generator=torch.Generator().manual_seed(1))
-    y = _run(x, name, raw, n, k).double()
+    y = _run(x, name, raw, n, k, packed=packed).double()
     ref = x.double() @ w.T
     step = x.double().view(40, k // 32, 32).abs().amax(-1) / 254  # [M, blocks]
     bound = step @ w.abs().view(n, k // 32, 32).sum(-1).T + 1e-5 * (x.double().abs() @ w.abs().T)
@@ -84,31 +98,46 @@ def test_the_kernel_is_the_files_weight_times_8_bit_activations(name):
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", FORMATS)
-def test_a_rows_bits_equal_alone_among_40_rows_and_at_1_and_2_threads(name):
+@pytest.mark.parametrize("name,packed", LAYOUTS)
+def test_a_rows_bits_equal_alone_among_40_rows_and_at_1_and_2_threads(name, packed):
     rng = np.random.default_rng(2)
-    n, k = 40, 768 if "K" in name else 544  # 40 weight rows: threads split them unevenly
+    n, k = 40, 768 if "K" in name else 544  # 40 weight rows (5 groups of 8): threads split them unevenly
     raw = _blocks(name, n, k, rng)
-    x = torch.randn((40, k), generator=torch.Generator().manual_seed(3))
-    many = _run(x, name, raw, n, k, threads=2)
-    assert torch.equal(_run(x, name, raw, n, k, threads=1), many)
+    x = torch.randn((40, k), generator=torch.Generator().manual_seed(3))  # more rows than a pass holds
+    many = _run(x, name, raw, n, k, threads=2, packed=packed)
+    assert torch.equal(_run(x, name, raw, n, k, threads=1, packed=packed), many)
     for r in (0, 1, 6, 21, 39):
-        assert torch.equal(_run(x[r : r + 1], name, raw, n, k, threads=1)[0], many[r])
-    assert torch.equal(_run(x[5:12], name, raw, n, k, threads=2), many[5:12])
+        assert torch.equal(_run(x[r : r + 1], name, raw, n, k, threads=1, packed=packed)[0], many[r])
+    assert torch.equal(_run(x[5:12], name, raw, n, k, threads=2, packed=packed), many[5:12])
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", FORMATS)
-def test_a_changed_activation_row_is_caught(name):
+@pytest.mark.parametrize("name", PACKABLE)
+def test_packed_groups_vector_code_gives_the_c_codes_bits(name):
+    """The vector code (8 weight rows in a vector's lanes) does each output's float32 steps exactly
+    as the C code does them: equal bits, a bias included, on any build."""
+    rng = np.random.default_rng(7)
+    n, k = 24, 320
+    raw = _blocks(name, n, k, rng)
+    x = torch.randn((19, k), generator=torch.Generator().manual_seed(8))
+    b = torch.randn(n, generator=torch.Generator().manual_seed(9))
+    simd = _run(x, name, raw, n, k, packed=True, b=b)
+    assert torch.equal(_run(x, name, raw, n, k, packed=True, b=b, reference=True), simd)
+    assert not torch.equal(_run(x, name, raw, n, k, packed=True), simd)  # the bias is in it
+
+
+@needs_kernel
+@pytest.mark.parametrize("name,packed", LAYOUTS)
+def test_a_changed_activation_row_is_caught(name, packed):
     """Negative control: one value of one row changed changes that row's results, and no other's."""
     rng = np.random.default_rng(4)
     n, k = 32, 512
     raw = _blocks(name, n, k, rng)
     x = torch.randn((16, k), generator=torch.Generator().manual_seed(5))
-    y = _run(x, name, raw, n, k)
+    y = _run(x, name, raw, n, k, packed=packed)
     x2 = x.clone()
     x2[9, 100] += 0.25
-    y2 = _run(x2, name, raw, n, k)
+    y2 = _run(x2, name, raw, n, k, packed=packed)
     assert not torch.equal(y2[9], y[9])
     assert torch.equal(torch.cat((y2[:9], y2[10:])), torch.cat((y[:9], y[10:])))
 
