@@ -1,6 +1,6 @@
 """The import contracts in pyproject.toml (import-linter): the application over the services over
 common, no service importing another, no grpc or protobuf in the services' cores, no circle among
-the verifier's modules."""
+the verifier's modules, nothing importing the benchmarks."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ def test_the_packages_keep_their_layers():
         ("gateway/turn.py", "import common.v1.generation_pb2", "cores", "gateway.turn -> common.v1.generation_pb2"),
         ("gateway/core.py", "import aiohttp.web", "cores", "gateway.core -> aiohttp"),  # HTTP in a core
         ("verifier/tree.py", "import verifier.engine", "verifier-acyclic", ".tree -> .engine"),  # a circle
+        ("racer/stack.py", "import racer.bench.modes", "bench-apart", "racer.stack -> racer.bench.modes"),
     ],
 )
 def test_the_contracts_catch_a_bad_import(tmp_path, path, line, contract, edge):

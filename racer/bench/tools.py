@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .tool_sessions import ToolSession, by_tenant, load
+from ..tool_sessions import ToolSession, by_tenant, load
 
 RUNS = ("on", "corpus off", "off")
 
@@ -153,7 +153,7 @@ def in_process(args, tenants: dict[str, list[ToolSession]]) -> list[SessionRun]:
 
     from drafter.corpus import Corpus, CorpusConfig
 
-    from .inprocess import InProcessStack
+    from ..inprocess import InProcessStack
 
     engine = InProcessStack.load(args.model, prior=args.prior, threads=args.threads or None, dtype=args.dtype)
     print(f"in process: torch threads {torch.get_num_threads()}; {engine.dtype}; greedy", file=sys.stderr)
@@ -190,8 +190,8 @@ def tool_stack(args, names: list[str], no_share: list[str]):
     verifier metrics port, drafter metrics port)."""
     from verifier.model import resolve_model_dir
 
-    from .bench_corpus_stack import _Procs
-    from .procs import RedisServer
+    from ..procs import RedisServer
+    from .corpus_stack import _Procs
 
     resolve_model_dir(args.model)
     env = dict(kv.split("=", 1) for kv in args.env)
@@ -205,7 +205,7 @@ def tool_stack(args, names: list[str], no_share: list[str]):
             f.write("".join(f'[tenants."{t}"]\nshare = false\n' for t in no_share))
         from common import cpus
 
-        from .stack import _TOKEN
+        from ..stack import _TOKEN
 
         base = dict(
             RACER_MODEL=args.model,
@@ -265,7 +265,7 @@ def prefix_counters(samples: dict) -> dict | None:
 def _run_stack_session(
     gateway: str, key: str, session: ToolSession, run: str, budget: int, max_new: int
 ) -> tuple[SessionRun, str]:
-    from .client import Client
+    from ..client import Client
 
     result = SessionRun(session.tenant, 0, run, 0)
     sid = ""
@@ -294,7 +294,7 @@ def _run_stack_session(
 def _after_snapshot(port: int, count: float, timeout: float = 30.0) -> dict:
     """The drafter's metrics once the session's end-of-turn snapshot (written after the reply) is
     counted, or after ``timeout`` seconds without it."""
-    from .bench_corpus_stack import metric, scrape, wait_for
+    from .corpus_stack import metric, scrape, wait_for
 
     samples = {}
 
@@ -312,7 +312,7 @@ def _after_snapshot(port: int, count: float, timeout: float = 30.0) -> dict:
 def through_stack(args, tenants: dict[str, list[ToolSession]]) -> list[SessionRun]:
     from tqdm import tqdm
 
-    from .bench_corpus_stack import metric, scrape
+    from .corpus_stack import metric, scrape
 
     names = _run_tenant_names(list(tenants))
     no_share = [n for (_, run), n in names.items() if run != "on"]
@@ -468,7 +468,7 @@ def select(sessions: list[ToolSession], args) -> dict[str, list[ToolSession]]:
 
 
 def main(args) -> int:
-    from . import tool_sessions
+    from .. import tool_sessions
 
     if args.convert:
         n = tool_sessions.convert_bfcl(args.input, args.convert)

@@ -19,9 +19,9 @@ from common.loop import Stats
 from common.params import MODES
 from common.text import chat_ids
 
-from .inprocess import InProcessStack
-from .prompts import Prompt
-from .stats import percentile
+from ..inprocess import InProcessStack
+from ..prompts import Prompt
+from ..stats import percentile
 
 HF_MODES = ("greedy", "hf-pld")
 
@@ -316,7 +316,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main(args) -> int:
     """``racer bench``: the prompts through every mode and budget, a table (and JSON, a plot)."""
-    from .prompts import DEFAULT_PROMPTS, load_humaneval, load_spec_bench
+    from ..prompts import DEFAULT_PROMPTS, load_humaneval, load_spec_bench
 
     prompts = []
     if args.per_category:

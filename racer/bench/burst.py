@@ -17,7 +17,7 @@ import sys
 import time
 from types import SimpleNamespace
 
-from .stats import percentile
+from ..stats import percentile
 
 CONFIGS = {"batched": {"RACER_PREFILL_BATCH": "16"}, "one at a time": {"RACER_PREFILL_BATCH": "1"}}
 
@@ -92,9 +92,9 @@ def _burst_table(rows: dict[str, list[dict]], prompts: list[str], args) -> str:
 
 
 def bench_burst(args) -> int:
-    from . import stack
-    from .launch import served_model_name
-    from .load import make_prompts
+    from .. import stack
+    from ..launch import served_model_name
+    from .loadgen import make_prompts
 
     try:
         import openai  # noqa: F401 - the client the burst goes through

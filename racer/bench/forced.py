@@ -2,7 +2,7 @@
 usual drafting, and with the grammar's forced tokens drafted as a path of their own, on BFCL
 function-calling prompts (one named function per prompt, greedy).
 
-    PYTHONPATH=$PWD .venv/bin/python -m racer.bench_forced --prompts 20
+    PYTHONPATH=$PWD .venv/bin/python -m racer.bench.forced --prompts 20
 
 Prints one row per configuration (medians over the prompts) and whether every output equals the
 output without drafts token for token.
@@ -16,7 +16,8 @@ import statistics
 import time
 from pathlib import Path
 
-from .bench_grammar import BFCL, json_schema
+from ..prompts import BFCL
+from .grammar import json_schema
 
 CONFIGS = (
     ("no drafts", {"mode": "off"}),
@@ -51,7 +52,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     import openai
 
-    from .stack import client_key, running
+    from ..stack import client_key, running
 
     work = prompts(BFCL / "BFCL_v4_live_simple.json", args.prompts)
     rows: dict[str, dict[str, list[float]]] = {

@@ -29,12 +29,12 @@ from pathlib import Path
 
 from drafter.corpora import decode, stream_key
 
-from . import bench_corpus
-from .bench_corpus import Result, format_table, summarize
-from .client import Client
-from .procs import RedisServer, Service, sample, scrape, wait_for
-from .prompts import Prompt
-from .stack import _TOKEN
+from ..client import Client
+from ..procs import RedisServer, Service, sample, scrape, wait_for
+from ..prompts import Prompt
+from ..stack import _TOKEN
+from . import corpus
+from .corpus import Result, format_table, summarize
 
 OFF = "no-corpus"
 LAG = "racer_corpus_replication_lag_seconds"
@@ -396,4 +396,4 @@ def main(args) -> int:
         raise ValueError(f"--drafters: {args.drafters}; --through stack needs 2 or more")
     if "repeat" not in args.runs:
         raise ValueError("--through stack runs the repeat run: add repeat to --runs")
-    return bench_corpus.main(args, after_repeat=through_stack)
+    return corpus.main(args, after_repeat=through_stack)

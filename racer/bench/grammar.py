@@ -2,7 +2,7 @@
 cost of one token's mask, and of a rollback, over the BFCL function schemas (tool-call objects) and
 the default model's vocabulary.
 
-    PYTHONPATH=$PWD .venv/bin/python -m racer.bench_grammar --schemas 60
+    PYTHONPATH=$PWD .venv/bin/python -m racer.bench.grammar --schemas 60
 
 Prints one table: per library, medians (and the 90th percentile) over the schemas; per-token
 figures walk a valid call for each schema, token by token, as a decode would.
@@ -15,7 +15,8 @@ import json
 import time
 from pathlib import Path
 
-BFCL = Path(__file__).resolve().parents[2] / "shared" / "data" / "bfcl"
+from ..prompts import BFCL
+
 _TYPES = {"dict": "object", "float": "number", "tuple": "array", "any": None}
 
 

@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from .stats import percentile
+from ..stats import percentile
 
 
 @dataclass
@@ -38,7 +38,7 @@ class Side:
 
 
 def _in_process(engine, ids: list[int], args) -> Side:
-    from .bench import run_engine
+    from .modes import run_engine
 
     out, secs, st, _ = run_engine(engine, ids, args.mode, args.budget, args.max_new_tokens)
     rounds = max(1, st.rounds)
@@ -113,11 +113,11 @@ def bench_stack(args) -> int:
     from common.v1 import verifier_pb2_grpc as vpb_grpc
     from gateway.turn_links import ROUND_OVERHEAD_MS
 
-    from . import stack
-    from .bench import run_engine
-    from .client import Client
-    from .inprocess import InProcessStack
-    from .prompts import DEFAULT_PROMPTS, load_spec_bench
+    from .. import stack
+    from ..client import Client
+    from ..inprocess import InProcessStack
+    from ..prompts import DEFAULT_PROMPTS, load_spec_bench
+    from .modes import run_engine
 
     prompts = load_spec_bench(args.prompts or DEFAULT_PROMPTS, args.per_category)
     engine = InProcessStack.load(args.model, dtype=args.dtype)
@@ -235,8 +235,8 @@ def _concurrent(target: str, n: int, prompts: list[str], args, reference: dict[i
     (the first output seen for each prompt, filled here)."""
     import threading
 
-    from . import stack
-    from .client import Client
+    from .. import stack
+    from ..client import Client
 
     outs: dict[int, list[int]] = {}
     lat: list[float] = []
@@ -292,8 +292,8 @@ def _batch_table(rows: list[BatchRow], args) -> str:
 
 def bench_batch(args) -> int:
     """N concurrent sessions through two local stacks, batching on and off, same prompts, one run."""
-    from . import stack
-    from .prompts import DEFAULT_PROMPTS, load_spec_bench
+    from .. import stack
+    from ..prompts import DEFAULT_PROMPTS, load_spec_bench
 
     prompts = [p.text for p in load_spec_bench(args.prompts or DEFAULT_PROMPTS, 4)]
     configs = {"batched": {"RACER_MAX_BATCH": "16"}, "unbatched": {"RACER_MAX_BATCH": "1"}}
