@@ -29,6 +29,7 @@ from drafter.corpus import Corpus, CorpusConfig
 
 from ..inprocess import InProcessStack
 from ..prompts import Prompt
+from .harness import table
 
 
 @dataclass
@@ -148,7 +149,7 @@ def format_table(rows: list[dict]) -> str:
     hf = any("hf_on" in r for r in rows)
     head = ["group", "C", "n", "MAT off", "MAT on", "on/off", "tok/s off", "tok/s on", "on/off tok/s"]
     head += ["corpus nodes", "accepted", "identical"] + (["= HF off", "= HF on"] if hf else [])
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = []
     for r in rows:
         cells = [
             r["group"],
@@ -166,8 +167,8 @@ def format_table(rows: list[dict]) -> str:
         ]
         if hf:
             cells += [r.get("hf_off", "-"), r.get("hf_on", "-")]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        lines.append(cells)
+    return table(head, lines)
 
 
 def repeat_groups(prompts: list[Prompt]) -> list[tuple[str, list[Prompt]]]:

@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 from ..prompts import BFCL
+from .harness import table
 
 BFCL_MULTIPLE = BFCL / "BFCL_v4_live_multiple.json"
 SYSTEM = "You can call these functions. Answer with a JSON call of one of them.\n"
@@ -111,11 +112,8 @@ def prefill_table(model, prompts, new: int) -> tuple[str, dict]:
     asyncio.run(go())
     on.close()
     off.close()
-    lines = [
-        "| tenant | session | prompt tokens | from the cache | prefill, cache on (ms) | prefill, cache off (ms) |",
-        "|---|---|---|---|---|---|",
-    ]
-    lines += [f"| {t} | {i} | {n} | {c} | {a:.0f} | {b:.0f} |" for t, i, n, c, a, b in rows]
+    head = ("tenant", "session", "prompt tokens", "from the cache", "prefill, cache on (ms)", "prefill, cache off (ms)")
+    lines = [table(head, ((t, str(i), str(n), str(c), f"{a:.0f}", f"{b:.0f}") for t, i, n, c, a, b in rows))]
     med = {
         "first": statistics.median(first_on),
         "later": statistics.median(later_on),
@@ -237,8 +235,11 @@ async def _placement(model, prompts, args) -> str:
                 for _ in call:
                     pass
         return (
-            "| later sessions | on the verifier holding their prefix | share |\n|---|---|---|\n"
-            f"| {later} | {on_prefix} | {on_prefix / max(1, later):.0%} |\n\n"
+            table(
+                ("later sessions", "on the verifier holding their prefix", "share"),
+                [(str(later), str(on_prefix), f"{on_prefix / max(1, later):.0%}")],
+            )
+            + "\n\n"
             f"verifier {busy} saturated ({sat:.2f}): {other}/{len(prompts)} new sessions went to the other"
         )
 
