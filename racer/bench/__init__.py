@@ -9,4 +9,10 @@ contract; ``racer/cli.py`` names its modules as strings), so a serving image may
 - ``prefix``: the prefix cache and placement; ``grammar``: grammar libraries on this CPU;
   ``forced``: the grammar's forced tokens in constrained tool calls;
 - ``loadgen``: ``racer load``, the bounded load generator.
+
+What they share, written once: ``harness`` (markdown tables; a stack of service processes with
+tenants of their own), ``tiny`` (tiny random-weight models of many families, random prompts and
+draft trees), ``reference`` (Hugging Face greedy decoding, the round loop over plain sessions) and
+``inproc`` (the three services in this process over loopback gRPC). The scripts in ``scripts/`` and
+the tests' ``tests/support`` take these from here.
 """
