@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from common.params import SamplingParams
+from common.settings import BACKENDS, OLD_BACKENDS
 
 from .acceptance import accept
 from .backend import Backend
@@ -20,9 +21,6 @@ from .hf import HFBackend, chain_of
 from .llama import LlamaBackend, forward_segments
 from .sampling import Sampler
 from .tree import tree_inputs, validate
-
-BACKENDS = ("auto", "llama", "hf")
-OLD_BACKEND_NAMES = {"fast": "llama", "generic": "hf"}  # still accepted, with a warning
 
 _PREFILL_CHUNK = 256  # rows of the output projection computed at once (bounds [chunk, V] logits)
 
@@ -48,8 +46,8 @@ def make_backend(model, kind: str = "auto", capacity: int = 1024) -> Backend:
     """``auto``: the "llama" backend where it implements the model, else the "hf" one; ``llama``: the
     llama one or ValueError; ``hf``: the hf one (float32 only). ``capacity``: rows the llama
     backend allocates now."""
-    if kind in OLD_BACKEND_NAMES:
-        new = OLD_BACKEND_NAMES[kind]
+    new = dict(OLD_BACKENDS).get(kind)
+    if new is not None:
         warnings.warn(f"backend {kind!r} is now called {new!r}", DeprecationWarning, stacklevel=2)
         kind = new
     if kind not in BACKENDS:
