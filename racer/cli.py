@@ -282,7 +282,7 @@ def soak_arguments(sk) -> None:
         help="instead: this many identical waves of --burst requests, no faults; "
         "the verifiers' memory once idle after each",
     )
-    sk.add_argument("--model", default="default")
+    sk.add_argument("--model", default=DEFAULT_MODEL)
     dtype_flag(sk)
 
 

@@ -16,6 +16,8 @@ import statistics
 import time
 from pathlib import Path
 
+from common import settings
+
 from ..prompts import BFCL
 from .grammar import json_schema
 
@@ -48,7 +50,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--model", default="default")
+    ap.add_argument("--model", default=settings.default("verifier", "--model"))
     args = ap.parse_args(argv)
     import openai
 

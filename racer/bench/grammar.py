@@ -15,6 +15,8 @@ import json
 import time
 from pathlib import Path
 
+from common import settings
+
 from ..prompts import BFCL
 
 _TYPES = {"dict": "object", "float": "number", "tuple": "array", "any": None}
@@ -157,7 +159,7 @@ def _ms(xs: list[float], q: float = 0.5) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schemas", type=int, default=60)
-    ap.add_argument("--model", default="default")
+    ap.add_argument("--model", default=settings.default("verifier", "--model"))
     args = ap.parse_args(argv)
     from transformers import AutoConfig, AutoTokenizer
 
