@@ -206,7 +206,7 @@ BENCH_CORPUS = {"process": "racer.bench.corpus", "stack": "racer.bench.corpus_st
 
 
 def cmd_bench_corpus(args) -> int:
-    return importlib.import_module(BENCH_CORPUS[args.through]).main(args)
+    return _import(BENCH_CORPUS[args.through], "bench-corpus").main(args)
 
 
 # -- each command's arguments ------------------------------------------------------------------------
@@ -563,11 +563,24 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _import(name: str, command: str):
+    """``importlib.import_module``, with one line where the benchmarks are left out (the image)."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name not in ("racer.bench", name) or not name.startswith("racer.bench"):
+            raise
+        raise FileNotFoundError(
+            f"{command}: the benchmarks (racer/bench) are not installed here (the serving image leaves them "
+            "out): run it from a checkout"
+        ) from None
+
+
 def run(command: Command, args: argparse.Namespace) -> int:
     if callable(command.run):
         return command.run(args)
     module, function = command.run.split(":")
-    return getattr(importlib.import_module(module), function)(args)
+    return getattr(_import(module, command.name), function)(args)
 
 
 def _log_level() -> str:

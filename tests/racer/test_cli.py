@@ -24,6 +24,16 @@ def test_every_command_names_a_function_that_exists(command, module, function):
     assert resolves(module, function), f"racer {command}: {module}:{function}"
 
 
+def test_a_command_of_the_benchmarks_left_out_says_so(monkeypatch, capsys):
+    """The serving image leaves racer/bench out: its commands end with one line, not a traceback."""
+    from racer import cli
+
+    gone = cli.Command("bench", "", lambda p: None, "racer.bench.not_installed:main")
+    monkeypatch.setattr(cli, "COMMANDS", (gone,))
+    assert cli.main(["bench"]) == 2
+    assert "racer: bench: the benchmarks (racer/bench) are not installed here" in capsys.readouterr().err
+
+
 def test_a_missing_function_is_caught():
     assert ("load", "racer.bench.loadgen", "main") in targets()
     assert not resolves("racer.bench.loadgen", "mian")
