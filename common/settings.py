@@ -92,6 +92,9 @@ class Setting:
 # The verifier's forward implementations (verifier/): "llama" is the hand-written Llama-family
 # forward, "hf" the model's own forward with tree masks; "auto" picks llama where it applies.
 BACKENDS = ("auto", "llama", "hf")
+# Their earlier names, (old, now): accepted with a warning by the flag, the variable and
+# ``verifier.engine.make_backend`` alike.
+OLD_BACKENDS = (("fast", "llama"), ("generic", "hf"))
 # Model and KV cache dtypes; "auto" is bfloat16 where the machine computes it fast, else float32;
 # "gguf" serves the default model's projections as its GGUF file stores them (float32 around them).
 DTYPES = ("float32", "bfloat16", "float16", "gguf", "auto")
@@ -288,10 +291,10 @@ SERVICE = {
             "RACER_BACKEND",
             "auto",
             "forward implementation: llama (the hand-written Llama-family forward), hf (the model's own "
-            "forward with tree masks) or auto (llama where it implements the model, else hf); 'fast' is the "
-            "old name of llama",
+            "forward with tree masks) or auto (llama where it implements the model, else hf); 'fast' and "
+            "'generic' are the old names of llama and hf",
             choices=BACKENDS,
-            old_values=(("fast", "llama"),),
+            old_values=OLD_BACKENDS,
         ),
         Setting("--device", "RACER_DEVICE", "auto", "torch device: auto, cpu or cuda"),
         Setting(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from common import settings
 from common.params import MODES
 
 from .adaptive import BudgetChooser
@@ -29,15 +30,16 @@ AUTO = 0  # budget: chosen per round from the verifier's cost curve (``DraftSess
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    window: int = 10  # n: longest n-gram in the automaton
-    max_nodes: int = 10_000  # automaton capacity per session (root included)
-    topk: int = 8  # k: copy-logit row width and root breadth of the logits tree
+    # The served drafter's settings take their defaults from the settings table (common/settings.py).
+    window: int = settings.default("drafter", "--window")  # n: longest n-gram in the automaton
+    max_nodes: int = settings.default("drafter", "--max-nodes")  # automaton capacity per session (root included)
+    topk: int = settings.default("drafter", "--topk")  # k: copy-logit row width and root breadth of the logits tree
     min_depth: int = 2  # shortest (suffix + root) string that counts as a retrieval border
     retrieval_min_prob: float = 0.0  # drop retrieval candidates less likely than this
     pld_ngram: int = 3  # longest n-gram prompt lookup matches
     # Logits-tree shape: "halving" (RACER: breadth-first, breadth halves per level and sibling) or
     # "best-first" (spend the budget on the nodes most likely to be accepted, by rank prior).
-    logits_tree: str = "halving"
+    logits_tree: str = settings.default("drafter", "--logits-tree")
     # Tenant corpus: the shortest match (root included) it drafts from, and the least value
     # (frequency x per-token confidence ** depth, see ``tree.corpus_candidates``) of a node it adds.
     corpus_min_match: int = 4

@@ -7,7 +7,7 @@ chooses (``verifier/constraints.py``). A node whose token its parent's mask forb
 accepted, so a draft outside the grammar is rejected, never emitted, and the output with drafts is
 the output without them.
 
-xgrammar was chosen by measurement on the serving CPU (``racer/bench_grammar.py``): its masks cost
+xgrammar was chosen by measurement on the serving CPU (``racer/bench/grammar.py``): its masks cost
 the least per token and it rolls back, which tree walks need; its compiler caches compiled
 grammars (and so does ``Grammars`` per request spec).
 """

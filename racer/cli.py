@@ -34,17 +34,12 @@ from common import settings  # noqa: E402
 from common.params import MODES  # noqa: E402
 from common.settings import PORTS, SettingError  # noqa: E402
 
+from .prompts import BFCL  # noqa: E402  (stdlib only: a health probe still imports no torch)
+
 DEFAULT_SYSTEM = "You are a helpful assistant."  # the system prompt of every command that chats
 DEFAULT_PROMPT = "Explain speculative decoding in three sentences."
 DEFAULT_MODEL = settings.default("verifier", "--model")
-_DEFAULT_BFCL = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    "..",
-    "shared",
-    "data",
-    "bfcl",
-    "BFCL_v4_live_multiple.json",
-)
+_DEFAULT_BFCL = str(BFCL / "BFCL_v4_live_multiple.json")
 
 
 def _csv(kind):
@@ -206,9 +201,12 @@ def cmd_erase_corpus(args) -> int:
     return 0
 
 
+# ``racer bench-corpus --through``: the module that runs it
+BENCH_CORPUS = {"process": "racer.bench.corpus", "stack": "racer.bench.corpus_stack"}
+
+
 def cmd_bench_corpus(args) -> int:
-    module = "racer.bench_corpus_stack" if args.through == "stack" else "racer.bench_corpus"
-    return importlib.import_module(module).main(args)
+    return _import(BENCH_CORPUS[args.through], "bench-corpus").main(args)
 
 
 # -- each command's arguments ------------------------------------------------------------------------
@@ -284,7 +282,7 @@ def soak_arguments(sk) -> None:
         help="instead: this many identical waves of --burst requests, no faults; "
         "the verifiers' memory once idle after each",
     )
-    sk.add_argument("--model", default="default")
+    sk.add_argument("--model", default=DEFAULT_MODEL)
     dtype_flag(sk)
 
 
@@ -378,7 +376,7 @@ def bench_corpus_arguments(bc) -> None:
     bc.add_argument(
         "--through",
         default="process",
-        choices=("process", "stack"),
+        choices=tuple(BENCH_CORPUS),
         help="stack: the repeat run also through real services (Redis, a verifier, drafter replicas), "
         "sessions alternating between the replicas",
     )
@@ -472,7 +470,7 @@ COMMANDS = (
         generate_arguments,
         cmd_generate,
     ),
-    Command("bench", "benchmark against HF greedy and prompt lookup", bench_arguments, "racer.bench:main"),
+    Command("bench", "benchmark against HF greedy and prompt lookup", bench_arguments, "racer.bench.modes:main"),
     Command(
         "serve",
         "run one service (settings from flags or RACER_* environment variables)",
@@ -496,25 +494,25 @@ COMMANDS = (
         "bench-stack",
         "tokens/s through the gateway vs in process, side by side",
         bench_stack_arguments,
-        "racer.bench_services:bench_stack",
+        "racer.bench.services:bench_stack",
     ),
     Command(
         "bench-batch",
         "aggregate tok/s of N concurrent sessions, batching on vs off",
         bench_batch_arguments,
-        "racer.bench_services:bench_batch",
+        "racer.bench.services:bench_batch",
     ),
     Command(
         "bench-burst",
         "a burst of streaming chat requests through the OpenAI API, prefills batched vs one at a time",
         bench_burst_arguments,
-        "racer.bench_burst:bench_burst",
+        "racer.bench.burst:bench_burst",
     ),
     Command(
         "load",
         "N concurrent sessions x T turns through a gateway on this machine (bounded)",
         load_arguments,
-        "racer.load:main",
+        "racer.bench.loadgen:main",
     ),
     Command(
         "bench-corpus",
@@ -526,13 +524,13 @@ COMMANDS = (
         "bench-snapshot",
         "size and save/restore time of a full drafter session snapshot",
         bench_snapshot_arguments,
-        "racer.bench_services:bench_snapshot",
+        "racer.bench.services:bench_snapshot",
     ),
     Command(
         "bench-tools",
         "function-calling sessions per tenant (tool set): TTFT, MAT and tok/s with everything on and off",
         bench_tools_arguments,
-        "racer.bench_tools:main",
+        "racer.bench.tools:main",
     ),
     Command(
         "erase-corpus",
@@ -565,11 +563,24 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _import(name: str, command: str):
+    """``importlib.import_module``, with one line where the benchmarks are left out (the image)."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name not in ("racer.bench", name) or not name.startswith("racer.bench"):
+            raise
+        raise FileNotFoundError(
+            f"{command}: the benchmarks (racer/bench) are not installed here (the serving image leaves them "
+            "out): run it from a checkout"
+        ) from None
+
+
 def run(command: Command, args: argparse.Namespace) -> int:
     if callable(command.run):
         return command.run(args)
     module, function = command.run.split(":")
-    return getattr(importlib.import_module(module), function)(args)
+    return getattr(_import(module, command.name), function)(args)
 
 
 def _log_level() -> str:

@@ -9,7 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+# The shared data sets, beside the repository: Spec-Bench prompts, BFCL function-calling sessions.
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+DEFAULT_PROMPTS = SHARED_DATA / "spec_bench" / "question.jsonl"
+BFCL = SHARED_DATA / "bfcl"
 
 
 @dataclass(frozen=True)

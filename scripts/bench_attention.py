@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from tests.support.trees import random_tree  # noqa: E402
+from racer.bench.tiny import random_tree  # noqa: E402
 from verifier import llama, native  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 9, 3, 64

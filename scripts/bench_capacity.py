@@ -145,7 +145,7 @@ class RssSampler:
 
 
 def reference(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    from tests.support.engine import hf_greedy
+    from racer.bench.reference import hf_greedy
 
     return [hf_greedy(model, p, new_tokens) for p in prompts]
 

@@ -1,6 +1,6 @@
 """The target-family table: backend, lossless at budgets 1/8/64, tok/s against HF greedy.
 
-Every family's tiny random-weight model from tests/families.py (built here, nothing is
+Every family's tiny random-weight model of racer/bench/tiny.py (built here, nothing is
 downloaded), one torch thread, an echo prompt (it holds a stretch of its own continuation, so
 drafts get accepted as they would on repetitive real text). Lossless: racer output equal to
 ``model.generate(do_sample=False)`` token for token. tok/s: new tokens over wall time, median of
@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from tests.support.engine import hf_greedy, run_racer  # noqa: E402
-from tests.support.families import FAMILIES, backend_kind, echo_prompt, make  # noqa: E402
+from racer.bench.reference import hf_greedy, run_racer  # noqa: E402
+from racer.bench.tiny import FAMILIES, backend_kind, echo_prompt, make  # noqa: E402
 from verifier.engine import VerifierSession  # noqa: E402
 from verifier.layouts import loaded_layout  # noqa: E402
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from racer.load import run_load  # noqa: E402
+from racer.bench.loadgen import run_load  # noqa: E402
 from racer.procs import RedisServer, Service, stop_all  # noqa: E402
 
 

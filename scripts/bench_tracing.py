@@ -28,9 +28,9 @@ def child(turns: int, tokens: int, endpoint: str) -> None:
     import time
 
     from common import tracing
+    from racer.bench.inproc import LoopThread, start_stack
+    from racer.bench.tiny import make_tiny_llama, prompt, single_thread
     from racer.client import Client
-    from tests.support.models import make_tiny_llama, single_thread
-    from tests.support.stack import LoopThread, prompt, start_stack
 
     tracing.setup("bench", endpoint)
     lt = LoopThread()

@@ -100,7 +100,7 @@ def lossless_rows(device: str, smoke: bool) -> list[dict]:
 
 
 def bench_rows(device: str, tokens: int) -> list[dict]:
-    from racer import bench
+    from racer.bench import modes as bench
     from racer.inprocess import InProcessStack
     from racer.prompts import DEFAULT_PROMPTS, load_spec_bench
     from verifier.model import load

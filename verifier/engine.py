@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from common import settings
 from common.params import SamplingParams
+from common.settings import BACKENDS, OLD_BACKENDS
 
 from .acceptance import accept
 from .backend import Backend
@@ -21,9 +23,7 @@ from .llama import LlamaBackend, forward_segments
 from .sampling import Sampler
 from .tree import tree_inputs, validate
 
-BACKENDS = ("auto", "llama", "hf")
-OLD_BACKEND_NAMES = {"fast": "llama", "generic": "hf"}  # still accepted, with a warning
-
+TOPK = settings.default("verifier", "--topk")  # next-token ids sent back per position (the table's default)
 _PREFILL_CHUNK = 256  # rows of the output projection computed at once (bounds [chunk, V] logits)
 
 
@@ -48,8 +48,8 @@ def make_backend(model, kind: str = "auto", capacity: int = 1024) -> Backend:
     """``auto``: the "llama" backend where it implements the model, else the "hf" one; ``llama``: the
     llama one or ValueError; ``hf``: the hf one (float32 only). ``capacity``: rows the llama
     backend allocates now."""
-    if kind in OLD_BACKEND_NAMES:
-        new = OLD_BACKEND_NAMES[kind]
+    new = dict(OLD_BACKENDS).get(kind)
+    if new is not None:
         warnings.warn(f"backend {kind!r} is now called {new!r}", DeprecationWarning, stacklevel=2)
         kind = new
     if kind not in BACKENDS:
@@ -77,7 +77,7 @@ class VerifierSession:
     def __init__(
         self,
         model,
-        topk: int = 8,
+        topk: int = TOPK,
         backend: str = "auto",
         sampling: SamplingParams = SamplingParams(),
         capacity: int = 1024,
@@ -506,7 +506,7 @@ COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 def measure_cost(
-    model, sizes=COST_SIZES, context: int = 256, reps: int = 5, backend: str = "auto", topk: int = 8
+    model, sizes=COST_SIZES, context: int = 256, reps: int = 5, backend: str = "auto", topk: int = TOPK
 ) -> dict[int, float]:
     """Median milliseconds of one verification (forward, logits, top-k, acceptance) by tree size,
     over a ``context``-token cache: the curve the adaptive budget weighs acceptance against."""

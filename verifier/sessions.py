@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common import settings
 from common.errors import Abort, Status
 from common.params import SamplingParams
 from common.sessions import Entry as _Entry
@@ -112,7 +113,7 @@ class Verifier(Holder):
         self,
         model,
         *,
-        topk: int = 8,
+        topk: int = settings.default("verifier", "--topk"),
         backend: str = "auto",
         max_sessions: int = 64,
         max_cache_tokens: int = 262_144,

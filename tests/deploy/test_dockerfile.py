@@ -72,6 +72,16 @@ def test_default_model_is_converted_at_build_time_and_shipped():
     assert any(i.flags == ("--from=builder",) and i.value == (cache, cache) for i in copies)
 
 
+def test_the_image_leaves_the_benchmarks_out():
+    """Removed after the project is installed; nothing the services run imports them (the contract)."""
+    runs = _runs()
+    install = next(i for i, r in enumerate(runs) if r.startswith("pip install ."))
+    (rm,) = [i for i, r in enumerate(runs) if "site-packages/racer/bench" in r]
+    assert rm > install and runs[rm].startswith("rm -r ")
+    (contract,) = [c for c in pyproject()["tool"]["importlinter"]["contracts"] if c["id"] == "bench-apart"]
+    assert contract["forbidden_modules"] == ["racer.bench"]
+
+
 def test_entrypoint_is_the_racer_console_script():
     entrypoint = next(i for i in dockerfile() if i.cmd == "ENTRYPOINT")
     cmd = next(i for i in dockerfile() if i.cmd == "CMD")

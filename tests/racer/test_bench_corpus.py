@@ -7,7 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from drafter.corpus import Corpus, CorpusConfig
-from racer.bench_corpus import Result, format_table, run_one, summarize
+from racer.bench.corpus import Result, format_table, run_one, summarize
 from racer.inprocess import InProcessStack
 from tests.support.engine import hf_greedy
 from tests.support.models import make_tiny_llama

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from racer.bench import run_engine, run_hf
+from racer.bench.modes import run_engine, run_hf
 from racer.inprocess import InProcessStack
 from tests.support.engine import hf_greedy
 from tests.support.families import echo_prompt

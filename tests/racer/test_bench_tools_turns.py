@@ -8,7 +8,7 @@ from pathlib import Path
 
 from common.text import continue_ids, messages_ids
 from drafter.corpus import Corpus, CorpusConfig
-from racer.bench_tools import RUNS, _run_in_process, summarize
+from racer.bench.tools import RUNS, _run_in_process, summarize
 from racer.inprocess import InProcessStack
 from racer.tool_sessions import parse
 from tests.support.engine import hf_greedy

@@ -9,8 +9,8 @@ import pytest
 import redis
 from prometheus_client import REGISTRY
 
+from racer.bench.loadgen import check_loopback, make_prompts, percentiles, run_load
 from racer.client import Client
-from racer.load import check_loopback, make_prompts, percentiles, run_load
 from tests.support.engine import hf_greedy
 from tests.support.stack import start_stack, wait_until
 

@@ -105,14 +105,16 @@ def test_the_table_has_one_flag_and_one_variable_per_setting():
             assert isinstance(s.default, s.type), s.flag  # the default is a value of its type
 
 
-def test_the_old_backend_value_fast_is_llama_with_a_warning():
-    with pytest.warns(DeprecationWarning, match="'fast' is deprecated: use 'llama'"):
-        assert settings.parse("verifier", ["--backend", "fast"], environ={}).backend == "llama"
-    with pytest.warns(DeprecationWarning, match="RACER_BACKEND 'fast' is deprecated"):
-        assert settings.parse("verifier", environ={"RACER_BACKEND": "fast"}).backend == "llama"
-    with pytest.warns(DeprecationWarning, match="'fast' is deprecated"):  # the in-process commands' flag too
-        assert parser().parse_args(["generate", "--backend", "fast"]).backend == "llama"
-    assert settings.parse("verifier", ["--backend", "llama"], environ={}).backend == "llama"
+@pytest.mark.parametrize(("old", "new"), [("fast", "llama"), ("generic", "hf")])
+def test_the_old_backend_values_are_the_new_ones_with_a_warning(old, new):
+    """The flag, the variable and the in-process commands take the names ``make_backend`` takes."""
+    with pytest.warns(DeprecationWarning, match=f"'{old}' is deprecated: use '{new}'"):
+        assert settings.parse("verifier", ["--backend", old], environ={}).backend == new
+    with pytest.warns(DeprecationWarning, match=f"RACER_BACKEND '{old}' is deprecated"):
+        assert settings.parse("verifier", environ={"RACER_BACKEND": old}).backend == new
+    with pytest.warns(DeprecationWarning, match=f"'{old}' is deprecated"):  # the in-process commands' flag too
+        assert parser().parse_args(["generate", "--backend", old]).backend == new
+    assert settings.parse("verifier", ["--backend", new], environ={}).backend == new
 
 
 def test_the_kv_memory_flag_and_variable_keep_their_old_budget_names(recwarn):

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from racer import tool_sessions as ts
-from racer.bench_tools import SessionRun, Turn, prefix_counters, select, summarize
+from racer.bench.tools import SessionRun, Turn, prefix_counters, select, summarize
 
 WEATHER = [
     {

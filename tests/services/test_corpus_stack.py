@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from racer.bench_corpus import summarize
-from racer.bench_corpus_stack import OFF, corpus_tenant, replicas, run_stack
+from racer.bench.corpus import summarize
+from racer.bench.corpus_stack import OFF, corpus_tenant, replicas, run_stack
 from racer.prompts import Prompt
 from tests.support.stack import prompt
 

@@ -15,8 +15,8 @@ import redis
 from prometheus_client import REGISTRY
 
 from gateway.requests import request_bytes
+from racer.bench.loadgen import make_prompts, run_load
 from racer.client import Client
-from racer.load import make_prompts, run_load
 from tests.support.engine import hf_greedy
 from tests.support.stack import prompt, redis_server, start_stack, wait_until
 

@@ -5,44 +5,12 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-import torch
-
-from common.loop import Stats, generate
-from common.params import GenerationParams
-from drafter.draft_session import DraftSession
+from racer.bench.reference import hf_greedy, run, run_racer
 from verifier.engine import VerifierSession
 
-from .models import single_thread  # noqa: F401  (module-scoped fixtures use it)
+from .models import single_thread
 
-
-@torch.inference_mode()
-def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: tuple[int, ...] = ()) -> list[int]:
-    """transformers' own greedy decoding: the reference every output must equal token for token."""
-    out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=0,
-        do_sample=False,
-        num_beams=1,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-        repetition_penalty=None,
-        eos_token_id=list(eos) if eos else None,
-        pad_token_id=model.config.pad_token_id if model.config.pad_token_id is not None else 0,
-    )
-    return out[0, len(prompt) :].tolist()
-
-
-def run(drafter, verifier, prompt, params: GenerationParams) -> tuple[list[int], Stats, list[list[int]]]:
-    stats = Stats()
-    chunks = list(generate(drafter, verifier, prompt, params, stats))
-    return [t for c in chunks for t in c], stats, chunks
-
-
-def run_racer(model, prompt, backend="llama", **params) -> tuple[list[int], Stats, list[list[int]]]:
-    return run(DraftSession(), VerifierSession(model, backend=backend), prompt, GenerationParams(**params))
+__all__ = ["RecordingVerifier", "ScriptedDrafter", "Tree", "hf_greedy", "run", "run_racer", "single_thread"]
 
 
 @dataclass(frozen=True)

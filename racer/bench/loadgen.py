@@ -29,7 +29,7 @@ from common.v1 import generation_pb2 as pb
 from common.v1 import generation_pb2_grpc as pb_grpc
 from gateway.admission import QUEUE_WAIT_HEADER
 
-from .stats import percentile
+from ..stats import percentile
 
 MAX_SESSIONS = 256
 MAX_TURNS = 32

@@ -2,7 +2,7 @@
 usual drafting, and with the grammar's forced tokens drafted as a path of their own, on BFCL
 function-calling prompts (one named function per prompt, greedy).
 
-    PYTHONPATH=$PWD .venv/bin/python -m racer.bench_forced --prompts 20
+    PYTHONPATH=$PWD .venv/bin/python -m racer.bench.forced --prompts 20
 
 Prints one row per configuration (medians over the prompts) and whether every output equals the
 output without drafts token for token.
@@ -16,7 +16,10 @@ import statistics
 import time
 from pathlib import Path
 
-from .bench_grammar import BFCL, json_schema
+from common import settings
+
+from ..prompts import BFCL
+from .grammar import json_schema
 
 CONFIGS = (
     ("no drafts", {"mode": "off"}),
@@ -47,11 +50,11 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--model", default="default")
+    ap.add_argument("--model", default=settings.default("verifier", "--model"))
     args = ap.parse_args(argv)
     import openai
 
-    from .stack import client_key, running
+    from ..stack import client_key, running
 
     work = prompts(BFCL / "BFCL_v4_live_simple.json", args.prompts)
     rows: dict[str, dict[str, list[float]]] = {

@@ -31,18 +31,15 @@ across its turns, the verifier its KV cache).
 
 from __future__ import annotations
 
-import contextlib
-import os
-import secrets
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from .tool_sessions import ToolSession, by_tenant, load
+from ..procs import sample, scrape, wait_for
+from ..tool_sessions import ToolSession, by_tenant, load
+from . import harness
 
 RUNS = ("on", "corpus off", "off")
 
@@ -153,7 +150,7 @@ def in_process(args, tenants: dict[str, list[ToolSession]]) -> list[SessionRun]:
 
     from drafter.corpus import Corpus, CorpusConfig
 
-    from .inprocess import InProcessStack
+    from ..inprocess import InProcessStack
 
     engine = InProcessStack.load(args.model, prior=args.prior, threads=args.threads or None, dtype=args.dtype)
     print(f"in process: torch threads {torch.get_num_threads()}; {engine.dtype}; greedy", file=sys.stderr)
@@ -184,57 +181,16 @@ def _run_tenant_names(tenants: list[str]) -> dict[tuple[str, str], str]:
     return {(t, run): f"t{i}{suffix[run]}" for i, t in enumerate(tenants) for run in RUNS}
 
 
-@contextlib.contextmanager
 def tool_stack(args, names: list[str], no_share: list[str]):
-    """Redis, a verifier, a drafter and a gateway as processes; yields (gateway target, keys by tenant,
-    verifier metrics port, drafter metrics port)."""
-    from verifier.model import resolve_model_dir
-
-    from .bench_corpus_stack import _Procs
-    from .procs import RedisServer
-
-    resolve_model_dir(args.model)
-    env = dict(kv.split("=", 1) for kv in args.env)
-    with tempfile.TemporaryDirectory(prefix="racer-bench-tools-") as tmp:
-        redis = RedisServer(Path(tmp) / "redis", appendonly=False).start()
-        url = redis.url
-        keys = {t: secrets.token_urlsafe(16) for t in names}
-        with open(os.path.join(tmp, "keys"), "w") as f:
-            f.write("".join(f"{k} {t}\n" for t, k in keys.items()))
-        with open(os.path.join(tmp, "limits.toml"), "w") as f:
-            f.write("".join(f'[tenants."{t}"]\nshare = false\n' for t in no_share))
-        from common import cpus
-
-        from .stack import _TOKEN
-
-        base = dict(
-            RACER_MODEL=args.model,
-            RACER_LOG_LEVEL="WARNING",
-            RACER_INTERNAL_TOKEN=os.environ.get("RACER_INTERNAL_TOKEN") or _TOKEN,
-            # one verifier: a prefill of thousands of tokens on a busy CPU may take minutes, and there
-            # is nowhere to fail over to
-            RACER_BACKEND_TIMEOUT="1800",
-        )
-        base.update(env)
-        if args.dtype:
-            base["RACER_DTYPE"] = args.dtype
-        procs = _Procs(base, cpus.split_for_verifier(cpus.available()) if args.pin else None, tmp)
-        try:
-            verifier = procs.start("verifier")
-            procs.healthy()
-            drafter = procs.start("drafter", RACER_SNAPSHOT_URL=url, **({} if args.prior else {"RACER_PRIOR": "none"}))
-            gateway = procs.start(
-                "gateway",
-                RACER_DRAFTERS=drafter.target,
-                RACER_VERIFIERS=verifier.target,
-                RACER_API_KEYS=os.path.join(tmp, "keys"),
-                RACER_TENANT_LIMITS=os.path.join(tmp, "limits.toml"),
-            )
-            procs.healthy()
-            yield gateway.target, keys, verifier.metrics_port, drafter.metrics_port
-        finally:
-            procs.stop()
-            redis.stop()
+    """Redis, a verifier, a drafter and a gateway as processes (``harness.replicas``), a tenant per
+    name; ``--env`` settings for every service."""
+    env = dict(
+        # one verifier: a prefill of thousands of tokens on a busy CPU may take minutes, and there is
+        # nowhere to fail over to
+        RACER_BACKEND_TIMEOUT="1800",
+        **dict(kv.split("=", 1) for kv in args.env),
+    )
+    return harness.replicas(args.model, 1, names, no_share, prior=args.prior, dtype=args.dtype, pin=args.pin, env=env)
 
 
 PREFIX_COUNTERS = ("hits", "misses", "saved")
@@ -265,7 +221,7 @@ def prefix_counters(samples: dict) -> dict | None:
 def _run_stack_session(
     gateway: str, key: str, session: ToolSession, run: str, budget: int, max_new: int
 ) -> tuple[SessionRun, str]:
-    from .client import Client
+    from ..client import Client
 
     result = SessionRun(session.tenant, 0, run, 0)
     sid = ""
@@ -294,13 +250,11 @@ def _run_stack_session(
 def _after_snapshot(port: int, count: float, timeout: float = 30.0) -> dict:
     """The drafter's metrics once the session's end-of-turn snapshot (written after the reply) is
     counted, or after ``timeout`` seconds without it."""
-    from .bench_corpus_stack import metric, scrape, wait_for
-
     samples = {}
 
     def saved() -> bool:
         samples.update(scrape(port))
-        return metric(samples, f"{SNAPSHOT}_count") > count
+        return sample(samples, f"{SNAPSHOT}_count") > count
 
     try:
         wait_for(saved, timeout, "the session's snapshot", every=0.1)
@@ -312,12 +266,11 @@ def _after_snapshot(port: int, count: float, timeout: float = 30.0) -> dict:
 def through_stack(args, tenants: dict[str, list[ToolSession]]) -> list[SessionRun]:
     from tqdm import tqdm
 
-    from .bench_corpus_stack import metric, scrape
-
     names = _run_tenant_names(list(tenants))
     no_share = [n for (_, run), n in names.items() if run != "on"]
     results = []
-    with tool_stack(args, list(names.values()), no_share) as (gateway, keys, vport, dport):
+    with tool_stack(args, list(names.values()), no_share) as st:
+        gateway, keys, vport, dport = st.gateways[0], st.keys, st.verifier_metrics, st.drafter_metrics[0]
         print(f"stack: a verifier, a drafter, a gateway ({gateway}), Redis", file=sys.stderr)
         warm = ToolSession("warm", "warm", "", ((dict(role="user", content="Hello"),),))
         for n in names.values():  # every tenant's corpus loaded, the verifier warm
@@ -331,12 +284,12 @@ def through_stack(args, tenants: dict[str, list[ToolSession]]) -> list[SessionRu
                     r, _ = _run_stack_session(
                         gateway, keys[names[(name, run)]], s, run, args.budget, args.max_new_tokens
                     )
-                    v1, d1 = scrape(vport), _after_snapshot(dport, metric(d0, f"{SNAPSHOT}_count"))
+                    v1, d1 = scrape(vport), _after_snapshot(dport, sample(d0, f"{SNAPSHOT}_count"))
                     before, after = prefix_counters(v0), prefix_counters(v1)
                     if before is not None and after is not None:
                         r.prefix = {k: after[k] - before[k] for k in PREFIX_COUNTERS}
                     r.snapshot = tuple(
-                        metric(d1, f"{SNAPSHOT}_{x}") - metric(d0, f"{SNAPSHOT}_{x}") for x in ("sum", "count")
+                        sample(d1, f"{SNAPSHOT}_{x}") - sample(d0, f"{SNAPSHOT}_{x}") for x in ("sum", "count")
                     )
                     r.index = i
                     results.append(r)
@@ -426,7 +379,7 @@ def format_table(rows: list[dict]) -> str:
         "drafter snapshot KiB (later)",
         "identical on / off",
     ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = []
     for r in rows:
         p = r.get("prefix")
         cells = [
@@ -447,8 +400,8 @@ def format_table(rows: list[dict]) -> str:
             _f(r["snapshot_kib"], ".0f"),
             r["identical"],
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        lines.append(cells)
+    return harness.table(head, lines)
 
 
 def select(sessions: list[ToolSession], args) -> dict[str, list[ToolSession]]:
@@ -468,7 +421,7 @@ def select(sessions: list[ToolSession], args) -> dict[str, list[ToolSession]]:
 
 
 def main(args) -> int:
-    from . import tool_sessions
+    from .. import tool_sessions
 
     if args.convert:
         n = tool_sessions.convert_bfcl(args.input, args.convert)

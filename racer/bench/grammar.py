@@ -2,7 +2,7 @@
 cost of one token's mask, and of a rollback, over the BFCL function schemas (tool-call objects) and
 the default model's vocabulary.
 
-    PYTHONPATH=$PWD .venv/bin/python -m racer.bench_grammar --schemas 60
+    PYTHONPATH=$PWD .venv/bin/python -m racer.bench.grammar --schemas 60
 
 Prints one table: per library, medians (and the 90th percentile) over the schemas; per-token
 figures walk a valid call for each schema, token by token, as a decode would.
@@ -15,7 +15,10 @@ import json
 import time
 from pathlib import Path
 
-BFCL = Path(__file__).resolve().parents[2] / "shared" / "data" / "bfcl"
+from common import settings
+
+from ..prompts import BFCL
+
 _TYPES = {"dict": "object", "float": "number", "tuple": "array", "any": None}
 
 
@@ -156,7 +159,7 @@ def _ms(xs: list[float], q: float = 0.5) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schemas", type=int, default=60)
-    ap.add_argument("--model", default="default")
+    ap.add_argument("--model", default=settings.default("verifier", "--model"))
     args = ap.parse_args(argv)
     from transformers import AutoConfig, AutoTokenizer
 

@@ -18,7 +18,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from .stats import percentile
+from ..stats import percentile
+from .harness import table
 
 
 @dataclass
@@ -38,7 +39,7 @@ class Side:
 
 
 def _in_process(engine, ids: list[int], args) -> Side:
-    from .bench import run_engine
+    from .modes import run_engine
 
     out, secs, st, _ = run_engine(engine, ids, args.mode, args.budget, args.max_new_tokens)
     rounds = max(1, st.rounds)
@@ -113,11 +114,11 @@ def bench_stack(args) -> int:
     from common.v1 import verifier_pb2_grpc as vpb_grpc
     from gateway.turn_links import ROUND_OVERHEAD_MS
 
-    from . import stack
-    from .bench import run_engine
-    from .client import Client
-    from .inprocess import InProcessStack
-    from .prompts import DEFAULT_PROMPTS, load_spec_bench
+    from .. import stack
+    from ..client import Client
+    from ..inprocess import InProcessStack
+    from ..prompts import DEFAULT_PROMPTS, load_spec_bench
+    from .modes import run_engine
 
     prompts = load_spec_bench(args.prompts or DEFAULT_PROMPTS, args.per_category)
     engine = InProcessStack.load(args.model, dtype=args.dtype)
@@ -204,17 +205,20 @@ def bench_snapshot(args) -> int:
         f"session: {nodes} automaton nodes, {len(s.history)} tokens, {len(s.table)} copy-logit rows; "
         f"store {args.store}; {args.repeat} repeats"
     )
-    print("| step | p50 ms | p99 ms |")
-    print("|---|---|---|")
-    for name, xs in (
+    steps = (
         ("encode (dumps)", enc),
         ("store write", put),
         ("store read", get),
         ("decode (loads)", dec),
         ("save = encode + write", [a + b for a, b in zip(enc, put)]),
         ("restore = read + decode", [a + b for a, b in zip(get, dec)]),
-    ):
-        print(f"| {name} | {percentile(xs, 0.5):.1f} | {percentile(xs, 0.99):.1f} |")
+    )
+    print(
+        table(
+            ("step", "p50 ms", "p99 ms"),
+            ((name, f"{percentile(xs, 0.5):.1f}", f"{percentile(xs, 0.99):.1f}") for name, xs in steps),
+        )
+    )
     print(f"snapshot size: {len(data) / 1024:.0f} KiB")
     return 0
 
@@ -235,8 +239,8 @@ def _concurrent(target: str, n: int, prompts: list[str], args, reference: dict[i
     (the first output seen for each prompt, filled here)."""
     import threading
 
-    from . import stack
-    from .client import Client
+    from .. import stack
+    from ..client import Client
 
     outs: dict[int, list[int]] = {}
     lat: list[float] = []
@@ -274,15 +278,18 @@ def _concurrent(target: str, n: int, prompts: list[str], args, reference: dict[i
 
 
 def _batch_table(rows: list[BatchRow], args) -> str:
-    lines = [
-        f"mode={args.mode} budget={'auto' if args.budget == 0 else args.budget} max_new_tokens={args.max_new_tokens}",
-        "| sessions | batching | aggregate tok/s | session latency p50 s | slowest s | identical | errors |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    cells = []
     for r in sorted(rows, key=lambda r: (r.n, r.name)):
         p50 = statistics.median(r.latencies) if r.latencies else float("nan")
         slowest = max(r.latencies) if r.latencies else float("nan")
-        lines.append(f"| {r.n} | {r.name} | {r.tps:.1f} | {p50:.1f} | {slowest:.1f} | {r.same}/{r.done} | {r.errors} |")
+        cells.append(
+            (str(r.n), r.name, f"{r.tps:.1f}", f"{p50:.1f}", f"{slowest:.1f}", f"{r.same}/{r.done}", str(r.errors))
+        )
+    head = ("sessions", "batching", "aggregate tok/s", "session latency p50 s", "slowest s", "identical", "errors")
+    lines = [
+        f"mode={args.mode} budget={'auto' if args.budget == 0 else args.budget} max_new_tokens={args.max_new_tokens}",
+        table(head, cells),
+    ]
     one = {r.name: r.tps for r in rows if r.n == 1}
     for r in rows:
         if r.n > 1 and r.name == "batched" and "batched" in one:
@@ -292,8 +299,8 @@ def _batch_table(rows: list[BatchRow], args) -> str:
 
 def bench_batch(args) -> int:
     """N concurrent sessions through two local stacks, batching on and off, same prompts, one run."""
-    from . import stack
-    from .prompts import DEFAULT_PROMPTS, load_spec_bench
+    from .. import stack
+    from ..prompts import DEFAULT_PROMPTS, load_spec_bench
 
     prompts = [p.text for p in load_spec_bench(args.prompts or DEFAULT_PROMPTS, 4)]
     configs = {"batched": {"RACER_MAX_BATCH": "16"}, "unbatched": {"RACER_MAX_BATCH": "1"}}

@@ -1,6 +1,6 @@
 """The prefix cache and prefix-aware placement, measured (a script that prints tables, not a test).
 
-    python -m racer.bench_prefix [--tenants 2] [--sessions 4] [--prompt-tokens 3000] [--placement-sessions 6]
+    python -m racer.bench.prefix [--tenants 2] [--sessions 4] [--prompt-tokens 3000] [--placement-sessions 6]
 
 1. Prefill. Each tenant's system prompt is tool documentation from BFCL (function docs of its
    tool sets, to about ``--prompt-tokens`` tokens with the model's tokenizer and chat template);
@@ -29,7 +29,10 @@ import statistics
 import sys
 from pathlib import Path
 
-BFCL = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "bfcl" / "BFCL_v4_live_multiple.json"
+from ..prompts import BFCL
+from .harness import table
+
+BFCL_MULTIPLE = BFCL / "BFCL_v4_live_multiple.json"
 SYSTEM = "You can call these functions. Answer with a JSON call of one of them.\n"
 
 
@@ -109,11 +112,8 @@ def prefill_table(model, prompts, new: int) -> tuple[str, dict]:
     asyncio.run(go())
     on.close()
     off.close()
-    lines = [
-        "| tenant | session | prompt tokens | from the cache | prefill, cache on (ms) | prefill, cache off (ms) |",
-        "|---|---|---|---|---|---|",
-    ]
-    lines += [f"| {t} | {i} | {n} | {c} | {a:.0f} | {b:.0f} |" for t, i, n, c, a, b in rows]
+    head = ("tenant", "session", "prompt tokens", "from the cache", "prefill, cache on (ms)", "prefill, cache off (ms)")
+    lines = [table(head, ((t, str(i), str(n), str(c), f"{a:.0f}", f"{b:.0f}") for t, i, n, c, a, b in rows))]
     med = {
         "first": statistics.median(first_on),
         "later": statistics.median(later_on),
@@ -235,8 +235,11 @@ async def _placement(model, prompts, args) -> str:
                 for _ in call:
                     pass
         return (
-            "| later sessions | on the verifier holding their prefix | share |\n|---|---|---|\n"
-            f"| {later} | {on_prefix} | {on_prefix / max(1, later):.0%} |\n\n"
+            table(
+                ("later sessions", "on the verifier holding their prefix", "share"),
+                [(str(later), str(on_prefix), f"{on_prefix / max(1, later):.0%}")],
+            )
+            + "\n\n"
             f"verifier {busy} saturated ({sat:.2f}): {other}/{len(prompts)} new sessions went to the other"
         )
 
@@ -250,9 +253,9 @@ async def _placement(model, prompts, args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m racer.bench_prefix", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m racer.bench.prefix", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model directory or name (default: the default model)")
-    p.add_argument("--data", default=str(BFCL.resolve()), help="BFCL JSON lines (tool sets and questions)")
+    p.add_argument("--data", default=str(BFCL_MULTIPLE), help="BFCL JSON lines (tool sets and questions)")
     p.add_argument("--tenants", type=int, default=2, help="tenants of the prefill run (0: no prefill run)")
     p.add_argument("--sessions", type=int, default=4, help="sessions per tenant (the first and the later ones)")
     p.add_argument("--prompt-tokens", type=int, default=3000, help="system prompt size (tool docs), in tokens")

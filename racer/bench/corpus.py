@@ -13,7 +13,7 @@ Two runs:
 - ``repeat``: ``--sessions`` prompts (round robin over the categories) answered once, then asked
   again by new sessions of the same tenant (pass 1, pass 2). With ``--through stack`` it runs again
   through real services with ``--drafters`` replicas, the sessions alternating between them
-  (``bench_corpus_stack.py``), and the two gains are compared.
+  (``corpus_stack.py``), and the two gains are compared.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from common.loop import Stats
 from common.text import chat_ids
 from drafter.corpus import Corpus, CorpusConfig
 
-from .inprocess import InProcessStack
-from .prompts import Prompt
+from ..inprocess import InProcessStack
+from ..prompts import Prompt
+from .harness import table
 
 
 @dataclass
@@ -80,7 +81,7 @@ def run_sessions(
     ``fresh_corpus_per_group``: a new tenant (an empty corpus) per group; else one for all groups."""
     from tqdm import tqdm
 
-    from .bench import run_hf
+    from .modes import run_hf
 
     results: list[Result] = []
     total = sum(len(ps) for _, ps in groups) * len(budgets) * 2
@@ -148,7 +149,7 @@ def format_table(rows: list[dict]) -> str:
     hf = any("hf_on" in r for r in rows)
     head = ["group", "C", "n", "MAT off", "MAT on", "on/off", "tok/s off", "tok/s on", "on/off tok/s"]
     head += ["corpus nodes", "accepted", "identical"] + (["= HF off", "= HF on"] if hf else [])
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = []
     for r in rows:
         cells = [
             r["group"],
@@ -166,8 +167,8 @@ def format_table(rows: list[dict]) -> str:
         ]
         if hf:
             cells += [r.get("hf_off", "-"), r.get("hf_on", "-")]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        lines.append(cells)
+    return table(head, lines)
 
 
 def repeat_groups(prompts: list[Prompt]) -> list[tuple[str, list[Prompt]]]:
@@ -210,7 +211,7 @@ def main(args, after_repeat=None) -> int:
     its exit status joins this one's."""
     import torch
 
-    from .prompts import DEFAULT_PROMPTS, load_spec_bench
+    from ..prompts import DEFAULT_PROMPTS, load_spec_bench
 
     by_category = _by_category(load_spec_bench(args.prompts or DEFAULT_PROMPTS), args.categories)
     engine = InProcessStack.load(

@@ -19,9 +19,10 @@ from common.loop import Stats
 from common.params import MODES
 from common.text import chat_ids
 
-from .inprocess import InProcessStack
-from .prompts import Prompt
-from .stats import percentile
+from ..inprocess import InProcessStack
+from ..prompts import Prompt
+from ..stats import percentile
+from .reference import hf_greedy
 
 HF_MODES = ("greedy", "hf-pld")
 
@@ -47,24 +48,18 @@ class Record:
 def run_hf(
     engine: InProcessStack, prompt_ids: list[int], max_new_tokens: int, lookup: int = 0
 ) -> tuple[list[int], float]:
-    import torch
-
+    """HF greedy (``lookup``: with prompt lookup) on the model as loaded: (output, seconds)."""
     with engine.reference_model() as model:
-        ids = torch.tensor([prompt_ids], device=model.device)
-        kw = dict(
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=list(engine.loaded.eos_token_ids) or None,
-            pad_token_id=engine.tokenizer.pad_token_id or 0,
-        )
-        if lookup:
-            kw["prompt_lookup_num_tokens"] = lookup
         t = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(ids, **kw)
-        secs = time.perf_counter() - t
-    return out[0, len(prompt_ids) :].tolist(), secs
+        out = hf_greedy(
+            model,
+            prompt_ids,
+            max_new_tokens,
+            tuple(engine.loaded.eos_token_ids),
+            lookup=lookup,
+            pad=engine.tokenizer.pad_token_id or 0,
+        )
+        return out, time.perf_counter() - t
 
 
 def run_engine(engine: InProcessStack, prompt_ids: list[int], mode: str, budget: int, max_new_tokens: int):
@@ -316,7 +311,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main(args) -> int:
     """``racer bench``: the prompts through every mode and budget, a table (and JSON, a plot)."""
-    from .prompts import DEFAULT_PROMPTS, load_humaneval, load_spec_bench
+    from ..prompts import DEFAULT_PROMPTS, load_humaneval, load_spec_bench
 
     prompts = []
     if args.per_category:

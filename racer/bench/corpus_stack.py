@@ -19,22 +19,17 @@ tenant limits file (``no-corpus``) for the corpus off, each with an API key of i
 from __future__ import annotations
 
 import contextlib
-import os
-import secrets
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from drafter.corpora import decode, stream_key
 
-from . import bench_corpus
-from .bench_corpus import Result, format_table, summarize
-from .client import Client
-from .procs import RedisServer, Service, sample, scrape, wait_for
-from .prompts import Prompt
-from .stack import _TOKEN
+from ..procs import sample, wait_for
+from ..prompts import Prompt
+from . import corpus, harness
+from .corpus import Result, format_table, summarize
+from .harness import Replicas
 
 OFF = "no-corpus"
 LAG = "racer_corpus_replication_lag_seconds"
@@ -44,128 +39,24 @@ def corpus_tenant(budget: int) -> str:
     return f"corpus-c{budget}"
 
 
-def metric(samples: dict, name: str, **labels) -> float:
-    """The sum of ``name``'s samples whose labels include ``labels`` (0 when absent)."""
-    return sample(samples, name, **labels)
+def stream_contents(st: Replicas, tenant: str) -> tuple[int, int]:
+    """(responses, tokens) in the tenant's corpus stream in Redis: what the replicas published."""
+    import redis
 
-
-@dataclass
-class Replicas:
-    gateways: list[str]  # gateway i sends every session to drafter i
-    drafter_metrics: list[int]  # the drafters' metrics ports
-    keys: dict[str, str]  # tenant -> API key
-    redis_url: str
-
-    def client(self, replica: int, tenant: str) -> Client:
-        return Client(self.gateways[replica], api_key=self.keys[tenant], timeout=600)
-
-    def scrape(self) -> list[dict]:
-        return [scrape(p) for p in self.drafter_metrics]
-
-    def published(self, tenant: str) -> tuple[int, int]:
-        """(responses, tokens) in the tenant's corpus stream in Redis: what the replicas published."""
-        import redis
-
-        with redis.Redis.from_url(self.redis_url) as r:
-            records = [decode(f[b"d"]) for _, f in r.xrange(stream_key(tenant))]
-        return len({(rep, num) for _, rep, num, _ in records}), sum(len(t) for *_, t in records)
-
-
-def _tenant_files(tmp: str, tenants: list[str]) -> dict[str, str]:
-    """An API key per tenant, written to ``tmp/keys``, and ``tmp/limits.toml`` that turns sharing off
-    for ``OFF``; the keys by tenant."""
-    keys = {t: secrets.token_urlsafe(16) for t in tenants}
-    with open(os.path.join(tmp, "keys"), "w") as f:
-        f.write("".join(f"{k} {t}\n" for t, k in keys.items()))
-    with open(os.path.join(tmp, "limits.toml"), "w") as f:
-        f.write(f"[tenants.{OFF}]\nshare = false\n")
-    return keys
-
-
-class _Procs:
-    """The replicas' processes (``racer.procs``: each picks its own ports), with the settings they share."""
-
-    def __init__(self, base: dict[str, str], split, log_dir: str):
-        self.base, self.split, self.log_dir = base, split, log_dir
-        self.procs: list[Service] = []
-
-    def start(self, kind: str, **env) -> Service:
-        from common import cpus
-
-        e = dict(self.base, **env)
-        if self.split:
-            e["RACER_CPUS"] = cpus.format_list(self.split[0] if kind == "verifier" else self.split[1])
-        p = Service(kind, e, Path(self.log_dir), f"{kind}{len(self.procs)}").start()
-        self.procs.append(p)
-        return p
-
-    def healthy(self) -> None:
-        for p in self.procs:
-            p.wait_healthy()
-
-    def stop(self) -> None:
-        for p in self.procs:
-            p.terminate()
+    with redis.Redis.from_url(st.redis_url) as r:
+        records = [decode(f[b"d"]) for _, f in r.xrange(stream_key(tenant))]
+    return len({(rep, num) for _, rep, num, _ in records}), sum(len(t) for *_, t in records)
 
 
 @contextlib.contextmanager
-def replicas(
-    model: str,
-    drafters: int,
-    tenants: list[str],
-    prior: bool = True,
-    dtype: str | None = None,
-    log_level: str = "WARNING",
-    pin: bool = True,
-    gateway_model: str | None = None,
-    env: dict[str, str] | None = None,
-):
-    """Redis, a verifier, ``drafters`` drafters and a gateway per drafter, as processes; yields
-    ``Replicas``, then stops them (SIGTERM, drain) and Redis. ``gateway_model``: the gateways'
-    ``RACER_MODEL`` (``none``: token ids only), else ``model``; ``env``: more settings for all."""
-    from common import cpus
-    from verifier.model import resolve_model_dir
-
-    resolve_model_dir(model)
-    with tempfile.TemporaryDirectory(prefix="racer-corpus-stack-") as tmp:
-        redis = RedisServer(Path(tmp) / "redis", appendonly=False).start()
-        url = redis.url
-        keys = _tenant_files(tmp, tenants)
-        base = dict(
-            RACER_MODEL=model,
-            RACER_LOG_LEVEL=log_level,
-            RACER_INTERNAL_TOKEN=os.environ.get("RACER_INTERNAL_TOKEN") or _TOKEN,
-            **(env or {}),
-        )
-        if dtype:
-            base["RACER_DTYPE"] = dtype
-        procs = _Procs(base, cpus.split_for_verifier(cpus.available()) if pin else None, tmp)
-        try:
-            # the verifier measures its cost curve at start-up: the others start once it is up
-            verifier = procs.start("verifier")
-            procs.healthy()
-            gateways, dmetrics = [], []
-            for _ in range(drafters):
-                drafter = procs.start("drafter", RACER_SNAPSHOT_URL=url, **({} if prior else {"RACER_PRIOR": "none"}))
-                gateway = procs.start(
-                    "gateway",
-                    RACER_DRAFTERS=drafter.target,
-                    RACER_VERIFIERS=verifier.target,
-                    RACER_API_KEYS=os.path.join(tmp, "keys"),
-                    RACER_TENANT_LIMITS=os.path.join(tmp, "limits.toml"),
-                    **({"RACER_MODEL": gateway_model} if gateway_model else {}),
-                )
-                gateways.append(gateway)
-                dmetrics.append(drafter)
-            procs.healthy()
-            yield Replicas([g.target for g in gateways], [d.metrics_port for d in dmetrics], keys, url)
-        finally:
-            procs.stop()
-            redis.stop()
+def replicas(model: str, drafters: int, tenants: list[str], **kw):
+    """``harness.replicas`` with sharing off for ``OFF``: the processes of the repeat run."""
+    with harness.replicas(model, drafters, tenants, no_share=[OFF], **kw) as st:
+        yield st
 
 
 def _new_sessions(samples: list[dict]) -> list[float]:
-    return [metric(s, "racer_drafter_restores_total", source="new") for s in samples]
+    return [sample(s, "racer_drafter_restores_total", source="new") for s in samples]
 
 
 @dataclass
@@ -184,7 +75,7 @@ def _warm(st: Replicas, tenants: list[str], budget: int, warm: str | list[int]) 
         for t in tenants + [OFF]:
             st.client(r, t).complete(warm, max_new_tokens=4, mode="racer", budget=budget, share=False)
     wait_for(
-        lambda: all(metric(s, "racer_corpus_load_seconds_count") >= len(tenants) for s in st.scrape()),
+        lambda: all(sample(s, "racer_corpus_load_seconds_count") >= len(tenants) for s in st.scrape()),
         120,
         "every replica loading the tenants' corpora",
     )
@@ -202,8 +93,8 @@ def _wait_replicated(
 
         def caught_up(b=b, t=t) -> bool:
             # every token of every pass-1 response in the stream, and every replica holding all of it
-            responses, tokens = st.published(t)
-            held[b] = [metric(s, "racer_corpus_tokens", tenant=t) for s in st.scrape()]
+            responses, tokens = stream_contents(st, t)
+            held[b] = [sample(s, "racer_corpus_tokens", tenant=t) for s in st.scrape()]
             want_responses, want_tokens = published[b]
             return responses >= want_responses and tokens >= want_tokens and set(held[b]) == {tokens}
 
@@ -247,7 +138,7 @@ def run_stack(
 
     n = len(st.gateways)
     _warm(st, [corpus_tenant(b) for b in budgets], max(budgets), warm)
-    lag_t0 = [(metric(s, f"{LAG}_sum"), metric(s, f"{LAG}_count")) for s in st.scrape()]
+    lag_t0 = [(sample(s, f"{LAG}_sum"), sample(s, f"{LAG}_count")) for s in st.scrape()]
     results: list[Result] = []
     served = {g: [0] * n for g in ("pass 1", "pass 2")}
     first: dict[str, int] = {}  # prompt/budget -> the replica of its pass-1 session with the corpus
@@ -291,8 +182,8 @@ def _lag(st: Replicas, lag_t0: list[tuple[float, float]]) -> list[tuple[float, f
     """Per replica: (mean, count) of the replication lag recorded since ``lag_t0``."""
     lag = []
     for s, (s0, c0) in zip(st.scrape(), lag_t0):
-        c = metric(s, f"{LAG}_count") - c0
-        total = metric(s, f"{LAG}_sum") - s0
+        c = sample(s, f"{LAG}_count") - c0
+        total = sample(s, f"{LAG}_sum") - s0
         lag.append((total / c if c else 0.0, c))
     return lag
 
@@ -301,7 +192,7 @@ def _by_source(before: dict, after: dict, what: str) -> dict:
     """Draft nodes (``what`` = nodes) or accepted nodes by source, the difference of two scrapes."""
     name = f"racer_draft_{what}_total"
     return {
-        src: int(metric(after, name, source=src) - metric(before, name, source=src)) for src in ("session", "corpus")
+        src: int(sample(after, name, source=src) - sample(before, name, source=src)) for src in ("session", "corpus")
     }
 
 
@@ -328,7 +219,7 @@ def format_comparison(single: list[dict], stack: list[dict], budgets: list[int],
         "gain (pass 2 / pass 1, on)",
         "identical on/off",
     ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = []
     for b in budgets:
         g1, g2 = gains(single, b), gains(stack, b)
         for name, g, ident in (
@@ -336,8 +227,8 @@ def format_comparison(single: list[dict], stack: list[dict], budgets: list[int],
             (f"stack, {n} drafters", g2, identical["stack"]),
         ):
             cells = [name, str(b)] + [f"{g[k]:.2f}" for k in ("p1_off", "p1_on", "p2_off", "p2_on")]
-            lines.append("| " + " | ".join(cells + [f"{g['gain']:.2f}", ident]) + " |")
-    return "\n".join(lines)
+            lines.append(cells + [f"{g['gain']:.2f}", ident])
+    return harness.table(head, lines)
 
 
 def report(single_results: list[Result], run: StackRun, budgets: list[int], n: int) -> str:
@@ -396,4 +287,4 @@ def main(args) -> int:
         raise ValueError(f"--drafters: {args.drafters}; --through stack needs 2 or more")
     if "repeat" not in args.runs:
         raise ValueError("--through stack runs the repeat run: add repeat to --runs")
-    return bench_corpus.main(args, after_repeat=through_stack)
+    return corpus.main(args, after_repeat=through_stack)

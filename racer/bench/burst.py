@@ -17,7 +17,8 @@ import sys
 import time
 from types import SimpleNamespace
 
-from .stats import percentile
+from ..stats import percentile
+from .harness import table
 
 CONFIGS = {"batched": {"RACER_PREFILL_BATCH": "16"}, "one at a time": {"RACER_PREFILL_BATCH": "1"}}
 
@@ -72,29 +73,34 @@ def _burst_table(rows: dict[str, list[dict]], prompts: list[str], args) -> str:
     lines = [
         f"{len(prompts)} concurrent streaming chat requests, greedy, max_tokens={args.max_new_tokens}, "
         f"openai client defaults; medians over {args.reps} burst(s) each, interleaved",
-        "| prefill | answered | TTFT p50 s | TTFT p99 s | aggregate tok/s | same answer as one at a time |",
-        "|---|---|---|---|---|---|",
     ]
+    head = ("prefill", "answered", "TTFT p50 s", "TTFT p99 s", "aggregate tok/s", "same answer as one at a time")
+    cells = []
     med = statistics.median
     p99 = {}
     for name in names:
         runs = rows[name]
         p99[name] = med(percentile(r["ttft"], 0.99) if r["ttft"] else float("nan") for r in runs)
         same = sum(1 for r in runs for i, t in r["texts"].items() if reference.get(i) == t)
-        lines.append(
-            f"| {name} | {med(len(r['texts']) for r in runs):.0f}/{len(prompts)} "
-            f"| {med(percentile(r['ttft'], 0.5) if r['ttft'] else float('nan') for r in runs):.2f} "
-            f"| {p99[name]:.2f} | {med(r['tokens'] / r['wall'] for r in runs):.1f} "
-            f"| {same}/{sum(len(r['texts']) for r in runs)} |"
+        cells.append(
+            (
+                name,
+                f"{med(len(r['texts']) for r in runs):.0f}/{len(prompts)}",
+                f"{med(percentile(r['ttft'], 0.5) if r['ttft'] else float('nan') for r in runs):.2f}",
+                f"{p99[name]:.2f}",
+                f"{med(r['tokens'] / r['wall'] for r in runs):.1f}",
+                f"{same}/{sum(len(r['texts']) for r in runs)}",
+            )
         )
+    lines.append(table(head, cells))
     lines.append(f"TTFT p99, batched / one at a time: {p99[names[0]] / p99[names[1]]:.2f}")
     return "\n".join(lines)
 
 
 def bench_burst(args) -> int:
-    from . import stack
-    from .launch import served_model_name
-    from .load import make_prompts
+    from .. import stack
+    from ..launch import served_model_name
+    from .loadgen import make_prompts
 
     try:
         import openai  # noqa: F401 - the client the burst goes through
