@@ -95,7 +95,8 @@ BACKENDS = ("auto", "llama", "hf")
 # Their earlier names, (old, now): accepted with a warning by the flag, the variable and
 # ``verifier.engine.make_backend`` alike.
 OLD_BACKENDS = (("fast", "llama"), ("generic", "hf"))
-# Model and KV cache dtypes; "auto" is bfloat16 where the machine computes it fast, else float32;
+# Model and KV cache dtypes; "auto": bfloat16 on CUDA, the default model's GGUF blocks on a CPU, else
+# bfloat16 where the CPU computes it natively, else float32;
 # "gguf" serves the default model's projections as its GGUF file stores them (float32 around them).
 DTYPES = ("float32", "bfloat16", "float16", "gguf", "auto")
 
@@ -300,11 +301,12 @@ SERVICE = {
         Setting(
             "--dtype",
             "RACER_DTYPE",
-            "float32",
+            "auto",
             "model and KV cache dtype: float32 (output equals Hugging Face greedy), bfloat16 or float16 (output "
             "equals the engine's own decoding without drafts; Llama-family models only), gguf (the default model's "
             "GGUF blocks read in place, 8-bit activations; output equals the engine's own decoding without "
-            "drafts), or auto (bfloat16 on CUDA or a CPU with AMX/AVX512-BF16, else float32)",
+            "drafts), or auto (CUDA: bfloat16; a CPU: gguf for the default model where the block kernel is "
+            "built, else bfloat16 with AMX/AVX512-BF16, else float32)",
             choices=DTYPES,
         ),
         Setting("--threads", "RACER_THREADS", 0, "torch CPU threads (0: torch's default, one per core)", int),

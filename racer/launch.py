@@ -156,7 +156,7 @@ async def load_model(args):
     device = args.device
     if device == "auto":
         device = "cuda" if _cuda() else "cpu"
-    dtype = resolve_dtype(args.dtype, device)
+    dtype = resolve_dtype(args.dtype, device, args.model)
     model = (await asyncio.to_thread(load, args.model, dtype, args.threads or None, False)).model
     return model if device == "cpu" else model.to(device)
 

@@ -3,7 +3,14 @@ model, a Redis, an event loop in a thread. Helpers live in ``tests/support``."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# The services these tests start serve float32 unless a test says otherwise: their reference is
+# Hugging Face greedy decoding, which is float32's contract. (The default, ``auto``, serves the
+# bundled model from its GGUF blocks on a CPU; tests of that set their own dtype.)
+os.environ["RACER_DTYPE"] = "float32"
 
 from tests.support.models import make_tiny_llama, single_thread
 from tests.support.stack import LoopThread, redis_server

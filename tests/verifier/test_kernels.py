@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from tests.support.models import make_tiny_llama
 from verifier import kernels, layouts, native, plan_cache, tuning
 from verifier.kernels import BUCKETS, CANDIDATES, Timing, chunked
-from verifier.model import auto_dtype
+from verifier.model import auto_dtype, resolve_dtype
 from verifier.tuning import kernel_plan, position_invariant, tune_shape
 
 ROWS = sorted({*BUCKETS, 3, 5, 13, 33, 70, 130})  # buckets, rows between them, rows beyond the largest
@@ -166,10 +166,22 @@ def test_position_check_rejects_a_kernel_whose_rows_depend_on_their_neighbours()
 
 
 def test_auto_dtype_follows_native_bf16(monkeypatch):
-    native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
-    assert auto_dtype("cpu") == ("bfloat16" if native else "float32")
+    native_bf16 = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    assert auto_dtype("cpu", "some/model/dir") == ("bfloat16" if native_bf16 else "float32")
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    assert auto_dtype("cpu") == "bfloat16"
+    assert auto_dtype("cpu", "some/model/dir") == "bfloat16"
+    assert auto_dtype("cuda") == "bfloat16"
+
+
+def test_auto_dtype_serves_the_bundled_model_from_its_gguf_blocks_where_the_kernel_is_built(monkeypatch):
+    from verifier import native
+
+    monkeypatch.delenv("RACER_NATIVE", raising=False)
+    assert auto_dtype("cpu") == ("gguf" if native.quant_supported(3) else "float32")
+    assert resolve_dtype("auto", "cpu", "default") == auto_dtype("cpu")
+    assert resolve_dtype("bfloat16", "cpu", "default") == "bfloat16"  # a dtype given stays as it is
+    monkeypatch.setenv("RACER_NATIVE", "off")  # no native kernels: the bundled model's float32 or bfloat16
+    assert auto_dtype("cpu") in ("float32", "bfloat16")
     assert auto_dtype("cuda") == "bfloat16"
 
 
