@@ -383,6 +383,20 @@ def bench_corpus_arguments(bc) -> None:
     bc.add_argument("--drafters", type=int, default=2, help="drafter replicas with --through stack (2 or more)")
 
 
+def bench_llama_cpp_arguments(bl) -> None:
+    bl.add_argument("--server", default="", help="llama-server binary (scripts/build_llama_cpp.sh); '' for racer only")
+    bl.add_argument(
+        "--prompts", default=None, help="Spec-Bench-format JSONL (default: ../shared/data/spec_bench/question.jsonl)"
+    )
+    bl.add_argument("--per-category", type=int, default=2, help="first N prompts of each category")
+    bl.add_argument("--max-new-tokens", type=int, default=128)
+    bl.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
+    bl.add_argument("--spec-types", default="ngram-simple,ngram-mod", help="llama.cpp's n-gram modes ('' for none)")
+    bl.add_argument("--dtypes", default="gguf,bfloat16,float32", help="racer stacks to run, one per dtype")
+    bl.add_argument("--budget", type=int, default=16, help="racer's draft tree nodes per round")
+    bl.add_argument("--no-pin", action="store_true", help="the stack's services share every CPU")
+
+
 def bench_tools_arguments(bt) -> None:
     model_flag(bt)
     dtype_flag(bt)
@@ -531,6 +545,12 @@ COMMANDS = (
         "function-calling sessions per tenant (tool set): TTFT, MAT and tok/s with everything on and off",
         bench_tools_arguments,
         "racer.bench.tools:main",
+    ),
+    Command(
+        "bench-llama-cpp",
+        "llama.cpp's llama-server and the stack on the bundled GGUF file, side by side",
+        bench_llama_cpp_arguments,
+        "racer.bench.llama_cpp:main",
     ),
     Command(
         "erase-corpus",

