@@ -12,9 +12,9 @@ Spec-Bench prompts (``--per-category`` of each category), one request at a time,
   verifier gets its own CPUs as ``racer stack`` gives them (``--no-pin``: every CPU shared).
 
 Reported: tok/s over all requests and the median, each against llama.cpp plain, and how many
-outputs equal the reference: racer's ``off`` in the same dtype for ``racer`` (the exactness
-contract), racer ``gguf`` ``off`` for llama.cpp (a check that both compute the same model; 8-bit
-activations are rounded alike but summed in another order, so a near tie can differ).
+answers (their text) equal the reference: racer's ``off`` in the same dtype for ``racer`` (the
+exactness contract), racer ``gguf`` ``off`` for the others (a check that both compute the same
+model; 8-bit activations are rounded alike but summed in another order, so a near tie can differ).
 
     racer bench-llama-cpp --server ~/.cache/racer/llama.cpp/build/bin/llama-server --per-category 2
 """
@@ -73,7 +73,7 @@ def _messages(text: str) -> list[dict]:
     return [{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": text}]
 
 
-def _llama_runs(args, prompts) -> dict[str, list[tuple[list[int], float]]]:
+def _llama_runs(args, prompts) -> dict[str, list[tuple[str, int, float]]]:
     modes = [("plain", [])] + [(s, ["--spec-type", s]) for s in args.spec_types.split(",") if s]
     out = {}
     for name, extra in modes:
@@ -82,12 +82,12 @@ def _llama_runs(args, prompts) -> dict[str, list[tuple[list[int], float]]]:
             runs = []
             for i, p in enumerate([prompts[0], *prompts]):  # the first request warms up
                 body = {"messages": _messages(p.text), "max_tokens": args.max_new_tokens, "temperature": 0.0}
-                body |= {"top_k": 1, "cache_prompt": False, "return_tokens": True, "ignore_eos": False}
+                body |= {"top_k": 1, "cache_prompt": False}
                 t0 = time.perf_counter()
                 r = _post(url + "/v1/chat/completions", body)
                 dt = time.perf_counter() - t0
                 if i:
-                    runs.append((_llama_tokens(r), dt))
+                    runs.append((_text(r), int(r["usage"]["completion_tokens"]), dt))
             out[f"llama.cpp {name}"] = runs
         finally:
             proc.terminate()
@@ -95,15 +95,11 @@ def _llama_runs(args, prompts) -> dict[str, list[tuple[list[int], float]]]:
     return out
 
 
-def _llama_tokens(r: dict) -> list[int]:
-    choice = r["choices"][0]
-    tokens = choice.get("tokens") or r.get("tokens")
-    if tokens is None:  # a build without return_tokens on the chat endpoint: the count only
-        return [-1] * int(r["usage"]["completion_tokens"])
-    return [int(t) for t in tokens]
+def _text(r: dict) -> str:
+    return r["choices"][0]["message"]["content"]
 
 
-def _racer_runs(args, prompts) -> dict[str, list[tuple[list[int], float]]]:
+def _racer_runs(args, prompts) -> dict[str, list[tuple[str, int, float]]]:
     from .. import stack
 
     out = {}
@@ -128,7 +124,7 @@ def _racer_runs(args, prompts) -> dict[str, list[tuple[list[int], float]]]:
                     r = _post(url, body, key)
                     dt = time.perf_counter() - t0
                     if i:
-                        runs[mode].append((r["choices"][0]["token_ids"], dt))
+                        runs[mode].append((_text(r), int(r["usage"]["completion_tokens"]), dt))
         for mode, r in runs.items():
             out[f"racer {dtype} {mode}"] = r
     return out
@@ -139,7 +135,7 @@ def main(args) -> int:
     results = {} if not args.server else _llama_runs(args, prompts)
     results |= _racer_runs(args, prompts)
     base = results.get("llama.cpp plain")
-    rate = {k: sum(len(t) for t, _ in v) / sum(s for _, s in v) for k, v in results.items()}
+    rate = {k: sum(n for _, n, _ in v) / sum(s for _, _, s in v) for k, v in results.items()}
     ref_gguf = results.get("racer gguf off")
     rows = []
     for name, runs in results.items():
@@ -148,7 +144,7 @@ def main(args) -> int:
         else:
             ref, what = (ref_gguf, "gguf off") if name != "racer gguf off" else (None, "")
         equal = "-" if ref is None else f"{sum(a[0] == b[0] for a, b in zip(runs, ref))}/{len(runs)} {what}"
-        med = statistics.median(len(t) / s for t, s in runs)
+        med = statistics.median(n / s for _, n, s in runs)
         x = f"{rate[name] / rate['llama.cpp plain']:.2f}" if base else "-"
         rows.append((name, f"{rate[name]:.1f}", f"{med:.1f}", x, equal))
     print(
