@@ -59,6 +59,27 @@ class CorpusConfig:
             raise ValueError("corpus: max_match >= key_len, max_scan >= 1 and max_candidates >= 1")
 
 
+class Evidence:
+    """How the corpus nodes a drafter placed fared: ``tried``, the places where the target was asked
+    about one (a corpus node's parent was on the accepted path: one per such parent, however many
+    corpus children it had), and ``accepted``, the corpus nodes it accepted. A node whose parent was
+    rejected was never asked about and is no evidence either way. Kept by each session and, pooled
+    over a tenant's sessions on this replica, by the tenant's corpus (``Corpus.evidence``)."""
+
+    __slots__ = ("accepted", "tried")
+
+    def __init__(self):
+        self.accepted = 0
+        self.tried = 0
+
+    def add(self, accepted: int, tried: int) -> None:
+        self.accepted += accepted
+        self.tried += tried
+
+    def pair(self) -> tuple[int, int]:
+        return self.accepted, self.tried
+
+
 class Writer:
     """One response being added: where it ends so far, and its last tokens (for the next keys)."""
 
@@ -78,6 +99,9 @@ class Corpus:
         self._alloc(min(self.capacity, max(1, initial)))
         self.total = 0  # positions ever written
         self.responses = 0
+        # How the drafts from this corpus fared in the tenant's sessions on this replica (in memory
+        # only: a corpus loaded again, or erased, starts from the prior; see ``tree.corpus_confidence``).
+        self.evidence = Evidence()
 
     def _alloc(self, size: int) -> None:
         self.size = size

@@ -14,6 +14,7 @@ from common.params import MODES
 from .adaptive import BudgetChooser
 from .automaton import Automaton
 from .copy_logits import CopyLogitTable
+from .corpus import Evidence
 from .prefixes import PrefixView, SharedPrefix
 from .tree import (
     DraftTree,
@@ -41,8 +42,11 @@ class DrafterConfig:
     # "best-first" (spend the budget on the nodes most likely to be accepted, by rank prior).
     logits_tree: str = settings.default("drafter", "--logits-tree")
     # Tenant corpus: the shortest match (root included) it drafts from, and the least value
-    # (frequency x per-token confidence ** depth, see ``tree.corpus_candidates``) of a node it adds.
-    corpus_min_match: int = 4
+    # (frequency x the chance that every token of the path is accepted, see
+    # ``tree.corpus_candidates``) of a node it adds. The corpus's key is 3 tokens, so 3 sets no floor
+    # beyond it: how short a match is still worth drafting from follows from the evidence
+    # (``tree.corpus_confidence``).
+    corpus_min_match: int = 3
     corpus_min_prob: float = 0.25
 
     def __post_init__(self):
@@ -65,13 +69,18 @@ class DraftSession:
         # n-gram -> end indices of its last two occurrences (the last may have no continuation yet)
         self._ngram_last: dict[tuple[int, ...], tuple[int, int]] = {}
         self.chooser: BudgetChooser | None = None
-        self.corpus = None  # the tenant's ``corpus.Corpus`` to draft from, if any (read only here)
+        self.corpus = None  # the tenant's ``corpus.Corpus`` to draft from, if any (its text read only here)
         # Tree nodes (root excluded) drafted and accepted, by source: "session" (automaton and
         # copy-logit table) or "corpus". ``_corpus_nodes``: the last tree's corpus nodes (None: no
-        # tree since its acceptance was counted).
+        # tree since its acceptance was counted), ``_corpus_parents`` their parents.
         self.drafted = {"session": 0, "corpus": 0}
         self.accepted = {"session": 0, "corpus": 0}
         self._corpus_nodes: frozenset[int] | None = None
+        self._corpus_parents: frozenset[int] = frozenset()
+        # How this session's corpus nodes fared (``corpus.Evidence``); the last tree's corpus
+        # nodes count here and in the evidence of the corpus they came from (``_corpus_evidence``).
+        self.corpus_evidence = Evidence()
+        self._corpus_evidence: Evidence | None = None
         # A shared prompt prefix (drafter/prefixes.py) this session begins with: its automaton is read
         # through ``view``, its copy-logit rows through the table's base; ``automaton``, the table's
         # own rows and the n-gram index hold what comes after it.
@@ -158,6 +167,11 @@ class DraftSession:
         from_corpus = len(acc & self._corpus_nodes)
         self.accepted["corpus"] += from_corpus
         self.accepted["session"] += max(0, len(acc) - 1 - from_corpus)
+        if self._corpus_nodes:
+            tried = len(self._corpus_parents & acc)
+            self.corpus_evidence.add(from_corpus, tried)
+            if self._corpus_evidence is not None:
+                self._corpus_evidence.add(from_corpus, tried)
         self._corpus_nodes = None
 
     # -- drafting ---------------------------------------------------------------------------------
@@ -166,11 +180,17 @@ class DraftSession:
 
         ``batch_rows``: with the adaptive budget, rows of other sessions verified in the same
         forward (their presence changes what a bigger tree costs)."""
-        tree = self._draft(root, budget, mode, batch_rows)
+        return self.note_draft(self._draft(root, budget, mode, batch_rows))
+
+    def note_draft(self, tree: DraftTree) -> DraftTree:
+        """Counts ``tree``'s nodes as drafted, by source, and keeps its corpus nodes for
+        ``count_accepted`` (``draft`` does; a tree built otherwise, for a replay, may go through it)."""
         n_corpus = len(tree.corpus_nodes)
         self.drafted["corpus"] += n_corpus
         self.drafted["session"] += len(tree) - 1 - n_corpus
         self._corpus_nodes = frozenset(tree.corpus_nodes)
+        self._corpus_parents = frozenset(tree.parents[i] for i in tree.corpus_nodes)
+        self._corpus_evidence = getattr(self.corpus, "evidence", None) if n_corpus else None
         return tree
 
     def _draft(self, root: int, budget: int, mode: str, batch_rows: int) -> DraftTree:
@@ -195,7 +215,8 @@ class DraftSession:
                 n_retrieval += add_retrieval(trie, self.view, root, cfg.min_depth, cfg.retrieval_min_prob)
         fill = self._logits_fill(mode)
         if self.corpus is not None and mode == "racer" and not trie.full():
-            seen = (self.accepted["corpus"], self.drafted["corpus"])
+            # the tenant's evidence is the prior of the session's own (which it pools too)
+            seen = (self.corpus.evidence.pair(), self.corpus_evidence.pair())
             found = corpus_candidates(
                 self.corpus, self.history, root, budget - 1, cfg.corpus_min_match, seen, cfg.corpus_min_prob
             )

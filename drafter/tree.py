@@ -242,33 +242,53 @@ def add_logits_best_first(trie: _Trie, table_get, rank_prob=RANK_PRIOR) -> None:
             push(child, -negp)
 
 
+PRIOR_NODES = 4  # how many corpus nodes of evidence the match-length prior counts as
+
+
+def corpus_confidence(match: int, *observed: tuple[int, int]) -> float:
+    """The chance that the target accepts a corpus node whose parent continues a match of ``match``
+    tokens (root included), given that parent was accepted: a prior ``match / (match + 2)``, worth
+    ``PRIOR_NODES`` nodes, moved towards each ``(accepted, tried)`` of ``observed`` in turn
+    (``corpus.Evidence``; the broadest first: the tenant's pooled evidence, then the session's
+    own, each the prior of the next). With no evidence a short match is trusted less than a long one;
+    a tenant whose corpus nodes keep being accepted soon drafts from 3-token matches as deep as from
+    long ones, and one whose corpus nodes keep failing stops drafting from short matches first."""
+    q = match / (match + 2)
+    for accepted, tried in observed:
+        q = (accepted + PRIOR_NODES * q) / (tried + PRIOR_NODES)
+    return q
+
+
 def corpus_candidates(
     corpus,
     context,
     root: int,
     depth: int,
-    min_match: int = 4,
-    observed: tuple[int, int] = (0, 0),
+    min_match: int = 3,
+    observed: tuple[tuple[int, int], ...] = (),
     min_prob: float = 0.0,
 ) -> list[tuple[float, tuple[int, ...]]]:
     """Continuation paths from a tenant corpus, each with its estimated chance of acceptance.
 
-    The longest match of (context + root) gives the candidates; a path's value is the share of them
-    that continue with it (its frequency) times ``q ** depth``, where ``q`` is a per-token
-    confidence: a prior ``L / (L + 2)`` from the match length L, moved towards what the session saw
-    (``observed``: corpus nodes it accepted, drafted), the prior counting as 4 nodes. A long match of
-    a repeated answer keeps a deep chain; a short, ambiguous or often wrong one a few nodes or none.
-    Only the paths worth ``min_prob`` are returned (in the order they are first met): a path is
-    never worth more than ``q ** depth``, so the continuations are read no deeper than that allows.
+    The longest match of (context + root), L tokens, gives the candidates; a path's value is the
+    share of them that continue with it (its frequency) times the chance that the target accepts
+    each of its tokens in turn, ``corpus_confidence`` (with ``observed``) of the match the token
+    continues: L for the first, L + 1 for the second (its parent, accepted, lengthened the match),
+    and so on. A long match of a repeated answer keeps a deep chain; a short, ambiguous or often
+    wrong one a few nodes or none. Only the paths worth ``min_prob`` are returned (in the order they
+    are first met): a path is never worth more than its confidence alone, so the continuations are
+    read no deeper than that allows.
     """
     length, positions = corpus.match(context, root)
     if length < min_match or not positions:
         return []
-    accepted, drafted = observed
-    q = (accepted + 4 * length / (length + 2)) / (drafted + 4)
-    reach = 0  # the deepest a path worth min_prob can be (its frequency is at most 1)
-    while reach < depth and q ** (reach + 1) >= min_prob:
-        reach += 1
+    worth = [1.0]  # worth[d]: the chance that all of a path d tokens deep is accepted, frequency aside
+    while len(worth) <= depth:
+        w = worth[-1] * corpus_confidence(length + len(worth) - 1, *observed)
+        if w < min_prob:
+            break
+        worth.append(w)
+    reach = len(worth) - 1  # the deepest a path worth min_prob can be (its frequency is at most 1)
     if reach == 0:
         return []
     conts = corpus.continuations(positions, reach)
@@ -290,7 +310,7 @@ def corpus_candidates(
         path = paths.get(parent)
         if path is None:  # the parent was worth too little, so is every path through it
             continue
-        value = counts[node] / n * q ** (len(path) + 1)
+        value = counts[node] / n * worth[len(path) + 1]
         if value >= min_prob:
             paths[node] = path = path + (tok,)
             out.append((value, path))

@@ -26,7 +26,7 @@ from collections import defaultdict
 from common.loop import Stats
 from common.text import chat_ids
 from drafter.automaton import Automaton
-from drafter.corpus import Corpus, CorpusConfig
+from drafter.corpus import Corpus, CorpusConfig, Evidence
 from drafter.draft_session import DrafterConfig, DraftSession
 from drafter.tree import _Trie, add_corpus, add_logits, add_retrieval, corpus_candidates
 from racer.inprocess import InProcessStack
@@ -101,8 +101,8 @@ def scored(sessions: list[dict]) -> float:
 
 
 # Scorings replayed: (name, shortest match, least value, corpus before the session's retrieval)
-SCORINGS = [("off", 0, 0.0, False), ("as built", 4, 0.25, False), ("corpus first", 4, 0.25, True)]
-SCORINGS += [("match >= 3", 3, 0.25, False), ("value >= 0.1", 4, 0.1, False)]
+SCORINGS = [("off", 0, 0.0, False), ("as built", 3, 0.25, False), ("corpus first", 3, 0.25, True)]
+SCORINGS += [("match >= 4", 4, 0.25, False), ("value >= 0.1", 3, 0.1, False)]
 
 
 def replay(sessions: list[dict], budget: int, min_match: int, min_prob: float, first: bool, on: bool):
@@ -118,7 +118,8 @@ def replay(sessions: list[dict], budget: int, min_match: int, min_prob: float, f
         auto = Automaton(cfg.window, cfg.max_nodes)
         auto.extend(prompt)
         history = list(prompt)
-        seen = [0, 0]  # corpus nodes this session accepted, drafted
+        seen = Evidence()  # how this session's corpus nodes fared (the tenant's: corpus.evidence)
+        drafted_here = 0
         writer = corpus.writer() if corpus is not None else None
         if writer is not None:
             corpus.append(writer, out[:1])  # the answer streams into the corpus as it is generated
@@ -128,7 +129,9 @@ def replay(sessions: list[dict], budget: int, min_match: int, min_prob: float, f
             if first and corpus is not None:
                 add_corpus(
                     trie,
-                    corpus_candidates(corpus, history, out[i], budget - 1, min_match, tuple(seen), min_prob),
+                    corpus_candidates(
+                        corpus, history, out[i], budget - 1, min_match, (corpus.evidence.pair(), seen.pair()), min_prob
+                    ),
                     min_prob,
                 )
             add_retrieval(trie, auto, out[i], cfg.min_depth, cfg.retrieval_min_prob)
@@ -136,14 +139,19 @@ def replay(sessions: list[dict], budget: int, min_match: int, min_prob: float, f
             if not first and corpus is not None and not trie.full():
                 add_corpus(
                     trie,
-                    corpus_candidates(corpus, history, out[i], budget - 1, min_match, tuple(seen), min_prob),
+                    corpus_candidates(
+                        corpus, history, out[i], budget - 1, min_match, (corpus.evidence.pair(), seen.pair()), min_prob
+                    ),
                     min_prob,
                 )
             tree = trie.flatten(0)
             path = _accepted_path(tree, out, i)
             mine = set(tree.corpus_nodes)
-            seen[0] += len(mine & set(path))
-            seen[1] += len(mine)
+            if mine:  # as DraftSession.count_accepted counts them
+                got, tried = len(mine & set(path)), len({tree.parents[v] for v in mine} & set(path))
+                seen.add(got, tried)
+                corpus.evidence.add(got, tried)
+                drafted_here += len(mine)
             fed = [tree.tokens[v] for v in path]
             auto.extend(fed)
             history += fed
@@ -152,8 +160,8 @@ def replay(sessions: list[dict], budget: int, min_match: int, min_prob: float, f
             rounds += 1
             tokens += len(path)
             i += len(path)
-        drafted += seen[1]
-        accepted += seen[0]
+        drafted += drafted_here
+        accepted += seen.accepted
     return tokens / max(rounds, 1), drafted, accepted, full / max(rounds, 1)
 
 
@@ -178,7 +186,7 @@ def _corpus_before_logits(s: DraftSession, root: int, budget: int):
     trie = _Trie(root, budget)
     add_retrieval(trie, s.automaton, root, cfg.min_depth, cfg.retrieval_min_prob)
     if s.corpus is not None and not trie.full():
-        seen = (s.accepted["corpus"], s.drafted["corpus"])
+        seen = (s.corpus.evidence.pair(), s.corpus_evidence.pair())
         depth = budget - 1
         found = corpus_candidates(s.corpus, s.history, root, depth, cfg.corpus_min_match, seen, cfg.corpus_min_prob)
         add_corpus(trie, found, cfg.corpus_min_prob)
@@ -206,8 +214,7 @@ def replay_sessions(sessions: list[dict], budget: int, prior, rule: str) -> tupl
         while i < len(out) - 1:
             if rule == "before logits":
                 tree = _corpus_before_logits(s, out[i], budget)
-                s.drafted["corpus"] += len(tree.corpus_nodes)
-                s._corpus_nodes = frozenset(tree.corpus_nodes)
+                s.note_draft(tree)
             else:
                 tree = s.draft(out[i], budget)
             path = _accepted_path(tree, out, i)

@@ -173,8 +173,10 @@ def main() -> int:
         f"{len(tenants)} tenants, {len(recs)} sessions (first turns), answers of up to {args.max_new_tokens} tokens; "
         "replayed greedy; MAT = tokens per round"
     )
-    print("| C | tenant | sessions | MAT off | MAT drafter | MAT oracle | drafter's share of the oracle's gain |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| C | tenant | sessions | MAT off | MAT drafter | MAT oracle | drafter's share of the gain | drafter >= off |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for budget in (int(b) for b in args.budgets.split(",") if b):
         totals = {rule: [0, 0] for rule in ("off", "drafter", "oracle")}
         for name, ss in list(tenants.items()) + [("overall", None)]:
@@ -192,7 +194,8 @@ def main() -> int:
             gain = mat["oracle"] - mat["off"]
             share = f"{(mat['drafter'] - mat['off']) / gain:.0%}" if gain > 1e-9 else "n/a (no gain possible)"
             print(
-                f"| {budget} | {name} | {n} | {mat['off']:.3f} | {mat['drafter']:.3f} | {mat['oracle']:.3f} | {share} |"
+                f"| {budget} | {name} | {n} | {mat['off']:.3f} | {mat['drafter']:.3f} | {mat['oracle']:.3f} | {share} "
+                f"| {'yes' if mat['drafter'] >= mat['off'] else '**no**'} |"
             )
     return 0
 

@@ -7,12 +7,13 @@ context backwards with each live occurrence of the root in its own response that
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from drafter.corpus import Corpus, CorpusConfig
 from drafter.draft_session import DrafterConfig, DraftSession
-from drafter.tree import _Trie, add_corpus, corpus_candidates
+from drafter.tree import _Trie, add_corpus, corpus_candidates, corpus_confidence
 
 from .refs import check_tree_shape
 
@@ -147,9 +148,10 @@ def test_frequency_ranks_the_continuation_most_occurrences_share():
     cands = dict((path, v) for v, path in corpus_candidates(corpus, [1, 2, 3], 4, depth=3, min_match=4))
     assert cands[(5,)] > cands[(9,)]
     trie = _Trie(4, 64)
-    # values 0.75 x (4/6) ** depth: 5 and 6 are worth their place, the rarer 9 and the deeper 7 are not
-    assert add_corpus(trie, corpus_candidates(corpus, [1, 2, 3], 4, 63, 4), 0.25) == 2
-    assert trie.tokens == [4, 5, 6] and trie.corpus == [1, 2]
+    # a 4-token match: 5, 6, 7 worth 0.75 x 4/6, x 5/7 (the match is 5 tokens if 5 is accepted),
+    # x 6/8 = 0.27; the rarer 9 (0.25 x 4/6) and 8 deep (0.75 x 4/6 x 5/7 x 6/8 x 7/9) are not
+    assert add_corpus(trie, corpus_candidates(corpus, [1, 2, 3], 4, 63, 4), 0.25) == 3
+    assert trie.tokens == [4, 5, 6, 7] and trie.corpus == [1, 2, 3]
 
 
 def _draft(session, root=7, budget=24):
@@ -174,7 +176,7 @@ def test_a_repeated_answer_drafts_a_deep_chain_from_the_corpus():
     s = DraftSession(DrafterConfig(window=4))
     s.corpus = Corpus(CorpusConfig(max_tokens=1000))
     s.corpus.add(list(range(1, 12)) + answer)
-    s.extend([0, *range(1, 12), 20, 21])  # a 14-token match with the root: confidence 14/16 a token
+    s.extend([0, *range(1, 12), 20, 21])  # a 14-token match with the root: 14/16 for the first token
     tree = s.draft(22, 32)
     chain = [22]
     node = 0
@@ -184,26 +186,73 @@ def test_a_repeated_answer_drafts_a_deep_chain_from_the_corpus():
             break
         node = kids[0]
         chain.append(tree.tokens[node])
-    assert chain == answer[2 : 2 + len(chain)] and len(chain) == 11  # 0.875 ** 10 >= 0.25 > 0.875 ** 11
-    assert len(tree.corpus_nodes) == 10
+    # the d-th token continues a match of 13 + d tokens: 14/16 x 15/17 x ... = 14 x 15 / ((14 + d) (15 + d)),
+    # >= 0.25 for 14 tokens, < 0.25 for 15
+    assert chain == answer[2 : 2 + len(chain)] and len(chain) == 15
+    assert len(tree.corpus_nodes) == 14
     assert all(tree.tokens[i] in answer for i in tree.corpus_nodes)
     # a prefix of the tree (adaptive budget) keeps the corpus nodes it holds, renumbered
     small = tree.prefix(6)
     assert all(small.tokens[i] in answer for i in small.corpus_nodes) and small.corpus_nodes
 
 
-def test_the_sessions_own_corpus_acceptance_sets_how_deep_corpus_paths_go():
+def test_the_observed_corpus_acceptance_sets_how_deep_corpus_paths_go():
     corpus = Corpus(CorpusConfig(max_tokens=1000, key_len=3))
     corpus.add(list(range(1, 40)))
-    ctx, root = [1, 2, 3, 4], 5  # a 5-token match: prior confidence 5/7 a token
+    ctx, root = [1, 2, 3, 4], 5  # a 5-token match: prior confidence 5/7 for the first token
 
-    def depth(observed):
+    def depth(*observed):
         return max((len(p) for v, p in corpus_candidates(corpus, ctx, root, 30, 4, observed) if v >= 0.25), default=0)
 
-    prior = depth((0, 0))
-    assert depth((40, 40)) > prior + 10  # every corpus node it drafted was accepted: go deep
+    prior = depth()
+    assert prior == depth((0, 0)) == 5  # 5 x 6 / (10 x 11) >= 0.25 > 5 x 6 / (11 x 12)
+    assert depth((40, 40)) > prior + 10  # every corpus node the target was asked about was accepted: go deep
     assert depth((0, 40)) < prior  # none was: a short path at most
-    assert not [v for v, _ in corpus_candidates(corpus, ctx, root, 30, 4, (0, 400)) if v >= 0.25]
+    assert not [v for v, _ in corpus_candidates(corpus, ctx, root, 30, 4, ((0, 400),)) if v >= 0.25]
+    # the session's own evidence, on top of the tenant's: its failures outweigh a tenant's few successes
+    assert depth((4, 4), (0, 40)) < prior < depth((4, 4))
+
+
+def test_a_short_match_drafts_less_than_a_long_one_until_the_evidence_says_otherwise():
+    assert corpus_confidence(3) == 0.6 and corpus_confidence(3) < corpus_confidence(4) < corpus_confidence(20)
+    # a tenant whose corpus nodes were accepted 30 times out of 30: a 3-token match is nearly as good
+    assert corpus_confidence(3, (30, 30)) > 0.95
+    # one whose nodes never were: even a long match is worth little, a short one less
+    assert corpus_confidence(3, (0, 30)) < corpus_confidence(20, (0, 30)) < 0.25
+    # the evidence is read broadest first, each level the prior of the next
+    q = corpus_confidence(5, (3, 6))
+    assert corpus_confidence(5, (3, 6), (2, 2)) == pytest.approx((2 + 4 * q) / (2 + 4))
+
+
+def test_evidence_counts_the_corpus_nodes_the_target_was_asked_about():
+    """A corpus node counts as tried when its parent was accepted (the target then chose between
+    it and the rest), as accepted when it was; the nodes under a rejected one are no evidence. The
+    session and the tenant's corpus both keep it."""
+    corpus = Corpus(CorpusConfig(max_tokens=1000))
+    answer = list(range(20, 40))
+    corpus.add([1, 2, 3, *answer])
+    s = DraftSession(DrafterConfig(window=4))
+    s.corpus = corpus
+    s.extend([0, 1, 2])
+    tree = s.draft(3, 16)
+    chain = [0]  # the tree's path 3 20 21 22 ... (all corpus nodes)
+    while True:
+        kids = [i for i, p in enumerate(tree.parents) if p == chain[-1] and tree.tokens[i] == answer[len(chain) - 1]]
+        if not kids:
+            break
+        chain.append(kids[0])
+    assert len(chain) > 3 and set(chain[1:]) <= set(tree.corpus_nodes)
+    s.count_accepted(chain[:3])  # 20 and 21 accepted, 22 rejected: 3 tried, 2 accepted
+    assert s.corpus_evidence.pair() == corpus.evidence.pair() == (2, 3)
+    s.count_accepted(chain)  # a tree is counted once
+    assert s.corpus_evidence.pair() == (2, 3)
+    s.draft(3, 16)
+    s.count_accepted([0])  # the root's corpus child rejected: tried once, nothing accepted
+    assert s.corpus_evidence.pair() == corpus.evidence.pair() == (2, 4)
+    # a new session of the tenant starts from the tenant's evidence (its own is empty)
+    other = DraftSession(DrafterConfig(window=4))
+    other.corpus = corpus
+    assert other.corpus_evidence.pair() == (0, 0)
 
 
 def test_the_sessions_own_streaming_response_does_not_hide_an_earlier_answer():
@@ -218,7 +267,8 @@ def test_the_sessions_own_streaming_response_does_not_hide_an_earlier_answer():
     s.extend(prompt + mine[:-1])
     assert corpus.match(s.history, 4) == (4, [4]), "the earlier answer's 1 2 3 4, not the session's own tail"
     tree = s.draft(4, 16)
-    assert [tree.tokens[i] for i in tree.corpus_nodes] == [5, 6, 7]  # 4/6, (4/6)**2, (4/6)**3 >= 0.25
+    # 4/6, x 5/7, x 6/8, x 7/9 >= 0.25 (each accepted token lengthens the match), x 8/10 < 0.25
+    assert [tree.tokens[i] for i in tree.corpus_nodes] == [5, 6, 7, 8]
 
 
 @settings(max_examples=150, deadline=None)
@@ -227,7 +277,7 @@ def test_the_sessions_own_streaming_response_does_not_hide_an_earlier_answer():
     st.lists(st.integers(0, 4), max_size=12),
     st.integers(0, 4),
     st.sampled_from([0, 1, 5, 63]),
-    st.sampled_from([(0, 0), (10, 12), (0, 40), (60, 60)]),
+    st.sampled_from([(), ((10, 12),), ((0, 40),), ((60, 60),), ((60, 60), (0, 12))]),
     st.sampled_from([0.1, 0.25, 0.5]),
 )
 def test_candidates_cut_at_min_prob_are_the_ones_worth_it_in_the_same_order(
