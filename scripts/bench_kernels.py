@@ -12,7 +12,9 @@ A plan is ``tune`` (measured now, not read from the cache), ``auto`` (the cached
 measured) or a forced ``RACER_KERNELS`` spec (``linear``, ``wxt``, ``onednn``, ``blas@col``,
 ``native6x2``, ...); ``/no-native`` after a plan leaves the native kernels out of its candidates
 (``tune/no-native``: the choice a machine without a C compiler makes); ``/unpacked`` leaves the
-weights where the loader put them (``verifier/arena.py``); both may follow one plan.
+weights where the loader put them (``verifier/arena.py``; for ``--dtype gguf``, the GGUF blocks as
+the file stores their rows instead of in groups of 8); both may follow one plan. ``--dtype
+gguf,bfloat16,float32`` runs every plan in each dtype, interleaved the same way.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def shape_table(plan) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="float32", help="comma-separated: each dtype x plan is one curve")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--plans", default="tune,linear")
     ap.add_argument("--sizes", default="1,2,4,8,16,32,64")
@@ -66,25 +68,27 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     sizes = [int(s) for s in args.sizes.split(",")]
-    plans = args.plans.split(",")
+    dtypes = args.dtype.split(",")
+    plans = [f"{d} {p}" if len(dtypes) > 1 else p for d in dtypes for p in args.plans.split(",")]
     rng = random.Random(0)
     sessions = {}
-    for name in plans:
+    for label in plans:
+        dtype, name = label.split(" ") if len(dtypes) > 1 else (dtypes[0], label)
         spec, *options = name.split("/")
         os.environ["RACER_KERNELS"] = spec  # what the session's backend asks for, too
         os.environ["RACER_NATIVE"] = "off" if "no-native" in options else "on"
         os.environ["RACER_PACK"] = "off" if "unpacked" in options else "on"
-        model = load(args.model, dtype=args.dtype, tokenizer=False).model
+        model = load(args.model, dtype=dtype, tokenizer=False).model
         t0 = time.perf_counter()
         plan = kernel_plan(model)
-        print(f"{name}: {plan.describe()} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        print(f"{label}: {plan.describe()} ({time.perf_counter() - t0:.1f} s)", flush=True)
         if args.shapes:
             shape_table(plan)
         vocab = model.config.vocab_size
         session = VerifierSession(model)
         assert session.backend.plan is plan, "the session must run the plan it is named after"
         session.prefill([random.Random(1).randrange(vocab) for _ in range(args.context)])
-        sessions[name] = session
+        sessions[label] = session
     vocab = next(iter(sessions.values())).vocab_size
     trees = {n: ([rng.randrange(vocab) for _ in range(n)], [-1, *range(n - 1)]) for n in sizes}
     times = {(spec, n): [] for spec in plans for n in sizes}
