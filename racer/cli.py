@@ -393,8 +393,9 @@ def bench_llama_cpp_arguments(bl) -> None:
     bl.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
     bl.add_argument("--spec-types", default="ngram-simple,ngram-mod", help="llama.cpp's n-gram modes ('' for none)")
     bl.add_argument("--dtypes", default="gguf,bfloat16,float32", help="racer stacks to run, one per dtype")
-    bl.add_argument("--budget", type=int, default=16, help="racer's draft tree nodes per round")
+    bl.add_argument("--budget", type=int, default=0, help="racer's draft tree nodes per round (0: adaptive)")
     bl.add_argument("--no-pin", action="store_true", help="the stack's services share every CPU")
+    bl.add_argument("--json", default="", help="write every answer (text, tokens, seconds) here")
 
 
 def bench_tools_arguments(bt) -> None:

@@ -167,13 +167,17 @@ static inline float lanes_sum(const float a[8])
 }
 
 #if defined(QUANT_AVX2)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#elif defined(__AVXVNNI__)
+#define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#endif
+
 /* 8 int32 lanes, lane j the dot product of bytes 4j .. 4j + 3: u unsigned, s signed. */
 static inline __m256i dot_us(__m256i u, __m256i s)
 {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#if defined(DPBUSD)
+    return DPBUSD(_mm256_setzero_si256(), u, s);
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
@@ -555,6 +559,7 @@ static inline __attribute__((always_inline)) void group_rows(int type, const uin
 {
     const long gbytes = packed_bytes(type), M = X->M;
     const __m256i low4 = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
+    (void)ones; /* the 16-bit sums of AVX2 without VNNI only */
     __m256 acc[CHUNK], msum[CHUNK];
     for (long m = m0; m < m1; m++) acc[m - m0] = msum[m - m0] = _mm256_setzero_ps();
     for (long b = 0; b < X->nb; b++) {
@@ -569,7 +574,7 @@ static inline __attribute__((always_inline)) void group_rows(int type, const uin
             for (long m = m0; m < m1; m++) {
                 const __m256i x = _mm256_loadu_si256((const __m256i *)(X->q + (b * M + m) * 32));
                 __m256i v[8];
-                for (int j = 0; j < 8; j++) v[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(x, w[j])), ones);
+                for (int j = 0; j < 8; j++) v[j] = dot_us(aw[j], _mm256_sign_epi8(x, w[j]));
                 const __m256i isum = sum8(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
                 const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(X->d[b * M + m]));
                 acc[m - m0] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum), acc[m - m0]);
@@ -588,10 +593,15 @@ static inline __attribute__((always_inline)) void group_rows(int type, const uin
             const int8_t *xq = X->q + (b * M + m) * 32;
             int32_t xw[8];
             memcpy(xw, xq, 32);
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+            __m256i isum = _mm256_setzero_si256(); /* dpbusd: 4 products summed into 32 bits, one instruction */
+            for (int t = 0; t < 8; t++) isum = DPBUSD(isum, wv[t], _mm256_set1_epi32(xw[t]));
+#else
             /* 16-bit sums: 8 products of pairs, each at most 2 * 15 * 127, stay under 32768 */
             __m256i s16 = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(xw[0]));
             for (int t = 1; t < 8; t++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[t], _mm256_set1_epi32(xw[t])));
             __m256i isum = _mm256_madd_epi16(s16, ones);
+#endif
             if (type == GQ4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * X->sum[b * M + m]));
             const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(X->d[b * M + m]));
             acc[m - m0] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum), acc[m - m0]);

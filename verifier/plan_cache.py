@@ -1,6 +1,6 @@
 """The kernel-plan cache: a measured choice kept per (machine, model, dtype, threads).
 
-Tuning takes 30-60 s (``verifier/tuning.py``), so a choice is written to
+Tuning takes tens of seconds (``verifier/tuning.py``), so a choice is written to
 ``cache_root()/kernels/<digest>.json``, the digest hashing everything the choice depends on
 (``key``): the machine's fingerprint, the model's shapes, the dtype, the thread count, the plan
 kind, the native kernels built here and their source, whether the weights are packed, and

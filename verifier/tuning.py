@@ -64,7 +64,7 @@ def kernel_plan(
     ``held_ok`` (a backend opening a session): a plan the model holds for the same spec serves
     whatever the calling thread's thread count says. Measuring belongs to whoever loads the model
     (the verifier does it before serving); a session opened on an event loop must never tune there
-    (30-60 s), and a thread's OpenMP count can be stale (an executor thread keeps the count it
+    (tens of seconds), and a thread's OpenMP count can be stale (an executor thread keeps the count it
     started with).
 
     The first plan of a model may store weights transposed; a later measured one (another thread

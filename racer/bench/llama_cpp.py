@@ -152,4 +152,12 @@ def main(args) -> int:
         f"included; llama.cpp {args.threads} threads"
     )
     print(table(["server", "tok/s", "median tok/s", "x llama.cpp plain", "equal"], rows))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            recs = [
+                {"server": name, "question_id": p.question_id, "text": t, "tokens": n, "seconds": sec}
+                for name, runs in results.items()
+                for p, (t, n, sec) in zip(prompts, runs)
+            ]
+            json.dump(recs, f, indent=1)
     return 0

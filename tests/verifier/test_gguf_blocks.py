@@ -333,3 +333,40 @@ def test_the_generic_build_gives_this_builds_bits(tmp_path, name):
                          ctypes.c_long(k), ctypes.c_int(1))  # fmt: skip
     assert rc == 0
     assert torch.equal(y, _run(x, name, raw, n, k))
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return next((set(ln.split(":", 1)[1].split()) for ln in f if ln.startswith("flags")), set())
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "march,isa,flag", [("-march=x86-64-v3 -mavxvnni", 1, "avx_vnni"), ("-march=icelake-server", 2, "avx512_vnni")]
+)
+def test_the_vnni_builds_compile_and_where_the_cpu_has_them_give_this_builds_bits(tmp_path, march, isa, flag):
+    """The dpbusd paths (AVX-VNNI, AVX512-VNNI) are built for any CPU here; on a CPU that has the
+    instructions they run, and their packed and row results equal this build's bit for bit."""
+    import ctypes
+    import subprocess
+
+    out = tmp_path / "vnni.so"
+    flags = [g for f in native.FLAGS for g in (march.split() if f == "-march=native" else [f])]
+    done = subprocess.run([native._compiler(), *flags, str(native.QUANT_SOURCE), "-o", str(out)], capture_output=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lib = ctypes.CDLL(str(out))
+    assert lib.racer_quant_isa() == isa
+    if flag not in _cpu_flags():
+        return  # built, not runnable on this CPU
+    rng = np.random.default_rng(11)
+    n, k = 24, 512
+    for name in ("Q4_1", "Q8_0"):
+        raw = _blocks(name, n, k, rng)
+        kind, packed = _weight(name, raw, n, k, packed=True)
+        x = torch.randn((5, k), generator=torch.Generator().manual_seed(12))
+        y = torch.empty((5, n))
+        ptr, long, one = ctypes.c_void_p, ctypes.c_long, ctypes.c_int(1)
+        rc = lib.racer_quant_packed(ctypes.c_int(kind), ptr(x.data_ptr()), ptr(packed.data_ptr()), None,
+                                    ptr(y.data_ptr()), long(5), long(n), long(k), one, one)  # fmt: skip
+        assert rc == 0
+        assert torch.equal(y, _run(x, name, raw, n, k, packed=True))
