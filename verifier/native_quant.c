@@ -139,24 +139,31 @@ struct xq {
     long nb;
 };
 
+/* 32 values of x to 8 bits: scale max|x| / 127, rounded to nearest. Returns the scale; *sum the
+ * values' integer sum. */
+static float quantize_block(const float *xb, int8_t *q, int *sum)
+{
+    float amax = 0.f;
+    for (int i = 0; i < 32; i++) {
+        const float a = fabsf(xb[i]);
+        amax = a > amax ? a : amax;
+    }
+    const float db = amax / 127.f, id = db != 0.f ? 127.f / amax : 0.f;
+    *sum = 0;
+    for (int i = 0; i < 32; i++) {
+        const int v = (int)nearbyintf(xb[i] * id);
+        q[i] = (int8_t)v;
+        *sum += v;
+    }
+    return db;
+}
+
 static void quantize_row(const float *x, long K, int8_t *q, float *d, float *s)
 {
     for (long b = 0; b < K / 32; b++) {
-        const float *xb = x + 32 * b;
-        float amax = 0.f;
-        for (int i = 0; i < 32; i++) {
-            const float a = fabsf(xb[i]);
-            amax = a > amax ? a : amax;
-        }
-        const float db = amax / 127.f, id = db != 0.f ? 127.f / amax : 0.f;
-        int sum = 0;
-        for (int i = 0; i < 32; i++) {
-            const int v = (int)nearbyintf(xb[i] * id);
-            q[32 * b + i] = (int8_t)v;
-            sum += v;
-        }
-        d[b] = db;
-        s[b] = db * (float)sum;
+        int sum;
+        d[b] = quantize_block(x + 32 * b, q + 32 * b, &sum);
+        s[b] = d[b] * (float)sum;
     }
 }
 
@@ -499,20 +506,8 @@ static int quantize_packed(const float *x, long M, long K, int threads, struct x
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1) if (M * K >= 65536)
     for (long m = 0; m < M; m++)
         for (long b = 0; b < X->nb; b++) {
-            const float *xb = x + m * K + 32 * b;
-            int8_t *q = X->q + (b * M + m) * 32;
-            float amax = 0.f;
-            for (int i = 0; i < 32; i++) {
-                const float a = fabsf(xb[i]);
-                amax = a > amax ? a : amax;
-            }
-            const float db = amax / 127.f, id = db != 0.f ? 127.f / amax : 0.f;
-            int sum = 0;
-            for (int i = 0; i < 32; i++) {
-                const int v = (int)nearbyintf(xb[i] * id);
-                q[i] = (int8_t)v;
-                sum += v;
-            }
+            int sum;
+            const float db = quantize_block(x + m * K + 32 * b, X->q + (b * M + m) * 32, &sum);
             X->d[b * M + m] = db;
             X->s[b * M + m] = db * (float)sum;
             X->sum[b * M + m] = sum;
