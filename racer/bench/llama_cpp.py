@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import statistics
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -44,6 +45,12 @@ def _post(url: str, body: dict, key: str | None = None) -> dict:
         raise RuntimeError(f"{url}: {e.code} {e.read().decode(errors='replace')[:500]}") from None
 
 
+def _get(url: str, key: str | None = None) -> dict:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
 def _llama_server(server: str, threads: int, extra: list[str]):
     """llama-server on the bundled file, listening on a port it picks (read back from its log)."""
     from verifier.model import default_gguf_path
@@ -57,7 +64,7 @@ def _llama_server(server: str, threads: int, extra: list[str]):
             break
     else:
         raise RuntimeError(f"{' '.join(cmd)} exited ({proc.wait()}) before it listened")
-    subprocess.Popen(["cat"], stdin=proc.stdout, stdout=subprocess.DEVNULL)  # keep its pipe drained
+    threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep its pipe drained
     for _ in range(600):
         try:
             with urllib.request.urlopen(url + "/health", timeout=5) as r:
@@ -106,9 +113,7 @@ def _racer_runs(args, prompts) -> dict[str, list[tuple[str, int, float]]]:
     for dtype in args.dtypes.split(","):
         with stack.running(dtype=dtype, any_ports=True, http_port=1, pin=not args.no_pin) as target:
             base, key = f"http://127.0.0.1:{target.http_port}/v1", stack.client_key()
-            req = urllib.request.Request(base + "/models", headers={"Authorization": f"Bearer {key}"} if key else {})
-            with urllib.request.urlopen(req, timeout=60) as r:
-                model = json.loads(r.read())["data"][0]["id"]
+            model = _get(base + "/models", key)["data"][0]["id"]
             url = base + "/chat/completions"
             runs = {m: [] for m in ("off", "racer")}
             for i, p in enumerate([prompts[0], *prompts]):
