@@ -30,7 +30,7 @@ def test_chat_turns_from_text_equal_greedy_on_the_whole_conversation(loop_thread
         with Client(st.gateway, timeout=300) as c:
             for i, text in enumerate(turns):
                 ids, streamed, last = c.complete(
-                    text, session_id=sid, max_new_tokens=24, system=DEFAULT_SYSTEM, budget=16
+                    text, session_id=sid, max_new_tokens=16, system=DEFAULT_SYSTEM, budget=4
                 )
                 expect_in = (
                     chat_ids(tok, text, DEFAULT_SYSTEM)
@@ -38,7 +38,7 @@ def test_chat_turns_from_text_equal_greedy_on_the_whole_conversation(loop_thread
                     else continue_ids(tok, history, [{"role": "user", "content": text}], eos)
                 )
                 history += expect_in
-                assert ids == hf_greedy(default_model.model, history, 24, eos), f"turn {i}"
+                assert ids == hf_greedy(default_model.model, history, 16, eos), f"turn {i}"
                 assert streamed == tok.decode(ids, skip_special_tokens=True)
                 history += ids
                 sid = last.session_id
