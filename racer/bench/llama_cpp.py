@@ -8,8 +8,10 @@ Spec-Bench prompts (``--per-category`` of each category), one request at a time,
   file, ``--threads`` threads, plain and with each ``--spec-types`` n-gram speculation, no prompt
   cache.
 - racer: ``racer stack`` (the three services, any free ports) in each of ``--dtypes``, modes ``off``
-  and ``racer`` (``--budget``) interleaved per prompt, ``share: false`` (no tenant corpus). The
-  verifier gets its own CPUs as ``racer stack`` gives them (``--no-pin``: every CPU shared).
+  and ``racer`` (``--budget``) interleaved per prompt, ``share: false`` (no tenant corpus), and no
+  prefix cache (``RACER_PREFIX_CACHE=0``): with it, a prompt's second request (the other mode's)
+  would skip most of its prefill, as llama.cpp's would with its prompt cache. The verifier gets its
+  own CPUs as ``racer stack`` gives them (``--no-pin``: every CPU shared).
 
 Reported: tok/s over all requests and the median, each against llama.cpp plain, and how many
 answers (their text) equal the reference: racer's ``off`` in the same dtype for ``racer`` (the
@@ -111,7 +113,8 @@ def _racer_runs(args, prompts) -> dict[str, list[tuple[str, int, float]]]:
 
     out = {}
     for dtype in args.dtypes.split(","):
-        with stack.running(dtype=dtype, any_ports=True, http_port=1, pin=not args.no_pin) as target:
+        no_cache = {"RACER_PREFIX_CACHE": "0"}  # each request prefills its whole prompt, as llama.cpp's do
+        with stack.running(dtype=dtype, any_ports=True, http_port=1, pin=not args.no_pin, env=no_cache) as target:
             base, key = f"http://127.0.0.1:{target.http_port}/v1", stack.client_key()
             model = _get(base + "/models", key)["data"][0]["id"]
             url = base + "/chat/completions"
