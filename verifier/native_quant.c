@@ -181,6 +181,13 @@ static inline float lanes_sum(const float a[8])
 #endif
 
 /* 8 int32 lanes, lane j the dot product of bytes 4j .. 4j + 3: u unsigned, s signed. */
+static inline int32_t load32(const int8_t *p)
+{
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
 static inline __m256i dot_us(__m256i u, __m256i s)
 {
 #if defined(DPBUSD)
@@ -586,17 +593,26 @@ static inline __attribute__((always_inline)) void group_rows(int type, const uin
         }
         for (long m = m0; m < m1; m++) {
             const int8_t *xq = X->q + (b * M + m) * 32;
-            int32_t xw[8];
-            memcpy(xw, xq, 32);
+#define XW(t) _mm256_set1_epi32(load32(xq + 4 * (t))) /* x values 4t .. 4t + 3 in every lane */
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-            __m256i isum = _mm256_setzero_si256(); /* dpbusd: 4 products summed into 32 bits, one instruction */
-            for (int t = 0; t < 8; t++) isum = DPBUSD(isum, wv[t], _mm256_set1_epi32(xw[t]));
+            /* dpbusd: 4 products summed into 32 bits, one instruction; two chains (integer sums: any
+             * order gives the same bits) */
+            __m256i i0 = DPBUSD(_mm256_setzero_si256(), wv[0], XW(0)), i1 = DPBUSD(_mm256_setzero_si256(), wv[1], XW(1));
+            for (int t = 2; t < 8; t += 2) {
+                i0 = DPBUSD(i0, wv[t], XW(t));
+                i1 = DPBUSD(i1, wv[t + 1], XW(t + 1));
+            }
+            __m256i isum = _mm256_add_epi32(i0, i1);
 #else
-            /* 16-bit sums: 8 products of pairs, each at most 2 * 15 * 127, stay under 32768 */
-            __m256i s16 = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(xw[0]));
-            for (int t = 1; t < 8; t++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[t], _mm256_set1_epi32(xw[t])));
+            /* 16-bit sums: 8 products of pairs, each at most 2 * 15 * 127, so any partial sum stays
+             * under 32768; summed as a tree (exact: the order does not change the bits), not a chain */
+            __m256i p[8];
+            for (int t = 0; t < 8; t++) p[t] = _mm256_maddubs_epi16(wv[t], XW(t));
+            const __m256i s16 = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])),
+                                                 _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7])));
             __m256i isum = _mm256_madd_epi16(s16, ones);
 #endif
+#undef XW
             if (type == GQ4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * X->sum[b * M + m]));
             const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(X->d[b * M + m]));
             acc[m - m0] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum), acc[m - m0]);
@@ -653,7 +669,7 @@ static int quant_packed_many(int count, const int64_t *types, const float *x, co
     struct xp X;
     void *mem;
     if (quantize_packed(x, M, K, threads, &X, &mem)) return -2;
-#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+#pragma omp parallel for schedule(dynamic, 4) num_threads(threads > 0 ? threads : 1)
     for (long t = 0; t < groups; t++) {
         int j = 0;
         long g = t;
