@@ -311,6 +311,15 @@ SERVICE = {
         ),
         Setting("--threads", "RACER_THREADS", 0, "torch CPU threads (0: torch's default, one per core)", int),
         Setting(
+            "--round-threads",
+            "RACER_ROUND_THREADS",
+            0,
+            "threads of a native forward of at most 64 rows (a round's draft trees); larger ones (prefills) use "
+            "--threads; 0: --threads for every call. racer stack sets it where the verifier's rounds have CPUs "
+            "of their own and its prefills every CPU",
+            int,
+        ),
+        Setting(
             "--max-batch", "RACER_MAX_BATCH", 16, "trees of concurrent sessions verified in one forward, at most", int
         ),
         Setting(

@@ -158,6 +158,10 @@ async def load_model(args):
         device = "cuda" if _cuda() else "cpu"
     dtype = resolve_dtype(args.dtype, device, args.model)
     model = (await asyncio.to_thread(load, args.model, dtype, args.threads or None, False)).model
+    if device == "cpu":
+        from verifier import native
+
+        native.round_threads(args.round_threads)
     return model if device == "cpu" else model.to(device)
 
 

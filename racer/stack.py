@@ -203,9 +203,10 @@ def running(
     ``any_ports``: every listener on a port the OS picks (``port_base``, ``metrics_base`` and the
     value of ``http_port`` unused); the "stack up" line says which.
 
-    ``pin`` (on two CPUs or more): the verifier runs on CPUs of its own (the upper half), the
-    drafter, the gateway and this thread (the client, and the threads it starts) on the others,
-    as a deployment gives the verifier its own cores or GPU. Explicit ``RACER_CPUS`` in ``env``
+    ``pin`` (on two CPUs or more): the verifier's rounds run on CPUs of its own (the upper half),
+    the drafter, the gateway and this thread (the client, and the threads it starts) on the others,
+    as a deployment gives the verifier its own cores or GPU; a prefill, which they wait for, runs on
+    every CPU (``common.cpus.placement``). Explicit ``RACER_CPUS`` in ``env``
     or the environment win.
     """
     from common import cpus
@@ -219,8 +220,8 @@ def running(
         mine = _outer[0] if _outer else before  # a stack started inside another splits the same CPUs
         split = cpus.split_for_verifier(mine) if pin and "RACER_CPUS" not in base else None
         if split:
-            for s, group in (("verifier", split[0]), ("drafter", split[1]), ("gateway", split[1])):
-                envs[s]["RACER_CPUS"] = cpus.format_list(group)
+            for s in ("verifier", "drafter", "gateway"):
+                envs[s].update(cpus.placement(split, s))
         procs: dict[str, subprocess.Popen] = {}
         _outer.append(mine)
         try:
@@ -237,7 +238,8 @@ def running(
                 + (f", OpenAI API http://127.0.0.1:{http}/v1" if http else "")
                 + ", metrics on "
                 + ", ".join(f"{s} :{found[s]['metrics']}" for s in ports)
-                + (f"; verifier on CPUs {envs['verifier']['RACER_CPUS']}" if split else "")
+                + (f"; verifier rounds on CPUs {cpus.format_list(split[0])}" if split else "")
+                + (f", prefills on {envs['verifier']['RACER_CPUS']}" if split else "")
                 + (f", the others on {envs['gateway']['RACER_CPUS']}" if split else "")
                 + f"\n{how_clients_authenticate(envs['gateway'])}",
                 file=sys.stderr,

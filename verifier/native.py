@@ -276,12 +276,32 @@ def linear(name: str):
     def call(lib, kind: int, x, w, b, y) -> None:
         m, k = x.shape
         rc = lib.racer_linear(
-            nr, mr, kind, x.data_ptr(), w.data_ptr(), _ptr(b), y.data_ptr(), m, y.shape[1], k, torch.get_num_threads()
+            nr, mr, kind, x.data_ptr(), w.data_ptr(), _ptr(b), y.data_ptr(), m, y.shape[1], k, threads(m)
         )
         if rc:
             raise RuntimeError(f"{name}: the built library has no {nr}x{mr} tile")
 
     return _kernel(name, dtypes(name), prepare, call, pairs)
+
+
+# A round's forward: at most a draft tree's rows (the largest budget a round asks for) times the
+# sessions batched; larger calls are prefills.
+ROUND_ROWS = 64
+_round = {"threads": 0}
+
+
+def round_threads(n: int) -> None:
+    """Native calls of at most ``ROUND_ROWS`` rows run on ``n`` threads (at most torch's count), larger
+    ones on torch's count; 0: torch's for every call. ``racer stack`` sets it (``RACER_ROUND_THREADS``)
+    where its verifier's rounds have CPUs of their own and its prefills every CPU
+    (``common.cpus.placement``). A row's bits do not depend on the thread count."""
+    _round["threads"] = max(0, int(n))
+
+
+def threads(rows: int) -> int:
+    """Threads of a native call over ``rows`` rows (``round_threads``)."""
+    every, n = torch.get_num_threads(), _round["threads"]
+    return min(n, every) if n and rows <= ROUND_ROWS else every
 
 
 def flush(t: torch.Tensor) -> None:
@@ -312,7 +332,7 @@ def _panel_prepare(lib, w: torch.Tensor) -> int:
 
 def _panel_call(lib, kind: int, x, w, b, y) -> None:
     m, k = x.shape
-    args = (x.data_ptr(), w.data_ptr(), _ptr(b), y.data_ptr(), m, y.shape[1], k, torch.get_num_threads())
+    args = (x.data_ptr(), w.data_ptr(), _ptr(b), y.data_ptr(), m, y.shape[1], k, threads(m))
     lib.racer_linear_panel(kind, *args)
 
 
@@ -373,7 +393,7 @@ def quant_linear(
         raise RuntimeError(f"quant: blocks {tuple(blocks.shape)} are not a [{n}, {k}] weight of type {kind}")
     bias = None if b is None else b.float().contiguous()
     y = torch.empty((x.shape[0], n), dtype=torch.float32)
-    args = (x.data_ptr(), blocks.data_ptr(), _ptr(bias), y.data_ptr(), x.shape[0], n, k, torch.get_num_threads())
+    args = (x.data_ptr(), blocks.data_ptr(), _ptr(bias), y.data_ptr(), x.shape[0], n, k, threads(x.shape[0]))
     if kind > PACKED:
         rc = lib.racer_quant_packed(int(kind), *args, 0 if reference else 1)
     else:
@@ -630,8 +650,8 @@ class Decoder:
             seg.r0, seg.r1, seg.cache, seg.capacity, seg.past = r0, r1, cache.data_ptr(), cache.shape[3], past
             seg.counts, seg.inplace, seg.tail = counts.data_ptr(), inplace.data_ptr(), tail.data_ptr()
             seg.tail_width = tail.shape[1]
-        shape.threads = torch.get_num_threads()
         n = x.shape[0]
+        shape.threads = threads(n)
         out = torch.empty_like(x)
         rc = self.lib.racer_decoder(
             ctypes.byref(shape), self.layers, len(self.layers), segs, len(segs), x.data_ptr(), n,

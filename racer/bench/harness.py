@@ -50,7 +50,7 @@ class Procs:
 
         e = dict(self.base, **env)
         if self.split:
-            e["RACER_CPUS"] = cpus.format_list(self.split[0] if kind == "verifier" else self.split[1])
+            e.update(cpus.placement(self.split, kind))
         p = Service(kind, e, Path(self.log_dir), f"{kind}{len(self.procs)}").start()
         self.procs.append(p)
         return p

@@ -30,6 +30,12 @@ def test_the_verifier_gets_the_upper_half():
     assert cpus.split_for_verifier([0, 1, 2, 3, 4]) == ([3, 4], [0, 1, 2])
 
 
+def test_the_verifiers_rounds_keep_its_cpus_count_and_its_prefills_take_every_cpu():
+    split = cpus.split_for_verifier([0, 1, 2, 3, 4])
+    assert cpus.placement(split, "verifier") == {"RACER_CPUS": "0,1,2,3,4", "RACER_ROUND_THREADS": "2"}
+    assert cpus.placement(split, "drafter") == cpus.placement(split, "gateway") == {"RACER_CPUS": "0,1,2"}
+
+
 def _threads_cpus(pid: int) -> dict[str, str]:
     out = {}
     for task in Path(f"/proc/{pid}/task").iterdir():

@@ -187,3 +187,14 @@ def test_a_cache_it_cannot_write_builds_in_the_temporary_directory(monkeypatch, 
     lib = native.library()
     assert lib is not None, native.why()
     assert list((tmp_path / "tmp").glob("racer-native-*/linear-*.so"))
+
+
+def test_a_rounds_calls_take_the_round_threads_and_a_prefills_every_thread(monkeypatch):
+    monkeypatch.setattr(native, "_round", {"threads": 0})
+    every = torch.get_num_threads()
+    assert native.threads(1) == native.threads(10_000) == every
+    native.round_threads(1)
+    assert native.threads(1) == native.threads(native.ROUND_ROWS) == 1
+    assert native.threads(native.ROUND_ROWS + 1) == every
+    native.round_threads(every + 5)  # never more than torch's count
+    assert native.threads(1) == every
