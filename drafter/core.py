@@ -47,6 +47,8 @@ class Entry(_Entry):
     parents: list[int] = field(default_factory=list)
     rounds_since_save: int = 0
     saved_length: int = -1
+    writes: int = 0  # snapshot writes scheduled: the last one's number
+    write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one write of the session at a time
     bytes: int = 0  # the session's memory estimate when it last opened or was released
     dropped: bool = False  # closed (``drop``) while a stream still held it: nothing more is saved
     corpus_on: bool = False  # this turn drafts from the tenant corpus
@@ -361,11 +363,19 @@ class Drafter(Holder):
         data = dumps(entry.session)
         encode_ms = (time.perf_counter() - t0) * 1e3
         entry.saved_length = length
-        task = asyncio.create_task(self._write(entry, data, length, encode_ms))
+        entry.writes += 1
+        task = asyncio.create_task(self._write(entry, entry.writes, data, length, encode_ms))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _write(self, entry: Entry, data: bytes, length: int, encode_ms: float) -> None:
+    async def _write(self, entry: Entry, number: int, data: bytes, length: int, encode_ms: float) -> None:
+        # In order, one at a time: a write held up (a retry after Redis restarted) must not land
+        # after a newer snapshot of the session, and one with a newer behind it is not needed.
+        async with entry.write_lock:
+            if number == entry.writes:
+                await self._write_now(entry, data, length, encode_ms)
+
+    async def _write_now(self, entry: Entry, data: bytes, length: int, encode_ms: float) -> None:
         t0 = time.perf_counter()
         key = entry.snapshot_key
         try:
