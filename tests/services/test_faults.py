@@ -289,11 +289,13 @@ def test_redis_stopped_mid_session_and_restarted(healthy, tiny_llama):
     # snapshots resume: the next turn's end leaves a snapshot of the whole session
     p3 = prompt(106, n=4)
     with Client(cl.gateway.target, timeout=60) as c:
-        ids3, _, _ = c.complete(p3, session_id=sid, max_new_tokens=12)
+        # Budget 2: at least 4 rounds for 12 tokens, so steps commit some of them whatever the
+        # machine's speed (the adaptive budget can make it one round, which no step follows).
+        ids3, _, _ = c.complete(p3, session_id=sid, max_new_tokens=12, budget=2)
     assert ids3 == hf_greedy(tiny_llama, history + p3, 12)
     # (the drafter learns a round's tokens with the next step: the last round's come with the next open)
     fresh = len(history + p3) + 1
-    wait_until(lambda: r.exists(key) and snapshot_length(r.get(key)) >= fresh, what="a fresh snapshot")
+    wait_until(lambda: r.exists(key) and snapshot_length(r.get(key)) >= fresh, timeout=60, what="a fresh snapshot")
 
 
 def test_client_cancel_and_deadline_free_the_round_state_everywhere(healthy, tiny_llama):
