@@ -284,8 +284,8 @@ def linear(name: str):
     return _kernel(name, dtypes(name), prepare, call, pairs)
 
 
-# A round's forward: at most a draft tree's rows (the largest budget a round asks for) times the
-# sessions batched; larger calls are prefills.
+# Calls of at most this many rows (a session's draft tree of up to 64 nodes) run on the round
+# threads; larger ones, prefills and wide batches of trees, use every thread.
 ROUND_ROWS = 64
 _round = {"threads": 0}
 

@@ -180,7 +180,7 @@ static inline float lanes_sum(const float a[8])
 #define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
 #endif
 
-/* 8 int32 lanes, lane j the dot product of bytes 4j .. 4j + 3: u unsigned, s signed. */
+/* 4 bytes at p as one int32 (for a broadcast). */
 static inline int32_t load32(const int8_t *p)
 {
     int32_t v;
@@ -188,6 +188,7 @@ static inline int32_t load32(const int8_t *p)
     return v;
 }
 
+/* 8 int32 lanes, lane j the dot product of bytes 4j .. 4j + 3: u unsigned, s signed. */
 static inline __m256i dot_us(__m256i u, __m256i s)
 {
 #if defined(DPBUSD)
@@ -594,7 +595,7 @@ static inline __attribute__((always_inline)) void group_rows(int type, const uin
         for (long m = m0; m < m1; m++) {
             const int8_t *xq = X->q + (b * M + m) * 32;
 #define XW(t) _mm256_set1_epi32(load32(xq + 4 * (t))) /* x values 4t .. 4t + 3 in every lane */
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#if defined(DPBUSD)
             /* dpbusd: 4 products summed into 32 bits, one instruction; two chains (integer sums: any
              * order gives the same bits) */
             __m256i i0 = DPBUSD(_mm256_setzero_si256(), wv[0], XW(0)), i1 = DPBUSD(_mm256_setzero_si256(), wv[1], XW(1));
