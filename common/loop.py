@@ -27,7 +27,7 @@ class VerifyPort(Protocol):
 
     length: int  # tokens in the KV cache
 
-    def prefill(self, tokens: list[int]): ...  # -> .next_token, .topk
+    def prefill(self, tokens: list[int], topk_rows: int | None = None): ...  # -> .next_token, .topk (last rows)
     def verify(self, tokens: list[int], parents: list[int]): ...  # -> .accepted, .bonus, .topk
     def truncate(self, length: int) -> None: ...
 
@@ -112,7 +112,8 @@ def generate(
     rounds = Rounds(prompt_ids, params, stats)
     stats = rounds.stats
     t0 = time.perf_counter()
-    pre = verifier.prefill(prompt_ids)
+    # the top-k of the prompt's rows feed the copy-logit table; a turn that drafts nothing needs none
+    pre = verifier.prefill(prompt_ids, topk_rows=0 if rounds.mode == "off" else None)
     stats.prefill_s = time.perf_counter() - t0
     t = time.perf_counter()
     drafter.extend(prompt_ids, pre.topk)

@@ -114,17 +114,17 @@ class DraftSession:
 
     # -- learning ---------------------------------------------------------------------------------
     def extend(self, tokens, topk_rows=None) -> None:
-        """Commits context tokens; ``topk_rows[i]`` (optional) is the target's top-k after tokens[i]."""
+        """Commits context tokens; ``topk_rows`` (optional): the target's top-k after each of the last
+        ``len(topk_rows)`` tokens, in order (a prefill may send back fewer rows than it fed)."""
         tokens = list(tokens)
-        if topk_rows is not None and len(topk_rows) != len(tokens):
+        if topk_rows is not None and len(topk_rows) > len(tokens):
             raise ValueError(f"topk_rows: {len(topk_rows)} rows for {len(tokens)} tokens")
         self.automaton.extend(tokens)
         if self.view is not None:
             self.view.extend(tokens)
-        if topk_rows is not None:
-            self.table.put_many(tokens, topk_rows)
-            if tokens:
-                self.last_topk = tuple(topk_rows[-1])
+        if topk_rows:
+            self.table.put_many(tokens[len(tokens) - len(topk_rows) :], topk_rows)
+            self.last_topk = tuple(topk_rows[-1])
         self._index(tokens)
         if self.chooser is not None and tokens:
             self.chooser.observe(self.history)

@@ -275,11 +275,13 @@ class VerifierLink(_Link):
         echo: bool = False,
         generated_tokens: int = 0,
         cache_scope: str = "",
+        prompt_topk: int | None = None,
     ) -> Opened:
         """Prefills ``history`` (what the verifier's cache lacks of it); ``sampling``: a SamplingParams;
         ``reserve_tokens``: new tokens the turn may add (the verifier reserves KV memory for them);
         ``mask``: the tokens allowed next (packed, empty: all); ``logprobs``: -1 none, else top n;
-        ``cache_scope``: the tenant's sharing group for the prefix cache ("": its own)."""
+        ``cache_scope``: the tenant's sharing group for the prefix cache ("": its own);
+        ``prompt_topk``: at most this many prompt rows' top-k (None: the verifier's setting)."""
         s = vpb.Sampling(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
         if sampling.seed is not None:
             s.seed = sampling.seed
@@ -297,6 +299,7 @@ class VerifierLink(_Link):
             echo=echo,
             generated_tokens=generated_tokens,
             cache_scope=cache_scope,
+            prompt_topk=prompt_topk,
         )
         resp = await self.ask(vpb.VerifyRequest(open=op))
         cost = (tuple(resp.cost.sizes), tuple(resp.cost.ms)) if resp.cost.sizes else None

@@ -175,6 +175,7 @@ class TurnLinks:
                     self.echo and not self.rounds.stats.rounds,  # the turn's first open only
                     len(self.rounds.committed) - self.turn_start,
                     cache_scope=self.cache_scope,
+                    prompt_topk=0 if self.rounds.mode == "off" else None,  # nothing drafted: no table rows
                 )
             except (Lost, Abort) as e:
                 await link.close(cancel=True)

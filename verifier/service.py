@@ -68,6 +68,8 @@ class _VerifyStream(SessionStream[Entry]):
     async def open(self, op: pb.VerifierOpen) -> pb.VerifyResponse:
         v = self.verifier
         s = op.sampling
+        if op.HasField("prompt_topk") and op.prompt_topk < 0:
+            raise Abort(Status.INVALID_ARGUMENT, f"open.prompt_topk: {op.prompt_topk}, at least 0", field="prompt_topk")
         sampling = (s.temperature, s.top_p or 1.0, s.top_k, s.seed if s.HasField("seed") else None)
         history = list(op.history)
         self.entry = v.claim(
@@ -94,7 +96,8 @@ class _VerifyStream(SessionStream[Entry]):
         if session.open_mask is not None:
             session.open_mask = session.open_mask[0]
         with tracer.start_as_current_span("verifier.prefill") as span:
-            res = await v.open(self.entry, history, self.context.time_remaining(), op.reserve_tokens)
+            top = op.prompt_topk if op.HasField("prompt_topk") else None
+            res = await v.open(self.entry, history, self.context.time_remaining(), op.reserve_tokens, top)
             span.set_attributes({"racer.history_tokens": len(history), "racer.reused_tokens": res.reused_tokens})
         echo = {}
         if session.echo:

@@ -331,12 +331,18 @@ class Verifier(Holder):
         M.PREFIX_BYTES.set(self.prefix.nbytes)
 
     async def open(
-        self, entry: Entry, history: list[int], timeout: float | None = None, reserve_tokens: int = 0
+        self,
+        entry: Entry,
+        history: list[int],
+        timeout: float | None = None,
+        reserve_tokens: int = 0,
+        prompt_topk: int | None = None,
     ) -> Prefilled:
         """Keeps the longest prefix of ``history`` the cache holds, copies the prefix cache's blocks
         past it (``prefix_cache.py``) and prefills the rest, in chunks of ``prefill_chunk`` tokens,
         each its own job in the tenant's fair turn on the model thread; then offers the history's
-        new full blocks to the prefix cache."""
+        new full blocks to the prefix cache. ``prompt_topk``: at most this many prompt rows' top-k,
+        the last ones (None: ``self.prompt_topk``'s)."""
         have = entry.tokens
         common = 0
         for a, b in zip(have, history):
@@ -366,6 +372,9 @@ class Verifier(Holder):
         chunks = [new[i : i + self.prefill_chunk] for i in range(0, len(new), self.prefill_chunk)]
         topk: list[int] = []
         res = None
+        most = self.prompt_topk
+        if prompt_topk is not None:
+            most = prompt_topk if most is None else min(most, prompt_topk)
 
         def prepare():
             session.truncate(reuse)
@@ -378,7 +387,7 @@ class Verifier(Holder):
         for i, chunk in enumerate(chunks):
             last = i == len(chunks) - 1
             after = max(0, len(new) - (i + 1) * self.prefill_chunk)  # prompt tokens after this chunk
-            top = None if self.prompt_topk is None else self.prompt_topk - after  # the prefill clamps it to the chunk
+            top = None if most is None else most - after  # the prefill clamps it to the chunk
             try:
                 # maybe in one forward with other sessions' waiting prompts (``PrefillBatcher``)
                 res = await self.prefills.prefill(

@@ -20,7 +20,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class VerifierOpen(_message.Message):
-    __slots__ = ("session_id", "tenant", "history", "sampling", "reserve_tokens", "mask", "logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "echo", "generated_tokens", "cache_scope")
+    __slots__ = ("session_id", "tenant", "history", "sampling", "reserve_tokens", "mask", "logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "echo", "generated_tokens", "cache_scope", "prompt_topk")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class VerifierOpen(_message.Message):
     ECHO_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOPK_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     history: _containers.RepeatedScalarFieldContainer[int]
@@ -54,7 +55,8 @@ class VerifierOpen(_message.Message):
     echo: bool
     generated_tokens: int
     cache_scope: str
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., history: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., reserve_tokens: _Optional[int] = ..., mask: _Optional[bytes] = ..., logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., echo: _Optional[bool] = ..., generated_tokens: _Optional[int] = ..., cache_scope: _Optional[str] = ...) -> None: ...
+    prompt_topk: int
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., history: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., reserve_tokens: _Optional[int] = ..., mask: _Optional[bytes] = ..., logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., echo: _Optional[bool] = ..., generated_tokens: _Optional[int] = ..., cache_scope: _Optional[str] = ..., prompt_topk: _Optional[int] = ...) -> None: ...
 
 class VerifyTree(_message.Message):
     __slots__ = ("tokens", "parents", "masks")

@@ -81,8 +81,8 @@ class _ContinuingVerifier:
     def length(self) -> int:
         return self.s.length
 
-    def prefill(self, tokens):
-        return self.s.prefill(list(tokens[self.s.length :]))
+    def prefill(self, tokens, topk_rows=None):
+        return self.s.prefill(list(tokens[self.s.length :]), topk_rows=topk_rows)
 
     def verify(self, tokens, parents):
         return self.s.verify(tokens, parents)
@@ -98,10 +98,7 @@ class _ContinuingDrafter:
         self.s = session
 
     def extend(self, tokens, topk_rows=None):
-        tokens = list(tokens)
-        if topk_rows is not None and len(topk_rows) < len(tokens):
-            tokens = tokens[len(self.s.history) :]
-        self.s.extend(tokens, topk_rows)
+        self.s.extend(list(tokens)[len(self.s.history) :], topk_rows)
 
     def observe_tree(self, tree_tokens, tree_topk, accepted):
         self.s.observe_tree(tree_tokens, tree_topk, accepted)

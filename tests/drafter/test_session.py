@@ -332,13 +332,22 @@ def test_extend_records_history_table_and_last_topk(sess, tokens, data):
     assert s.last_topk == tuple(rows[-1])
 
 
-def test_extend_with_mismatched_rows_leaves_state_unchanged():
+def test_extend_with_more_rows_than_tokens_leaves_state_unchanged():
     s = DraftSession(DrafterConfig(window=3, max_nodes=BIG))
     s.extend([0, 1, 2])
     before = (s.automaton.to_state(), list(s.history), dict(s.table.rows))
     with pytest.raises(ValueError):
-        s.extend([1, 2], topk_rows=[[3]])
+        s.extend([1], topk_rows=[[3], [4]])
     assert (s.automaton.to_state(), list(s.history), dict(s.table.rows)) == before
+
+
+def test_fewer_rows_than_tokens_are_the_last_tokens_rows():
+    s = DraftSession(DrafterConfig(window=3, max_nodes=BIG))
+    s.extend([5, 6, 7], topk_rows=[[1], [2]])
+    assert s.history == [5, 6, 7]
+    assert s.table.rows == {6: (1,), 7: (2,)} and s.last_topk == (2,)
+    s.extend([8], topk_rows=[])  # none: the table and the last row stay
+    assert s.table.rows == {6: (1,), 7: (2,)} and s.last_topk == (2,)
 
 
 @FAST

@@ -24,8 +24,12 @@ def test_the_flag_and_the_variable_set_it_and_every_position_is_the_default():
     assert settings.default("verifier", "--prompt-topk") == -1
 
 
-@pytest.mark.parametrize("value, rows", [(3, 3), (0, 0), (-1, 20)])
-def test_a_served_verifier_sends_the_top_k_of_the_prompts_last_positions(loop_thread, tiny_llama, value, rows):
+@pytest.mark.parametrize(
+    "value, asked, rows",
+    [(3, None, 3), (0, None, 0), (-1, None, 20), (-1, 2, 2), (3, 5, 3), (3, 0, 0)],
+)
+def test_a_served_verifier_sends_the_top_k_of_the_prompts_last_positions(loop_thread, tiny_llama, value, asked, rows):
+    """The verifier's setting, or fewer rows where an open asks for fewer (``VerifierOpen.prompt_topk``)."""
     history = prompt(5, 20)
     full = VerifierSession(tiny_llama, backend="llama").prefill(history)
     args = launch.defaults(
@@ -34,9 +38,9 @@ def test_a_served_verifier_sends_the_top_k_of_the_prompts_last_positions(loop_th
     srv, core = loop_thread.run(launch.start_verifier(args, model=tiny_llama))
     try:
         assert core.prompt_topk == (None if value < 0 else value)
-        req = vpb.VerifyRequest(open=vpb.VerifierOpen(session_id="s", tenant="t", history=history))
+        op = vpb.VerifierOpen(session_id="s", tenant="t", history=history, prompt_topk=asked)
         with backend_channel(f"127.0.0.1:{srv.port}") as ch:
-            (resp,) = list(vgrpc.VerifierStub(ch).Session(iter([req]), timeout=60))
+            (resp,) = list(vgrpc.VerifierStub(ch).Session(iter([vpb.VerifyRequest(open=op)]), timeout=60))
     except grpc.RpcError as e:
         raise AssertionError(f"open failed: {e.code().name}: {e.details()}") from None
     finally:
@@ -44,6 +48,20 @@ def test_a_served_verifier_sends_the_top_k_of_the_prompts_last_positions(loop_th
         core.close()
     kept = full.topk[len(history) - rows :] if rows else []
     assert list(resp.topk) == [t for row in kept for t in row] and resp.next_token == full.next_token
+
+
+def test_an_open_asking_for_a_negative_number_of_rows_is_refused(loop_thread, tiny_llama):
+    args = launch.defaults("verifier", host="127.0.0.1", port=0, measure_cost=0, internal_token=INTERNAL_TOKEN)
+    srv, core = loop_thread.run(launch.start_verifier(args, model=tiny_llama))
+    try:
+        op = vpb.VerifierOpen(session_id="s", tenant="t", history=prompt(5, 8), prompt_topk=-1)
+        with backend_channel(f"127.0.0.1:{srv.port}") as ch, pytest.raises(grpc.RpcError) as e:
+            list(vgrpc.VerifierStub(ch).Session(iter([vpb.VerifyRequest(open=op)]), timeout=60))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_topk" in e.value.details()
+        assert not core.stats()  # refused before a session was made
+    finally:
+        loop_thread.run(srv.stop(0))
+        core.close()
 
 
 def test_a_stack_whose_verifier_sends_the_last_rows_only_decodes_greedy(loop_thread, tiny_llama, monkeypatch):
@@ -65,5 +83,30 @@ def test_a_stack_whose_verifier_sends_the_last_rows_only_decodes_greedy(loop_thr
             ids, _, _ = c.complete(p, max_new_tokens=24)
         assert ids == hf_greedy(tiny_llama, p, 24)
         assert opened[0] == (24, 2)  # the drafter held the prompt with the rows of its last 2 positions
+    finally:
+        st.stop()
+
+
+@pytest.mark.parametrize("mode, rows", [("off", 0), ("racer", 24)])
+def test_a_turn_that_drafts_nothing_asks_for_no_rows(loop_thread, tiny_llama, monkeypatch, mode, rows):
+    """An ``off`` turn's open asks the verifier for no prompt rows (the output layer then runs over the
+    last row only); a drafting turn's gets every row. Both decode greedy."""
+    from drafter import core as drafter_core
+
+    opened: list[tuple[int, int]] = []
+    real = drafter_core._catch_up
+
+    def recorded(session, history, topk_rows):
+        opened.append((len(history), len(topk_rows)))
+        return real(session, history, topk_rows)
+
+    monkeypatch.setattr(drafter_core, "_catch_up", recorded)
+    st = start_stack(loop_thread, tiny_llama)
+    try:
+        p = prompt(7, 24)
+        with Client(st.gateway, timeout=60) as c:
+            ids, _, _ = c.complete(p, max_new_tokens=16, mode=mode)
+        assert ids == hf_greedy(tiny_llama, p, 16)
+        assert opened[0] == (24, rows)
     finally:
         st.stop()

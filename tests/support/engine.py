@@ -44,7 +44,7 @@ class ScriptedDrafter:
     def extend(self, tokens, topk_rows=None) -> None:
         tokens = list(tokens)
         if topk_rows is not None:
-            assert len(topk_rows) == len(tokens)
+            assert len(topk_rows) <= len(tokens)  # the last tokens' rows
         self.history += tokens
 
     def observe_tree(self, tree_tokens, tree_topk, accepted) -> None:
@@ -139,8 +139,8 @@ class RecordingVerifier:
         self.inner = inner
         self.rounds: list[tuple[list[int], list[int], object]] = []
 
-    def prefill(self, tokens):
-        return self.inner.prefill(tokens)
+    def prefill(self, tokens, topk_rows=None):
+        return self.inner.prefill(tokens, topk_rows=topk_rows)
 
     def verify(self, tokens, parents):
         res = self.inner.verify(tokens, parents)
