@@ -7,9 +7,11 @@ Hugging Face directory and later loads read that instead.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,8 +51,9 @@ def resolve_model_dir(model: str = DEFAULT_MODEL) -> Path:
     log.info("converting %s to %s (once)", gguf.name, target)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model_obj = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
+    with _one_parse():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model_obj = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
     # The weights are de-quantized in memory; drop the GGUF marker so they save as plain fp32.
     model_obj.hf_quantizer = None
     model_obj.is_quantized = False
@@ -67,6 +70,36 @@ def resolve_model_dir(model: str = DEFAULT_MODEL) -> Path:
     else:
         tmp.rename(target)
     return target
+
+
+@contextmanager
+def _one_parse():
+    """The conversion with the GGUF file parsed once. transformers reads it whole three times
+    (tokenizer, config, weights: 8 s each on two cores, most of it the 49k-token vocabulary) and
+    builds gguf's tensor-name map again for every module (12 s); both are kept for the conversion.
+    Both are imported by name at each call (``from gguf import ...``), so the memoized ones are
+    what the conversion gets; a gguf without them converts as before, only slower."""
+    import gguf
+
+    real = {name: getattr(gguf, name, None) for name in ("GGUFReader", "get_tensor_name_map")}
+    if None in real.values():
+        yield
+        return
+    readers: dict = {}
+
+    def reader(path, *args, **kwargs):
+        key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = real["GGUFReader"](path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(real["get_tensor_name_map"])
+    try:
+        yield
+    finally:
+        for name, value in real.items():
+            setattr(gguf, name, value)
 
 
 @dataclass
