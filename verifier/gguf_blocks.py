@@ -91,10 +91,9 @@ def attach(model, path: Path) -> dict[str, int]:
     """Gives each projection of a Llama-family ``model`` (loaded from ``path``, dequantized) and its
     output layer the file's own blocks where the block kernel takes their format. Returns how many
     weights of each format were kept as blocks; the others are logged and stay float32."""
-    from gguf import GGUFReader
+    from .gguf_file import tensors as read_tensors
 
-    reader = GGUFReader(str(path))
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = read_tensors(path)
     cfg = model.config
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
@@ -111,7 +110,7 @@ def attach(model, path: Path) -> dict[str, int]:
         t = tensors.get(name)
         if t is None:
             raise ValueError(f"{path.name} has no tensor {name}")
-        kind = t.tensor_type.name
+        kind = t.kind
         n, k = module.weight.shape
         if kind not in KINDS or not native.quant_supported(KINDS[kind]) or k % (256 if "K" in kind else 32):
             others[kind] = others.get(kind, 0) + 1
