@@ -107,13 +107,15 @@ def generate(
     prompt_ids: list[int],
     params: GenerationParams,
     stats: Stats | None = None,
+    prompt_topk: int | None = None,
 ) -> Iterator[list[int]]:
-    """Yields the new token ids as they are verified (a list per round). Fills ``stats``."""
+    """Yields the new token ids as they are verified (a list per round). Fills ``stats``.
+    ``prompt_topk``: the prompt positions, the last ones, whose top-k the drafter's copy-logit table
+    gets (None: every position; an ``off`` turn, which drafts nothing, asks for none)."""
     rounds = Rounds(prompt_ids, params, stats)
     stats = rounds.stats
     t0 = time.perf_counter()
-    # the top-k of the prompt's rows feed the copy-logit table; a turn that drafts nothing needs none
-    pre = verifier.prefill(prompt_ids, topk_rows=0 if rounds.mode == "off" else None)
+    pre = verifier.prefill(prompt_ids, topk_rows=0 if rounds.mode == "off" else prompt_topk)
     stats.prefill_s = time.perf_counter() - t0
     t = time.perf_counter()
     drafter.extend(prompt_ids, pre.topk)

@@ -18,6 +18,10 @@ from verifier.engine import VerifierSession
 from verifier.gguf_blocks import kept
 from verifier.model import DEFAULT_MODEL, GGUF, LoadedModel, load
 
+# the prompt rows whose top-k the drafter gets, as a verifier service's default sends (None: all)
+PROMPT_TOPK = settings.default("verifier", "--prompt-topk")
+PROMPT_TOPK = None if PROMPT_TOPK < 0 else PROMPT_TOPK
+
 
 @dataclass
 class InProcessStack:
@@ -108,7 +112,7 @@ class InProcessStack:
     ) -> Iterator[list[int]]:
         drafter = drafter or self.new_drafter()
         verifier = VerifierSession(self.loaded.model, self.drafter_config.topk, self.backend, sampling)
-        return generate(drafter, verifier, prompt_ids, params, stats)
+        return generate(drafter, verifier, prompt_ids, params, stats, prompt_topk=PROMPT_TOPK)
 
     def default_params(self, **kw) -> GenerationParams:
         kw.setdefault("stop_token_ids", self.loaded.eos_token_ids)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from common.loop import Rounds
+from types import SimpleNamespace
+
+import pytest
+
+from common.loop import Rounds, generate
 from common.params import GenerationParams
 
 
@@ -27,3 +31,35 @@ def test_a_stop_token_or_the_length_cuts_the_round_and_commits_less():
     r.emitted(r.start(5)[0])
     assert r.settle([5, 6, 7, 8], [0, 1, 2, 3], bonus=9) == ([6, 7], [5, 6], True)  # room for 2 more
     assert Rounds([1], GenerationParams(max_new_tokens=1)).start(4) == ([4], True)
+
+
+class _Prefills:
+    """A verifier whose prefill answers with the stop token and a top-k row per row it was asked for."""
+
+    length = 0
+
+    def prefill(self, tokens, topk_rows=None):
+        self.asked = topk_rows
+        rows = len(tokens) if topk_rows is None else min(topk_rows, len(tokens))
+        return SimpleNamespace(next_token=99, topk=[[t + 100] for t in tokens[len(tokens) - rows :]])
+
+
+class _Extends:
+    def extend(self, tokens, topk_rows=None):
+        self.got = (list(tokens), topk_rows)
+
+
+@pytest.mark.parametrize(
+    "mode, prompt_topk, asked, rows",
+    [
+        ("racer", None, None, [[101], [102], [103]]),
+        ("racer", 2, 2, [[102], [103]]),
+        ("off", None, 0, []),
+        ("off", 2, 0, []),
+    ],
+)
+def test_the_drafter_gets_the_prompts_last_rows_and_an_off_turn_asks_for_none(mode, prompt_topk, asked, rows):
+    v, d = _Prefills(), _Extends()
+    params = GenerationParams(max_new_tokens=4, stop_token_ids=(99,), mode=mode)
+    assert list(generate(d, v, [1, 2, 3], params, prompt_topk=prompt_topk)) == [[99]]  # the stop token, then done
+    assert v.asked == asked and d.got == ([1, 2, 3], rows)

@@ -18,10 +18,10 @@ from tests.support.stack import INTERNAL_TOKEN, backend_channel, prompt, start_s
 from verifier.engine import VerifierSession
 
 
-def test_the_flag_and_the_variable_set_it_and_every_position_is_the_default():
+def test_the_flag_and_the_variable_set_it_and_the_last_256_positions_are_the_default():
     assert settings.parse("verifier", ["--prompt-topk", "3"], environ={}).prompt_topk == 3
-    assert settings.parse("verifier", environ={"RACER_PROMPT_TOPK": "0"}).prompt_topk == 0
-    assert settings.default("verifier", "--prompt-topk") == -1
+    assert settings.parse("verifier", environ={"RACER_PROMPT_TOPK": "-1"}).prompt_topk == -1
+    assert settings.default("verifier", "--prompt-topk") == 256
 
 
 @pytest.mark.parametrize(
