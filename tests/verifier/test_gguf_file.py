@@ -61,3 +61,17 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
     path.write_bytes(b"GGML" + bytes(60))
     with pytest.raises(ValueError, match="not a GGUF file"):
         tensors(path)
+
+
+def test_the_conversion_parses_a_file_once_and_puts_ggufs_reader_back(tmp_path):
+    from verifier.model import _one_parse
+
+    path = tmp_path / "m.gguf"
+    _write(path)
+    real, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with _one_parse():
+        first = gguf.GGUFReader(str(path))
+        assert gguf.GGUFReader(path) is first  # str or Path: one parse
+        assert sorted(t.name for t in first.tensors) == sorted(tensors(path))
+    assert gguf.GGUFReader is real and gguf.get_tensor_name_map is real_map
+    assert gguf.GGUFReader(str(path)) is not first
