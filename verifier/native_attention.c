@@ -61,11 +61,14 @@ static inline vf vexp(vf x)
 }
 
 /* One block of a KV head converted to float32: kt[d][j] = K[key j][d] (keys along the vector lanes,
- * so scores need no horizontal sums) and vb[j][d] = V[key j][d]. Only keys below a row's count are
- * ever used: the others are masked out of its scores and left out of its sums. */
+ * so scores need no horizontal sums) and v[j][d] = V[key j][d]: ``vb``, or a float32 cache's own
+ * rows where the block's keys are consecutive cache rows (read in place, the same values). Only keys
+ * below a row's count are ever used: the others are masked out of its scores and left out of its
+ * sums. */
 struct block {
     float kt[MAXD * BLOCK] __attribute__((aligned(64)));
     float vb[BLOCK * MAXD] __attribute__((aligned(64)));
+    const float *v;
 };
 
 #if defined(__AVX2__)
@@ -104,12 +107,13 @@ static inline void transpose8(float *kt, const char *const *rows, long d0, int t
 #endif
 
 /* Keys j0 .. nb - 1 of a block (j0 a multiple of 8; key j at byte offset off[j] of kbase, vbase)
- * converted into ``blk``. */
+ * converted into ``blk``: their values too unless ``blk->v`` reads them in place. */
 static void convert(struct block *blk, const char *kbase, const char *vbase, const long *off, long j0, long nb,
                     long D, int type)
 {
-    for (long j = j0; j < nb; j++)
-        for (long d = 0; d < D; d += VL) *(vf *)(blk->vb + j * D + d) = load_as_f32(vbase + off[j], d, type);
+    if (blk->v == blk->vb)
+        for (long j = j0; j < nb; j++)
+            for (long d = 0; d < D; d += VL) *(vf *)(blk->vb + j * D + d) = load_as_f32(vbase + off[j], d, type);
 #if defined(__AVX2__)
     for (long j8 = j0; j8 < nb; j8 += 8) {
         const char *rows[8];
@@ -125,11 +129,11 @@ static void convert(struct block *blk, const char *kbase, const char *vbase, con
 #endif
 }
 
-/* Keys 0 .. nb - 1 of ``dst`` copied from ``src`` (converted already). */
+/* Keys 0 .. nb - 1 of ``dst`` (values in ``vb``) copied from ``src`` (converted already). */
 static void copy_keys(struct block *dst, const struct block *src, long nb, long D)
 {
     for (long d = 0; d < D; d++) memcpy(dst->kt + d * BLOCK, src->kt + d * BLOCK, sizeof(float) * nb);
-    memcpy(dst->vb, src->vb, sizeof(float) * nb * D);
+    memcpy(dst->vb, src->v, sizeof(float) * nb * D);
 }
 
 /* A query's running softmax state: max, sum of weights, weighted values (float32). */
@@ -187,7 +191,7 @@ static inline __attribute__((always_inline)) void values_pass(int R, int NV, flo
         for (int k = 0; k < NV; k++) acc[r][k] = (vf){0};
     for (long j = 0; j < nb; j++) {
         vf vv[DV];
-        for (int k = 0; k < NV; k++) vv[k] = *(const vf *)(blk->vb + j * D + d0 + k * VL);
+        for (int k = 0; k < NV; k++) vv[k] = load_f32(blk->v + j * D + d0 + k * VL);
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             vf pj = splat(p[r * BLOCK + j]);
@@ -306,10 +310,12 @@ struct item {
     struct work *w;
 };
 
-/* The in-place conversion of block b0 (its first *have keys) extended to its first ``nb``. */
+/* The in-place conversion of block b0 (its first *have keys) extended to its first ``nb``: cache rows
+ * b0, b0 + 1, ..., so a float32 cache's values are read where they are. */
 static void extend(struct block *blk, long *have, long nb, long b0, const char *kb, const char *vb, long esize,
                    long D, int type)
 {
+    blk->v = type == F32 ? (const float *)(vb + b0 * D * esize) : blk->vb;
     if (nb <= *have) return;
     long off[BLOCK], from = *have / 8 * 8;
     for (long j = from; j < nb; j++) off[j] = (b0 + j) * D * esize;
@@ -344,6 +350,7 @@ static void item_block(struct item *it, long b0, long r0, long r1, long group, c
         } else { /* its context keys copied from the in-place conversion, the others converted */
             long ctx = inplace[r] > b0 ? (inplace[r] - b0) / 8 * 8 : 0;
             extend(it->shared, &partial, ctx, b0, kb, vb, esize, D, type);
+            it->own->v = it->own->vb; /* its keys are not all consecutive cache rows */
             copy_keys(it->own, it->shared, ctx, D);
             for (long j = ctx; j < nb; j++) {
                 long o = b0 + j;
