@@ -296,12 +296,13 @@ def main(argv=None) -> None:
 
     import torch
 
+    from verifier.gguf_blocks import cache_dtype
     from verifier.kv_memory import kv_bytes_per_token
     from verifier.model import load
 
     torch.set_num_threads(args.threads)
     model = load(args.model, tokenizer=False).model
-    per_token = kv_bytes_per_token(model.config, next(model.parameters()).element_size())
+    per_token = kv_bytes_per_token(model.config, cache_dtype(model).itemsize)
     if not args.skip_memory:
         memory_case(args, model, per_token)
     if not args.skip_fairness:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from . import layouts, native
 from .backend import kept_rows
-from .gguf_blocks import kept
+from .gguf_blocks import cache_dtype, kept
 from .machine import cpu_identity
 from .tuning import kernel_plan
 
@@ -57,13 +57,14 @@ class LlamaBackend:
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.dtype = self.lm_head_w.dtype
+        self.kv_dtype = cache_dtype(model)  # float16 for GGUF blocks, else the model's
         self.device = self.lm_head_w.device
         # Invariant attention over the cache in place (native_attention.c) where it is built; else
         # each row's keys gathered and padded to whole blocks (any device).
-        self.native_attention = self.invariant and native.attention_usable(self.dtype, self.device, self.head_dim)
+        self.native_attention = self.invariant and native.attention_usable(self.kv_dtype, self.device, self.head_dim)
         # Zeroed: invariant attention reads masked keys past a row's own, which must be finite.
         self.cache = torch.zeros(
-            (len(self.layers), 2, self.n_kv, capacity, self.head_dim), dtype=self.dtype, device=self.device
+            (len(self.layers), 2, self.n_kv, capacity, self.head_dim), dtype=self.kv_dtype, device=self.device
         )
         self.length = 0  # rows of the cache that hold committed context
         self.reserved_rows: int | None = None  # None: grow by doubling (no reservation to answer to)
@@ -172,7 +173,7 @@ class LlamaBackend:
         rows = max(rows, self.length)
         if rows == self.capacity:
             return
-        new = torch.zeros((*self.cache.shape[:3], rows, self.head_dim), dtype=self.dtype, device=self.device)
+        new = torch.zeros((*self.cache.shape[:3], rows, self.head_dim), dtype=self.kv_dtype, device=self.device)
         new[:, :, :, : self.length] = self.cache[:, :, :, : self.length]
         self.cache = new
 
@@ -337,7 +338,7 @@ def _fused_decoder(b) -> native.Decoder | None:
         return None
     if type(b.embed) is not torch.nn.Embedding or any(hasattr(layer.self_attn, "q_norm") for layer in b.layers):
         return None
-    if native.attention_path(b.dtype, b.n_heads, b.n_kv, b.head_dim) != "vector":
+    if native.attention_path(b.kv_dtype, b.n_heads, b.n_kv, b.head_dim) != "vector":
         return None
     layers = [
         (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, _projections(layer)) for layer in b.layers
@@ -441,6 +442,7 @@ def _segment_attention(span, i: int, q, k, v, scale: float, exact: bool, gqa: bo
     if exact and b.native_attention:
         o = native.attention(q[0, :, s:e].transpose(0, 1), kv, *how, scale)  # [n, H, D]
         return o.transpose(0, 1)[None]
+    kv = kv.to(q.dtype)  # a cache kept narrower than the model (GGUF blocks: float16), widened exactly
     if exact:
         return _rows_attention(q[:, :, s:e], kv, how, scale, gqa)
     return F.scaled_dot_product_attention(

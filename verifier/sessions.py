@@ -36,6 +36,7 @@ from .batcher import Batcher, PrefillBatcher
 from .constraints import LogProbs
 from .engine import VerifierSession
 from .fair import ModelThread
+from .gguf_blocks import cache_dtype
 from .kv_memory import KVMemory, default_kv_bytes, kv_bytes_per_token
 from .prefix_cache import BLOCK_TOKENS, Match, PrefixCache
 
@@ -143,7 +144,7 @@ class Verifier(Holder):
         self.prompt_topk = prompt_topk
         self.stall_seconds = stall_seconds
         self.sessions: SessionTable[Entry] = SessionTable(ttl)
-        per_token = kv_bytes_per_token(model.config, next(model.parameters()).element_size())
+        per_token = kv_bytes_per_token(model.config, cache_dtype(model).itemsize)
         total = kv_memory_bytes or default_kv_bytes(model, per_token, max_cache_tokens)
         self.kv_memory = KVMemory(total, per_token, self._evict, max_waiting, wait_seconds)
         self.prefix = PrefixCache(per_token * prefix_block, prefix_block) if prefix_cache else None

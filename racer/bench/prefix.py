@@ -152,9 +152,10 @@ async def _placement(model, prompts, args) -> str:
             "verifier", host="127.0.0.1", port=0, internal_token=token, measure_cost=False, max_sessions=64
         )
         if per_token is None:
+            from verifier.gguf_blocks import cache_dtype
             from verifier.kv_memory import kv_bytes_per_token
 
-            per_token = kv_bytes_per_token(model.config, next(model.parameters()).element_size())
+            per_token = kv_bytes_per_token(model.config, cache_dtype(model).itemsize)
         vargs.kv_memory_bytes = args.placement_kv_tokens * per_token
         verifiers.append(await launch.start_verifier(vargs, model=model))
     targets = [f"127.0.0.1:{s.port}" for s, _ in verifiers]

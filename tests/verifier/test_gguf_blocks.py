@@ -205,7 +205,7 @@ def test_a_rows_bits_equal_alone_in_a_tree_in_a_batch_and_on_one_thread(gguf_lla
     prompt = [rng.randrange(3, VOCAB) for _ in range(70)]
     tokens, parents = _tree(rng, 40)
     s = _session(model, prompt)
-    assert s.backend.fused is not None and s.backend.cache.dtype == torch.float32
+    assert s.backend.fused is not None and s.backend.cache.dtype == torch.float16  # as llama.cpp keeps it
     tree = _tree_hidden(s, tokens, parents)
     logits = s.backend.logits(tree)
 
@@ -370,3 +370,23 @@ def test_the_vnni_builds_compile_and_where_the_cpu_has_them_give_this_builds_bit
                                     ptr(y.data_ptr()), long(5), long(n), long(k), one, one)  # fmt: skip
         assert rc == 0
         assert torch.equal(y, _run(x, name, raw, n, k, packed=True))
+
+
+@needs_kernel
+def test_served_blocks_keep_a_float16_cache_and_the_kv_memory_counts_its_bytes(tmp_path, monkeypatch, tiny_llama):
+    """A model served from its blocks caches K and V in float16 (as llama.cpp does), and the
+    verifier's KV memory counts a token at that size; a plain float32 model keeps a float32 cache."""
+    from verifier.kv_memory import kv_bytes_per_token
+    from verifier.sessions import Verifier
+
+    monkeypatch.setenv("RACER_CACHE", str(tmp_path))
+    monkeypatch.delenv("RACER_KERNELS", raising=False)
+    model = _gguf_llama(tmp_path, "Q8_0")
+    for m, dtype in ((model, torch.float16), (tiny_llama, torch.float32)):
+        assert gguf_blocks.cache_dtype(m) == dtype
+        v = Verifier(m, kv_memory_bytes=1 << 24)
+        try:
+            assert v.kv_memory.per_token == kv_bytes_per_token(m.config, dtype.itemsize)
+        finally:
+            v.close()
+    assert _session(model, [5, 6, 7]).backend.cache.dtype == torch.float16
