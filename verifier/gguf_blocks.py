@@ -5,7 +5,7 @@ not take: the file's values, dequantized) and hands each Llama projection and th
 file's own blocks (``Blocks``): Q4_0, Q4_1, Q8_0, Q4_K and Q6_K, where the native block kernel is
 built (``native_quant.c``). The native decoder and the output layer then read those blocks; a
 weight stored in any other format is served from its dequantized float32 values, and a log line
-names it. The residual stream, activations and KV cache stay float32.
+names it. The residual stream and activations stay float32; the KV cache is float16 (``cache_dtype``).
 
 The arithmetic is llama.cpp's (8-bit activations per 32 values, integer dot products) with every
 float32 step in a fixed order, so a row's result never depends on the rows it shares a call with or
