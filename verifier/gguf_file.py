@@ -1,7 +1,7 @@
 """A GGUF file's tensors, found without reading its metadata's values.
 
 gguf's ``GGUFReader`` makes a numpy view of every metadata value, the 49k strings of a vocabulary
-included: 8 s on two cores for the default model, at every start of a verifier serving its blocks.
+included: 4-8 s on two cores for the default model, at every start of a verifier serving its blocks.
 Serving needs only where each tensor lies, so this walks the metadata once (lengths only, strings
 skipped) and maps the tensors' bytes in place. The format's constants (type numbers, block sizes)
 are gguf's.
