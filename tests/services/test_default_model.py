@@ -20,8 +20,14 @@ pytestmark = pytest.mark.slow
 def test_chat_turns_from_text_equal_greedy_on_the_whole_conversation(loop_thread, default_model):
     tok = default_model.tokenizer
     eos = default_model.eos_token_ids
-    st = start_stack(
-        loop_thread, default_model.model, tokenizer=tok, eos_ids=eos, http_port=-1, served_model_name="smol"
+    st = start_stack(  # a fixed budget below: no cost curve to measure (seconds of float32 trees)
+        loop_thread,
+        default_model.model,
+        tokenizer=tok,
+        eos_ids=eos,
+        http_port=-1,
+        served_model_name="smol",
+        verifier={"measure_cost": False},
     )
     try:
         turns = ["Name three primary colors.", "Which of them is warmest?"]
