@@ -373,9 +373,7 @@ class Verifier(Holder):
         chunks = [new[i : i + self.prefill_chunk] for i in range(0, len(new), self.prefill_chunk)]
         topk: list[int] = []
         res = None
-        most = self.prompt_topk
-        if prompt_topk is not None:
-            most = prompt_topk if most is None else min(most, prompt_topk)
+        most = self._prompt_rows(prompt_topk)
 
         def prepare():
             session.truncate(reuse)
@@ -413,6 +411,12 @@ class Verifier(Holder):
         self._prefix_insert(entry, history)
         self._gauge()
         return Prefilled(res.next_token, topk, reuse, len(entry.tokens), elapsed, res.logprobs, start - reuse)
+
+    def _prompt_rows(self, asked: int | None) -> int | None:
+        """The prompt rows an open sends the top-k of: at most ``asked`` and this verifier's
+        ``prompt_topk`` (None: no bound)."""
+        bounds = [b for b in (asked, self.prompt_topk) if b is not None]
+        return min(bounds) if bounds else None
 
     async def verify(self, entry: Entry, tokens: list[int], parents: list[int]) -> Verified:
         """One tree of the session's, alone or batched with other sessions' trees."""

@@ -64,10 +64,12 @@ def test_an_open_asking_for_a_negative_number_of_rows_is_refused(loop_thread, ti
         core.close()
 
 
-def test_a_stack_whose_verifier_sends_the_last_rows_only_decodes_greedy(loop_thread, tiny_llama, monkeypatch):
+@pytest.fixture
+def drafter_opens(monkeypatch) -> list[tuple[int, int]]:
+    """(history tokens, top-k rows) of each drafter open, in order."""
     from drafter import core as drafter_core
 
-    opened: list[tuple[int, int]] = []  # (history tokens, top-k rows) of each drafter open
+    opened: list[tuple[int, int]] = []
     real = drafter_core._catch_up
 
     def recorded(session, history, rows):
@@ -75,6 +77,11 @@ def test_a_stack_whose_verifier_sends_the_last_rows_only_decodes_greedy(loop_thr
         return real(session, history, rows)
 
     monkeypatch.setattr(drafter_core, "_catch_up", recorded)
+    return opened
+
+
+def test_a_stack_whose_verifier_sends_the_last_rows_only_decodes_greedy(loop_thread, tiny_llama, drafter_opens):
+    opened = drafter_opens
     st = start_stack(loop_thread, tiny_llama)
     try:
         st.verifiers[0][1].prompt_topk = 2  # what --prompt-topk 2 sets (the stack's backend settings are shared)
@@ -88,19 +95,10 @@ def test_a_stack_whose_verifier_sends_the_last_rows_only_decodes_greedy(loop_thr
 
 
 @pytest.mark.parametrize("mode, rows", [("off", 0), ("racer", 24)])
-def test_a_turn_that_drafts_nothing_asks_for_no_rows(loop_thread, tiny_llama, monkeypatch, mode, rows):
+def test_a_turn_that_drafts_nothing_asks_for_no_rows(loop_thread, tiny_llama, drafter_opens, mode, rows):
     """An ``off`` turn's open asks the verifier for no prompt rows (the output layer then runs over the
     last row only); a drafting turn's gets every row. Both decode greedy."""
-    from drafter import core as drafter_core
-
-    opened: list[tuple[int, int]] = []
-    real = drafter_core._catch_up
-
-    def recorded(session, history, topk_rows):
-        opened.append((len(history), len(topk_rows)))
-        return real(session, history, topk_rows)
-
-    monkeypatch.setattr(drafter_core, "_catch_up", recorded)
+    opened = drafter_opens
     st = start_stack(loop_thread, tiny_llama)
     try:
         p = prompt(7, 24)
