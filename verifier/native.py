@@ -20,7 +20,6 @@ runtime loaded the kernels are refused.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import logging
@@ -295,7 +294,6 @@ def linear(name: str):
 # threads; larger ones, prefills and wide batches of trees, use every thread.
 ROUND_ROWS = 64
 _round = {"threads": 0}
-_lone = threading.local()  # .on: this thread's calls are a lone stream's round (``lone_stream``)
 
 
 def round_threads(n: int) -> None:
@@ -306,24 +304,9 @@ def round_threads(n: int) -> None:
     _round["threads"] = max(0, int(n))
 
 
-@contextlib.contextmanager
-def lone_stream():
-    """Native calls on this thread, inside, run on torch's whole count whatever ``round_threads``
-    says: the round of the only stream a verifier serves, whose drafter and gateway wait for its
-    result, so the CPUs they work on are idle while it runs. With several streams they work for the
-    others during a forward, and rounds keep the verifier's own CPUs."""
-    _lone.on = True
-    try:
-        yield
-    finally:
-        _lone.on = False
-
-
 def threads(rows: int) -> int:
-    """Threads of a native call over ``rows`` rows (``round_threads``, ``lone_stream``)."""
+    """Threads of a native call over ``rows`` rows (``round_threads``)."""
     every, n = torch.get_num_threads(), _round["threads"]
-    if getattr(_lone, "on", False):
-        return every
     return min(n, every) if n and rows <= ROUND_ROWS else every
 
 

@@ -6,7 +6,6 @@ offered only where they can run."""
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 import torch
@@ -199,16 +198,3 @@ def test_a_rounds_calls_take_the_round_threads_and_a_prefills_every_thread(monke
     assert native.threads(native.ROUND_ROWS + 1) == every
     native.round_threads(every + 5)  # never more than torch's count
     assert native.threads(1) == every
-
-
-def test_a_lone_streams_round_takes_every_thread_on_its_own_thread_only(monkeypatch):
-    monkeypatch.setattr(native, "_round", {"threads": 1})
-    every = torch.get_num_threads()
-    beside: list[int] = []
-    with native.lone_stream():
-        assert native.threads(1) == native.threads(native.ROUND_ROWS) == every
-        t = threading.Thread(target=lambda: beside.append(native.threads(1)))  # e.g. the model thread
-        t.start()
-        t.join()
-    assert beside == [1]
-    assert native.threads(1) == 1
