@@ -10,12 +10,10 @@ the CPU. They are candidates like any other (``verifier/kernels.py``): they run 
 tuner measured them fastest, and without a compiler (or with ``RACER_NATIVE=off``) they are simply
 not offered.
 
-Threads come from the library's own pool (``native_pool.c``): a forward holds it, so its workers
-spin between the forward's few hundred parallel loops and sleep as soon as it ends, where an
-OpenMP team would either spin on into the time the other services need the cores or sleep and be
-woken between loops. OpenMP is still linked (the AMX attention's tiles); loaded into a process that
-already holds torch's OpenMP runtime, the library binds to that runtime, and were a second OpenMP
-runtime loaded the kernels are refused.
+Threads come from OpenMP. Loaded into a process that already holds torch's OpenMP runtime, the
+library binds to that runtime, so its parallel regions share torch's thread pool; were a second
+OpenMP runtime loaded, the two pools would spin against each other for the cores, and the kernels
+are refused.
 """
 
 from __future__ import annotations
@@ -44,8 +42,7 @@ ATTENTION_SOURCE = Path(__file__).with_name("native_attention.c")
 LAYER_SOURCE = Path(__file__).with_name("native_layer.c")  # a whole decoder on the ones above
 PANEL_SOURCE = Path(__file__).with_name("native_panel.c")  # projections over weights stored as panels
 QUANT_SOURCE = Path(__file__).with_name("native_quant.c")  # projections over GGUF blocks read in place
-POOL_SOURCE = Path(__file__).with_name("native_pool.c")  # the kernels' threads
-HEADERS = tuple(Path(__file__).with_name(h) for h in ("native_vec.h", "native_pool.h"))  # included by the sources
+HEADER = Path(__file__).with_name("native_vec.h")  # included by the sources
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 
 # name -> (weight rows, x rows) per tile, and the vector width (bits) the shape is meant for: a
@@ -67,8 +64,8 @@ _state: dict = {}  # "lib": the loaded library or None, once tried; "why": why n
 
 
 def sources() -> tuple[Path, ...]:
-    """The C sources the library is built from (the headers aside)."""
-    return (SOURCE, ATTENTION_SOURCE, PANEL_SOURCE, QUANT_SOURCE, LAYER_SOURCE, POOL_SOURCE)
+    """The C sources the library is built from (``native_vec.h`` aside)."""
+    return (SOURCE, ATTENTION_SOURCE, PANEL_SOURCE, QUANT_SOURCE, LAYER_SOURCE)
 
 
 def _compiler() -> str | None:
@@ -112,7 +109,7 @@ def _load(machine: str) -> ctypes.CDLL | None:
         return None
     digest = hashlib.sha256(
         b"\0".join(
-            x.encode() for x in (*(f.read_text() for f in (*sources(), *HEADERS)), version, " ".join(FLAGS), machine)
+            x.encode() for x in (*(f.read_text() for f in (*sources(), HEADER)), version, " ".join(FLAGS), machine)
         )
     ).hexdigest()[:20]
     before = _openmp_runtimes()
@@ -169,9 +166,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.racer_quant_pack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
     lib.racer_quant_packed.restype = ctypes.c_int
     lib.racer_quant_packed.argtypes = lib.racer_quant.argtypes + [ctypes.c_int]
-    lib.racer_pool_hold.restype = None
-    lib.racer_pool_hold.argtypes = [ctypes.c_int]
-    lib.racer_pool_workers.restype = ctypes.c_int
     lib.racer_decoder.restype = ctypes.c_int
     lib.racer_decoder.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_long]
     lib.racer_decoder.argtypes += [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 4
@@ -190,7 +184,7 @@ def library(machine: str = "") -> ctypes.CDLL | None:
 
 def source_digest() -> str:
     """Identifies the kernels' source: a choice measured on other kernels is measured again."""
-    return hashlib.sha256(b"".join(f.read_bytes() for f in (*sources(), *HEADERS))).hexdigest()[:16]
+    return hashlib.sha256(b"".join(f.read_bytes() for f in (*sources(), HEADER))).hexdigest()[:16]
 
 
 def why() -> str | None:
