@@ -15,6 +15,7 @@ from common import settings
 from common.params import SamplingParams
 from common.settings import BACKENDS, OLD_BACKENDS
 
+from . import native
 from .acceptance import accept
 from .backend import Backend
 from .constraints import Adjust, LogProbs, logprobs, masked
@@ -227,9 +228,8 @@ class VerifierSession:
         if self.adjust is not None:
             logits = self.adjust.apply(logits, _contexts(self.generated, tokens, parents))
         logits = masked(logits, self._take_masks())
-        topk = torch.topk(logits, self.topk, dim=-1).indices.tolist()
-        if self._sampler is None:
-            argmax = torch.argmax(logits, dim=-1).tolist()
+        topk, argmax = _top(logits, self.topk, self._sampler is None)
+        if argmax is not None:
             path, bonus = accept(tokens, parents, argmax.__getitem__)
         else:
             path, bonus = accept(tokens, parents, lambda i: self._sampler(logits[i].cpu()))
@@ -240,6 +240,17 @@ class VerifierSession:
         if self.logprobs >= 0:  # the token chosen at each accepted node: the next one on the path, then the bonus
             lp = logprobs(raw[path], [tokens[i] for i in path[1:]] + [bonus], self.logprobs)
         return VerifyResult(path, bonus, topk, lp)
+
+
+def _top(logits: torch.Tensor, k: int, argmax: bool = False) -> tuple[list[list[int]], list[int] | None]:
+    """Each row's ``k`` best ids of ``logits`` [n, V], best first, and with ``argmax`` each row's
+    argmax (None without): one native pass where it applies (``native.top_rows``: ties by position,
+    so its first id is ``torch.argmax``'s), else torch's top-k and argmax."""
+    ids = native.top_rows(logits, max(k, 1))
+    if ids is not None:
+        return ids[:, :k].tolist(), ids[:, 0].tolist() if argmax else None
+    top = torch.topk(logits, k, dim=-1).indices.tolist()
+    return top, torch.argmax(logits, dim=-1).tolist() if argmax else None
 
 
 def _echo_rows(items, spans) -> dict[int, list[tuple["VerifierSession", int]]]:
@@ -387,7 +398,7 @@ def _prefilled(items) -> list[PrefillResult]:
         hidden = torch.cat(parts) if len(parts) > 1 else parts[0]
         for s in range(0, hidden.shape[0], _PREFILL_CHUNK):
             logits = session0.backend.logits(hidden[s : s + _PREFILL_CHUNK])
-            topk.extend(torch.topk(logits, session0.topk, dim=-1).indices.tolist())
+            topk.extend(_top(logits, session0.topk)[0])
             last.update((r, logits[r - s]) for r in ends if s <= r < s + logits.shape[0])
             _echo(echo, logits, s)
     out = []

@@ -42,6 +42,7 @@ ATTENTION_SOURCE = Path(__file__).with_name("native_attention.c")
 LAYER_SOURCE = Path(__file__).with_name("native_layer.c")  # a whole decoder on the ones above
 PANEL_SOURCE = Path(__file__).with_name("native_panel.c")  # projections over weights stored as panels
 QUANT_SOURCE = Path(__file__).with_name("native_quant.c")  # projections over GGUF blocks read in place
+SELECT_SOURCE = Path(__file__).with_name("native_select.c")  # each row's top-k ids of the logits
 HEADER = Path(__file__).with_name("native_vec.h")  # included by the sources
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 
@@ -65,7 +66,7 @@ _state: dict = {}  # "lib": the loaded library or None, once tried; "why": why n
 
 def sources() -> tuple[Path, ...]:
     """The C sources the library is built from (``native_vec.h`` aside)."""
-    return (SOURCE, ATTENTION_SOURCE, PANEL_SOURCE, QUANT_SOURCE, LAYER_SOURCE)
+    return (SOURCE, ATTENTION_SOURCE, PANEL_SOURCE, QUANT_SOURCE, LAYER_SOURCE, SELECT_SOURCE)
 
 
 def _compiler() -> str | None:
@@ -166,6 +167,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.racer_quant_pack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
     lib.racer_quant_packed.restype = ctypes.c_int
     lib.racer_quant_packed.argtypes = lib.racer_quant.argtypes + [ctypes.c_int]
+    lib.racer_top_rows.restype = ctypes.c_int
+    lib.racer_top_rows.argtypes = [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_int]
     lib.racer_decoder.restype = ctypes.c_int
     lib.racer_decoder.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_long]
     lib.racer_decoder.argtypes += [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 4
@@ -302,6 +305,24 @@ def threads(rows: int) -> int:
     """Threads of a native call over ``rows`` rows (``round_threads``)."""
     every, n = torch.get_num_threads(), _round["threads"]
     return min(n, every) if n and rows <= ROUND_ROWS else every
+
+
+def top_rows(logits: torch.Tensor, k: int) -> torch.Tensor | None:
+    """Each row's ``k`` largest entries' ids [n, k] int64, largest first, equal values by position (so
+    column 0 is ``torch.argmax``'s choice, NaN included), from ``native_select.c``: one pass a row
+    instead of torch's sort. None where it does not apply (no library, ``RACER_NATIVE=off``, not a
+    float32 CPU matrix, ``k`` outside [1, columns]); the caller then asks torch."""
+    lib = None if _off() else library()
+    if lib is None or logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2:
+        return None
+    n, v = logits.shape
+    if not 1 <= k <= min(v, 4096):
+        return None
+    x = logits.contiguous()
+    ids = torch.empty((n, k), dtype=torch.int64)
+    if n and lib.racer_top_rows(x.data_ptr(), n, v, k, ids.data_ptr(), threads(n)):
+        return None
+    return ids
 
 
 def flush(t: torch.Tensor) -> None:

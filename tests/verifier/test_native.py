@@ -198,3 +198,48 @@ def test_a_rounds_calls_take_the_round_threads_and_a_prefills_every_thread(monke
     assert native.threads(native.ROUND_ROWS + 1) == every
     native.round_threads(every + 5)  # never more than torch's count
     assert native.threads(1) == every
+
+
+def test_top_rows_are_torchs_top_k_values_with_ties_by_position_and_argmax_first():
+    _built()
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn((16, 49_152), generator=gen)
+    x[0, [9, 4, 700]] = x[0].max() + 1  # a three-way tie at the top: by position
+    x[1, 17] = x[1, 3] = float("nan")  # NaN ranks above every number, the first one ahead
+    x[2] = float("-inf")  # every token masked
+    x[3, -5:] = x[3].max() + 1  # the best ones in the vector loop's scalar tail
+    ids = native.top_rows(x, 8)
+    assert ids.shape == (16, 8) and ids.dtype == torch.int64
+    assert torch.equal(ids[:, 0], torch.argmax(x, dim=-1))
+    assert ids[0, :3].tolist() == [4, 9, 700] and ids[1, :2].tolist() == [3, 17] and ids[2].tolist() == list(range(8))
+    finite = torch.ones(16, dtype=torch.bool)
+    finite[1] = False
+    assert torch.equal(x.gather(1, ids)[finite], torch.topk(x, 8, dim=-1).values[finite])
+    for k in (1, 3, 100):
+        assert torch.equal(native.top_rows(x, k)[:, : min(k, 8)], ids[:, : min(k, 8)])
+
+
+def test_top_rows_of_a_row_do_not_depend_on_the_other_rows_or_the_threads():
+    _built()
+    x = torch.randn((40, 5_000), generator=torch.Generator().manual_seed(4))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        full = native.top_rows(x, 8)
+        torch.set_num_threads(1)
+        assert torch.equal(native.top_rows(x, 8), full)
+    finally:
+        torch.set_num_threads(threads)
+    for r in (0, 7, 39):
+        assert torch.equal(native.top_rows(x[r : r + 1], 8)[0], full[r])
+    y = x.clone()
+    y[7, int(full[7, 5])] += 10.0  # a changed row is caught: its sixth best moves to the top
+    assert native.top_rows(y, 8)[7, 0] == full[7, 5] and torch.equal(native.top_rows(y, 8)[8], full[8])
+
+
+def test_top_rows_refuse_what_they_do_not_take():
+    _built()
+    x = torch.randn((2, 50))
+    assert native.top_rows(x.double(), 4) is None and native.top_rows(x[0], 4) is None
+    assert native.top_rows(x, 0) is None and native.top_rows(x, 51) is None
+    assert torch.equal(native.top_rows(x.t().contiguous().t(), 4), native.top_rows(x, 4))  # a strided view is copied
