@@ -68,7 +68,9 @@ def placement(split: tuple[list[int], list[int]], service: str) -> dict[str, str
     most a draft tree's rows) on as many threads as it has CPUs of its own (``RACER_ROUND_THREADS``)
     and its prefills on all of them: the other services wait for a prefill's answer, while they
     work between a round's forwards. Measured on two cores (``racer bench-llama-cpp``): 20% more
-    tok/s than a verifier confined to its own core, which prefilled long prompts on one thread."""
+    tok/s than a verifier confined to its own core, which prefilled long prompts on one thread. A
+    lone stream's rounds take every CPU too (``verifier.native.lone_stream``): its drafter and
+    gateway wait for each forward."""
     mine, others = split
     if service != "verifier":
         return {"RACER_CPUS": format_list(others)}

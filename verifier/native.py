@@ -10,14 +10,17 @@ the CPU. They are candidates like any other (``verifier/kernels.py``): they run 
 tuner measured them fastest, and without a compiler (or with ``RACER_NATIVE=off``) they are simply
 not offered.
 
-Threads come from OpenMP. Loaded into a process that already holds torch's OpenMP runtime, the
-library binds to that runtime, so its parallel regions share torch's thread pool; were a second
-OpenMP runtime loaded, the two pools would spin against each other for the cores, and the kernels
-are refused.
+Threads come from the library's own pool (``native_pool.c``): a forward holds it, so its workers
+spin between the forward's few hundred parallel loops and sleep as soon as it ends, where an
+OpenMP team would either spin on into the time the other services need the cores or sleep and be
+woken between loops. OpenMP is still linked (the AMX attention's tiles); loaded into a process that
+already holds torch's OpenMP runtime, the library binds to that runtime, and were a second OpenMP
+runtime loaded the kernels are refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -43,7 +46,8 @@ LAYER_SOURCE = Path(__file__).with_name("native_layer.c")  # a whole decoder on 
 PANEL_SOURCE = Path(__file__).with_name("native_panel.c")  # projections over weights stored as panels
 QUANT_SOURCE = Path(__file__).with_name("native_quant.c")  # projections over GGUF blocks read in place
 SELECT_SOURCE = Path(__file__).with_name("native_select.c")  # each row's top-k ids of the logits
-HEADER = Path(__file__).with_name("native_vec.h")  # included by the sources
+POOL_SOURCE = Path(__file__).with_name("native_pool.c")  # the kernels' threads
+HEADERS = tuple(Path(__file__).with_name(h) for h in ("native_vec.h", "native_pool.h"))  # included by the sources
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 
 # name -> (weight rows, x rows) per tile, and the vector width (bits) the shape is meant for: a
@@ -65,8 +69,8 @@ _state: dict = {}  # "lib": the loaded library or None, once tried; "why": why n
 
 
 def sources() -> tuple[Path, ...]:
-    """The C sources the library is built from (``native_vec.h`` aside)."""
-    return (SOURCE, ATTENTION_SOURCE, PANEL_SOURCE, QUANT_SOURCE, LAYER_SOURCE, SELECT_SOURCE)
+    """The C sources the library is built from (the headers aside)."""
+    return (SOURCE, ATTENTION_SOURCE, PANEL_SOURCE, QUANT_SOURCE, LAYER_SOURCE, SELECT_SOURCE, POOL_SOURCE)
 
 
 def _compiler() -> str | None:
@@ -110,7 +114,7 @@ def _load(machine: str) -> ctypes.CDLL | None:
         return None
     digest = hashlib.sha256(
         b"\0".join(
-            x.encode() for x in (*(f.read_text() for f in (*sources(), HEADER)), version, " ".join(FLAGS), machine)
+            x.encode() for x in (*(f.read_text() for f in (*sources(), *HEADERS)), version, " ".join(FLAGS), machine)
         )
     ).hexdigest()[:20]
     before = _openmp_runtimes()
@@ -169,6 +173,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.racer_quant_packed.argtypes = lib.racer_quant.argtypes + [ctypes.c_int]
     lib.racer_top_rows.restype = ctypes.c_int
     lib.racer_top_rows.argtypes = [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_int]
+    lib.racer_pool_hold.restype = None
+    lib.racer_pool_hold.argtypes = [ctypes.c_int]
+    lib.racer_pool_workers.restype = ctypes.c_int
     lib.racer_decoder.restype = ctypes.c_int
     lib.racer_decoder.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_long]
     lib.racer_decoder.argtypes += [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 4
@@ -187,7 +194,7 @@ def library(machine: str = "") -> ctypes.CDLL | None:
 
 def source_digest() -> str:
     """Identifies the kernels' source: a choice measured on other kernels is measured again."""
-    return hashlib.sha256(b"".join(f.read_bytes() for f in (*sources(), HEADER))).hexdigest()[:16]
+    return hashlib.sha256(b"".join(f.read_bytes() for f in (*sources(), *HEADERS))).hexdigest()[:16]
 
 
 def why() -> str | None:
@@ -291,6 +298,7 @@ def linear(name: str):
 # threads; larger ones, prefills and wide batches of trees, use every thread.
 ROUND_ROWS = 64
 _round = {"threads": 0}
+_lone = threading.local()  # .on: this thread's calls are a lone stream's round (``lone_stream``)
 
 
 def round_threads(n: int) -> None:
@@ -301,9 +309,24 @@ def round_threads(n: int) -> None:
     _round["threads"] = max(0, int(n))
 
 
+@contextlib.contextmanager
+def lone_stream():
+    """Native calls on this thread, inside, run on torch's whole count whatever ``round_threads``
+    says: the round of the only stream a verifier serves, whose drafter and gateway wait for its
+    result, so the CPUs they work on are idle while it runs. With several streams they work for the
+    others during a forward, and rounds keep the verifier's own CPUs."""
+    _lone.on = True
+    try:
+        yield
+    finally:
+        _lone.on = False
+
+
 def threads(rows: int) -> int:
-    """Threads of a native call over ``rows`` rows (``round_threads``)."""
+    """Threads of a native call over ``rows`` rows (``round_threads``, ``lone_stream``)."""
     every, n = torch.get_num_threads(), _round["threads"]
+    if getattr(_lone, "on", False):
+        return every
     return min(n, every) if n and rows <= ROUND_ROWS else every
 
 

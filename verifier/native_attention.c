@@ -19,10 +19,13 @@
  * C library either.
  */
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "native_pool.h"
 #include "native_vec.h"
 
 #define BLOCK 64
@@ -396,6 +399,121 @@ static void merge_chunks(float *out, const float *p, long step, long chunks, lon
 }
 
 
+/* A thread's work space, kept across calls (freed when the thread ends): allocating and zeroing
+ * 256 KiB of blocks per thread in every call of every layer cost a forward more than its smallest
+ * trees' attention. Zeroed once, when allocated; after that a block's keys past a row's count hold
+ * an earlier call's values, finite and never used (masked out of the scores, left out of the sums). */
+struct space {
+    struct item it;
+    long states; /* head rows st, stp and qp hold */
+};
+
+static pthread_key_t space_key;
+static pthread_once_t space_once = PTHREAD_ONCE_INIT;
+
+static void space_free(void *p)
+{
+    struct space *s = p;
+    free(s->it.shared);
+    free(s->it.own);
+    free(s->it.w);
+    free(s->it.st);
+    free(s->it.stp);
+    free(s->it.qp);
+    free(s);
+}
+
+static void space_key_make(void) { pthread_key_create(&space_key, space_free); }
+
+/* This thread's work space for ``states`` head rows, or NULL when out of memory. */
+static struct item *space(long states)
+{
+    pthread_once(&space_once, space_key_make);
+    struct space *s = pthread_getspecific(space_key);
+    if (!s) {
+        s = calloc(1, sizeof *s);
+        if (!s) return NULL;
+        s->it.shared = aligned_alloc(64, sizeof(struct block));
+        s->it.own = aligned_alloc(64, sizeof(struct block));
+        s->it.w = aligned_alloc(64, sizeof(struct work));
+        if (!s->it.shared || !s->it.own || !s->it.w || pthread_setspecific(space_key, s)) {
+            space_free(s);
+            return NULL;
+        }
+        memset(s->it.shared, 0, sizeof(struct block));
+        memset(s->it.own, 0, sizeof(struct block));
+    }
+    if (s->states < states) {
+        free(s->it.st);
+        free(s->it.stp);
+        free(s->it.qp);
+        s->it.st = aligned_alloc(64, sizeof(struct state) * states);
+        s->it.stp = malloc(sizeof(struct state *) * states);
+        s->it.qp = malloc(sizeof(const float *) * states);
+        s->states = s->it.st && s->it.stp && s->it.qp ? states : 0;
+        if (!s->states) return NULL;
+    }
+    return &s->it;
+}
+
+/* One racer_attention call, as its work items read it. */
+struct attention_call {
+    _Atomic int failed; /* a thread found no work space: the call returns -2 */
+    float *part;
+    const float *q;
+    const void *k, *v;
+    float *out;
+    long n, H, Hkv, D, cap;
+    const int64_t *counts, *inplace, *tail;
+    long T;
+    float scale;
+    int type;
+    long esize, group, ps, chunks, runs, span;
+};
+
+/* Work items [lo, hi): one KV head, one chunk and a run of rows each; their chunk states into part. */
+static void attention_items(void *ctx, long lo, long hi, int tid)
+{
+    struct attention_call *c = ctx;
+    (void)tid;
+    const long D = c->D, H = c->H, n = c->n, group = c->group, span = c->span;
+    struct item *it = space(span * group);
+    if (!it) {
+        atomic_store(&c->failed, 1);
+        return;
+    }
+    for (long x = lo; x < hi; x++) {
+        const long kh = x / (c->chunks * c->runs), cu = x % (c->chunks * c->runs), ch = cu / c->runs, u = cu % c->runs;
+        long r0 = u * span, r1 = r0 + span < n ? r0 + span : n, top = 0, lo_key = ch * CHUNK;
+        for (long r = r0; r < r1; r++) top = c->counts[r] > top ? c->counts[r] : top;
+        top = top < lo_key + CHUNK ? top : lo_key + CHUNK;
+        if (top <= lo_key) continue;
+        item_chunk(it, lo_key, top, r0, r1, group, c->q, H, kh, (const char *)c->k + kh * c->cap * D * c->esize,
+                   (const char *)c->v + kh * c->cap * D * c->esize, c->esize, c->counts, c->inplace, c->tail, c->T, D,
+                   c->type, c->scale);
+        for (long r = r0; r < r1; r++) {
+            if (c->counts[r] <= lo_key) continue; /* no keys in this chunk: merge_chunks stops before it */
+            for (long g = 0; g < group; g++) {
+                const struct state *s = &it->st[(r - r0) * group + g];
+                float *p = c->part + ((ch * n + r) * H + kh * group + g) * c->ps;
+                p[0] = s->m;
+                p[1] = s->l;
+                memcpy(p + VL, s->acc, sizeof(float) * D);
+            }
+        }
+    }
+}
+
+/* Head rows [lo, hi): their chunk states merged in order into out. */
+static void attention_merges(void *ctx, long lo, long hi, int tid)
+{
+    const struct attention_call *c = ctx;
+    (void)tid;
+    for (long rh = lo; rh < hi; rh++)
+        merge_chunks(c->out + rh * c->D, c->part + rh * c->ps, c->n * c->H * c->ps, c->chunks, c->counts[rh / c->H],
+                     c->D);
+}
+
 /* q [n, H, D] float32; k, v: one layer's cache [Hkv, cap, D] of ``type``; out [n, H, D] float32.
  * counts[n]: keys row r sees; inplace[n]: how many of them are cache rows 0, 1, ...; tail [n, T]:
  * the cache rows of the others, in position order. Returns 0, -1 for an unsupported size, -2 when
@@ -421,64 +539,16 @@ int racer_attention(int type, const float *q, const void *k, const void *v, floa
     const long span = (n + runs - 1) / runs;
     runs = (n + span - 1) / span;
     size_t bytes = sizeof(float) * (size_t)(chunks * n * H * ps);
+    const int nth = threads > 0 ? threads : 1;
     float *part = aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
-    int failed = !part; /* shared: one thread's failed allocation stops every thread's merge */
-#pragma omp parallel num_threads(threads)
-    {
-        struct item it;
-        it.shared = aligned_alloc(64, sizeof(struct block));
-        it.own = aligned_alloc(64, sizeof(struct block));
-        it.w = aligned_alloc(64, sizeof(struct work));
-        it.st = aligned_alloc(64, sizeof(struct state) * span * group);
-        it.stp = malloc(sizeof(struct state *) * span * group);
-        it.qp = malloc(sizeof(const float *) * span * group);
-        int ok = part && it.shared && it.own && it.w && it.st && it.stp && it.qp;
-        if (ok) { /* keys past a row's count are masked, never used: finite all the same */
-            memset(it.shared, 0, sizeof(struct block));
-            memset(it.own, 0, sizeof(struct block));
-        }
-#pragma omp for schedule(dynamic) collapse(3)
-        for (long kh = 0; kh < Hkv; kh++)
-            for (long c = 0; c < chunks; c++)
-                for (long u = 0; u < runs; u++) {
-                    long r0 = u * span, r1 = r0 + span < n ? r0 + span : n, hi = 0, lo = c * CHUNK;
-                    for (long r = r0; r < r1; r++) hi = counts[r] > hi ? counts[r] : hi;
-                    hi = hi < lo + CHUNK ? hi : lo + CHUNK;
-                    if (!ok || hi <= lo) continue;
-                    item_chunk(&it, lo, hi, r0, r1, group, q, H, kh, (const char *)k + kh * cap * D * esize,
-                               (const char *)v + kh * cap * D * esize, esize, counts, inplace, tail, T, D, type,
-                               scale);
-                    for (long r = r0; r < r1; r++) {
-                        if (counts[r] <= lo) continue; /* no keys in this chunk: merge_chunks stops before it */
-                        for (long g = 0; g < group; g++) {
-                            const struct state *s = &it.st[(r - r0) * group + g];
-                            float *p = part + ((c * n + r) * H + kh * group + g) * ps;
-                            p[0] = s->m;
-                            p[1] = s->l;
-                            memcpy(p + VL, s->acc, sizeof(float) * D);
-                        }
-                    }
-                }
-        if (!ok) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        free(it.shared);
-        free(it.own);
-        free(it.w);
-        free(it.st);
-        free(it.stp);
-        free(it.qp);
-#pragma omp barrier
-        int skip; /* read after the barrier: every thread's allocation is known by then */
-#pragma omp atomic read
-        skip = failed;
-#pragma omp for schedule(static)
-        for (long rh = 0; rh < n * H; rh++)
-            if (!skip) merge_chunks(out + rh * D, part + rh * ps, n * H * ps, chunks, counts[rh / H], D);
-    }
+    if (!part) return -2;
+    struct attention_call c = {0, part, q, k, v, out, n, H, Hkv, D, cap, counts, inplace, tail, T, scale,
+                               type, esize, group, ps, chunks, runs, span};
+    racer_pfor(Hkv * chunks * runs, 1, nth, attention_items, &c);
+    const int ok = !atomic_load(&c.failed);
+    if (ok) racer_pfor(n * H, (n * H + nth - 1) / nth, nth, attention_merges, &c);
     free(part);
-    return failed ? -2 : 0;
+    return ok ? 0 : -2;
 }
 
 /* ---- The same attention on AMX tiles (bfloat16 caches, x86 CPUs with AMX-BF16) ----

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "native_pool.h"
 #include "native_vec.h"
 
 int racer_linear(int nr, int mr, int type, const float *x, const void *w, const float *bias, float *y, long M, long N,
@@ -194,7 +195,9 @@ int racer_decoder(const struct shape *s, const struct layer *layers, long n_laye
     w.q = w.h + n * E, w.k = w.q + n * Hq, w.v = w.k + n * Hk, w.a = w.v + n * Hk;
     w.g = w.a + n * Hq, w.u = w.g + n * I, w.y = w.u + n * I;
     int rc = 0;
+    racer_pool_hold(1); /* the pool's workers spin between this forward's loops, and sleep after it */
     for (long i = 0; i < n_layers && !rc; i++) rc = layer_forward(s, i, &layers[i], seg, segments, x, n, cos, sin, &w);
+    racer_pool_hold(0);
     free(all);
     for (long r = 0; r < n && !rc; r++) rms_norm(x + r * E, norm, out + r * E, E, s->eps);
     return rc;

@@ -24,6 +24,7 @@
 #include <stddef.h>
 #include <stdlib.h>
 
+#include "native_pool.h"
 #include "native_vec.h"
 
 typedef void (*tile_fn)(const float *restrict x, const void *restrict w, const float *restrict bias,
@@ -245,7 +246,34 @@ static long gcd(long a, long b) { return b ? gcd(b, a % b) : a; }
 
 enum { MAX_WEIGHTS = 8 };
 
-/* ``count`` weights against the same rows of x, in one parallel region (the weights' tiles shared
+/* One racer_linear_many call over one block of x's rows, as its tiles read it. */
+struct linear_call {
+    const struct variant *const *v;
+    const long *first;
+    long xs;
+    const void *const *w;
+    const float *const *bias;
+    float *const *y;
+    const int64_t *N;
+    long K, widest, m0, m;
+    const char *x;
+};
+
+/* Weight tiles [lo, hi), counted across the call's weights. */
+static void linear_body(void *ctx, long lo, long hi, int tid)
+{
+    const struct linear_call *c = ctx;
+    float *buf = c->widest ? scratch(c->widest) : NULL;
+    (void)tid;
+    for (long b = lo; b < hi; b++) {
+        int i = 0;
+        while (b >= c->first[i + 1]) i++;
+        block(c->v[i], c->x, c->xs, c->w[i], c->bias[i], c->y[i] + c->m0 * c->N[i], c->m, c->N[i], c->K,
+              (b - c->first[i]) * c->v[i]->nr, buf);
+    }
+}
+
+/* ``count`` weights against the same rows of x, in one parallel loop (the weights' tiles shared
  * out among the threads as one list): y[i][M, N[i]] = x[M, K] @ w[i][N[i], K]^T (+ bias[i]), weight i
  * by the tile shape tiles[2i] x tiles[2i + 1]. Each output is computed exactly as racer_linear
  * computes it alone. 0, or -1 for a tile shape or weight type this build does not have. */
@@ -265,19 +293,12 @@ int racer_linear_many(int count, const int64_t *tiles, int type, const float *x,
     long mb = X_BLOCK_BYTES / (K * xs) / step * step;
     mb = mb < step ? step : mb;
     const int wide = (type == BF16 || type == F16) && widest;
-#pragma omp parallel num_threads(threads)
-    {
-        float *buf = wide ? scratch(widest) : NULL;
-        for (long m0 = 0; m0 < M; m0 += mb) {
-            const long m = M - m0 < mb ? M - m0 : mb;
-#pragma omp for schedule(static)
-            for (long b = 0; b < first[count]; b++) {
-                int i = 0;
-                while (b >= first[i + 1]) i++;
-                block(v[i], (const char *)x + m0 * K * xs, xs, w[i], bias[i], y[i] + m0 * N[i], m, N[i], K,
-                      (b - first[i]) * v[i]->nr, buf);
-            }
-        }
+    const int nth = threads > 0 ? threads : 1;
+    struct linear_call c = {v, first, xs, w, bias, y, N, K, wide ? widest : 0};
+    for (c.m0 = 0; c.m0 < M; c.m0 += mb) {
+        c.m = M - c.m0 < mb ? M - c.m0 : mb;
+        c.x = (const char *)x + c.m0 * K * xs;
+        racer_pfor(first[count], (first[count] + nth - 1) / nth, nth, linear_body, &c);
     }
     return 0;
 }

@@ -25,6 +25,7 @@
 #include <stddef.h>
 #include <stdlib.h>
 
+#include "native_pool.h"
 #include "native_vec.h"
 
 #if defined(__AVX512F__)
@@ -166,7 +167,40 @@ static void panel_rows(int type, const float *x, long M, long K, const char *w, 
 enum { X_BLOCK_BYTES = 256 << 10 }; /* rows of x the panels meet per sweep: L2-resident */
 enum { MAX_WEIGHTS = 8 };
 
-/* ``count`` weights against the same rows of x, in one parallel region (their panels, or groups of
+/* One racer_panel_many call over one block of x's rows, as its units read it. */
+struct panel_call {
+    int type;
+    const float *x;
+    long K;
+    const void *const *w;
+    const float *const *bias;
+    float *const *y;
+    const int64_t *N;
+    const long *first;
+    long per, m0, m;
+};
+
+/* Units [lo, hi) of work (a panel, or a group of panels for one row), counted across the weights. */
+static void panel_body(void *ctx, long lo, long hi, int tid)
+{
+    const struct panel_call *c = ctx;
+    const long K = c->K, per = c->per;
+    (void)tid;
+    for (long u = lo; u < hi; u++) {
+        int i = 0;
+        while (u >= c->first[i + 1]) i++;
+        const long p = (u - c->first[i]) * per;
+        const char *wi = c->w[i];
+        if (per == GROUP && p + GROUP <= c->N[i] / PW)
+            GROUPS[c->type](c->x, K, wi + p * K * PW * ESIZE[c->type], c->y[i] + p * PW,
+                            c->bias[i] ? c->bias[i] + p * PW : NULL);
+        else /* many rows, or one row's last panels past a whole group */
+            for (long q = p; q < p + per && q < c->N[i] / PW; q++)
+                panel_rows(c->type, c->x + c->m0 * K, c->m, K, wi, c->bias[i], c->y[i] + c->m0 * c->N[i], c->N[i], q);
+    }
+}
+
+/* ``count`` weights against the same rows of x, in one parallel loop (their panels, or groups of
  * panels for one row, shared out among the threads as one list): y[i][M, N[i]] = x[M, K] @
  * w[i][N[i], K]^T (+ bias[i]). Each output is computed exactly as alone. 0, or -1 for a weight type
  * this build does not have, a count out of range or an N that is not a whole number of panels. */
@@ -182,21 +216,11 @@ int racer_panel_many(int count, int type, const float *x, const void *const *w, 
     }
     long mb = X_BLOCK_BYTES / (K * 4);
     mb = mb < R ? R : mb / R * R;
-#pragma omp parallel num_threads(threads)
-    for (long m0 = 0; m0 < M; m0 += mb) {
-        const long m = M - m0 < mb ? M - m0 : mb;
-#pragma omp for schedule(static)
-        for (long u = 0; u < first[count]; u++) {
-            int i = 0;
-            while (u >= first[i + 1]) i++;
-            const long p = (u - first[i]) * per;
-            const char *wi = w[i];
-            if (per == GROUP && p + GROUP <= N[i] / PW)
-                GROUPS[type](x, K, wi + p * K * PW * ESIZE[type], y[i] + p * PW, bias[i] ? bias[i] + p * PW : NULL);
-            else /* many rows, or one row's last panels past a whole group */
-                for (long q = p; q < p + per && q < N[i] / PW; q++)
-                    panel_rows(type, x + m0 * K, m, K, wi, bias[i], y[i] + m0 * N[i], N[i], q);
-        }
+    const int nth = threads > 0 ? threads : 1;
+    struct panel_call c = {type, x, K, w, bias, y, N, first, per};
+    for (c.m0 = 0; c.m0 < M; c.m0 += mb) {
+        c.m = M - c.m0 < mb ? M - c.m0 : mb;
+        racer_pfor(first[count], (first[count] + nth - 1) / nth, nth, panel_body, &c);
     }
     return 0;
 }

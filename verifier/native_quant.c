@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "native_pool.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define QUANT_AVX2 1
@@ -336,6 +338,31 @@ static void row_all(int type, const uint8_t *row, const struct xq *X, long M, fl
     }
 }
 
+struct rows_call {
+    const int64_t *types;
+    const void *const *w;
+    const float *const *bias;
+    float *const *y;
+    const int64_t *N;
+    const struct xq *X;
+    long M, K;
+};
+
+/* Weight rows [lo, hi) of a quant_rows_many call, counted across its projections. */
+static void rows_body(void *ctx, long lo, long hi, int tid)
+{
+    const struct rows_call *c = ctx;
+    (void)tid;
+    for (long t = lo; t < hi; t++) {
+        int j = 0;
+        long n = t;
+        while (n >= c->N[j]) n -= c->N[j++];
+        const long row_bytes = c->K / block_values((int)c->types[j]) * block_bytes((int)c->types[j]);
+        row_all((int)c->types[j], (const uint8_t *)c->w[j] + n * row_bytes, c->X, c->M, c->y[j] + n, c->N[j],
+                c->bias && c->bias[j] ? c->bias[j][n] : 0.f);
+    }
+}
+
 /* racer_quant_many over weights whose rows are as the file stores them: w[j] of GGML type types[j],
  * N[j] rows of K / block_values blocks. x is quantized once; the
  * projections' rows share one parallel region (threads split weight rows, never K). 0, -1 for a type
@@ -355,15 +382,8 @@ static int quant_rows_many(int count, const int64_t *types, const float *x, cons
     X.d = (float *)((char *)mem + ((M * K + 15) & ~15L));
     X.s = X.d + M * X.nb;
     for (long m = 0; m < M; m++) quantize_row(x + m * K, K, X.q + m * K, X.d + m * X.nb, X.s + m * X.nb);
-#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
-    for (long t = 0; t < total; t++) {
-        int j = 0;
-        long n = t;
-        while (n >= N[j]) n -= N[j++];
-        const long row_bytes = K / block_values((int)types[j]) * block_bytes((int)types[j]);
-        row_all((int)types[j], (const uint8_t *)w[j] + n * row_bytes, &X, M, y[j] + n, N[j],
-                bias && bias[j] ? bias[j][n] : 0.f);
-    }
+    struct rows_call c = {types, w, bias, y, N, &X, M, K};
+    racer_pfor(total, (total + 2 * threads - 1) / (2 * threads > 0 ? 2 * threads : 1), threads, rows_body, &c);
     free(mem);
     return 0;
 }
@@ -501,6 +521,29 @@ struct xp {
     long nb, M;
 };
 
+struct quantize_call {
+    const float *x;
+    long K;
+    struct xp *X;
+};
+
+/* Rows [lo, hi) of x quantized, block by block. */
+static void quantize_body(void *ctx, long lo, long hi, int tid)
+{
+    const struct quantize_call *c = ctx;
+    struct xp *X = c->X;
+    const long M = X->M, K = c->K;
+    (void)tid;
+    for (long m = lo; m < hi; m++)
+        for (long b = 0; b < X->nb; b++) {
+            int sum;
+            const float db = quantize_block(c->x + m * K + 32 * b, X->q + (b * M + m) * 32, &sum);
+            X->d[b * M + m] = db;
+            X->s[b * M + m] = db * (float)sum;
+            X->sum[b * M + m] = sum;
+        }
+}
+
 static int quantize_packed(const float *x, long M, long K, int threads, struct xp *X, void **mem)
 {
     X->nb = K / 32;
@@ -511,15 +554,9 @@ static int quantize_packed(const float *x, long M, long K, int threads, struct x
     X->d = (float *)((char *)*mem + ((M * K + 31) & ~31L));
     X->s = X->d + M * X->nb;
     X->sum = (int32_t *)(X->s + M * X->nb);
-#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1) if (M * K >= 65536)
-    for (long m = 0; m < M; m++)
-        for (long b = 0; b < X->nb; b++) {
-            int sum;
-            const float db = quantize_block(x + m * K + 32 * b, X->q + (b * M + m) * 32, &sum);
-            X->d[b * M + m] = db;
-            X->s[b * M + m] = db * (float)sum;
-            X->sum[b * M + m] = sum;
-        }
+    struct quantize_call c = {x, K, X};
+    const int nth = M * K >= 65536 && threads > 1 ? threads : 1;
+    racer_pfor(M, (M + nth - 1) / nth, nth, quantize_body, &c);
     return 0;
 }
 
@@ -656,6 +693,31 @@ static void group_all(int type, const uint8_t *g, const struct xp *X, float *y, 
         for (int j = 0; j < 8; j++) y[m * N + n0 + j] = quant_packed_ref(type, g, X, j, m, bias ? bias[n0 + j] : 0.f);
 }
 
+struct packed_call {
+    const int64_t *types;
+    const void *const *w;
+    const float *const *bias;
+    float *const *y;
+    const int64_t *N;
+    const struct xp *X;
+    int simd;
+};
+
+/* Groups [lo, hi) of 8 weight rows of a quant_packed_many call, counted across its projections. */
+static void packed_body(void *ctx, long lo, long hi, int tid)
+{
+    const struct packed_call *c = ctx;
+    (void)tid;
+    for (long t = lo; t < hi; t++) {
+        int j = 0;
+        long g = t;
+        while (g >= c->N[j] / 8) g -= c->N[j++] / 8;
+        const int type = (int)c->types[j] - PACKED;
+        group_all(type, (const uint8_t *)c->w[j] + g * c->X->nb * packed_bytes(type), c->X, c->y[j], c->N[j], 8 * g,
+                  c->bias ? c->bias[j] : NULL, c->simd);
+    }
+}
+
 /* racer_quant_many over packed weights (types[j] = GGML number + PACKED, N[j] a multiple of 8);
  * ``simd`` 0 runs the C code (the same bits: a test compares them). */
 static int quant_packed_many(int count, const int64_t *types, const float *x, const void *const *w,
@@ -670,15 +732,8 @@ static int quant_packed_many(int count, const int64_t *types, const float *x, co
     struct xp X;
     void *mem;
     if (quantize_packed(x, M, K, threads, &X, &mem)) return -2;
-#pragma omp parallel for schedule(dynamic, 4) num_threads(threads > 0 ? threads : 1)
-    for (long t = 0; t < groups; t++) {
-        int j = 0;
-        long g = t;
-        while (g >= N[j] / 8) g -= N[j++] / 8;
-        const int type = (int)types[j] - PACKED;
-        group_all(type, (const uint8_t *)w[j] + g * X.nb * packed_bytes(type), &X, y[j], N[j], 8 * g,
-                  bias ? bias[j] : NULL, simd);
-    }
+    struct packed_call c = {types, w, bias, y, N, &X, simd};
+    racer_pfor(groups, 4, threads, packed_body, &c);
     free(mem);
     return 0;
 }

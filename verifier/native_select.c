@@ -9,6 +9,7 @@
  */
 #include <stdint.h>
 
+#include "native_pool.h"
 #include "native_vec.h"
 
 /* Whether a ranks above b (b came first on ties). */
@@ -49,12 +50,25 @@ static void row_top(const float *x, long V, long k, int64_t *ids)
     for (; j < V; j++) insert(vals, ids, &have, k, x[j], j);
 }
 
+struct top_call {
+    const float *x;
+    long V, k;
+    int64_t *ids;
+};
+
+static void top_items(void *ctx, long lo, long hi, int tid)
+{
+    const struct top_call *c = ctx;
+    (void)tid;
+    for (long r = lo; r < hi; r++) row_top(c->x + r * c->V, c->V, c->k, c->ids + r * c->k);
+}
+
 /* ids [n, k]: each row's k largest entries of x [n, V] (row-major float32), largest first, ties by
  * position. 0, or -1 for k outside [1, V]. Rows are independent: any thread count, the same ids. */
 int racer_top_rows(const float *x, long n, long V, long k, int64_t *ids, int threads)
 {
     if (k < 1 || k > V || k > 4096) return -1;
-#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1) if (n * V >= 262144)
-    for (long r = 0; r < n; r++) row_top(x + r * V, V, k, ids + r * k);
+    struct top_call c = {x, V, k, ids};
+    racer_pfor(n, 1, n * V >= 262144 ? threads : 1, top_items, &c);
     return 0;
 }

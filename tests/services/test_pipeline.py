@@ -287,6 +287,34 @@ def test_a_lone_streams_small_trees_are_verified_inline_and_all_trees_match_the_
         _same(g, w)
 
 
+def test_a_lone_streams_inline_forward_runs_on_every_thread(stack, monkeypatch):
+    """With its rounds confined to fewer threads, a lone stream's inline forward still takes every
+    thread (its drafter and gateway wait for it); one handed to the model thread does not."""
+    from verifier import batcher, native
+
+    monkeypatch.setattr(native, "_round", {"threads": 1})
+    seen: list[tuple[int, int]] = []
+    real = batcher._timed_verify
+
+    def spy(items):
+        import torch
+
+        seen.append((native.threads(1), torch.get_num_threads()))  # OpenMP counts are per thread
+        return real(items)
+
+    monkeypatch.setattr(batcher, "_timed_verify", spy)
+    svc = stack.verifiers[0][1]
+    wait_until(lambda: svc.streaming() == 0 and not svc.busy, what="no verifier stream open")
+    rng = random.Random(9)
+    trees = [_random_tree(rng, 3), _random_tree(rng, batcher.INLINE_NODES + 1)]
+    with backend_channel(stack.verifier_target(0)) as ch:
+        reqs = [vpb.VerifyRequest(open=vpb.VerifierOpen(session_id="lone", tenant="t", history=prompt(302)))]
+        reqs += [vpb.VerifyRequest(tree=vpb.VerifyTree(tokens=t, parents=p)) for t, p in trees]
+        assert len(list(vgrpc.VerifierStub(ch).Session(iter(reqs), timeout=60))) == 3
+    (lone, every), (handed, _) = seen
+    assert (lone, handed) == (every, 1)
+
+
 def test_a_small_tree_waits_for_a_busy_model_thread_and_after_a_slow_forward_uses_it(stack, tiny_llama):
     """The loop never runs a forward while the model thread works (a cancelled stream's prefill,
     say), nor when the last forward took longer than INLINE_MS."""

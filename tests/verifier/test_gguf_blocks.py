@@ -318,7 +318,10 @@ def test_the_generic_build_gives_this_builds_bits(tmp_path, name):
 
     out = tmp_path / "generic.so"
     flags = [f if f != "-march=native" else "-march=x86-64-v2" for f in native.FLAGS]
-    done = subprocess.run([native._compiler(), *flags, str(native.QUANT_SOURCE), "-o", str(out)], capture_output=True)
+    done = subprocess.run(
+        [native._compiler(), *flags, str(native.QUANT_SOURCE), str(native.POOL_SOURCE), "-o", str(out)],
+        capture_output=True,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     lib = ctypes.CDLL(str(out))
     assert lib.racer_quant_isa() == -1
@@ -352,7 +355,10 @@ def test_the_vnni_builds_compile_and_where_the_cpu_has_them_give_this_builds_bit
 
     out = tmp_path / "vnni.so"
     flags = [g for f in native.FLAGS for g in (march.split() if f == "-march=native" else [f])]
-    done = subprocess.run([native._compiler(), *flags, str(native.QUANT_SOURCE), "-o", str(out)], capture_output=True)
+    done = subprocess.run(
+        [native._compiler(), *flags, str(native.QUANT_SOURCE), str(native.POOL_SOURCE), "-o", str(out)],
+        capture_output=True,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     lib = ctypes.CDLL(str(out))
     assert lib.racer_quant_isa() == isa

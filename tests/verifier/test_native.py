@@ -6,6 +6,7 @@ offered only where they can run."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -243,3 +244,16 @@ def test_top_rows_refuse_what_they_do_not_take():
     assert native.top_rows(x.double(), 4) is None and native.top_rows(x[0], 4) is None
     assert native.top_rows(x, 0) is None and native.top_rows(x, 51) is None
     assert torch.equal(native.top_rows(x.t().contiguous().t(), 4), native.top_rows(x, 4))  # a strided view is copied
+
+
+def test_a_lone_streams_round_takes_every_thread_on_its_own_thread_only(monkeypatch):
+    monkeypatch.setattr(native, "_round", {"threads": 1})
+    every = torch.get_num_threads()
+    beside: list[int] = []
+    with native.lone_stream():
+        assert native.threads(1) == native.threads(native.ROUND_ROWS) == every
+        t = threading.Thread(target=lambda: beside.append(native.threads(1)))  # e.g. the model thread
+        t.start()
+        t.join()
+    assert beside == [1]
+    assert native.threads(1) == 1
