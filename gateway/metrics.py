@@ -26,6 +26,10 @@ REQUESTS = Counter("racer_requests", "Generate calls by outcome", ["code"])
 ROUND_SECONDS = Histogram(
     "racer_round_latency_seconds", "Draft + verify round seen by the gateway", buckets=MODEL_SECONDS_BUCKETS
 )
+ROUND_OVERHEAD_SECONDS = Gauge(
+    "racer_round_overhead_seconds",
+    "A drafted round's time beyond the verifier's (drafter, RPCs), averaged: what the adaptive budget adds per tree",
+)
 TTFT_SECONDS = Histogram(
     "racer_time_to_first_token_seconds", "Request start to first streamed token", buckets=REQUEST_SECONDS_BUCKETS
 )

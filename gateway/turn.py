@@ -138,6 +138,8 @@ class Turn:
                 t_round = time.perf_counter()
                 tree = await links.draft(feedback, sent)
                 res = await links.verify(tree)
+                if rounds.mode != "off":  # a drafted round: beyond the verifier's time, the drafter's hop and two RPCs
+                    self.gw.round_overhead.observe((time.perf_counter() - t_round) * 1e3, res.elapsed_ms)
                 out, fed, done = rounds.settle(tree.tokens, res.accepted, res.next_token)
                 self._advance(out)  # before the next step: its forced tokens follow these
                 lp = res.logprobs

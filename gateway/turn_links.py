@@ -15,6 +15,7 @@ the verifiers report both to every gateway (``Backends.refresh_loads``, ``_verif
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 from common.errors import Abort, Status
@@ -28,9 +29,30 @@ from .records import Record
 log = logging.getLogger("racer.gateway")
 
 DEFAULT_BUDGET = 16  # when the request asks for the adaptive budget but the verifier has no cost curve
-ROUND_OVERHEAD_MS = 1.5  # per round outside the verifier's forward: drafter, two RPCs, this loop
+ROUND_OVERHEAD_MS = 1.5  # per round outside the verifier's forward, until this gateway has measured it
 FORCED = 64  # forced tokens sent with a step, at most (drafter.core.MAX_FORCED)
 FAILOVERS = 3  # streams lost mid-turn, per service kind and turn (failed opens are bounded by time)
+
+
+class RoundOverhead:
+    """What a drafted round costs beyond the verifier's own time (the drafter's step, two RPCs, this
+    loop), in milliseconds: what the adaptive budget adds to each tree's forward cost
+    (``drafter.adaptive``). An exponential average over this gateway's rounds, starting at
+    ``ROUND_OVERHEAD_MS``, so the budget follows the machine and its load: the larger the overhead,
+    the more a round's extra accepted tokens are worth against a bigger tree's forward."""
+
+    WEIGHT = 0.05
+    CAP_MS = 100.0  # a stalled round (a failover, a stopped process) counts as this at most
+
+    def __init__(self, ms: float = ROUND_OVERHEAD_MS):
+        self.ms = ms
+        M.ROUND_OVERHEAD_SECONDS.set(ms / 1e3)
+
+    def observe(self, round_ms: float, verifier_ms: float) -> None:
+        extra = round_ms - verifier_ms
+        if math.isfinite(extra):
+            self.ms += self.WEIGHT * (min(max(extra, 0.0), self.CAP_MS) - self.ms)
+            M.ROUND_OVERHEAD_SECONDS.set(self.ms / 1e3)
 
 
 class TurnLinks:
@@ -233,7 +255,7 @@ class TurnLinks:
                     topk,
                     topk_width,
                     self.cost if adaptive else None,
-                    ROUND_OVERHEAD_MS,
+                    self.gw.round_overhead.ms,
                     **self.corpus,
                 )
             except (Lost, Abort) as e:
@@ -311,14 +333,18 @@ class TurnLinks:
 
     async def send_step(self, feedback: Feedback) -> bool:
         """Sends the next step now, for ``draft(sent=True)`` to read its tree; False: no drafter to send to."""
-        if self.drafter is None:
+        if self.drafter is None or self.rounds.mode == "off":
             return False
         await self.drafter.send_step(self.rounds.root, self.rounds.budget, self.rounds.mode, feedback, self._forced())
         return True
 
     async def draft(self, feedback: Feedback, sent: bool = False) -> Tree:
-        """The next tree at the root; ``sent``: its step is already on its way (only its tree is read)."""
+        """The next tree at the root; ``sent``: its step is already on its way (only its tree is read).
+        Mode "off" drafts nothing: the root alone, without the drafter's two hops. Its session learns
+        the turn's tokens at ``end_turn`` (the corpus) and at its next open (the history)."""
         rounds = self.rounds
+        if rounds.mode == "off":
+            return Tree([rounds.root], [-1], 0.0)
         while True:
             if self.drafter is None:
                 await self.open_drafter([], 0)

@@ -141,6 +141,64 @@ def test_close_session_frees_state_everywhere(stack, redis_url):
     assert sid not in {s.session_id for s in stack.verifier_sessions()}
 
 
+def test_an_off_turn_asks_the_drafter_for_no_tree_and_the_next_turn_catches_it_up(stack, tiny_llama):
+    """Mode off drafts nothing, so its rounds skip the drafter (no step); the drafter's session learns
+    the turn's tokens when the next turn opens it, and every turn is still plain greedy."""
+
+    def steps() -> float:
+        return REGISTRY.get_sample_value("racer_draft_latency_seconds_count") or 0.0
+
+    history: list[int] = []
+    sid = ""
+    with Client(stack.gateway, timeout=60) as c:
+        for turn, mode in enumerate(("racer", "off", "racer")):
+            p = prompt(70 + turn, n=5)
+            opened = len(history + p)  # what the turn's drafter open holds
+            before = steps()
+            ids, _, last = c.complete(p, session_id=sid, max_new_tokens=20, mode=mode, budget=8)
+            history += p
+            assert ids == hf_greedy(tiny_llama, history, 20), f"turn {turn}"
+            history += ids
+            sid = last.session_id
+            assert (steps() > before) == (mode != "off"), f"turn {turn}"
+    held = {s.session_id: s.tokens for i in range(2) for s in stack.drafter_sessions(i)}
+    assert held[sid] > opened  # the off turn's tokens too, and the last turn's steps
+
+
+def test_the_round_overhead_the_adaptive_budget_counts_is_measured_on_drafted_rounds(stack):
+    """The gateway averages what a drafted round takes beyond the verifier's time and opens drafters
+    with it; rounds in mode off (no drafter) leave it alone."""
+    from gateway.turn_links import ROUND_OVERHEAD_MS, RoundOverhead
+
+    gw = stack.gateway_pair[1]
+    gw.round_overhead = RoundOverhead()
+
+    def gauge() -> float:
+        return REGISTRY.get_sample_value("racer_round_overhead_seconds")
+
+    assert gauge() == pytest.approx(ROUND_OVERHEAD_MS / 1e3)
+    with Client(stack.gateway, timeout=60) as c:
+        c.complete(prompt(75), max_new_tokens=20, mode="off")
+        assert gw.round_overhead.ms == ROUND_OVERHEAD_MS
+        c.complete(prompt(76), max_new_tokens=20, mode="racer", budget=4)
+    assert gw.round_overhead.ms != ROUND_OVERHEAD_MS and gw.round_overhead.ms >= 0
+    assert gauge() == pytest.approx(gw.round_overhead.ms / 1e3)
+
+
+def test_a_round_overhead_sample_is_clamped_and_a_non_finite_one_ignored():
+    from gateway.turn_links import RoundOverhead
+
+    o = RoundOverhead(2.0)
+    o.observe(1e6, 1.0)  # a stalled round counts as CAP_MS
+    assert o.ms == pytest.approx(2.0 + o.WEIGHT * (o.CAP_MS - 2.0))
+    before = o.ms
+    o.observe(5.0, 9.0)  # the verifier's clock ahead of the gateway's: counts as 0
+    assert o.ms == pytest.approx(before * (1 - o.WEIGHT))
+    before = o.ms
+    o.observe(float("nan"), 1.0)
+    assert o.ms == before
+
+
 def test_cancelled_stream_frees_drafter_and_verifier_streams(stack):
     c = Client(stack.gateway)
     call = c.generate(prompt(5), max_new_tokens=1000, budget=2, mode="off")
