@@ -132,109 +132,145 @@ def prefill_table(model, prompts, new: int) -> tuple[str, dict]:
 # -- placement -------------------------------------------------------------------------------------
 
 
-async def _placement(model, prompts, args) -> str:
-    import grpc
+class _Rig:
+    """Two verifiers (``--placement-kv-tokens`` of KV memory each), one drafter and two gateways over
+    gRPC in this process, and the calls the placement run makes to them."""
 
-    from common import identity
-    from common.prefix import chain_keys, key_id
-    from common.v1 import verifier_pb2 as vpb
-    from common.v1 import verifier_pb2_grpc as vgrpc
-    from racer import launch
-    from racer.client import Client
+    BLOCK = 64  # the prefix cache's block, in tokens
 
-    token = secrets.token_urlsafe(32)
-    meta = identity.metadata((token,))
-    block = 64
-    per_token = None
-    verifiers = []
-    for _ in range(2):
-        vargs = launch.defaults(
-            "verifier", host="127.0.0.1", port=0, internal_token=token, measure_cost=False, max_sessions=64
+    def __init__(self, model, args):
+        from common import identity
+
+        self.model, self.args = model, args
+        self.token = secrets.token_urlsafe(32)
+        self.meta = identity.metadata((self.token,))
+        self.verifiers: list = []
+        self.drafter = None
+        self.gateways: list = []
+
+    async def start(self) -> None:
+        from racer import launch
+        from verifier.gguf_blocks import cache_dtype
+        from verifier.kv_memory import kv_bytes_per_token
+
+        per_token = kv_bytes_per_token(self.model.config, cache_dtype(self.model).itemsize)
+        for _ in range(2):
+            vargs = launch.defaults(
+                "verifier", host="127.0.0.1", port=0, internal_token=self.token, measure_cost=False, max_sessions=64
+            )
+            vargs.kv_memory_bytes = self.args.placement_kv_tokens * per_token
+            self.verifiers.append(await launch.start_verifier(vargs, model=self.model))
+        self.targets = [f"127.0.0.1:{s.port}" for s, _ in self.verifiers]
+        self.drafter = await launch.start_drafter(
+            launch.defaults("drafter", host="127.0.0.1", port=0, internal_token=self.token, prior="none")
         )
-        if per_token is None:
-            from verifier.gguf_blocks import cache_dtype
-            from verifier.kv_memory import kv_bytes_per_token
+        for _ in range(2):
+            g = await launch.start_gateway(
+                launch.defaults(
+                    "gateway",
+                    host="127.0.0.1",
+                    port=0,
+                    model="none",
+                    internal_token=self.token,
+                    backend_timeout=3600.0,  # a prefill on a busy machine is slow, not lost
+                    drafters=f"127.0.0.1:{self.drafter[0].port}",
+                    verifiers=",".join(self.targets),
+                ),
+                vocab_size=self.model.config.vocab_size,
+            )
+            g[1].backends.load_every = 0.0
+            self.gateways.append(g)
 
-            per_token = kv_bytes_per_token(model.config, cache_dtype(model).itemsize)
-        vargs.kv_memory_bytes = args.placement_kv_tokens * per_token
-        verifiers.append(await launch.start_verifier(vargs, model=model))
-    targets = [f"127.0.0.1:{s.port}" for s, _ in verifiers]
-    drafter = await launch.start_drafter(
-        launch.defaults("drafter", host="127.0.0.1", port=0, internal_token=token, prior="none")
-    )
-    gateways = []
-    for _ in range(2):
-        g = await launch.start_gateway(
-            launch.defaults(
-                "gateway",
-                host="127.0.0.1",
-                port=0,
-                model="none",
-                internal_token=token,
-                backend_timeout=3600.0,  # a prefill on a busy machine is slow, not lost
-                drafters=f"127.0.0.1:{drafter[0].port}",
-                verifiers=",".join(targets),
-            ),
-            vocab_size=model.config.vocab_size,
-        )
-        g[1].backends.load_every = 0.0
-        gateways.append(g)
+    async def stop(self) -> None:
+        for srv, _ in self.gateways + ([self.drafter] if self.drafter else []) + self.verifiers:
+            await srv.stop(0)
+        for _, core in self.verifiers:
+            core.close()
 
-    def stats(i: int):
-        with grpc.insecure_channel(targets[i]) as ch:
-            return vgrpc.VerifierStub(ch).Stats(vpb.VerifierStatsRequest(), timeout=30, metadata=meta)
+    def stats(self, i: int):
+        import grpc
 
-    def held(i: int, tenant: str, ids: list[int]) -> int:
-        have = set(stats(i).prefix_blocks)
-        keys = [key_id(k) for k in chain_keys(tenant, ids, block)]
+        from common.v1 import verifier_pb2 as vpb
+        from common.v1 import verifier_pb2_grpc as vgrpc
+
+        with grpc.insecure_channel(self.targets[i]) as ch:
+            return vgrpc.VerifierStub(ch).Stats(vpb.VerifierStatsRequest(), timeout=30, metadata=self.meta)
+
+    def held(self, i: int, tenant: str, ids: list[int]) -> int:
+        """Blocks of ``ids`` verifier ``i``'s prefix cache holds for ``tenant``, from the first on."""
+        from common.prefix import chain_keys, key_id
+
+        have = set(self.stats(i).prefix_blocks)
+        keys = [key_id(k) for k in chain_keys(tenant, ids, self.BLOCK)]
         return next((j for j, k in enumerate(keys) if k not in have), len(keys))
 
-    def complete(g: int, ids: list[int]) -> tuple[int, str]:
-        with Client(f"127.0.0.1:{gateways[g][0].port}", timeout=600) as c:
+    def complete(self, g: int, ids: list[int]) -> tuple[int, str]:
+        """A short turn through gateway ``g``, its session closed: (the verifier it ran on, its tenant)."""
+        from racer.client import Client
+
+        with Client(f"127.0.0.1:{self.gateways[g][0].port}", timeout=600) as c:
             _, _, last = c.complete(ids, max_new_tokens=4, budget=4)
             sid = last.session_id
-            where = [i for i in range(2) if any(s.session_id == sid for s in stats(i).sessions)]
-            tenant = next(s.tenant for s in stats(where[0]).sessions if s.session_id == sid)
+            where = [i for i in range(2) if any(s.session_id == sid for s in self.stats(i).sessions)]
+            tenant = next(s.tenant for s in self.stats(where[0]).sessions if s.session_id == sid)
             c.close_session(sid)  # its KV goes; the prefix cache keeps the blocks
         return where[0], tenant
 
+
+def _sessions_placed(rig: _Rig, prompts, sessions: int) -> tuple[int, int]:
+    """Every tool set's sessions through both gateways in turn: (later sessions, those placed on the
+    verifier holding most of their prefix when they were placed)."""
+    on_prefix = later = 0
+    tenant = None
+    n = 0
+    for i in range(sessions):
+        for _system, ids_of in prompts:
+            ids = ids_of[i % len(ids_of)]
+            hold = [rig.held(v, tenant, ids) if tenant else 0 for v in range(2)]
+            where, tenant = rig.complete(n % 2, ids)
+            n += 1
+            if i:
+                later += 1
+                on_prefix += max(hold) > 0 and hold[where] == max(hold)
+    return later, on_prefix
+
+
+def _sessions_beside_a_saturated_verifier(rig: _Rig, prompts) -> tuple[int, float, int]:
+    """The verifier holding most blocks saturated by a stream reserving most of its KV memory, then
+    one more session per tool set: (that verifier, its saturation, sessions placed on the other)."""
+    import grpc
+
+    from common.v1 import verifier_pb2 as vpb
+    from common.v1 import verifier_pb2_grpc as vgrpc
+
+    busy = max(range(2), key=lambda v: len(rig.stats(v).prefix_blocks))
+    core = rig.verifiers[busy][1]
+    mem = core.kv_memory
+    rows = int(0.82 * mem.total - (mem.used - core.prefix_bytes)) // mem.per_token
+    q: queue.Queue = queue.Queue()
+    op = vpb.VerifierOpen(session_id="hog", tenant="hog", history=[1, 2, 3], reserve_tokens=rows - 3 - core.headroom)
+    q.put(vpb.VerifyRequest(open=op))
+    other = 0
+    with grpc.insecure_channel(rig.targets[busy]) as ch:
+        call = vgrpc.VerifierStub(ch).Session(iter(q.get, None), timeout=600, metadata=rig.meta)
+        next(call)
+        sat = rig.stats(busy).saturation
+        for g, (_system, ids_of) in enumerate(prompts):
+            where, _ = rig.complete(g % 2, ids_of[0])
+            other += where != busy
+        q.put(None)
+        with contextlib.suppress(grpc.RpcError):
+            for _ in call:
+                pass
+    return busy, sat, other
+
+
+async def _placement(model, prompts, args) -> str:
+    rig = _Rig(model, args)
+
     def run() -> str:
-        on_prefix = later = 0
-        tenant = None
-        n = 0
-        for i in range(args.placement_sessions):
-            for _system, sessions in prompts:
-                ids = sessions[i % len(sessions)]
-                hold = [held(v, tenant, ids) if tenant else 0 for v in range(2)]
-                where, tenant = complete(n % 2, ids)
-                n += 1
-                if i:
-                    later += 1
-                    on_prefix += max(hold) > 0 and hold[where] == max(hold)
-        # saturate the verifier holding most, then one more session per tool set
-        busy = max(range(2), key=lambda v: len(stats(v).prefix_blocks))
-        core = verifiers[busy][1]
-        mem = core.kv_memory
-        rows = int(0.82 * mem.total - (mem.used - core.prefix_bytes)) // mem.per_token
-        q: queue.Queue = queue.Queue()
-        op = vpb.VerifierOpen(
-            session_id="hog", tenant="hog", history=[1, 2, 3], reserve_tokens=rows - 3 - core.headroom
-        )
-        q.put(vpb.VerifyRequest(open=op))
-        other = 0
-        with grpc.insecure_channel(targets[busy]) as ch:
-            call = vgrpc.VerifierStub(ch).Session(iter(q.get, None), timeout=600, metadata=meta)
-            next(call)
-            sat = stats(busy).saturation
-            for _system, sessions in prompts:
-                ids = sessions[0]
-                where, _ = complete(n % 2, ids)
-                n += 1
-                other += where != busy
-            q.put(None)
-            with contextlib.suppress(grpc.RpcError):
-                for _ in call:
-                    pass
+        later, on_prefix = _sessions_placed(rig, prompts, args.placement_sessions)
+        busy, sat, other = _sessions_beside_a_saturated_verifier(rig, prompts)
         return (
             table(
                 ("later sessions", "on the verifier holding their prefix", "share"),
@@ -245,12 +281,10 @@ async def _placement(model, prompts, args) -> str:
         )
 
     try:
+        await rig.start()
         return await asyncio.to_thread(run)
     finally:
-        for srv, _ in gateways + [drafter] + verifiers:
-            await srv.stop(0)
-        for _, core in verifiers:
-            core.close()
+        await rig.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
