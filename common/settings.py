@@ -647,6 +647,12 @@ def default(service: str, flag: str) -> object:
     return lookup(service, flag).default
 
 
+def prompt_topk(n: int) -> int | None:
+    """``--prompt-topk`` as the verifier takes it: the last ``n`` prompt positions, or None (every
+    one) for a negative ``n``."""
+    return None if n < 0 else n
+
+
 def common_default(flag: str) -> object:
     """The table's default of a setting every service has (``--keepalive-seconds``)."""
     for s in COMMON:

@@ -19,8 +19,7 @@ from verifier.gguf_blocks import kept
 from verifier.model import DEFAULT_MODEL, GGUF, LoadedModel, load
 
 # the prompt rows whose top-k the drafter gets, as a verifier service's default sends (None: all)
-PROMPT_TOPK = settings.default("verifier", "--prompt-topk")
-PROMPT_TOPK = None if PROMPT_TOPK < 0 else PROMPT_TOPK
+PROMPT_TOPK = settings.prompt_topk(settings.default("verifier", "--prompt-topk"))
 
 
 @dataclass
