@@ -239,7 +239,7 @@ def running(
                 + ", metrics on "
                 + ", ".join(f"{s} :{found[s]['metrics']}" for s in ports)
                 + (f"; verifier rounds on CPUs {cpus.format_list(split[0])}" if split else "")
-                + (f", prefills on {envs['verifier']['RACER_CPUS']}" if split else "")
+                + (f", prefills and a lone stream's rounds on {envs['verifier']['RACER_CPUS']}" if split else "")
                 + (f", the others on {envs['gateway']['RACER_CPUS']}" if split else "")
                 + f"\n{how_clients_authenticate(envs['gateway'])}",
                 file=sys.stderr,
