@@ -39,18 +39,22 @@ def test_calls_from_several_threads_at_once_each_get_their_own_bits(threads):
     raw = _blocks("Q4_1", N, K, np.random.default_rng(5))
     xs = [torch.randn((4, K), generator=torch.Generator().manual_seed(s)) for s in range(8)]
     alone = [_run(x, "Q4_1", raw, N, K, threads=1, packed=True) for x in xs]
-    torch.set_num_threads(threads)  # torch's count is per thread: each worker below sets its own
+    before = torch.get_num_threads()
 
     def calls(i: int) -> bool:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(threads)  # torch's count is per thread: each worker sets its own
         return all(
             torch.equal(native.quant_linear(xs[j], *_packed(raw), N, K), alone[j])
             for _ in range(40)
             for j in (i, i + 4)
         )
 
-    with ThreadPoolExecutor(4) as ex:
-        assert all(ex.map(calls, range(4)))
+    torch.set_num_threads(threads)
+    try:
+        with ThreadPoolExecutor(4) as ex:
+            assert all(ex.map(calls, range(4)))
+    finally:
+        torch.set_num_threads(before)  # the tests after this one keep the process's count
 
 
 def _packed(raw):
