@@ -11,6 +11,14 @@ What was actually sent does not matter: "no speculation" keeps learning what spe
 
 Each round then sends the prefix of size ``argmax_C (1 + E[accepted | C]) / (cost(C) + overhead)``.
 
+A round needs no drafter at all when no tree pays: ``plain_overhead`` (what a round costs beyond
+the forward when the gateway goes to the verifier alone, without the drafter's hop) prices that
+option, ``1 / (cost(1) + plain_overhead)``. When it wins, the choice is to *rest*: the gateway
+verifies the next ``rest`` rounds without asking, 1, 2, 4, then 8 rounds for as long as the
+choice stands, and the step after them carries their tokens. Some of those positions are drafted
+then, as they would have been (``DraftSession.catch_up``), so the statistics keep following the
+text and the choice can come back to trees.
+
 Under batching the verifier runs other sessions' trees in the same forward: what a tree of C nodes
 costs is then its marginal cost, ``cost(R + C) - cost(R)`` with R the other sessions' rows (the
 verifier reports R of the last batch). Where the forward is compute-bound, every row costs about
@@ -25,15 +33,24 @@ from collections import deque
 
 from .tree import DraftTree
 
+MAX_REST = 8  # rounds without the drafter between two drafted rounds, at most (each probes the text)
+
 
 class BudgetChooser:
     """Acceptance statistics of one session and the choice they imply."""
 
     def __init__(
-        self, cost_ms: dict[int, float], overhead_ms: float = 1.0, window: int = 32, prior_rounds: float = 2.0
+        self,
+        cost_ms: dict[int, float],
+        overhead_ms: float = 1.0,
+        window: int = 32,
+        prior_rounds: float = 2.0,
+        plain_overhead_ms: float | None = None,
     ):
         if not cost_ms or any(n < 1 or not (c > 0 and math.isfinite(c)) for n, c in cost_ms.items()):
             raise ValueError("cost_ms: need positive finite costs for sizes >= 1")
+        if plain_overhead_ms is not None and not (0 <= plain_overhead_ms < math.inf):
+            raise ValueError(f"plain_overhead_ms: {plain_overhead_ms}, expected a finite value >= 0")
         self.sizes = sorted(cost_ms)
         self.cost = dict(cost_ms)
         # A non-decreasing envelope of the curve, for marginal costs (kernel choice makes it jagged).
@@ -47,6 +64,11 @@ class BudgetChooser:
         # Trees still waiting for the tokens that decide them: (position of the root, tree, children index).
         self.pending: deque[tuple[int, DraftTree, dict, set]] = deque(maxlen=8)
         self.last_choice = self.sizes[0]
+        # A round without the drafter, beyond its forward (None: every round is drafted), and what
+        # the last choice left: rounds to verify without a tree (0: draft the next one).
+        self.plain_overhead_ms = plain_overhead_ms
+        self.rest = 0
+        self._rests = 0  # choices to rest in a row
 
     @property
     def largest(self) -> int:
@@ -76,6 +98,7 @@ class BudgetChooser:
     def choose(self, other_rows: int = 0) -> int:
         """The best size now; ``other_rows``: rows of other sessions sharing the verifier's forward."""
         acc = self.expected_accepted()
+        base = floor = 0.0
         if other_rows > 0:
             base = self.forward_ms(other_rows)
             floor = 0.01 * self._env_y[0]
@@ -85,6 +108,15 @@ class BudgetChooser:
         rates = [(1 + a) / (c + self.overhead_ms) for a, c in zip(acc, costs)]
         best = max(range(len(rates)), key=rates.__getitem__)
         self.last_choice = self.sizes[best]
+        self.rest = 0
+        if self.plain_overhead_ms is not None:
+            one = max(floor, self.forward_ms(other_rows + 1) - base) if other_rows > 0 else self.forward_ms(1)
+            if 1 / (one + self.plain_overhead_ms) >= rates[best]:
+                self._rests += 1
+                self.rest = min(MAX_REST, 2 ** (self._rests - 1))
+                self.last_choice = 1
+                return 1
+        self._rests = 0
         return self.last_choice
 
     def drafted(self, root_pos: int, tree: DraftTree) -> None:

@@ -28,7 +28,7 @@ from common.sessions import Holder, SessionTable
 
 from . import metrics as M
 from .corpora import Corpora, Response
-from .draft_session import DrafterConfig, DraftSession
+from .draft_session import AUTO, DrafterConfig, DraftSession
 from .prefixes import SharedPrefixes
 from .snapshot import SnapshotError, dumps, loads
 from .tree import DraftTree
@@ -54,6 +54,7 @@ class Entry(_Entry):
     corpus_on: bool = False  # this turn drafts from the tenant corpus
     response: Response | None = None  # this turn's response going into the tenant corpus (None: not shared)
     opened_length: int = 0  # the session's history when this stream opened it
+    rest: int = 0  # rounds the gateway may verify without a tree after the last one (the budget rests)
 
     @property
     def snapshot_key(self) -> str:
@@ -75,6 +76,7 @@ class Open:
     topk: int = 0  # 0: this drafter's
     cost: dict[int, float] | None = None  # the verifier's ms by tree size (adaptive budget)
     overhead_ms: float = 0.0
+    plain_overhead_ms: float | None = None  # a round without the drafter (None: the gateway drafts every round)
     share: bool = True  # this turn's response goes into the tenant corpus
     corpus: bool = True  # the tenant drafts from (and adds to) a corpus at all
     corpus_tokens: int = 0  # the tenant's corpus bound (0: this drafter's default)
@@ -93,6 +95,10 @@ class Step:
     mode: str
     batch_rows: int = 0
     forced: tuple[int, ...] = ()  # tokens that must follow the root: a draft path of their own
+    # Tokens of the rounds verified without a tree since the last one (it said rest), after its
+    # committed ones, and the target's top-k after each ([len(plain) * topk] flattened).
+    plain: tuple[int, ...] = ()
+    plain_topk: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -151,11 +157,12 @@ class Drafter(Holder):
         M.RESTORES.labels(source).inc()
         if req.cost:
             try:
-                entry.session.set_costs(req.cost, req.overhead_ms)
+                entry.session.set_costs(req.cost, req.overhead_ms, req.plain_overhead_ms)
             except ValueError as e:
                 raise Abort(Status.INVALID_ARGUMENT, f"open.cost: {e}") from None
         entry.touch()
         entry.tree = []
+        entry.rest = 0
         _catch_up(entry.session, history, rows)
         entry.opened_length = len(history)
         await self._open_corpus(entry, req)
@@ -212,19 +219,21 @@ class Drafter(Holder):
 
     def step(self, entry: Entry, st: Step) -> DraftTree:
         """Learns from the last tree's feedback and builds the next tree."""
+        s = entry.session
+        mode = _checked_mode(st, adaptive_ok=s.chooser is not None)  # first: a refused step changes nothing
         if entry.tree:
-            self._learn(entry, st)
+            self._learn(entry, st, mode)
         else:
             _check(
-                not st.tree_topk and not st.accepted,
+                not st.tree_topk and not st.accepted and not st.plain,
                 Status.INVALID_ARGUMENT,
                 "step: feedback for a tree this stream never sent",
             )
-        s = entry.session
-        mode = _checked_mode(st, adaptive_ok=s.chooser is not None)
         # the corpus as it is now: loaded meanwhile, replaced when erased, gone when dropped
         s.corpus = self.corpora.current(entry.tenant) if entry.corpus_on else None
         tree = s.draft(st.root, st.budget, mode, st.batch_rows)
+        # a grammar's forced path is worth a drafted round: no rest then
+        entry.rest = s.chooser.rest if st.budget == AUTO and s.chooser is not None and not st.forced else 0
         n_corpus = len(tree.corpus_nodes)
         if n_corpus:
             M.DRAFT_NODES.labels("corpus").inc(n_corpus)
@@ -236,7 +245,7 @@ class Drafter(Holder):
         entry.touch()
         return tree
 
-    def _learn(self, entry: Entry, st: Step) -> None:
+    def _learn(self, entry: Entry, st: Step, mode: str) -> None:
         """Checks the feedback on the last tree sent, learns from it and commits its accepted tokens."""
         s = entry.session
         k = self.config.topk
@@ -257,13 +266,32 @@ class Drafter(Holder):
         )
         _check(1 <= st.commit <= len(acc), Status.INVALID_ARGUMENT, f"step.commit: {st.commit}, accepted {len(acc)}")
         _check(all(t >= 0 for t in st.tree_topk), Status.INVALID_ARGUMENT, "step.tree_topk: negative token id")
+        _check(
+            len(st.plain_topk) == len(st.plain) * k,
+            Status.INVALID_ARGUMENT,
+            f"step.plain_topk: {len(st.plain_topk)} ids, expected {len(st.plain)} tokens x topk {k}",
+        )
+        _check(
+            len(st.plain) <= entry.rest,
+            Status.INVALID_ARGUMENT,
+            f"step.plain: {len(st.plain)} tokens, but the last tree left {entry.rest} rounds of rest",
+        )
+        _check(
+            all(t >= 0 for t in st.plain) and all(t >= 0 for t in st.plain_topk),
+            Status.INVALID_ARGUMENT,
+            "step.plain: negative token id",
+        )
         rows = np.asarray(st.tree_topk, dtype=np.int64).reshape(n, k).tolist()
         committed = [entry.tree[i] for i in acc[: st.commit]]
-        self._to_corpus(entry, committed, "step")  # first: a refused step leaves the session as it was
+        # first: a refused step leaves the session as it was
+        self._to_corpus(entry, committed + list(st.plain), "step")
         self._count_accepted(s, acc)
         s.observe_tree(entry.tree, rows, acc)
         s.extend(committed)
-        entry.rounds_since_save += 1
+        if st.plain:
+            plain_rows = np.asarray(st.plain_topk, dtype=np.int64).reshape(len(st.plain), k).tolist()
+            s.catch_up(st.plain, plain_rows, mode)
+        entry.rounds_since_save += 1 + len(st.plain)
 
     def _to_corpus(self, entry: Entry, tokens: list[int], what: str) -> None:
         """Tokens of this turn's response into the tenant corpus (none: not shared)."""

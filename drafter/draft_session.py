@@ -27,6 +27,7 @@ from .tree import (
 )
 
 AUTO = 0  # budget: chosen per round from the verifier's cost curve (``DraftSession.set_costs``)
+PROBES = 4  # positions of a rest that ``catch_up`` drafts for the budget's statistics, at most
 
 
 @dataclass(frozen=True)
@@ -108,9 +109,13 @@ class DraftSession:
         """Tokens of the shared prefix the session's own automaton holds too (its last ones)."""
         return min(self.config.window - 1, len(self.prefix)) if self.prefix is not None else 0
 
-    def set_costs(self, cost_ms: dict[int, float], overhead_ms: float = 1.0) -> None:
-        """The verifier's cost curve (ms per forward by tree size): enables ``budget=AUTO``."""
-        self.chooser = BudgetChooser(cost_ms, overhead_ms)
+    def set_costs(
+        self, cost_ms: dict[int, float], overhead_ms: float = 1.0, plain_overhead_ms: float | None = None
+    ) -> None:
+        """The verifier's cost curve (ms per forward by tree size): enables ``budget=AUTO``.
+        ``plain_overhead_ms``: a round without the drafter costs that beyond its forward, which lets
+        the budget choose to rest (``BudgetChooser``); None: every round is drafted."""
+        self.chooser = BudgetChooser(cost_ms, overhead_ms, plain_overhead_ms=plain_overhead_ms)
 
     # -- learning ---------------------------------------------------------------------------------
     def extend(self, tokens, topk_rows=None) -> None:
@@ -128,6 +133,21 @@ class DraftSession:
         self._index(tokens)
         if self.chooser is not None and tokens:
             self.chooser.observe(self.history)
+
+    def catch_up(self, tokens, topk_rows, mode: str = "racer") -> None:
+        """Commits ``tokens`` verified without a tree while the budget rested (``topk_rows``: the
+        target's top-k after each), drafting the big tree at up to ``PROBES`` of them, evenly
+        spread, as it would have been drafted there: the budget's statistics keep following the
+        text, so that it can choose trees again. The probes count nowhere else."""
+        tokens = list(tokens)
+        if len(topk_rows) != len(tokens):
+            raise ValueError(f"topk_rows: {len(topk_rows)} rows for {len(tokens)} tokens")
+        n = len(tokens)
+        probes = set() if self.chooser is None else {i * n // PROBES for i in range(min(n, PROBES))}
+        for i, (t, row) in enumerate(zip(tokens, topk_rows)):
+            if i in probes:
+                self.chooser.drafted(len(self.history), self._draft(t, self.chooser.largest, mode, 0))
+            self.extend([t], [row])
 
     def _index(self, tokens) -> None:
         """Appends ``tokens`` to the history and its n-gram index (prompt lookup)."""

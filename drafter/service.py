@@ -67,7 +67,9 @@ class _DraftStream(SessionStream[Entry]):
         t0 = time.perf_counter()
         tree = self.drafter.step(self.entry, _step(st))
         resp = self._answer(
-            t0, tree=pb.DraftTree(tokens=tree.tokens, parents=tree.parents, retrieval_nodes=tree.n_retrieval)
+            t0,
+            tree=pb.DraftTree(tokens=tree.tokens, parents=tree.parents, retrieval_nodes=tree.n_retrieval),
+            rest=self.entry.rest,
         )
         M.DRAFT_SECONDS.observe(time.perf_counter() - t0)
         return resp
@@ -106,6 +108,8 @@ def _step(st: pb.DraftStep) -> Step:
         mode=st.mode or "racer",
         batch_rows=st.batch_rows,
         forced=tuple(st.forced),
+        plain=tuple(st.plain),
+        plain_topk=tuple(st.plain_topk),
     )
 
 
@@ -124,6 +128,7 @@ def _open(op: pb.DrafterOpen) -> Open:
         topk=op.topk,
         cost=cost,
         overhead_ms=op.overhead_ms,
+        plain_overhead_ms=op.plain_overhead_ms if op.HasField("plain_overhead_ms") else None,
         share=not op.no_share,
         corpus=not op.no_corpus,
         corpus_tokens=op.corpus_tokens,

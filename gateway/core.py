@@ -28,7 +28,7 @@ from .requests import Limits, Request, check, input_ids
 from .routing import Endpoints
 from .tools import template_for
 from .turn import Chunk, Finished, Turn
-from .turn_links import RoundOverhead
+from .turn_links import PLAIN_OVERHEAD_MS, RoundOverhead
 
 log = logging.getLogger("racer.gateway")
 
@@ -93,7 +93,9 @@ class Gateway:
         self.quotas = Quotas(store, tenant_limits, ttl, self.records.call)  # in the store: shared by replicas
         self.lease_s = lease_s  # a turn's lease on its session: renewed every third of this while it runs
         self.queue = TurnQueue(queueing, store)  # turns waiting for a slot of their tenant
-        self.round_overhead = RoundOverhead()  # measured on this gateway's rounds, for the adaptive budget
+        # measured on this gateway's rounds with and without the drafter, for the adaptive budget
+        self.round_overhead = RoundOverhead()
+        self.plain_overhead = RoundOverhead(PLAIN_OVERHEAD_MS, "plain")
         self._turns: dict[tuple[str, str], Turn] = {}  # (tenant, session id) -> its turn running on this gateway
         self.stopping: str | None = None  # set when the gateway drains: why new turns are refused
 

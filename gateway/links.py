@@ -107,6 +107,7 @@ class Tree:
     tokens: list[int]  # root first
     parents: list[int]  # parents[0] = -1
     elapsed_ms: float  # inside the drafter
+    rest: int = 0  # rounds to verify without the drafter after this one (its adaptive budget rests)
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,9 @@ class Feedback:
     accepted: Sequence[int] = ()
     commit: int = 0  # accepted tokens the drafter keeps (a cut round keeps fewer)
     batch_rows: int = 0
+    # the rounds verified without a tree since the last one: their tokens and top-k rows
+    plain: Sequence[int] = ()
+    plain_topk: Sequence[int] = ()
 
 
 class _Link:
@@ -213,6 +217,7 @@ class DrafterLink(_Link):
         share: bool = True,
         corpus: bool = True,
         corpus_tokens: int = 0,
+        plain_overhead_ms: float | None = None,
     ) -> tuple[str, float]:
         """Where the drafter found the session ("memory", "snapshot", "history", "new") and its ms."""
         resp = await self.ask(
@@ -228,6 +233,7 @@ class DrafterLink(_Link):
                     no_share=not share,
                     no_corpus=not corpus,
                     corpus_tokens=corpus_tokens,
+                    plain_overhead_ms=plain_overhead_ms,
                 )
             )
         )
@@ -247,13 +253,15 @@ class DrafterLink(_Link):
                     mode=mode,
                     batch_rows=feedback.batch_rows,
                     forced=forced,
+                    plain=feedback.plain,
+                    plain_topk=feedback.plain_topk,
                 )
             )
         )
 
     async def receive_tree(self) -> Tree:
         resp = await self.receive()
-        return Tree(list(resp.tree.tokens), list(resp.tree.parents), resp.elapsed_ms)
+        return Tree(list(resp.tree.tokens), list(resp.tree.parents), resp.elapsed_ms, resp.rest)
 
     async def end_turn(self, tokens: list[int]) -> None:
         """The drafter may snapshot the session now: no step comes before the next turn's open.

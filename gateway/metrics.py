@@ -28,7 +28,9 @@ ROUND_SECONDS = Histogram(
 )
 ROUND_OVERHEAD_SECONDS = Gauge(
     "racer_round_overhead_seconds",
-    "A drafted round's time beyond the verifier's (drafter, RPCs), averaged: what the adaptive budget adds per tree",
+    "A round's time beyond the verifier's (drafted: the drafter and two RPCs; plain: one RPC), averaged: "
+    "what the adaptive budget adds to a tree's forward and to a round without the drafter",
+    ["round"],
 )
 TTFT_SECONDS = Histogram(
     "racer_time_to_first_token_seconds", "Request start to first streamed token", buckets=REQUEST_SECONDS_BUCKETS

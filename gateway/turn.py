@@ -138,8 +138,9 @@ class Turn:
                 t_round = time.perf_counter()
                 tree = await links.draft(feedback, sent)
                 res = await links.verify(tree)
-                if rounds.mode != "off":  # a drafted round: beyond the verifier's time, the drafter's hop and two RPCs
-                    self.gw.round_overhead.observe((time.perf_counter() - t_round) * 1e3, res.elapsed_ms)
+                # beyond the verifier's time: a drafted round's drafter hop and two RPCs, a plain round's one RPC
+                overhead = self.gw.plain_overhead if links.plain_round else self.gw.round_overhead
+                overhead.observe((time.perf_counter() - t_round) * 1e3, res.elapsed_ms)
                 out, fed, done = rounds.settle(tree.tokens, res.accepted, res.next_token)
                 self._advance(out)  # before the next step: its forced tokens follow these
                 lp = res.logprobs

@@ -29,30 +29,34 @@ from .records import Record
 log = logging.getLogger("racer.gateway")
 
 DEFAULT_BUDGET = 16  # when the request asks for the adaptive budget but the verifier has no cost curve
-ROUND_OVERHEAD_MS = 1.5  # per round outside the verifier's forward, until this gateway has measured it
+ROUND_OVERHEAD_MS = 1.5  # per drafted round outside the verifier's forward, until this gateway has measured it
+PLAIN_OVERHEAD_MS = 0.75  # the same for a round without the drafter (mode "off", or the budget resting)
 FORCED = 64  # forced tokens sent with a step, at most (drafter.core.MAX_FORCED)
 FAILOVERS = 3  # streams lost mid-turn, per service kind and turn (failed opens are bounded by time)
 
 
 class RoundOverhead:
-    """What a drafted round costs beyond the verifier's own time (the drafter's step, two RPCs, this
-    loop), in milliseconds: what the adaptive budget adds to each tree's forward cost
-    (``drafter.adaptive``). An exponential average over this gateway's rounds, starting at
-    ``ROUND_OVERHEAD_MS``, so the budget follows the machine and its load: the larger the overhead,
-    the more a round's extra accepted tokens are worth against a bigger tree's forward."""
+    """What a round costs beyond the verifier's own time, in milliseconds: for a drafted round the
+    drafter's step, two RPCs and this loop; for a plain one (no tree: mode "off", or the adaptive
+    budget resting) one RPC and this loop. The adaptive budget adds the first to each tree's forward
+    cost and the second to a round without the drafter (``drafter.adaptive``). An exponential average
+    over this gateway's rounds of that ``kind``, starting at ``ms``, so the budget follows the machine
+    and its load: the larger the drafted round's overhead, the more its extra accepted tokens are
+    worth against a bigger tree's forward, and the less a tree is worth against no drafter at all."""
 
     WEIGHT = 0.05
     CAP_MS = 100.0  # a stalled round (a failover, a stopped process) counts as this at most
 
-    def __init__(self, ms: float = ROUND_OVERHEAD_MS):
+    def __init__(self, ms: float = ROUND_OVERHEAD_MS, kind: str = "drafted"):
         self.ms = ms
-        M.ROUND_OVERHEAD_SECONDS.set(ms / 1e3)
+        self._gauge = M.ROUND_OVERHEAD_SECONDS.labels(kind)
+        self._gauge.set(ms / 1e3)
 
     def observe(self, round_ms: float, verifier_ms: float) -> None:
         extra = round_ms - verifier_ms
         if math.isfinite(extra):
             self.ms += self.WEIGHT * (min(max(extra, 0.0), self.CAP_MS) - self.ms)
-            M.ROUND_OVERHEAD_SECONDS.set(self.ms / 1e3)
+            self._gauge.set(self.ms / 1e3)
 
 
 class TurnLinks:
@@ -84,6 +88,15 @@ class TurnLinks:
         self.turn_start = len(rounds.committed)  # the turn's output starts here in the committed tokens
         self.cache_scope = ""  # the verifiers' prefix-cache scope: the tenant's sharing group ("": its own)
         self.drafter_opened = 0  # the session's tokens the drafter stream was opened with
+        # The adaptive budget's rest: rounds left to verify without the drafter, the last tree's
+        # feedback held meanwhile, the rest's tokens and top-k rows so far (for the step after it),
+        # the root of the round in flight when it has no tree, and whether a step awaits its tree.
+        self.rest = 0
+        self.held: Feedback | None = None
+        self.plain: list[int] = []
+        self.plain_topk: list[int] = []
+        self.plain_root: int | None = None
+        self.in_flight = False
         # kind -> why the session is leaving its backend (drain, lost, full, unreachable); None: it is not
         self.leaving: dict[str, str | None] = {"drafter": None, "verifier": None}
 
@@ -256,6 +269,7 @@ class TurnLinks:
                     topk_width,
                     self.cost if adaptive else None,
                     self.gw.round_overhead.ms,
+                    plain_overhead_ms=self.gw.plain_overhead.ms if adaptive else None,
                     **self.corpus,
                 )
             except (Lost, Abort) as e:
@@ -266,6 +280,8 @@ class TurnLinks:
                 continue
             self.drafter = link
             self.drafter_opened = len(rounds.committed)
+            self.rest, self.held, self.plain, self.plain_topk = 0, None, [], []
+            self.plain_root, self.in_flight = None, False
             self.waiting.pop("drafter", None)
             if self.leaving["drafter"] is not None:
                 M.SESSIONS_MOVED.labels("drafter", self.leaving["drafter"]).inc()
@@ -331,17 +347,52 @@ class TurnLinks:
             return []
         return self.grammar.forced(FORCED)
 
+    @property
+    def plain_round(self) -> bool:
+        """The round in flight has no tree: mode "off", or the adaptive budget resting."""
+        return self.rounds.mode == "off" or self.plain_root is not None
+
+    def _absorb(self, feedback: Feedback) -> Feedback | None:
+        """Takes in the last round's feedback, once per round: what the next step carries, or None
+        while the budget rests (the last tree's feedback is held, a plain round's token kept)."""
+        if self.plain_root is not None:  # a round without a tree: its token (unless cut) and top-k row
+            if feedback.commit:
+                self.plain.append(self.plain_root)
+                self.plain_topk.extend(feedback.topk)
+            self.plain_root = None
+            feedback = Feedback(self.held.topk, self.held.accepted, self.held.commit, feedback.batch_rows)
+        if self.rest > 0:
+            self.held = feedback
+            return None
+        if self.plain:
+            feedback = Feedback(
+                feedback.topk, feedback.accepted, feedback.commit, feedback.batch_rows, self.plain, self.plain_topk
+            )
+            self.plain, self.plain_topk = [], []
+        self.held = None
+        return feedback
+
+    async def _send(self, feedback: Feedback) -> None:
+        rounds = self.rounds
+        await self.drafter.send_step(rounds.root, rounds.budget, rounds.mode, feedback, self._forced())
+        self.in_flight = True
+
     async def send_step(self, feedback: Feedback) -> bool:
-        """Sends the next step now, for ``draft(sent=True)`` to read its tree; False: no drafter to send to."""
+        """Takes in the last round's feedback and sends the next step now (unless the budget rests),
+        for ``draft(sent=True)`` to read its tree; False: no drafter to send to."""
         if self.drafter is None or self.rounds.mode == "off":
             return False
-        await self.drafter.send_step(self.rounds.root, self.rounds.budget, self.rounds.mode, feedback, self._forced())
+        step = self._absorb(feedback)
+        if step is not None:
+            await self._send(step)
         return True
 
     async def draft(self, feedback: Feedback, sent: bool = False) -> Tree:
-        """The next tree at the root; ``sent``: its step is already on its way (only its tree is read).
-        Mode "off" drafts nothing: the root alone, without the drafter's two hops. Its session learns
-        the turn's tokens at ``end_turn`` (the corpus) and at its next open (the history)."""
+        """The next tree at the root; ``sent``: ``send_step`` took this feedback in (only its tree is
+        read). Mode "off" drafts nothing: the root alone, without the drafter's two hops. Its session
+        learns the turn's tokens at ``end_turn`` (the corpus) and at its next open (the history).
+        While the adaptive budget rests (no tree was worth the drafter's hop), a round is the root
+        alone too, and the step after the rest carries its tokens."""
         rounds = self.rounds
         if rounds.mode == "off":
             return Tree([rounds.root], [-1], 0.0)
@@ -352,9 +403,17 @@ class TurnLinks:
                 sent = False
             try:
                 if not sent:
-                    await self.drafter.send_step(rounds.root, rounds.budget, rounds.mode, feedback, self._forced())
-                sent = False
+                    step = self._absorb(feedback)
+                    if step is not None:
+                        await self._send(step)
+                sent = True
+                if not self.in_flight:  # the budget rests: this round goes to the verifier alone
+                    self.rest -= 1
+                    self.plain_root = rounds.root
+                    return Tree([rounds.root], [-1], 0.0)
+                self.in_flight = False
                 tree = await self.drafter.receive_tree()
+                self.rest = tree.rest
             except Lost as e:
                 await self.drafter.close(cancel=True)
                 self.drafter = None

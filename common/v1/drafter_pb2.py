@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as racer_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16racer/v1/drafter.proto\x12\x08racer.v1\x1a\x15racer/v1/common.proto\"\xda\x01\n\x0b\x44rafterOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0f\n\x07history\x18\x03 \x03(\x05\x12\x14\n\x0chistory_topk\x18\x04 \x03(\x05\x12\x0c\n\x04topk\x18\x05 \x01(\x05\x12!\n\x04\x63ost\x18\x06 \x01(\x0b\x32\x13.racer.v1.CostCurve\x12\x13\n\x0boverhead_ms\x18\x07 \x01(\x01\x12\x10\n\x08no_share\x18\x08 \x01(\x08\x12\x11\n\tno_corpus\x18\t \x01(\x08\x12\x15\n\rcorpus_tokens\x18\n \x01(\x03\"\x89\x01\n\x0c\x44raftRequest\x12%\n\x04open\x18\x01 \x01(\x0b\x32\x15.racer.v1.DrafterOpenH\x00\x12#\n\x04step\x18\x02 \x01(\x0b\x32\x13.racer.v1.DraftStepH\x00\x12%\n\x08\x65nd_turn\x18\x03 \x01(\x0b\x32\x11.racer.v1.EndTurnH\x00\x42\x06\n\x04kind\"\x90\x01\n\tDraftStep\x12\x11\n\ttree_topk\x18\x01 \x03(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x03(\x05\x12\x0e\n\x06\x63ommit\x18\x03 \x01(\x05\x12\x0c\n\x04root\x18\x04 \x01(\x05\x12\x0e\n\x06\x62udget\x18\x05 \x01(\x05\x12\x0c\n\x04mode\x18\x06 \x01(\t\x12\x12\n\nbatch_rows\x18\x07 \x01(\x05\x12\x0e\n\x06\x66orced\x18\x08 \x03(\x05\"\x19\n\x07\x45ndTurn\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\"E\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x17\n\x0fretrieval_nodes\x18\x03 \x01(\x05\"m\n\rDraftResponse\x12!\n\x04tree\x18\x01 \x01(\x0b\x32\x13.racer.v1.DraftTree\x12\x0e\n\x06tokens\x18\x02 \x01(\x03\x12\x15\n\rrestored_from\x18\x03 \x01(\t\x12\x12\n\nelapsed_ms\x18\x04 \x01(\x01\"1\n\x0b\x44ropRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"\x1f\n\x0c\x44ropResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x15\n\x13\x44rafterStatsRequest\"\x81\x01\n\x13\x44rafterSessionStats\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0e\n\x06tokens\x18\x03 \x01(\x03\x12\r\n\x05nodes\x18\x04 \x01(\x05\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x03\x12\x11\n\tstreaming\x18\x06 \x01(\x08\"G\n\x14\x44rafterStatsResponse\x12/\n\x08sessions\x18\x01 \x03(\x0b\x32\x1d.racer.v1.DrafterSessionStats\"$\n\x12\x45raseCorpusRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"&\n\x13\x45raseCorpusResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x32\x94\x02\n\x07\x44rafter\x12>\n\x07Session\x12\x16.racer.v1.DraftRequest\x1a\x17.racer.v1.DraftResponse(\x01\x30\x01\x12\x35\n\x04\x44rop\x12\x15.racer.v1.DropRequest\x1a\x16.racer.v1.DropResponse\x12\x46\n\x05Stats\x12\x1d.racer.v1.DrafterStatsRequest\x1a\x1e.racer.v1.DrafterStatsResponse\x12J\n\x0b\x45raseCorpus\x12\x1c.racer.v1.EraseCorpusRequest\x1a\x1d.racer.v1.EraseCorpusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16racer/v1/drafter.proto\x12\x08racer.v1\x1a\x15racer/v1/common.proto\"\x90\x02\n\x0b\x44rafterOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0f\n\x07history\x18\x03 \x03(\x05\x12\x14\n\x0chistory_topk\x18\x04 \x03(\x05\x12\x0c\n\x04topk\x18\x05 \x01(\x05\x12!\n\x04\x63ost\x18\x06 \x01(\x0b\x32\x13.racer.v1.CostCurve\x12\x13\n\x0boverhead_ms\x18\x07 \x01(\x01\x12\x10\n\x08no_share\x18\x08 \x01(\x08\x12\x11\n\tno_corpus\x18\t \x01(\x08\x12\x15\n\rcorpus_tokens\x18\n \x01(\x03\x12\x1e\n\x11plain_overhead_ms\x18\x0b \x01(\x01H\x00\x88\x01\x01\x42\x14\n\x12_plain_overhead_ms\"\x89\x01\n\x0c\x44raftRequest\x12%\n\x04open\x18\x01 \x01(\x0b\x32\x15.racer.v1.DrafterOpenH\x00\x12#\n\x04step\x18\x02 \x01(\x0b\x32\x13.racer.v1.DraftStepH\x00\x12%\n\x08\x65nd_turn\x18\x03 \x01(\x0b\x32\x11.racer.v1.EndTurnH\x00\x42\x06\n\x04kind\"\xb3\x01\n\tDraftStep\x12\x11\n\ttree_topk\x18\x01 \x03(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x03(\x05\x12\x0e\n\x06\x63ommit\x18\x03 \x01(\x05\x12\x0c\n\x04root\x18\x04 \x01(\x05\x12\x0e\n\x06\x62udget\x18\x05 \x01(\x05\x12\x0c\n\x04mode\x18\x06 \x01(\t\x12\x12\n\nbatch_rows\x18\x07 \x01(\x05\x12\x0e\n\x06\x66orced\x18\x08 \x03(\x05\x12\r\n\x05plain\x18\t \x03(\x05\x12\x12\n\nplain_topk\x18\n \x03(\x05\"\x19\n\x07\x45ndTurn\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\"E\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x17\n\x0fretrieval_nodes\x18\x03 \x01(\x05\"{\n\rDraftResponse\x12!\n\x04tree\x18\x01 \x01(\x0b\x32\x13.racer.v1.DraftTree\x12\x0e\n\x06tokens\x18\x02 \x01(\x03\x12\x15\n\rrestored_from\x18\x03 \x01(\t\x12\x12\n\nelapsed_ms\x18\x04 \x01(\x01\x12\x0c\n\x04rest\x18\x05 \x01(\x05\"1\n\x0b\x44ropRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"\x1f\n\x0c\x44ropResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x15\n\x13\x44rafterStatsRequest\"\x81\x01\n\x13\x44rafterSessionStats\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0e\n\x06tokens\x18\x03 \x01(\x03\x12\r\n\x05nodes\x18\x04 \x01(\x05\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x03\x12\x11\n\tstreaming\x18\x06 \x01(\x08\"G\n\x14\x44rafterStatsResponse\x12/\n\x08sessions\x18\x01 \x03(\x0b\x32\x1d.racer.v1.DrafterSessionStats\"$\n\x12\x45raseCorpusRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"&\n\x13\x45raseCorpusResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x32\x94\x02\n\x07\x44rafter\x12>\n\x07Session\x12\x16.racer.v1.DraftRequest\x1a\x17.racer.v1.DraftResponse(\x01\x30\x01\x12\x35\n\x04\x44rop\x12\x15.racer.v1.DropRequest\x1a\x16.racer.v1.DropResponse\x12\x46\n\x05Stats\x12\x1d.racer.v1.DrafterStatsRequest\x1a\x1e.racer.v1.DrafterStatsResponse\x12J\n\x0b\x45raseCorpus\x12\x1c.racer.v1.EraseCorpusRequest\x1a\x1d.racer.v1.EraseCorpusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,31 +33,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'racer.v1.drafter_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DRAFTEROPEN']._serialized_start=60
-  _globals['_DRAFTEROPEN']._serialized_end=278
-  _globals['_DRAFTREQUEST']._serialized_start=281
-  _globals['_DRAFTREQUEST']._serialized_end=418
-  _globals['_DRAFTSTEP']._serialized_start=421
-  _globals['_DRAFTSTEP']._serialized_end=565
-  _globals['_ENDTURN']._serialized_start=567
-  _globals['_ENDTURN']._serialized_end=592
-  _globals['_DRAFTTREE']._serialized_start=594
-  _globals['_DRAFTTREE']._serialized_end=663
-  _globals['_DRAFTRESPONSE']._serialized_start=665
-  _globals['_DRAFTRESPONSE']._serialized_end=774
-  _globals['_DROPREQUEST']._serialized_start=776
-  _globals['_DROPREQUEST']._serialized_end=825
-  _globals['_DROPRESPONSE']._serialized_start=827
-  _globals['_DROPRESPONSE']._serialized_end=858
-  _globals['_DRAFTERSTATSREQUEST']._serialized_start=860
-  _globals['_DRAFTERSTATSREQUEST']._serialized_end=881
-  _globals['_DRAFTERSESSIONSTATS']._serialized_start=884
-  _globals['_DRAFTERSESSIONSTATS']._serialized_end=1013
-  _globals['_DRAFTERSTATSRESPONSE']._serialized_start=1015
-  _globals['_DRAFTERSTATSRESPONSE']._serialized_end=1086
-  _globals['_ERASECORPUSREQUEST']._serialized_start=1088
-  _globals['_ERASECORPUSREQUEST']._serialized_end=1124
-  _globals['_ERASECORPUSRESPONSE']._serialized_start=1126
-  _globals['_ERASECORPUSRESPONSE']._serialized_end=1164
-  _globals['_DRAFTER']._serialized_start=1167
-  _globals['_DRAFTER']._serialized_end=1443
+  _globals['_DRAFTEROPEN']._serialized_end=332
+  _globals['_DRAFTREQUEST']._serialized_start=335
+  _globals['_DRAFTREQUEST']._serialized_end=472
+  _globals['_DRAFTSTEP']._serialized_start=475
+  _globals['_DRAFTSTEP']._serialized_end=654
+  _globals['_ENDTURN']._serialized_start=656
+  _globals['_ENDTURN']._serialized_end=681
+  _globals['_DRAFTTREE']._serialized_start=683
+  _globals['_DRAFTTREE']._serialized_end=752
+  _globals['_DRAFTRESPONSE']._serialized_start=754
+  _globals['_DRAFTRESPONSE']._serialized_end=877
+  _globals['_DROPREQUEST']._serialized_start=879
+  _globals['_DROPREQUEST']._serialized_end=928
+  _globals['_DROPRESPONSE']._serialized_start=930
+  _globals['_DROPRESPONSE']._serialized_end=961
+  _globals['_DRAFTERSTATSREQUEST']._serialized_start=963
+  _globals['_DRAFTERSTATSREQUEST']._serialized_end=984
+  _globals['_DRAFTERSESSIONSTATS']._serialized_start=987
+  _globals['_DRAFTERSESSIONSTATS']._serialized_end=1116
+  _globals['_DRAFTERSTATSRESPONSE']._serialized_start=1118
+  _globals['_DRAFTERSTATSRESPONSE']._serialized_end=1189
+  _globals['_ERASECORPUSREQUEST']._serialized_start=1191
+  _globals['_ERASECORPUSREQUEST']._serialized_end=1227
+  _globals['_ERASECORPUSRESPONSE']._serialized_start=1229
+  _globals['_ERASECORPUSRESPONSE']._serialized_end=1267
+  _globals['_DRAFTER']._serialized_start=1270
+  _globals['_DRAFTER']._serialized_end=1546
 # @@protoc_insertion_point(module_scope)

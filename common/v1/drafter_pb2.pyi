@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DrafterOpen(_message.Message):
-    __slots__ = ("session_id", "tenant", "history", "history_topk", "topk", "cost", "overhead_ms", "no_share", "no_corpus", "corpus_tokens")
+    __slots__ = ("session_id", "tenant", "history", "history_topk", "topk", "cost", "overhead_ms", "no_share", "no_corpus", "corpus_tokens", "plain_overhead_ms")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class DrafterOpen(_message.Message):
     NO_SHARE_FIELD_NUMBER: _ClassVar[int]
     NO_CORPUS_FIELD_NUMBER: _ClassVar[int]
     CORPUS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_OVERHEAD_MS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     history: _containers.RepeatedScalarFieldContainer[int]
@@ -29,7 +30,8 @@ class DrafterOpen(_message.Message):
     no_share: bool
     no_corpus: bool
     corpus_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., history: _Optional[_Iterable[int]] = ..., history_topk: _Optional[_Iterable[int]] = ..., topk: _Optional[int] = ..., cost: _Optional[_Union[_common_pb2.CostCurve, _Mapping]] = ..., overhead_ms: _Optional[float] = ..., no_share: _Optional[bool] = ..., no_corpus: _Optional[bool] = ..., corpus_tokens: _Optional[int] = ...) -> None: ...
+    plain_overhead_ms: float
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., history: _Optional[_Iterable[int]] = ..., history_topk: _Optional[_Iterable[int]] = ..., topk: _Optional[int] = ..., cost: _Optional[_Union[_common_pb2.CostCurve, _Mapping]] = ..., overhead_ms: _Optional[float] = ..., no_share: _Optional[bool] = ..., no_corpus: _Optional[bool] = ..., corpus_tokens: _Optional[int] = ..., plain_overhead_ms: _Optional[float] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("open", "step", "end_turn")
@@ -42,7 +44,7 @@ class DraftRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[DrafterOpen, _Mapping]] = ..., step: _Optional[_Union[DraftStep, _Mapping]] = ..., end_turn: _Optional[_Union[EndTurn, _Mapping]] = ...) -> None: ...
 
 class DraftStep(_message.Message):
-    __slots__ = ("tree_topk", "accepted", "commit", "root", "budget", "mode", "batch_rows", "forced")
+    __slots__ = ("tree_topk", "accepted", "commit", "root", "budget", "mode", "batch_rows", "forced", "plain", "plain_topk")
     TREE_TOPK_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +53,8 @@ class DraftStep(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     FORCED_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_TOPK_FIELD_NUMBER: _ClassVar[int]
     tree_topk: _containers.RepeatedScalarFieldContainer[int]
     accepted: _containers.RepeatedScalarFieldContainer[int]
     commit: int
@@ -59,7 +63,9 @@ class DraftStep(_message.Message):
     mode: str
     batch_rows: int
     forced: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, tree_topk: _Optional[_Iterable[int]] = ..., accepted: _Optional[_Iterable[int]] = ..., commit: _Optional[int] = ..., root: _Optional[int] = ..., budget: _Optional[int] = ..., mode: _Optional[str] = ..., batch_rows: _Optional[int] = ..., forced: _Optional[_Iterable[int]] = ...) -> None: ...
+    plain: _containers.RepeatedScalarFieldContainer[int]
+    plain_topk: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tree_topk: _Optional[_Iterable[int]] = ..., accepted: _Optional[_Iterable[int]] = ..., commit: _Optional[int] = ..., root: _Optional[int] = ..., budget: _Optional[int] = ..., mode: _Optional[str] = ..., batch_rows: _Optional[int] = ..., forced: _Optional[_Iterable[int]] = ..., plain: _Optional[_Iterable[int]] = ..., plain_topk: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EndTurn(_message.Message):
     __slots__ = ("tokens",)
@@ -78,16 +84,18 @@ class DraftTree(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., retrieval_nodes: _Optional[int] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("tree", "tokens", "restored_from", "elapsed_ms")
+    __slots__ = ("tree", "tokens", "restored_from", "elapsed_ms", "rest")
     TREE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESTORED_FROM_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
+    REST_FIELD_NUMBER: _ClassVar[int]
     tree: DraftTree
     tokens: int
     restored_from: str
     elapsed_ms: float
-    def __init__(self, tree: _Optional[_Union[DraftTree, _Mapping]] = ..., tokens: _Optional[int] = ..., restored_from: _Optional[str] = ..., elapsed_ms: _Optional[float] = ...) -> None: ...
+    rest: int
+    def __init__(self, tree: _Optional[_Union[DraftTree, _Mapping]] = ..., tokens: _Optional[int] = ..., restored_from: _Optional[str] = ..., elapsed_ms: _Optional[float] = ..., rest: _Optional[int] = ...) -> None: ...
 
 class DropRequest(_message.Message):
     __slots__ = ("session_id", "tenant")

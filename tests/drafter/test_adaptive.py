@@ -114,3 +114,88 @@ def test_other_sessions_rows_make_speculation_cost_its_marginal_forward_time():
     assert c.forward_ms(100) == pytest.approx(355.0 + 5.0 * 36)
     jagged = BudgetChooser({1: 10.0, 2: 30.0, 4: 20.0})  # the envelope never goes down
     assert jagged.forward_ms(3) == pytest.approx(30.0) and jagged.forward_ms(4) == pytest.approx(30.0)
+
+
+def test_a_priced_plain_round_lets_the_budget_rest_1_2_4_8_rounds_while_no_tree_pays():
+    costs = {1: 10.0, 2: 11.0, 4: 13.0, 8: 17.0}
+    c = BudgetChooser(costs, overhead_ms=2.0, prior_rounds=0.0, plain_overhead_ms=0.5)
+    for _ in range(8):  # a fifth of a token per tree, whatever its size
+        c.history.append([0, 0.2, 0.2, 0.2])
+    # the best tree: 1.2 tokens for 13 ms (size 2), against 1 token for 10.5 ms without the drafter
+    rests = []
+    for _ in range(6):
+        assert c.choose() == 1
+        rests.append(c.rest)
+    assert rests == [1, 2, 4, 8, 8, 8]
+    c.history.extend([[0, 0.9, 1.5, 2.0]] * 32)  # trees pay again: the next choice drafts
+    assert c.choose() == 4 and c.rest == 0
+    c.history.extend([[0, 0.0, 0.0, 0.0]] * 32)
+    assert c.choose() == 1 and c.rest == 1  # a new rest starts short
+    # without the price of a plain round, every round is drafted (a one-node tree at worst)
+    unpriced = BudgetChooser(costs, overhead_ms=2.0, prior_rounds=0.0)
+    unpriced.history.extend([[0, 0.0, 0.0, 0.0]] * 8)
+    assert unpriced.choose() == 1 and unpriced.rest == 0
+    with pytest.raises(ValueError, match="plain_overhead_ms"):
+        BudgetChooser(costs, plain_overhead_ms=float("inf"))
+
+
+def test_a_rest_counts_the_marginal_cost_of_a_row_among_other_sessions():
+    # alone a tree pays; among 60 other rows every extra row costs 5 ms, and the budget rests
+    costs = {1: 40.0, 2: 45.0, 4: 55.0, 8: 75.0, 16: 115.0, 32: 195.0, 64: 355.0}
+    c = BudgetChooser(costs, overhead_ms=1.0, prior_rounds=0.0, plain_overhead_ms=0.5)
+    c.history.extend([[0, 0.5, 1.5, 1.5, 1.5, 1.5, 1.5]] * 8)
+    assert c.choose(0) == 4 and c.rest == 0
+    assert c.choose(60) == 1 and c.rest == 1
+
+
+def _text_session(plain_overhead_ms):
+    s = DraftSession(DrafterConfig(window=12, max_nodes=1000, topk=2))
+    s.set_costs({1: 10.0, 2: 12.0, 4: 15.0, 8: 20.0}, overhead_ms=2.0, plain_overhead_ms=plain_overhead_ms)
+    return s
+
+
+def test_catch_up_commits_what_extend_would_and_probes_only_the_budget():
+    rng = random.Random(3)
+    text = [rng.randrange(50) for _ in range(40)] * 3
+    rows = [[rng.randrange(50), rng.randrange(50)] for _ in text]
+    plain, probed = _text_session(0.5), _text_session(0.5)
+    for s in (plain, probed):
+        s.extend(text[:60], rows[:60])
+    plain.extend(text[60:], rows[60:])
+    probed.catch_up(text[60:], rows[60:])
+    assert probed.history == plain.history and probed.last_topk == plain.last_topk
+    for root in range(50):
+        assert probed.draft(root, 8, "racer").tokens == plain.draft(root, 8, "racer").tokens
+    # four probes, evenly spread, judged by the tokens after them; nothing counted as drafted
+    assert len(probed.chooser.history) == 4 and not plain.chooser.history
+    assert probed.drafted == plain.drafted
+    with pytest.raises(ValueError, match="topk_rows"):
+        probed.catch_up([1, 2], [[1, 1]])
+
+
+def test_a_rest_ends_when_the_text_turns_predictable():
+    """Unpredictable text makes the budget rest; the tokens of the rest, caught up with probes,
+    show the text repeating, and the next step drafts a tree again."""
+    rng = random.Random(4)
+    s = _text_session(0.5)
+    noise = [rng.randrange(10_000) for _ in range(200)]
+    s.extend(noise[:20], [[t, t] for t in noise[:20]])
+    pos = 20
+    while s.chooser.rest == 0:  # drafted rounds on noise: nothing is accepted
+        s.draft(noise[pos], AUTO, "racer")
+        s.extend([noise[pos]], [[noise[pos + 1], 0]])
+        pos += 1
+        assert pos < 100, "the budget never rested"
+    phrase = [rng.randrange(10_000) for _ in range(12)]
+    tail = phrase * 8
+    at = 0
+    for _ in range(40):  # each rest's tokens come back with the next step, which drafts again
+        n = s.chooser.rest
+        s.catch_up(tail[at : at + n], [[t, t] for t in tail[at + 1 : at + n + 1]])
+        at += n
+        tree = s.draft(tail[at], AUTO, "racer")
+        if s.chooser.rest == 0:
+            break
+        s.extend([tail[at]], [[tail[at + 1], 0]])
+        at += 1
+    assert s.chooser.rest == 0 and len(tree.tokens) > 1

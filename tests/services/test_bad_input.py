@@ -522,6 +522,8 @@ DRAFTER_STEPS = st.lists(
             "accepted-range",
             "accepted-path",
             "commit",
+            "plain",
+            "plain-topk",
             "budget",
             "mode",
             "root",
@@ -622,6 +624,14 @@ def _drafter_step(how: str, tree, k: int):
     if how == "commit":
         step.commit = 2
         return step, "step.commit"
+    if how == "plain":  # a fixed budget never rests: no round went without a tree
+        step.plain.append(5)
+        step.plain_topk.extend([11] * k)
+        return step, "step.plain"
+    if how == "plain-topk":
+        step.plain.append(5)
+        step.plain_topk.extend([11] * (k - 1))
+        return step, "step.plain_topk"
     return step, None
 
 

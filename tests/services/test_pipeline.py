@@ -165,24 +165,31 @@ def test_an_off_turn_asks_the_drafter_for_no_tree_and_the_next_turn_catches_it_u
     assert held[sid] > opened  # the off turn's tokens too, and the last turn's steps
 
 
-def test_the_round_overhead_the_adaptive_budget_counts_is_measured_on_drafted_rounds(stack):
-    """The gateway averages what a drafted round takes beyond the verifier's time and opens drafters
-    with it; rounds in mode off (no drafter) leave it alone."""
-    from gateway.turn_links import ROUND_OVERHEAD_MS, RoundOverhead
+def test_the_round_overheads_the_adaptive_budget_counts_are_measured_by_kind_of_round(stack):
+    """The gateway averages what a round takes beyond the verifier's time, drafted rounds and rounds
+    without the drafter apart, and opens drafters with both; a turn in mode off moves only the plain
+    figure, a turn with a fixed budget (every round drafted) only the drafted one."""
+    from gateway.turn_links import PLAIN_OVERHEAD_MS, ROUND_OVERHEAD_MS, RoundOverhead
 
     gw = stack.gateway_pair[1]
     gw.round_overhead = RoundOverhead()
+    gw.plain_overhead = RoundOverhead(PLAIN_OVERHEAD_MS, "plain")
 
-    def gauge() -> float:
-        return REGISTRY.get_sample_value("racer_round_overhead_seconds")
+    def gauge(kind: str) -> float:
+        return REGISTRY.get_sample_value("racer_round_overhead_seconds", {"round": kind})
 
-    assert gauge() == pytest.approx(ROUND_OVERHEAD_MS / 1e3)
+    assert gauge("drafted") == pytest.approx(ROUND_OVERHEAD_MS / 1e3)
+    assert gauge("plain") == pytest.approx(PLAIN_OVERHEAD_MS / 1e3)
     with Client(stack.gateway, timeout=60) as c:
         c.complete(prompt(75), max_new_tokens=20, mode="off")
         assert gw.round_overhead.ms == ROUND_OVERHEAD_MS
+        assert gw.plain_overhead.ms != PLAIN_OVERHEAD_MS and gw.plain_overhead.ms >= 0
+        plain = gw.plain_overhead.ms
         c.complete(prompt(76), max_new_tokens=20, mode="racer", budget=4)
     assert gw.round_overhead.ms != ROUND_OVERHEAD_MS and gw.round_overhead.ms >= 0
-    assert gauge() == pytest.approx(gw.round_overhead.ms / 1e3)
+    assert gw.plain_overhead.ms == plain
+    assert gauge("drafted") == pytest.approx(gw.round_overhead.ms / 1e3)
+    assert gauge("plain") == pytest.approx(plain / 1e3)
 
 
 def test_a_round_overhead_sample_is_clamped_and_a_non_finite_one_ignored():
@@ -516,3 +523,39 @@ def test_latency_metrics_are_in_seconds_and_count_what_the_stream_did(stack):
     for n in ("racer_round_latency_seconds_sum", "racer_verify_latency_seconds_sum"):
         assert 0 < d[n] < wall, n
     assert 0 < d["racer_time_to_first_token_seconds_sum"] + d["racer_time_per_output_token_seconds_sum"] < wall
+
+
+def test_the_adaptive_budget_rests_when_no_tree_pays_and_the_drafter_still_learns_every_token(stack, tiny_llama):
+    """When a drafted round's overhead outweighs what any tree is expected to gain, the drafter tells
+    the gateway to rest: rounds go to the verifier alone (fewer steps than rounds), and the step after
+    each rest carries its tokens. The output stays plain greedy, and the drafter's session holds the
+    turn's tokens in order: the next turn's open finds it in memory, its history a prefix of the
+    session's."""
+    from gateway.turn_links import RoundOverhead
+
+    def sample(name: str, labels=None) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    gw = stack.gateway_pair[1]
+    kept = gw.round_overhead
+    gw.round_overhead = RoundOverhead(10_000.0)  # a drafted round looks far too dear: no tree pays
+    history: list[int] = []
+    sid = ""
+    try:
+        with Client(stack.gateway, timeout=60) as c:
+            for turn in range(2):
+                p = prompt(80 + turn, n=6)
+                steps = sample("racer_draft_latency_seconds_count")
+                found = {s: sample("racer_drafter_restores_total", {"source": s}) for s in ("memory", "snapshot")}
+                ids, _, last = c.complete(p, session_id=sid, max_new_tokens=40, budget=0)
+                history += p
+                assert ids == hf_greedy(tiny_llama, history, 40), f"turn {turn}"
+                history += ids
+                sid = last.session_id
+                rounds = last.stats.rounds
+                assert sample("racer_draft_latency_seconds_count") - steps < rounds / 2, f"turn {turn}"
+                if turn:
+                    assert sample("racer_drafter_restores_total", {"source": "memory"}) == found["memory"] + 1
+                    assert sample("racer_drafter_restores_total", {"source": "snapshot"}) == found["snapshot"]
+    finally:
+        gw.round_overhead = kept
