@@ -591,6 +591,14 @@ static inline __m256i sum8(__m256i v0, __m256i v1, __m256i v2, __m256i v3, __m25
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
+/* Blocks ahead of the one being multiplied that a pass asks the cache for. A group's blocks stream
+ * from memory once per call; with the hardware prefetcher alone, calls of 1 to 16 rows took 1.05-1.3x
+ * as long (the output layer's one-row call 1.2-1.3x; AMD EPYC Zen 3, medians of 40 interleaved calls).
+ * The gain was flat from 4 to 16 blocks ahead, so the distance is no tuned edge. A prefetch changes
+ * no value: the same bits. 0 turns it off. */
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 8
+#endif
 #define CHUNK 16 /* x rows a pass over a group's blocks keeps in registers and L1 */
 
 /* Group g (8 weight rows) against x rows m0 .. m1 - 1 (at most CHUNK): y[m * ys + 0..7]. */
@@ -604,6 +612,12 @@ static inline __attribute__((always_inline)) void group_rows(int type, const uin
     for (long m = m0; m < m1; m++) acc[m - m0] = msum[m - m0] = _mm256_setzero_ps();
     for (long b = 0; b < X->nb; b++) {
         const uint8_t *p = g + b * gbytes;
+#if PREFETCH_BLOCKS > 0
+        /* a block of a group: 160 bytes (Q4_0, Q4_1) or 272 (Q8_0); a prefetch never faults, past
+         * the weight's end included */
+        const char *ahead = (const char *)p + PREFETCH_BLOCKS * gbytes;
+        for (long c = 0; c < gbytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+#endif
         if (type == GQ8_0) {
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256)));
             __m256i w[8], aw[8];
