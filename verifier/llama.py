@@ -458,8 +458,9 @@ def _row_keys(mask: torch.Tensor | None, past: int, n: int) -> tuple[torch.Tenso
     ``inplace`` [n] (how many of them are the cache rows 0, 1, ...: the committed context, and a
     chain's own rows) and ``tail`` [n, T] (the cache rows of the others in position order: a tree
     node's ancestors past a branch). Nothing is copied but these indices."""
-    if mask is None:
-        mask = torch.ones((n, past + n), dtype=torch.bool)
+    if mask is None:  # every row sees every key (a one-token step): the same indices, without the mask's ops
+        every = torch.full((n,), past + n, dtype=torch.long)
+        return every, every.clone(), torch.zeros((n, 0), dtype=torch.long)
     mask = mask.cpu()
     counts = mask.sum(1)
     inplace = mask.to(torch.int32).cumprod(1).sum(1)
