@@ -403,8 +403,8 @@ SERVICE = {
             "RACER_PROMPT_TOPK",
             256,
             "prompt positions, the last ones, whose top-k an open sends back (the drafter's copy-logit table; "
-            "the output layer runs over those rows and the last one only, about a third of a long prompt's "
-            "prefill when it runs over all of them); -1: every position",
+            "the output layer runs over those rows and the last one only); with --measure-cost, at most as "
+            "many as cost one one-token step, measured at start-up; -1: every position, unbounded",
             int,
         ),
         Setting(

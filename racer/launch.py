@@ -165,21 +165,29 @@ async def load_model(args):
     return model if device == "cpu" else model.to(device)
 
 
-async def _measure(model, args) -> dict[int, float] | None:
+async def _measure(model, args) -> tuple[dict[int, float] | None, int | None]:
     """Before serving: the llama backend's kernels (measured, or read from the cache) and, with
-    ``--measure-cost``, the cost curve the adaptive budget reads."""
-    from verifier.engine import measure_cost
+    ``--measure-cost``, the cost curve the adaptive budget reads; and the prompt rows an open sends
+    the top-k of: ``--prompt-topk``'s last positions, with ``--measure-cost`` at most as many as cost
+    one one-token step (``measure_prompt_rows``)."""
+    from verifier.engine import measure_cost, measure_prompt_rows
     from verifier.llama import LlamaBackend
     from verifier.tuning import kernel_plan
 
     if args.backend != "hf" and LlamaBackend.supports(model):
         plan = await asyncio.to_thread(kernel_plan, model)
         log.info("kernels", extra={"dtype": str(model.dtype), "choice": plan.describe()})
+    rows = settings.prompt_topk(args.prompt_topk)
     if not args.measure_cost:
-        return None
+        return None, rows
     cost = await asyncio.to_thread(measure_cost, model, backend=args.backend, topk=args.topk)
     log.info("cost curve", extra={"ms_by_size": {n: round(c, 2) for n, c in cost.items()}})
-    return cost
+    if rows:  # 0 needs no bound, and None (every position) asks for none
+        step_ms = cost[min(cost)]
+        bound = await asyncio.to_thread(measure_prompt_rows, model, step_ms, backend=args.backend, topk=args.topk)
+        rows = rows if bound is None else min(rows, bound)
+        log.info("prompt top-k rows", extra={"setting": args.prompt_topk, "within_one_step": bound, "rows": rows})
+    return cost, rows
 
 
 async def start_verifier(args, model=None) -> tuple[Server, object]:
@@ -190,6 +198,7 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
 
     server_kw = _server_kw(args, "verifier")  # before the model loads: refused at once
     model = model if model is not None else await load_model(args)
+    cost, prompt_rows = await _measure(model, args)
     core = Verifier(
         model=model,
         topk=args.topk,
@@ -197,7 +206,7 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
         max_sessions=args.max_sessions,
         max_cache_tokens=args.max_cache_tokens,
         ttl=args.session_ttl,
-        cost=await _measure(model, args),
+        cost=cost,
         max_batch=args.max_batch,
         max_wait_ms=args.max_wait_ms,
         kv_memory_bytes=args.kv_memory_bytes,
@@ -208,7 +217,7 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
         stall_seconds=args.stall_seconds,
         prefill_batch=args.prefill_batch,
         prefill_lead=args.prefill_lead,
-        prompt_topk=settings.prompt_topk(args.prompt_topk),
+        prompt_topk=prompt_rows,
         prefix_cache=args.prefix_cache,
         prefix_block=args.prefix_block_tokens,
     )

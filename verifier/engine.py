@@ -538,3 +538,25 @@ def measure_cost(
                 times[n].append((time.perf_counter() - t0) * 1e3)
             session.truncate(context)
     return {n: statistics.median(times[n]) for n in sizes}
+
+
+def measure_prompt_rows(
+    model, step_ms: float, rows: int = 64, reps: int = 5, backend: str = "auto", topk: int = TOPK
+) -> int | None:
+    """How many prompt rows' top-k cost at most ``step_ms`` (a one-token step): what a prefill of
+    ``rows`` tokens takes with every row's top-k beyond what it takes with the last row only (the
+    output layer and a top-k over each extra row), medians of ``reps``, the two interleaved. Those
+    rows feed the drafter's copy-logit table; bounded so, they cost a turn at most one step's time.
+    None: the rows cost nothing measurable (no bound)."""
+    rng = random.Random(0)
+    tokens = [rng.randrange(model.config.vocab_size) for _ in range(rows)]
+    times: dict[int, list[float]] = {rows: [], 0: []}
+    for rep in range(reps + 1):  # the first pass warms up and is not counted
+        for asked in (rows, 0):
+            session = VerifierSession(model, topk, backend)
+            t0 = time.perf_counter()
+            session.prefill(tokens, topk_rows=asked)
+            if rep:
+                times[asked].append((time.perf_counter() - t0) * 1e3)
+    per_row = (statistics.median(times[rows]) - statistics.median(times[0])) / (rows - 1)
+    return None if per_row <= 0 else int(step_ms / per_row)

@@ -137,7 +137,9 @@ def start_stack(
                         "verifier",
                         host="127.0.0.1",
                         port=0,
-                        **dict({"max_sessions": 16}, **backend, **(verifier or {})),
+                        # every prompt row's top-k (the prompts here are short): the bound a verifier
+                        # measures otherwise (``verifier.engine.measure_prompt_rows``) follows the machine
+                        **dict({"max_sessions": 16, "prompt_topk": -1}, **backend, **(verifier or {})),
                     ),
                     model=model,
                 )

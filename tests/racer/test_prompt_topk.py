@@ -15,7 +15,7 @@ from racer import launch
 from racer.client import Client
 from tests.support.engine import hf_greedy
 from tests.support.stack import INTERNAL_TOKEN, backend_channel, prompt, start_stack
-from verifier.engine import VerifierSession
+from verifier.engine import VerifierSession, measure_prompt_rows
 
 
 def test_the_flag_and_the_variable_set_it_and_the_last_256_positions_are_the_default():
@@ -62,6 +62,40 @@ def test_an_open_asking_for_a_negative_number_of_rows_is_refused(loop_thread, ti
     finally:
         loop_thread.run(srv.stop(0))
         core.close()
+
+
+@pytest.mark.parametrize("value, measured, rows", [(256, 5, 5), (3, 5, 3), (256, None, 256), (-1, 5, None), (0, 5, 0)])
+def test_with_a_cost_curve_the_rows_are_at_most_what_costs_one_step(
+    loop_thread, tiny_llama, monkeypatch, value, measured, rows
+):
+    """Where the verifier measures its cost curve it also measures how many prompt rows' top-k cost one
+    one-token step, and sends at most that many: --prompt-topk stays the upper bound, -1 (every
+    position) and 0 (none) are taken as they are, and a bound it cannot measure bounds nothing."""
+    from verifier import engine
+
+    asked = []
+
+    def bound(model, step_ms, **kw):
+        asked.append(step_ms)
+        return measured
+
+    monkeypatch.setattr(engine, "measure_cost", lambda model, **kw: {1: 7.0, 2: 9.0})
+    monkeypatch.setattr(engine, "measure_prompt_rows", bound)
+    args = launch.defaults("verifier", host="127.0.0.1", port=0, internal_token=INTERNAL_TOKEN, prompt_topk=value)
+    srv, core = loop_thread.run(launch.start_verifier(args, model=tiny_llama))
+    try:
+        assert core.prompt_topk == rows
+        assert asked == ([7.0] if value > 0 else [])  # against the one-node step's cost
+    finally:
+        loop_thread.run(srv.stop(0))
+        core.close()
+
+
+def test_the_rows_that_cost_one_step_are_measured_on_the_model(tiny_llama):
+    free = measure_prompt_rows(tiny_llama, 0.0, rows=16, reps=1)
+    assert free is None or free == 0  # no time to spend: no row (or rows that cost nothing measurable)
+    some = measure_prompt_rows(tiny_llama, 1e9, rows=16, reps=1)
+    assert some is None or some > 1000
 
 
 @pytest.fixture
