@@ -361,7 +361,7 @@ class TurnLinks:
                 self.plain_topk.extend(feedback.topk)
             self.plain_root = None
             feedback = Feedback(self.held.topk, self.held.accepted, self.held.commit, feedback.batch_rows)
-        if self.rest > 0:
+        if self.rest > 0 and not self._forced():  # a grammar's forced path is drafted, free: no rest then
             self.held = feedback
             return None
         if self.plain:

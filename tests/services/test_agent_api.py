@@ -319,3 +319,37 @@ def test_echo_covers_the_prompt_with_the_models_own_logprobs(client, tok):
         for ch in c.choices if ch.logprobs for t in ch.logprobs.tokens
     ]  # fmt: skip
     assert streamed == lp.tokens
+
+
+SHORT_STRINGS = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "codes",
+        "schema": {
+            "type": "object",
+            "properties": {k: {"type": "string", "minLength": 3, "maxLength": 3} for k in ("first", "second", "third")},
+            "required": ["first", "second", "third"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_a_resting_budget_still_drafts_what_the_grammar_forces(stack, client):
+    """While the adaptive budget rests (here every drafted round looks far too dear), a round whose
+    grammar forces tokens after its root still goes to the drafter: the forced stretch (a key and its
+    punctuation after each fixed-length string) is drafted as a path, free, instead of taking a round
+    per token. The object is the one without drafts."""
+    from gateway.turn_links import RoundOverhead
+
+    gw = stack.gateway_pair[1]
+    kept = gw.round_overhead
+    gw.round_overhead = RoundOverhead(10_000.0)
+    try:
+        r = _chat(client, response_format=SHORT_STRINGS, extra_body={"speculation": {"budget": 0}})
+    finally:
+        gw.round_overhead = kept
+    plain = _chat(client, response_format=SHORT_STRINGS, extra_body=OFF)
+    assert r.choices[0].message.content == plain.choices[0].message.content
+    rounds, tokens = r.model_extra["speculation"]["rounds"], r.usage.completion_tokens
+    assert rounds * 3 < tokens, (rounds, tokens)
