@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import replace
 
 from common.errors import Abort, Status
 from common.loop import Rounds
@@ -360,14 +361,12 @@ class TurnLinks:
                 self.plain.append(self.plain_root)
                 self.plain_topk.extend(feedback.topk)
             self.plain_root = None
-            feedback = Feedback(self.held.topk, self.held.accepted, self.held.commit, feedback.batch_rows)
+            feedback = replace(self.held, batch_rows=feedback.batch_rows)
         if self.rest > 0 and not self._forced():  # a grammar's forced path is drafted, free: no rest then
             self.held = feedback
             return None
         if self.plain:
-            feedback = Feedback(
-                feedback.topk, feedback.accepted, feedback.commit, feedback.batch_rows, self.plain, self.plain_topk
-            )
+            feedback = replace(feedback, plain=self.plain, plain_topk=self.plain_topk)
             self.plain, self.plain_topk = [], []
         self.held = None
         return feedback
