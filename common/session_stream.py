@@ -10,13 +10,16 @@ its handlers: protobuf in, the core, protobuf out.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 from typing import Any, AsyncIterable, AsyncIterator, Awaitable, Callable, ClassVar, Generic, Mapping, TypeVar
 
 from .errors import Abort, Status, check, draining
 
 E = TypeVar("E")  # the core's entry for a session the stream holds
 
-Handler = Callable[[Any], Awaitable[Any]]  # a message of one kind -> its response
+# a message of one kind -> its response, or an async generator of its responses (several answer it)
+Handler = Callable[[Any], Awaitable[Any] | AsyncIterator[Any]]
 
 
 class SessionStream(Generic[E]):
@@ -51,7 +54,7 @@ class SessionStream(Generic[E]):
         """After each response went out: work kept off the round's critical path."""
 
     async def serve(self, requests: AsyncIterable) -> AsyncIterator:
-        """The responses to ``requests``, one for each message."""
+        """The responses to ``requests``: one for each message, or those its handler yields."""
         handlers = self.handlers()
         kinds = ", ".join(("open", *handlers))
         try:
@@ -65,7 +68,15 @@ class SessionStream(Generic[E]):
                     yield await self.open(req.open)
                 elif kind in handlers:
                     check(self.entry is not None, Status.FAILED_PRECONDITION, f"{kind}: open the session first")
-                    yield await handlers[kind](getattr(req, kind))
+                    out = handlers[kind](getattr(req, kind))
+                    if not inspect.isasyncgen(out):
+                        yield await out
+                    else:  # a handler that answers one message with several responses
+                        async with contextlib.aclosing(out) as responses:
+                            async for resp in responses:
+                                yield resp
+                                self.responded()
+                        continue
                 else:
                     raise Abort(Status.INVALID_ARGUMENT, f"request: set one of {kinds}")
                 self.responded()

@@ -472,6 +472,15 @@ SERVICE = {
             int,
         ),
         Setting("--max-new-tokens", "RACER_MAX_NEW_TOKENS", 2048, "largest max_new_tokens accepted", int),
+        Setting(
+            "--verifier-runs",
+            "RACER_VERIFIER_RUNS",
+            True,
+            "rounds without a draft tree (mode off, the adaptive budget resting) go to the verifier as one "
+            "run: it verifies each round's token and goes on at the next by itself, answering every round, "
+            "so those rounds take no request each (not with stop strings or a grammar); 0: a request per round",
+            bool,
+        ),
         Setting("--max-budget", "RACER_MAX_BUDGET", 256, "largest draft budget accepted", int),
         Setting(
             "--max-sessions-per-tenant",

@@ -78,10 +78,12 @@ class Gateway:
         queueing: Queueing = Queueing(),
         chat_template: str = "",
         tool_parser: str = "hermes",
+        runs: bool = True,
     ):
         self.tokenizer = tokenizer
         self.chat_template = chat_template  # the operator's template text ("": the model's own)
         self.tool_parser = tool_parser  # how tool calls are read out of the text (gateway.tools.PARSERS)
+        self.runs = runs  # rounds without a tree go to the verifier as runs (VerifyTree.run)
         self._grammars = None  # gateway.grammar.Grammars, made at the first constrained request
         self.eos_ids = tuple(eos_ids)
         self.backends = Backends(drafters, verifiers, timeouts.backend)

@@ -118,6 +118,7 @@ class Verified:
     batch_rows: int  # rows of other sessions' trees in the same forward
     elapsed_ms: float  # inside the verifier
     logprobs: LogProbs | None = None  # of the accepted path's successors and the bonus, when asked for
+    more: bool = False  # a run's round, not its last: the next one is ``VerifierLink.more``'s to read
 
 
 @dataclass(frozen=True)
@@ -284,12 +285,14 @@ class VerifierLink(_Link):
         generated_tokens: int = 0,
         cache_scope: str = "",
         prompt_topk: int | None = None,
+        stop_ids: Sequence[int] = (),
     ) -> Opened:
         """Prefills ``history`` (what the verifier's cache lacks of it); ``sampling``: a SamplingParams;
         ``reserve_tokens``: new tokens the turn may add (the verifier reserves KV memory for them);
         ``mask``: the tokens allowed next (packed, empty: all); ``logprobs``: -1 none, else top n;
         ``cache_scope``: the tenant's sharing group for the prefix cache ("": its own);
-        ``prompt_topk``: at most this many prompt rows' top-k (None: the verifier's setting)."""
+        ``prompt_topk``: at most this many prompt rows' top-k (None: the verifier's setting);
+        ``stop_ids``: the tokens that end a run (``verify(run=...)``)."""
         s = vpb.Sampling(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
         if sampling.seed is not None:
             s.seed = sampling.seed
@@ -308,6 +311,7 @@ class VerifierLink(_Link):
             generated_tokens=generated_tokens,
             cache_scope=cache_scope,
             prompt_topk=prompt_topk,
+            stop_ids=stop_ids,
         )
         resp = await self.ask(vpb.VerifyRequest(open=op))
         cost = (tuple(resp.cost.sizes), tuple(resp.cost.ms)) if resp.cost.sizes else None
@@ -323,12 +327,28 @@ class VerifierLink(_Link):
             resp.prefix_tokens,
         )
 
-    async def verify(self, tokens: list[int], parents: list[int], masks: bytes = b"") -> Verified:
-        """``masks``: per node, the tokens allowed after its path (packed, empty: all)."""
-        resp = await self.ask(vpb.VerifyRequest(tree=vpb.VerifyTree(tokens=tokens, parents=parents, masks=masks)))
-        return Verified(
-            list(resp.accepted), resp.next_token, list(resp.topk), resp.batch_rows, resp.elapsed_ms, _logprobs(resp)
-        )
+    async def verify(self, tokens: list[int], parents: list[int], masks: bytes = b"", run: int = 0) -> Verified:
+        """``masks``: per node, the tokens allowed after its path (packed, empty: all). ``run`` > 1 (the
+        root alone): this round and up to ``run`` - 1 more, each at the last one's next token; while
+        the answer says ``more``, the next round's is ``more()``'s to read."""
+        tree = vpb.VerifyTree(tokens=tokens, parents=parents, masks=masks, run=run)
+        return _verified(await self.ask(vpb.VerifyRequest(tree=tree)))
+
+    async def more(self) -> Verified:
+        """The next round of the run in progress (the last answer said ``more``)."""
+        return _verified(await self.receive())
+
+
+def _verified(resp) -> Verified:
+    return Verified(
+        list(resp.accepted),
+        resp.next_token,
+        list(resp.topk),
+        resp.batch_rows,
+        resp.elapsed_ms,
+        _logprobs(resp),
+        resp.more,
+    )
 
 
 @dataclass

@@ -75,6 +75,8 @@ class Turn:
         self.links.draft_forced = req.forced
         self.links.adjust = (dict(req.logit_bias), req.presence_penalty, req.frequency_penalty)
         self.links.echo = req.echo and req.logprobs >= 0
+        # a stop string is found in the text after the fact: a run would go past it
+        self.links.runs = gw.runs and not req.stop
         self.constraint = None  # gateway.grammar.Constraint: the output's grammar state (None: free)
         q = gw.quotas.limits.of(record.tenant)  # the tenant's corpus switch and bound
         self.links.corpus = dict(share=req.share and q.share, corpus=q.share, corpus_tokens=q.corpus_tokens)

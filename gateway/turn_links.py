@@ -98,6 +98,11 @@ class TurnLinks:
         self.plain_topk: list[int] = []
         self.plain_root: int | None = None
         self.in_flight = False
+        # Runs (VerifyTree.run): whether rounds without a tree may be asked of the verifier as one run
+        # (the turn sets it: no stop strings, no grammar), and whether the verifier's next answer is
+        # the run's next round, already on its way.
+        self.runs = False
+        self.running = False
         # kind -> why the session is leaving its backend (drain, lost, full, unreachable); None: it is not
         self.leaving: dict[str, str | None] = {"drafter": None, "verifier": None}
 
@@ -212,6 +217,7 @@ class TurnLinks:
                     len(self.rounds.committed) - self.turn_start,
                     cache_scope=self.cache_scope,
                     prompt_topk=0 if self.rounds.mode == "off" else None,  # nothing drafted: no table rows
+                    stop_ids=sorted(self.rounds.stop),
                 )
             except (Lost, Abort) as e:
                 await link.close(cancel=True)
@@ -228,6 +234,7 @@ class TurnLinks:
                 self._unreachable("verifier", e)
                 continue
             self.verifier = link
+            self.running = False
             self.waiting.pop("verifier", None)
             if rec.verifier != ep:
                 gw.backends.placed(ep)
@@ -336,8 +343,8 @@ class TurnLinks:
 
     async def release(self, cancel: bool) -> None:
         for link in (self.drafter, self.verifier):
-            if link is not None:
-                await link.close(cancel=cancel)
+            if link is not None:  # a run's rounds the turn no longer wants end with the call
+                await link.close(cancel=cancel or (link is self.verifier and self.running))
         if self.verifier is not None:
             self.gw.backends.closed(self.verifier.endpoint)
         self.drafter = self.verifier = None
@@ -427,6 +434,16 @@ class TurnLinks:
                 raise Abort(Status.INTERNAL, f"drafter {self.drafter.endpoint} returned a tree with the wrong root")
             return tree
 
+    def _run(self, tree: Tree) -> int:
+        """Rounds to ask of the verifier as one run, starting with the one in flight (the root alone):
+        in mode "off" every round the turn has room for; else this one and the adaptive budget's
+        rest after it (the drafter's root alone that starts a rest, or a round of the rest). 0 or 1 (a
+        request per round) with a tree, a grammar (its masks follow each token) or stop strings."""
+        if not self.runs or self.grammar is not None or len(tree.tokens) != 1:
+            return 0
+        room = self.rounds.max_new - self.rounds.stats.new_tokens
+        return room if self.rounds.mode == "off" else min(room, self.rest + 1)
+
     async def verify(self, tree: Tree) -> Verified:
         # each node's mask from its own path's grammar state
         masks = self.grammar.tree_masks(tree.tokens, tree.parents) if self.grammar is not None else b""
@@ -434,7 +451,11 @@ class TurnLinks:
             if self.verifier is None:
                 await self.open_verifier()  # its next token is the root again (greedy) or a discarded draw
             try:
-                res = await self.verifier.verify(tree.tokens, tree.parents, masks)
+                if self.running:  # the verifier went on by itself: this round's answer is on its way
+                    res = await self.verifier.more()
+                else:
+                    res = await self.verifier.verify(tree.tokens, tree.parents, masks, self._run(tree))
+                self.running = res.more
             except Abort as e:
                 raise Abort(
                     Status.INTERNAL,

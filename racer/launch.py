@@ -355,6 +355,7 @@ def _gateway_core(args, tokenizer, eos_ids, vocab_size, drafters, verifiers, key
         queueing=Queueing(args.queue_max_waiters, args.queue_wait_seconds, args.queue_poll_seconds),
         chat_template=load_template(args.chat_template),
         tool_parser=args.tool_call_parser,
+        runs=args.verifier_runs,
     )
 
 

@@ -18,6 +18,10 @@ BATCH_SIZE = Histogram(
 PREFILL_BATCH_SIZE = Histogram(
     "racer_prefill_batch_size", "Prompts prefilled together in one forward", buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 )
+# Exported as racer_verifier_run_rounds_total.
+RUN_ROUNDS = Counter(
+    "racer_verifier_run_rounds", "Rounds verified as part of a run (VerifyTree.run), beyond its first: no request each"
+)
 VERIFIER_SESSIONS = Gauge("racer_verifier_sessions", "KV caches held")
 CACHE_TOKENS = Gauge("racer_verifier_cache_tokens", "Tokens held in all KV caches")
 # Exported with _total (racer_verifier_evictions_total, racer_verifier_reused_tokens_total).

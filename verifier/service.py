@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import asdict
 
 from opentelemetry import trace
@@ -14,6 +15,7 @@ from common.v1 import verifier_pb2 as pb
 from common.v1 import verifier_pb2_grpc as pb_grpc
 
 from . import load
+from . import metrics as M
 from .constraints import Adjust, unpack
 from .sessions import Entry, Open, Verifier
 
@@ -52,7 +54,8 @@ class VerifierService(pb_grpc.VerifierServicer):
 
 
 class _VerifyStream(SessionStream[Entry]):
-    """One verifier ``Session`` stream: ``open`` (prefill), then a ``tree`` per round."""
+    """One verifier ``Session`` stream: ``open`` (prefill), then a ``tree`` per round (or per run of
+    rounds without a draft: the verifier goes on at each round's next token by itself)."""
 
     service = "verifier"
 
@@ -61,6 +64,7 @@ class _VerifyStream(SessionStream[Entry]):
         self.servicer = servicer
         self.verifier = servicer.verifier
         self.context = context  # the call's deadline bounds the prefill
+        self.stop_ids: frozenset[int] = frozenset()
 
     def handlers(self):
         return {"tree": self.tree}
@@ -92,6 +96,7 @@ class _VerifyStream(SessionStream[Entry]):
             )
         except ValueError as e:
             raise Abort(Status.INVALID_ARGUMENT, str(e), field="logit_bias") from None
+        self.stop_ids = frozenset(op.stop_ids)  # where a run ends
         session.open_mask = self._masks(op.mask, 1, "open.mask")
         if session.open_mask is not None:
             session.open_mask = session.open_mask[0]
@@ -111,10 +116,26 @@ class _VerifyStream(SessionStream[Entry]):
             res, reused_tokens=res.reused_tokens, prefix_tokens=res.prefix_tokens, cost=_cost_curve(v), **echo
         )
 
-    async def tree(self, tree: pb.VerifyTree) -> pb.VerifyResponse:
+    async def tree(self, tree: pb.VerifyTree) -> AsyncIterator[pb.VerifyResponse]:
+        """The tree's response; with a run (``VerifyTree.run``), one per round of it."""
+        run = tree.run
+        if run < 0:
+            raise Abort(Status.INVALID_ARGUMENT, f"tree.run: {run}, at least 0", field="run")
+        if run > 1 and (len(tree.tokens) != 1 or tree.masks):
+            raise Abort(
+                Status.INVALID_ARGUMENT,
+                f"tree.run: a run verifies the root alone, without masks ({len(tree.tokens)} tokens given)",
+                field="run",
+            )
         self.entry.session.masks = self._masks(tree.masks, len(tree.tokens), "tree.masks")
         res = await self.verifier.verify(self.entry, list(tree.tokens), list(tree.parents))
-        return self._answer(res, accepted=res.accepted, batch_rows=res.batch_rows)
+        for _ in range(run - 1):  # the run's rounds: each the last one's next token alone
+            if res.next_token in self.stop_ids or self.draining():
+                break
+            yield self._answer(res, accepted=res.accepted, batch_rows=res.batch_rows, more=True)
+            res = await self.verifier.verify(self.entry, [res.next_token], [-1])
+            M.RUN_ROUNDS.inc()
+        yield self._answer(res, accepted=res.accepted, batch_rows=res.batch_rows)
 
     def _masks(self, data: bytes, rows: int, field: str):
         try:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as racer_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17racer/v1/verifier.proto\x12\x08racer.v1\x1a\x15racer/v1/common.proto\"Y\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xaa\x03\n\x0cVerifierOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0f\n\x07history\x18\x03 \x03(\x05\x12$\n\x08sampling\x18\x04 \x01(\x0b\x32\x12.racer.v1.Sampling\x12\x16\n\x0ereserve_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04mask\x18\x06 \x01(\x0c\x12\x10\n\x08logprobs\x18\x07 \x01(\x05\x12\x39\n\nlogit_bias\x18\x08 \x03(\x0b\x32%.racer.v1.VerifierOpen.LogitBiasEntry\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x0c\n\x04\x65\x63ho\x18\x0b \x01(\x08\x12\x18\n\x10generated_tokens\x18\x0c \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_scope\x18\r \x01(\t\x12\x18\n\x0bprompt_topk\x18\x0e \x01(\x05H\x00\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_prompt_topk\"<\n\nVerifyTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\r\n\x05masks\x18\x03 \x01(\x0c\"e\n\rVerifyRequest\x12&\n\x04open\x18\x01 \x01(\x0b\x32\x16.racer.v1.VerifierOpenH\x00\x12$\n\x04tree\x18\x02 \x01(\x0b\x32\x14.racer.v1.VerifyTreeH\x00\x42\x06\n\x04kind\"\xe8\x02\n\x0eVerifyResponse\x12\x12\n\nnext_token\x18\x01 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x03(\x05\x12\x0c\n\x04topk\x18\x03 \x03(\x05\x12\x12\n\ntopk_width\x18\x04 \x01(\x05\x12\x15\n\rreused_tokens\x18\x05 \x01(\x05\x12\x14\n\x0c\x63\x61\x63he_tokens\x18\x06 \x01(\x03\x12\x12\n\nelapsed_ms\x18\x07 \x01(\x01\x12!\n\x04\x63ost\x18\x08 \x01(\x0b\x32\x13.racer.v1.CostCurve\x12\x12\n\nbatch_rows\x18\t \x01(\x05\x12\x10\n\x08logprobs\x18\n \x03(\x02\x12\x0f\n\x07top_ids\x18\x0b \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x0c \x03(\x02\x12\x15\n\recho_logprobs\x18\r \x03(\x02\x12\x14\n\x0c\x65\x63ho_top_ids\x18\x0e \x03(\x05\x12\x19\n\x11\x65\x63ho_top_logprobs\x18\x0f \x03(\x02\x12\x15\n\rprefix_tokens\x18\x10 \x01(\x05\"9\n\x13VerifierDropRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"\'\n\x14VerifierDropResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x16\n\x14VerifierStatsRequest\"y\n\x14VerifierSessionStats\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x14\n\x0c\x63\x61\x63he_tokens\x18\x03 \x01(\x03\x12\x11\n\tstreaming\x18\x04 \x01(\x08\x12\x14\n\x0cidle_seconds\x18\x05 \x01(\x01\"\xfe\x01\n\x15VerifierStatsResponse\x12\x30\n\x08sessions\x18\x01 \x03(\x0b\x32\x1e.racer.v1.VerifierSessionStats\x12\x14\n\x0c\x63\x61\x63he_tokens\x18\x02 \x01(\x03\x12!\n\x04\x63ost\x18\x03 \x01(\x0b\x32\x13.racer.v1.CostCurve\x12\x12\n\nsaturation\x18\x04 \x01(\x01\x12\x11\n\tstreaming\x18\x05 \x01(\x05\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x15\n\rprefix_blocks\x18\x07 \x03(\x06\x12\x1b\n\x13prefix_block_tokens\x18\x08 \x01(\x05\x12\r\n\x05\x65poch\x18\t \x01(\x06\x32\xdd\x01\n\x08Verifier\x12@\n\x07Session\x12\x17.racer.v1.VerifyRequest\x1a\x18.racer.v1.VerifyResponse(\x01\x30\x01\x12\x45\n\x04\x44rop\x12\x1d.racer.v1.VerifierDropRequest\x1a\x1e.racer.v1.VerifierDropResponse\x12H\n\x05Stats\x12\x1e.racer.v1.VerifierStatsRequest\x1a\x1f.racer.v1.VerifierStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17racer/v1/verifier.proto\x12\x08racer.v1\x1a\x15racer/v1/common.proto\"Y\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xbc\x03\n\x0cVerifierOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0f\n\x07history\x18\x03 \x03(\x05\x12$\n\x08sampling\x18\x04 \x01(\x0b\x32\x12.racer.v1.Sampling\x12\x16\n\x0ereserve_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04mask\x18\x06 \x01(\x0c\x12\x10\n\x08logprobs\x18\x07 \x01(\x05\x12\x39\n\nlogit_bias\x18\x08 \x03(\x0b\x32%.racer.v1.VerifierOpen.LogitBiasEntry\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x0c\n\x04\x65\x63ho\x18\x0b \x01(\x08\x12\x18\n\x10generated_tokens\x18\x0c \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_scope\x18\r \x01(\t\x12\x18\n\x0bprompt_topk\x18\x0e \x01(\x05H\x00\x88\x01\x01\x12\x10\n\x08stop_ids\x18\x0f \x03(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_prompt_topk\"I\n\nVerifyTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\r\n\x05masks\x18\x03 \x01(\x0c\x12\x0b\n\x03run\x18\x04 \x01(\x05\"e\n\rVerifyRequest\x12&\n\x04open\x18\x01 \x01(\x0b\x32\x16.racer.v1.VerifierOpenH\x00\x12$\n\x04tree\x18\x02 \x01(\x0b\x32\x14.racer.v1.VerifyTreeH\x00\x42\x06\n\x04kind\"\xf6\x02\n\x0eVerifyResponse\x12\x12\n\nnext_token\x18\x01 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x03(\x05\x12\x0c\n\x04topk\x18\x03 \x03(\x05\x12\x12\n\ntopk_width\x18\x04 \x01(\x05\x12\x15\n\rreused_tokens\x18\x05 \x01(\x05\x12\x14\n\x0c\x63\x61\x63he_tokens\x18\x06 \x01(\x03\x12\x12\n\nelapsed_ms\x18\x07 \x01(\x01\x12!\n\x04\x63ost\x18\x08 \x01(\x0b\x32\x13.racer.v1.CostCurve\x12\x12\n\nbatch_rows\x18\t \x01(\x05\x12\x10\n\x08logprobs\x18\n \x03(\x02\x12\x0f\n\x07top_ids\x18\x0b \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x0c \x03(\x02\x12\x15\n\recho_logprobs\x18\r \x03(\x02\x12\x14\n\x0c\x65\x63ho_top_ids\x18\x0e \x03(\x05\x12\x19\n\x11\x65\x63ho_top_logprobs\x18\x0f \x03(\x02\x12\x15\n\rprefix_tokens\x18\x10 \x01(\x05\x12\x0c\n\x04more\x18\x11 \x01(\x08\"9\n\x13VerifierDropRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"\'\n\x14VerifierDropResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x16\n\x14VerifierStatsRequest\"y\n\x14VerifierSessionStats\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x14\n\x0c\x63\x61\x63he_tokens\x18\x03 \x01(\x03\x12\x11\n\tstreaming\x18\x04 \x01(\x08\x12\x14\n\x0cidle_seconds\x18\x05 \x01(\x01\"\xfe\x01\n\x15VerifierStatsResponse\x12\x30\n\x08sessions\x18\x01 \x03(\x0b\x32\x1e.racer.v1.VerifierSessionStats\x12\x14\n\x0c\x63\x61\x63he_tokens\x18\x02 \x01(\x03\x12!\n\x04\x63ost\x18\x03 \x01(\x0b\x32\x13.racer.v1.CostCurve\x12\x12\n\nsaturation\x18\x04 \x01(\x01\x12\x11\n\tstreaming\x18\x05 \x01(\x05\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x15\n\rprefix_blocks\x18\x07 \x03(\x06\x12\x1b\n\x13prefix_block_tokens\x18\x08 \x01(\x05\x12\r\n\x05\x65poch\x18\t \x01(\x06\x32\xdd\x01\n\x08Verifier\x12@\n\x07Session\x12\x17.racer.v1.VerifyRequest\x1a\x18.racer.v1.VerifyResponse(\x01\x30\x01\x12\x45\n\x04\x44rop\x12\x1d.racer.v1.VerifierDropRequest\x1a\x1e.racer.v1.VerifierDropResponse\x12H\n\x05Stats\x12\x1e.racer.v1.VerifierStatsRequest\x1a\x1f.racer.v1.VerifierStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,25 +37,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLING']._serialized_start=60
   _globals['_SAMPLING']._serialized_end=149
   _globals['_VERIFIEROPEN']._serialized_start=152
-  _globals['_VERIFIEROPEN']._serialized_end=578
-  _globals['_VERIFIEROPEN_LOGITBIASENTRY']._serialized_start=514
-  _globals['_VERIFIEROPEN_LOGITBIASENTRY']._serialized_end=562
-  _globals['_VERIFYTREE']._serialized_start=580
-  _globals['_VERIFYTREE']._serialized_end=640
-  _globals['_VERIFYREQUEST']._serialized_start=642
-  _globals['_VERIFYREQUEST']._serialized_end=743
-  _globals['_VERIFYRESPONSE']._serialized_start=746
-  _globals['_VERIFYRESPONSE']._serialized_end=1106
-  _globals['_VERIFIERDROPREQUEST']._serialized_start=1108
-  _globals['_VERIFIERDROPREQUEST']._serialized_end=1165
-  _globals['_VERIFIERDROPRESPONSE']._serialized_start=1167
-  _globals['_VERIFIERDROPRESPONSE']._serialized_end=1206
-  _globals['_VERIFIERSTATSREQUEST']._serialized_start=1208
-  _globals['_VERIFIERSTATSREQUEST']._serialized_end=1230
-  _globals['_VERIFIERSESSIONSTATS']._serialized_start=1232
-  _globals['_VERIFIERSESSIONSTATS']._serialized_end=1353
-  _globals['_VERIFIERSTATSRESPONSE']._serialized_start=1356
-  _globals['_VERIFIERSTATSRESPONSE']._serialized_end=1610
-  _globals['_VERIFIER']._serialized_start=1613
-  _globals['_VERIFIER']._serialized_end=1834
+  _globals['_VERIFIEROPEN']._serialized_end=596
+  _globals['_VERIFIEROPEN_LOGITBIASENTRY']._serialized_start=532
+  _globals['_VERIFIEROPEN_LOGITBIASENTRY']._serialized_end=580
+  _globals['_VERIFYTREE']._serialized_start=598
+  _globals['_VERIFYTREE']._serialized_end=671
+  _globals['_VERIFYREQUEST']._serialized_start=673
+  _globals['_VERIFYREQUEST']._serialized_end=774
+  _globals['_VERIFYRESPONSE']._serialized_start=777
+  _globals['_VERIFYRESPONSE']._serialized_end=1151
+  _globals['_VERIFIERDROPREQUEST']._serialized_start=1153
+  _globals['_VERIFIERDROPREQUEST']._serialized_end=1210
+  _globals['_VERIFIERDROPRESPONSE']._serialized_start=1212
+  _globals['_VERIFIERDROPRESPONSE']._serialized_end=1251
+  _globals['_VERIFIERSTATSREQUEST']._serialized_start=1253
+  _globals['_VERIFIERSTATSREQUEST']._serialized_end=1275
+  _globals['_VERIFIERSESSIONSTATS']._serialized_start=1277
+  _globals['_VERIFIERSESSIONSTATS']._serialized_end=1398
+  _globals['_VERIFIERSTATSRESPONSE']._serialized_start=1401
+  _globals['_VERIFIERSTATSRESPONSE']._serialized_end=1655
+  _globals['_VERIFIER']._serialized_start=1658
+  _globals['_VERIFIER']._serialized_end=1879
 # @@protoc_insertion_point(module_scope)

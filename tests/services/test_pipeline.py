@@ -546,6 +546,7 @@ def test_the_adaptive_budget_rests_when_no_tree_pays_and_the_drafter_still_learn
             for turn in range(2):
                 p = prompt(80 + turn, n=6)
                 steps = sample("racer_draft_latency_seconds_count")
+                runs = sample("racer_verifier_run_rounds_total")
                 found = {s: sample("racer_drafter_restores_total", {"source": s}) for s in ("memory", "snapshot")}
                 ids, _, last = c.complete(p, session_id=sid, max_new_tokens=40, budget=0)
                 history += p
@@ -554,8 +555,93 @@ def test_the_adaptive_budget_rests_when_no_tree_pays_and_the_drafter_still_learn
                 sid = last.session_id
                 rounds = last.stats.rounds
                 assert sample("racer_draft_latency_seconds_count") - steps < rounds / 2, f"turn {turn}"
+                assert sample("racer_verifier_run_rounds_total") > runs, f"turn {turn}: the rests went as runs"
                 if turn:
                     assert sample("racer_drafter_restores_total", {"source": "memory"}) == found["memory"] + 1
                     assert sample("racer_drafter_restores_total", {"source": "snapshot"}) == found["snapshot"]
     finally:
         gw.round_overhead = kept
+
+
+def _count(name: str) -> float:
+    return REGISTRY.get_sample_value(name) or 0.0
+
+
+def test_rounds_without_a_tree_go_to_the_verifier_as_one_run(stack, tiny_llama):
+    """Mode off: the gateway asks the verifier for the turn's rounds as one run, which answers each
+    round (the first by its request, the others without one) and ends at a stop token; the output is
+    plain greedy. With runs off, or with stop strings (found in the text only after the fact), the
+    same tokens come from a request per round."""
+    p = prompt(90)
+    ref = hf_greedy(tiny_llama, p, N)
+    stop = ref[1 + ref[1:].index(ref[20])]  # no earlier token is it, but maybe the first
+    gw = stack.gateway_pair[1]
+    with Client(stack.gateway, timeout=60) as c:
+        runs, forwards = _count("racer_verifier_run_rounds_total"), _count("racer_verify_latency_seconds_count")
+        ids, _, last = c.complete(p, max_new_tokens=N, mode="off")
+        assert ids == ref
+        rounds = last.stats.rounds
+        assert rounds == N - 1  # the open chose the first token
+        assert _count("racer_verifier_run_rounds_total") - runs == rounds - 1
+        assert _count("racer_verify_latency_seconds_count") - forwards == rounds
+
+        runs, forwards = _count("racer_verifier_run_rounds_total"), _count("racer_verify_latency_seconds_count")
+        ids, _, last = c.complete(p, max_new_tokens=N, mode="off", stop_ids=(stop,))
+        cut = ref.index(stop, 1) + 1
+        assert ids == ref[:cut] and last.finish_reason == "stop"
+        assert last.stats.rounds == cut - 1
+        assert _count("racer_verifier_run_rounds_total") - runs == cut - 2
+        assert _count("racer_verify_latency_seconds_count") - forwards == cut - 1  # nothing past the stop
+
+        runs = _count("racer_verifier_run_rounds_total")
+        ids, _, _ = c.complete(p, max_new_tokens=N, mode="off", stop=("a stop string this text never holds",))
+        assert ids == ref and _count("racer_verifier_run_rounds_total") == runs
+        gw.runs = False
+        try:
+            ids, _, _ = c.complete(p, max_new_tokens=N, mode="off")
+        finally:
+            gw.runs = True
+        assert ids == ref and _count("racer_verifier_run_rounds_total") == runs
+
+
+def test_a_verifier_run_answers_each_round_and_ends_at_a_stop_token(stack, tiny_llama):
+    """Over a raw stream: a run's responses are the greedy tokens one round each, every one but the
+    last with ``more``; it ends after the round that chose a stop token, and the stream goes on with
+    ordinary requests after it."""
+    history = prompt(301)
+    ref = hf_greedy(tiny_llama, history, 16)
+    k = 1 + ref[1:].index(ref[6])  # the first round (after the open's token) whose next token is ref[6]
+    with backend_channel(stack.verifier_target(0)) as ch:
+        op = vpb.VerifierOpen(session_id="run", tenant="t", history=history, stop_ids=[ref[6]])
+        reqs = [
+            vpb.VerifyRequest(open=op),
+            vpb.VerifyRequest(tree=vpb.VerifyTree(tokens=[ref[0]], parents=[-1], run=12)),
+            vpb.VerifyRequest(tree=vpb.VerifyTree(tokens=[ref[k]], parents=[-1])),
+        ]
+        got = list(vgrpc.VerifierStub(ch).Session(iter(reqs), timeout=60))
+    assert got[0].next_token == ref[0]
+    run, after = got[1:-1], got[-1]
+    assert [r.next_token for r in run] == ref[1 : k + 1]
+    assert [r.more for r in run] == [True] * (k - 1) + [False]
+    assert all(list(r.accepted) == [0] for r in run)
+    assert after.next_token == ref[k + 1] and not after.more
+    assert after.cache_tokens == len(history) + k + 1
+
+
+@pytest.mark.parametrize(
+    "tree, why",
+    [
+        (dict(tokens=[5], parents=[-1], run=-1), "at least 0"),
+        (dict(tokens=[5, 6], parents=[-1, 0], run=3), "the root alone"),
+        (dict(tokens=[5], parents=[-1], masks=b"\xff" * 4, run=2), "without masks"),
+    ],
+)
+def test_a_bad_run_is_refused_with_invalid_argument(stack, tree, why):
+    with backend_channel(stack.verifier_target(0)) as ch:
+        reqs = [
+            vpb.VerifyRequest(open=vpb.VerifierOpen(session_id="bad-run", tenant="t", history=prompt(302))),
+            vpb.VerifyRequest(tree=vpb.VerifyTree(**tree)),
+        ]
+        with pytest.raises(grpc.RpcError) as e:
+            list(vgrpc.VerifierStub(ch).Session(iter(reqs), timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in e.value.details()
