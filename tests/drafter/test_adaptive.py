@@ -116,17 +116,17 @@ def test_other_sessions_rows_make_speculation_cost_its_marginal_forward_time():
     assert jagged.forward_ms(3) == pytest.approx(30.0) and jagged.forward_ms(4) == pytest.approx(30.0)
 
 
-def test_a_priced_plain_round_lets_the_budget_rest_1_2_4_8_rounds_while_no_tree_pays():
+def test_a_priced_plain_round_lets_the_budget_rest_1_2_4_up_to_32_rounds_while_no_tree_pays():
     costs = {1: 10.0, 2: 11.0, 4: 13.0, 8: 17.0}
     c = BudgetChooser(costs, overhead_ms=2.0, prior_rounds=0.0, plain_overhead_ms=0.5)
     for _ in range(8):  # a fifth of a token per tree, whatever its size
         c.history.append([0, 0.2, 0.2, 0.2])
     # the best tree: 1.2 tokens for 13 ms (size 2), against 1 token for 10.5 ms without the drafter
     rests = []
-    for _ in range(6):
+    for _ in range(8):
         assert c.choose() == 1
         rests.append(c.rest)
-    assert rests == [1, 2, 4, 8, 8, 8]
+    assert rests == [1, 2, 4, 8, 16, 32, 32, 32]
     c.history.extend([[0, 0.9, 1.5, 2.0]] * 32)  # trees pay again: the next choice drafts
     assert c.choose() == 4 and c.rest == 0
     c.history.extend([[0, 0.0, 0.0, 0.0]] * 32)
