@@ -2,7 +2,8 @@
 
 Stateless itself: a session's token history lives in the session store (Redis in a deployment), so
 any gateway replica can serve any turn. Per turn it opens one stream to the session's drafter
-(rendezvous hashing) and one to its verifier (sticky), and runs the rounds: two messages per round.
+(rendezvous hashing) and one to its verifier (sticky), and runs the rounds: two messages per round
+(a drafter step and a tree), rounds without a tree asked of the verifier as runs.
 A stream that breaks is reopened elsewhere (``turn_links``); session-store calls are retried (``records``).
 """
 
