@@ -163,6 +163,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.racer_quant_supported.restype = ctypes.c_int
     lib.racer_quant_supported.argtypes = [ctypes.c_int]
     lib.racer_quant_isa.restype = ctypes.c_int
+    lib.racer_quant_stream_rows.restype = None
+    lib.racer_quant_stream_rows.argtypes = [ctypes.c_long]
     lib.racer_quant.restype = ctypes.c_int
     lib.racer_quant.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.racer_quant_rows.restype = ctypes.c_int
@@ -400,6 +402,14 @@ def quant_isa() -> str:
     """The integer instructions the block kernel was built with (all give the same bits)."""
     lib = library()
     return {2: "avx512-vnni", 1: "avx-vnni", 0: "avx2", -1: "generic"}[lib.racer_quant_isa()] if lib else "none"
+
+
+def quant_stream_rows(rows: int) -> None:
+    """Packed-block calls of at most ``rows`` rows hand out their weight in long runs (streaming),
+    larger ones in runs of 4 groups (0: every call). The same values either way."""
+    lib = library()
+    if lib is not None:
+        lib.racer_quant_stream_rows(int(rows))
 
 
 # A packed weight's type number: its GGML number + PACKED (``quant_pack``).

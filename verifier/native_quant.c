@@ -20,6 +20,7 @@
  * weight is multiplied as |w| times x with w's sign, at most 2 * 128 * 127 < 32768.
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -732,6 +733,21 @@ static void packed_body(void *ctx, long lo, long hi, int tid)
     }
 }
 
+/* How a call hands out its groups: runs of groups claimed in turn (native_pool.c), each computed the
+ * same whoever claims it. A call of at most ``stream_rows`` rows streams its weight from memory:
+ * long contiguous runs (a quarter of a thread's share each) keep the hardware prefetcher on one run
+ * at a time. A call of more rows computes more per byte: runs of 4 groups keep the threads even, a
+ * preempted thread holding up only its run. Set at start-up by measurement (racer_quant_stream_rows,
+ * verifier/tuning.py); 0: every call by runs of 4. No choice changes a value. */
+static _Atomic long stream_rows = 0;
+void racer_quant_stream_rows(long rows) { stream_rows = rows; }
+
+static long packed_chunk(long groups, long M, int threads)
+{
+    if (M > stream_rows || threads < 2) return 4;
+    return (groups + 4L * threads - 1) / (4L * threads);
+}
+
 /* racer_quant_many over packed weights (types[j] = GGML number + PACKED, N[j] a multiple of 8);
  * ``simd`` 0 runs the C code (the same bits: a test compares them). */
 static int quant_packed_many(int count, const int64_t *types, const float *x, const void *const *w,
@@ -747,7 +763,7 @@ static int quant_packed_many(int count, const int64_t *types, const float *x, co
     void *mem;
     if (quantize_packed(x, M, K, threads, &X, &mem)) return -2;
     struct packed_call c = {types, w, bias, y, N, &X, simd};
-    racer_pfor(groups, 4, threads, packed_body, &c);
+    racer_pfor(groups, packed_chunk(groups, M, threads), threads, packed_body, &c);
     free(mem);
     return 0;
 }

@@ -113,6 +113,55 @@ def test_a_rows_bits_equal_alone_among_40_rows_and_at_1_and_2_threads(name, pack
 
 @needs_kernel
 @pytest.mark.parametrize("name", PACKABLE)
+def test_long_runs_and_runs_of_4_groups_give_the_same_bits(name):
+    """How a call hands out its groups to the threads (``native.quant_stream_rows``) changes no value:
+    a call of 1, 3 or 17 rows, 2 threads, by long runs and by runs of 4, equal bits."""
+    rng = np.random.default_rng(11)
+    n, k = 8 * 37, 544  # 37 groups: neither handout divides them evenly
+    raw = _blocks(name, n, k, rng)
+    x = torch.randn((17, k), generator=torch.Generator().manual_seed(12))
+    try:
+        for rows in (1, 3, 17):
+            got = {}
+            for stream in (0, 32):
+                native.quant_stream_rows(stream)
+                got[stream] = _run(x[:rows], name, raw, n, k, threads=2, packed=True)
+            assert torch.equal(got[0], got[32]), rows
+    finally:
+        native.quant_stream_rows(0)
+
+
+def test_the_long_runs_row_count_is_the_last_one_they_win_at(monkeypatch):
+    """``block_stream_rows`` times the model's packed projections both ways, row count after row
+    count, and keeps the last count where long runs were faster: here (a clock that advances by the
+    cost of each call) up to 4 rows, where they cost 0.9 against 1; from 8 rows on 1.1."""
+    from types import SimpleNamespace
+
+    from verifier import tuning
+
+    setting = {"rows": 0}
+    clock = {"t": 0.0}
+    calls = []
+
+    def matmul(x):
+        rows = x.shape[0]
+        long_runs = rows <= setting["rows"]
+        clock["t"] += 1.0 if not long_runs else (0.9 if rows <= 4 else 1.1)
+        calls.append(rows)
+        return x
+
+    proj = SimpleNamespace(racer_blocks=SimpleNamespace(kind=native.PACKED + 3, k=64, matmul=matmul))
+    model = SimpleNamespace(modules=lambda: [proj, SimpleNamespace()])
+    monkeypatch.setattr(native, "quant_stream_rows", lambda rows: setting.update(rows=rows))
+    assert tuning.block_stream_rows(model, reps=3, clock=lambda: clock["t"]) == 4
+    assert setting["rows"] == 4  # set for the process
+    assert sorted(set(calls)) == [1, 2, 4, 8]  # 16 was not tried once 8 lost
+    no_blocks = SimpleNamespace(modules=lambda: [SimpleNamespace()])
+    assert tuning.block_stream_rows(no_blocks) == 0 and setting["rows"] == 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", PACKABLE)
 def test_packed_groups_vector_code_gives_the_c_codes_bits(name):
     """The vector code (8 weight rows in a vector's lanes) does each output's float32 steps exactly
     as the C code does them: equal bits, a bias included, on any build."""
