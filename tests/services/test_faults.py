@@ -133,12 +133,15 @@ def first_turn(target: str, seed: int, n: int = 20, budget: int = 8):
     return p, ids, last.session_id
 
 
-def stream_turn(target: str, sid: str, p2: list[int], n: int, on_first, budget: int = 4, timeout: float = 90):
-    """Streams one turn; ``on_first()`` runs after the first chunk arrived. Returns (ids, last)."""
+def stream_turn(
+    target: str, sid: str, p2: list[int], n: int, on_first, budget: int = 4, timeout: float = 90, mode: str = ""
+):
+    """Streams one turn; ``on_first()`` runs after the first chunk arrived. Returns (ids, last).
+    ``mode`` "off": the turn's rounds are one verifier run (``VerifyTree.run``)."""
     got: list[int] = []
     last = None
     with Client(target, timeout=timeout) as c:
-        for i, r in enumerate(c.generate(p2, session_id=sid, max_new_tokens=n, budget=budget)):
+        for i, r in enumerate(c.generate(p2, session_id=sid, max_new_tokens=n, budget=budget, mode=mode)):
             got.extend(r.token_ids)
             last = r
             if i == 0:
@@ -169,14 +172,18 @@ def test_drafter_sigkill_mid_stream_fails_over_and_restores_from_redis(healthy, 
     assert Client(cl.gateway.target).get_session(sid).turns == 2
 
 
-def test_verifier_sigkill_mid_stream_moves_the_session_to_the_other_verifier(healthy, tiny_llama):
+@pytest.mark.parametrize("mode", ["racer", "off"])  # off: the verifier dies inside a run
+def test_verifier_sigkill_mid_stream_moves_the_session_to_the_other_verifier(healthy, tiny_llama, mode):
     cl = healthy
-    p1, ids1, sid = first_turn(cl.gateway.target, 2)
+    p1, ids1, sid = first_turn(cl.gateway.target, 2 if mode == "racer" else 12)
     victim = cl.holder(sid, cl.verifiers)
     other = next(v for v in cl.verifiers if v is not victim)
     failovers = cl.gateway.metric("racer_failovers_total", kind="verifier")
-    p2 = prompt(102, n=4)
-    got, last = stream_turn(cl.gateway.target, sid, p2, N, victim.kill)
+    p2 = prompt(102 if mode == "racer" else 112, n=4)
+    runs = other.metric("racer_verifier_run_rounds_total")
+    got, last = stream_turn(cl.gateway.target, sid, p2, N, victim.kill, mode=mode)
+    if mode == "off":  # the rest of the turn went to the other verifier as a run
+        assert other.metric("racer_verifier_run_rounds_total") > runs
     assert got == hf_greedy(tiny_llama, p1 + ids1 + p2, N)
     assert last.usage.completion_tokens == N == len(got)
     assert cl.gateway.metric("racer_failovers_total", kind="verifier") == failovers + 1
@@ -185,16 +192,17 @@ def test_verifier_sigkill_mid_stream_moves_the_session_to_the_other_verifier(hea
     assert held[sid] >= len(p1 + ids1 + p2 + got) - 1, "the other verifier re-prefilled the history"
 
 
-def test_a_frozen_verifier_is_left_after_the_backend_timeout(healthy, tiny_llama):
+@pytest.mark.parametrize("mode", ["racer", "off"])  # off: the verifier freezes inside a run
+def test_a_frozen_verifier_is_left_after_the_backend_timeout(healthy, tiny_llama, mode):
     cl = healthy
-    p1, ids1, sid = first_turn(cl.gateway.target, 5)
+    p1, ids1, sid = first_turn(cl.gateway.target, 5 if mode == "racer" else 15)
     victim = cl.holder(sid, cl.verifiers)
     other = next(v for v in cl.verifiers if v is not victim)
-    p2 = prompt(107, n=4)
+    p2 = prompt(107 if mode == "racer" else 117, n=4)
     failovers = cl.gateway.metric("racer_failovers_total", kind="verifier")
     logged = len(cl.gateway.log_text())
     try:
-        got, last = stream_turn(cl.gateway.target, sid, p2, N, lambda: victim.signal(signal.SIGSTOP))
+        got, last = stream_turn(cl.gateway.target, sid, p2, N, lambda: victim.signal(signal.SIGSTOP), mode=mode)
         assert victim.stopped(), "the verifier was still frozen when the turn ended"
     finally:
         victim.signal(signal.SIGCONT)
