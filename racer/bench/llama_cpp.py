@@ -8,10 +8,14 @@ Spec-Bench prompts (``--per-category`` of each category), one request at a time,
   file, ``--threads`` threads, plain and with each ``--spec-types`` n-gram speculation, no prompt
   cache.
 - racer: ``racer stack`` (the three services, any free ports) in each of ``--dtypes``, modes ``off``
-  and ``racer`` (``--budget``) interleaved per prompt, ``share: false`` (no tenant corpus), and no
+  and ``racer`` (``--budget``), ``share: false`` (no tenant corpus), and no
   prefix cache (``RACER_PREFIX_CACHE=0``): with it, a prompt's second request (the other mode's)
   would skip most of its prefill, as llama.cpp's would with its prompt cache. The verifier gets its
   own CPUs as ``racer stack`` gives them (``--no-pin``: every CPU shared).
+
+Every server is started first; then each prompt goes to every one in turn (llama.cpp's modes, each
+dtype's ``off`` and ``racer``), the order rotated from prompt to prompt, so that a shared machine's
+drift over the run weighs on every figure alike.
 
 Reported: tok/s over all requests and the median, each against llama.cpp plain, and how many
 answers (their text) equal the reference: racer's ``off`` in the same dtype for ``racer`` (the
@@ -23,6 +27,7 @@ model; 8-bit activations are rounded alike but summed in another order, so a nea
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import subprocess
@@ -30,6 +35,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 
 from common.text import DEFAULT_SYSTEM
 
@@ -82,66 +88,70 @@ def _messages(text: str) -> list[dict]:
     return [{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": text}]
 
 
-def _llama_runs(args, prompts) -> dict[str, list[tuple[str, int, float]]]:
-    modes = [("plain", [])] + [(s, ["--spec-type", s]) for s in args.spec_types.split(",") if s]
-    out = {}
-    for name, extra in modes:
-        proc, url = _llama_server(args.server, args.threads, extra)
-        try:
-            runs = []
-            for i, p in enumerate([prompts[0], *prompts]):  # the first request warms up
-                body = {"messages": _messages(p.text), "max_tokens": args.max_new_tokens, "temperature": 0.0}
-                body |= {"top_k": 1, "cache_prompt": False}
-                t0 = time.perf_counter()
-                r = _post(url + "/v1/chat/completions", body)
-                dt = time.perf_counter() - t0
-                if i:
-                    runs.append((_text(r), int(r["usage"]["completion_tokens"]), dt))
-            out[f"llama.cpp {name}"] = runs
-        finally:
-            proc.terminate()
-            proc.wait(30)
-    return out
-
-
 def _text(r: dict) -> str:
     return r["choices"][0]["message"]["content"]
 
 
-def _racer_runs(args, prompts) -> dict[str, list[tuple[str, int, float]]]:
+def _llama_arms(args, servers: contextlib.ExitStack) -> list[tuple[str, Callable[[str], dict]]]:
+    """A ``llama-server`` per mode (plain, then each ``--spec-types``), all started before the first
+    request; an arm sends a prompt to one of them."""
+    arms = []
+    for name, extra in [("plain", [])] + [(s, ["--spec-type", s]) for s in args.spec_types.split(",") if s]:
+        proc, url = _llama_server(args.server, args.threads, extra)
+        servers.callback(lambda proc=proc: (proc.terminate(), proc.wait(30)))
+
+        def ask(text: str, url=url) -> dict:
+            body = {"messages": _messages(text), "max_tokens": args.max_new_tokens, "temperature": 0.0}
+            return _post(url + "/v1/chat/completions", body | {"top_k": 1, "cache_prompt": False})
+
+        arms.append((f"llama.cpp {name}", ask))
+    return arms
+
+
+def _racer_arms(args, stacks: contextlib.ExitStack) -> list[tuple[str, Callable[[str], dict]]]:
+    """A ``racer stack`` per ``--dtypes``; an arm sends a prompt to one of them in mode ``off`` or
+    ``racer``."""
     from .. import stack
 
-    out = {}
+    arms = []
     for dtype in args.dtypes.split(","):
         no_cache = {"RACER_PREFIX_CACHE": "0"}  # each request prefills its whole prompt, as llama.cpp's do
-        with stack.running(dtype=dtype, any_ports=True, http_port=1, pin=not args.no_pin, env=no_cache) as target:
-            base, key = f"http://127.0.0.1:{target.http_port}/v1", stack.client_key()
-            model = _get(base + "/models", key)["data"][0]["id"]
-            url = base + "/chat/completions"
-            runs = {m: [] for m in ("off", "racer")}
-            for i, p in enumerate([prompts[0], *prompts]):
-                for mode in runs:
-                    body = {
-                        "model": model,
-                        "messages": _messages(p.text),
-                        "max_tokens": args.max_new_tokens,
-                        "share": False,
-                    }
-                    body |= {"speculation": {"mode": mode, "budget": args.budget}, "return_token_ids": True}
-                    t0 = time.perf_counter()
-                    r = _post(url, body, key)
-                    dt = time.perf_counter() - t0
-                    if i:
-                        runs[mode].append((_text(r), int(r["usage"]["completion_tokens"]), dt))
-        for mode, r in runs.items():
-            out[f"racer {dtype} {mode}"] = r
+        target = stacks.enter_context(
+            stack.running(dtype=dtype, any_ports=True, http_port=1, pin=not args.no_pin, env=no_cache)
+        )
+        base, key = f"http://127.0.0.1:{target.http_port}/v1", stack.client_key()
+        model = _get(base + "/models", key)["data"][0]["id"]
+        for mode in ("off", "racer"):
+
+            def ask(text: str, base=base, key=key, model=model, mode=mode) -> dict:
+                body = {"model": model, "messages": _messages(text), "max_tokens": args.max_new_tokens}
+                body |= {"share": False, "speculation": {"mode": mode, "budget": args.budget}, "return_token_ids": True}
+                return _post(base + "/chat/completions", body, key)
+
+            arms.append((f"racer {dtype} {mode}", ask))
+    return arms
+
+
+def _runs(args, prompts) -> dict[str, list[tuple[str, int, float]]]:
+    """Every server up at once (idle, they take no CPU), then each prompt sent to every arm in turn,
+    the order rotated prompt by prompt: a shared machine's speed drifts over minutes, and this puts
+    the same drift into every arm's figures. The first prompt warms every arm up and is not counted."""
+    with contextlib.ExitStack() as up:
+        arms = (_llama_arms(args, up) if args.server else []) + _racer_arms(args, up)
+        out: dict[str, list[tuple[str, int, float]]] = {name: [] for name, _ in arms}
+        for i, p in enumerate([prompts[0], *prompts]):
+            for name, ask in arms[i % len(arms) :] + arms[: i % len(arms)]:
+                t0 = time.perf_counter()
+                r = ask(p.text)
+                dt = time.perf_counter() - t0
+                if i:
+                    out[name].append((_text(r), int(r["usage"]["completion_tokens"]), dt))
     return out
 
 
 def main(args) -> int:
     prompts = load_spec_bench(args.prompts or DEFAULT_PROMPTS, args.per_category)
-    results = {} if not args.server else _llama_runs(args, prompts)
-    results |= _racer_runs(args, prompts)
+    results = _runs(args, prompts)
     base = results.get("llama.cpp plain")
     rate = {k: sum(n for _, n, _ in v) / sum(s for _, _, s in v) for k, v in results.items()}
     ref_gguf = results.get("racer gguf off")
