@@ -108,34 +108,36 @@ def kernel_plan(
 STREAM_ROWS = (1, 2, 4, 8, 16)  # row counts tried for the block kernel's long runs, in order
 
 
-def block_stream_rows(model, reps: int = 6, clock=time.perf_counter) -> int:
+def block_stream_rows(model, reps: int = 6, clock=None) -> int:
     """Up to how many rows a call of the block kernel hands out its packed weight in long runs
-    (``native.quant_stream_rows``), measured: for each row count of ``STREAM_ROWS`` in turn, every
-    packed projection of the model called once a pass, passes with long runs and with runs of 4
-    interleaved (the first pair not counted), and the row count taken while long runs win by the
-    medians. A call of few rows streams its weight from memory, where long contiguous runs are
-    faster (on an AMD EPYC Zen 3, two threads, a one-token step 10% faster); a call of more rows
-    computes more per byte, where short runs keep the threads even. The same values either way.
-    Set for the process and returned; 0: every call by runs of 4."""
+    (``native.quant_stream_rows``), measured: for each row count of ``STREAM_ROWS`` in turn, a pass
+    over every packed projection of the model with long runs and one with runs of 4, interleaved
+    (``_time``), and the row count taken while long runs win by the medians. A call of few rows
+    streams its weight from memory, where long contiguous runs are faster (on an AMD EPYC Zen 3, two
+    threads, a one-token step 10% faster); a call of more rows computes more per byte, where short
+    runs keep the threads even. The same values either way. Set for the process and returned; 0:
+    every call by runs of 4."""
     blocks = [
         m.racer_blocks
         for m in model.modules()
         if getattr(m, "racer_blocks", None) is not None and m.racer_blocks.kind > native.PACKED
     ]
+
+    def every_block(stream: int):
+        def run(xs):
+            for b in blocks:
+                b.matmul(xs[b.k])
+
+        run.before = lambda: native.quant_stream_rows(stream)
+        return run
+
     chosen = 0
     gen = torch.Generator().manual_seed(0)
     for rows in STREAM_ROWS if blocks else ():
         xs = {k: torch.randn(rows, k, generator=gen) for k in {b.k for b in blocks}}
-        times: dict[int, list[float]] = {0: [], rows: []}
-        for rep in range(reps + 1):
-            for arm in (rows, 0) if rep % 2 else (0, rows):
-                native.quant_stream_rows(arm)
-                t0 = clock()
-                for b in blocks:
-                    b.matmul(xs[b.k])
-                if rep:
-                    times[arm].append(clock() - t0)
-        if statistics.median(times[rows]) >= statistics.median(times[0]):
+        fns = {("long", rows): every_block(rows), ("short", rows): every_block(0)}
+        t = _time(fns, {rows: xs}, reps, clock)
+        if t[("long", rows)] >= t[("short", rows)]:
             break
         chosen = rows
     native.quant_stream_rows(chosen)
@@ -390,13 +392,14 @@ def _agrees(y: torch.Tensor, ref: torch.Tensor) -> bool:
     return (y.float() - ref.float()).abs().max().item() <= tol * scale * math.sqrt(max(1, ref.shape[-1] / 64))
 
 
-def _time(fns: dict, inputs: dict, reps: int) -> dict:
+def _time(fns: dict, inputs: dict, reps: int, clock=None) -> dict:
     """Median seconds per key (its last element: the rows). Each row count is timed in rounds of its
     own: a warm-up call of every candidate at that count (not counted), then up to ``ROUND_REPS``
     repetitions with the candidates interleaved, so each call timed follows calls of its own row
     count (a one-row figure is not a one-row call from caches a 64-row call of another kernel left
     cold). More repetitions take more rounds, the row counts visited in turn, so a machine's drift
     falls on every row count, not on one round's."""
+    clock = clock or time.perf_counter  # read at the call: a test may stand in for ``time``
     times = {k: [] for k in fns}
     counts = list(dict.fromkeys(k[-1] for k in fns))
     for done in range(0, reps, ROUND_REPS):
@@ -406,10 +409,10 @@ def _time(fns: dict, inputs: dict, reps: int) -> dict:
                 for k, fn in round_.items():
                     if hasattr(fn, "before"):
                         fn.before()
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     fn(inputs[rows])
                     if rep:
-                        times[k].append(time.perf_counter() - t0)
+                        times[k].append(clock() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
 
 

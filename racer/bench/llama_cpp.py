@@ -84,6 +84,11 @@ def _llama_server(server: str, threads: int, extra: list[str]):
     raise RuntimeError(f"{' '.join(cmd)} did not become healthy")
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(30)
+
+
 def _messages(text: str) -> list[dict]:
     return [{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": text}]
 
@@ -98,7 +103,7 @@ def _llama_arms(args, servers: contextlib.ExitStack) -> list[tuple[str, Callable
     arms = []
     for name, extra in [("plain", [])] + [(s, ["--spec-type", s]) for s in args.spec_types.split(",") if s]:
         proc, url = _llama_server(args.server, args.threads, extra)
-        servers.callback(lambda proc=proc: (proc.terminate(), proc.wait(30)))
+        servers.callback(_stop, proc)
 
         def ask(text: str, url=url) -> dict:
             body = {"messages": _messages(text), "max_tokens": args.max_new_tokens, "temperature": 0.0}
