@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP API: aiohttp in the gateway's own event loop, over the core.
 
 Like ``service.py`` for gRPC, this is a thin transport: a handler reads the HTTP request,
-``openai_api`` turns its JSON into the gateway's ``Request``, ``Gateway.generate`` runs the turn,
-and the answer goes back as JSON or as server-sent events (``data: {...}`` lines, then
-``data: [DONE]``). ``Abort`` becomes an OpenAI error object with the HTTP status of its gRPC code.
+``openai_requests`` turns its JSON into the gateway's ``Request``, ``Gateway.generate`` runs the turn,
+and ``openai_responses`` shapes the answer, which goes back as JSON or as server-sent events
+(``data: {...}`` lines, then ``data: [DONE]``). ``Abort`` becomes an OpenAI error object
+(``openai_errors``) with the HTTP status of its gRPC code.
 
 aiohttp's ``AppRunner`` runs on the loop it is started from (no thread, no signal handlers of its
 own), so a turn served over HTTP shares admission, limits, metrics and drain with the gRPC ones.
@@ -23,9 +24,11 @@ from common.errors import Abort, Status
 from common.logs import log_bug
 
 from . import metrics as M
-from . import openai_api as api
+from . import openai_responses as responses
 from .admission import Queued
 from .core import Gateway
+from .openai_errors import ApiError, bad_request, from_abort, model_not_found
+from .openai_requests import Call, parse
 from .stops import StopText
 from .tools import StreamParser, ToolCall
 from .turn import Chunk, Finished
@@ -38,7 +41,7 @@ _MODEL = web.AppKey("model", str)
 _CREATED = web.AppKey("created", int)
 
 
-def _error(e: api.ApiError) -> web.Response:
+def _error(e: ApiError) -> web.Response:
     return web.json_response(e.body, status=e.status, headers=e.headers)
 
 
@@ -48,22 +51,22 @@ async def _errors(request: web.Request, handler):
     (unknown path, wrong method, a body over the size limit) and a bug (500 with a log id)."""
     try:
         return await handler(request)
-    except api.ApiError as e:
+    except ApiError as e:
         return _error(e)
     except Abort as e:
-        return _error(api.from_abort(e))
+        return _error(from_abort(e))
     except web.HTTPException as e:
         if e.status < 400:
             raise
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
-        return _error(api.ApiError(e.status, e.reason, "invalid_request_error", None, code))
+        return _error(ApiError(e.status, e.reason, "invalid_request_error", None, code))
     except Exception:  # noqa: BLE001 - a bug: logged with an id, nothing of it to the caller
         return _error(_internal(request))
 
 
-def _internal(request: web.Request) -> api.ApiError:
+def _internal(request: web.Request) -> ApiError:
     """The bug being handled, logged with an id (``common.logs.log_bug``), as the caller's error."""
-    return api.ApiError(500, log_bug(log, "an HTTP handler", path=request.path), "server_error")
+    return ApiError(500, log_bug(log, "an HTTP handler", path=request.path), "server_error")
 
 
 def _tenant(request: web.Request) -> str:
@@ -72,15 +75,15 @@ def _tenant(request: web.Request) -> str:
 
 async def _models(request: web.Request) -> web.Response:
     _tenant(request)
-    return web.json_response(api.models(request.app[_MODEL], request.app[_CREATED]))
+    return web.json_response(responses.models(request.app[_MODEL], request.app[_CREATED]))
 
 
 async def _model(request: web.Request) -> web.Response:
     _tenant(request)
     name = request.match_info["model"]
     if name != request.app[_MODEL]:
-        raise api.model_not_found(name, request.app[_MODEL])
-    return web.json_response(api.model(name, request.app[_CREATED]))
+        raise model_not_found(name, request.app[_MODEL])
+    return web.json_response(responses.model(name, request.app[_CREATED]))
 
 
 async def _close_session(request: web.Request) -> web.Response:
@@ -101,9 +104,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     gw = request.app[_GATEWAY]
     tenant = _tenant(request)
     body = _json(await request.read())
-    call = api.parse(body, chat, request.headers.get(SESSION_HEADER, ""), gw.tool_parser)
+    call = parse(body, chat, request.headers.get(SESSION_HEADER, ""), gw.tool_parser)
     if call.model != request.app[_MODEL]:
-        raise api.model_not_found(call.model, request.app[_MODEL])
+        raise model_not_found(call.model, request.app[_MODEL])
     closing: list[asyncio.Future] = []  # the one-call session's close, once started
     started: list[str] = []  # the turn's session id, once known
 
@@ -124,7 +127,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                 if call.stream:
                     resp, outcome[0] = await _stream(request, call, first, items, done)
                     return resp
-                return await _whole(call, first, items, done, api.Tokens(call, gw.tokenizer))
+                return await _whole(call, first, items, done, responses.Tokens(call, gw.tokenizer))
     finally:
         if started and not call.keep_session and not closing:
             # An error or a client gone after the turn began (its record may have been saved just
@@ -140,15 +143,15 @@ def _json(raw: bytes):
             json.dumps(body, ensure_ascii=False).encode("utf-8")
         return body
     except UnicodeEncodeError:
-        raise api.bad_request(
+        raise bad_request(
             "the request body is not valid JSON text: it holds a lone surrogate (\\ud800-\\udfff)"
         ) from None
     except UnicodeDecodeError as e:
-        raise api.bad_request(f"the request body is not valid UTF-8 (byte {e.start})") from None
+        raise bad_request(f"the request body is not valid UTF-8 (byte {e.start})") from None
     except RecursionError:
-        raise api.bad_request("the request body is not valid JSON: it is nested too deeply") from None
+        raise bad_request("the request body is not valid JSON: it is nested too deeply") from None
     except ValueError as e:  # JSONDecodeError, and an integer of more digits than Python converts
-        raise api.bad_request(f"the request body is not valid JSON: {e}") from None
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
 
 
 async def _close(gw: Gateway, tenant: str, session_id: str) -> None:
@@ -167,7 +170,7 @@ async def _rest(items) -> None:
         raise AssertionError(f"a turn went on after its Finished message: {item!r}")
 
 
-async def _whole(call: api.Call, first, items, done, tokens: api.Tokens) -> web.Response:
+async def _whole(call: Call, first, items, done, tokens: responses.Tokens) -> web.Response:
     text = StopText(call.stop)
     parts: list[str] = []
     ids: list[int] = []
@@ -192,8 +195,8 @@ async def _whole(call: api.Call, first, items, done, tokens: api.Tokens) -> web.
     await _rest(items)
     await done(item.session_id)
     parts.append(text.flush())
-    body = api.response(
-        call, item, echoed + "".join(parts), api.finish_reason(item, text), ids, api.Tokens.join(logprobs)
+    body = responses.response(
+        call, item, echoed + "".join(parts), responses.finish_reason(item, text), ids, responses.Tokens.join(logprobs)
     )
     return web.json_response(body, headers={SESSION_HEADER: item.session_id} if call.keep_session else None)
 
@@ -202,20 +205,26 @@ def _event(obj) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _stream(request: web.Request, call: api.Call, first, items, done) -> tuple[web.StreamResponse, str]:
-    """Server-sent events; an error after the status line was sent travels as an event (the openai
-    client raises it). Returns the response and the turn's outcome (a gRPC status name)."""
+async def _event_stream(request: web.Request, call: Call, session_id: str) -> web.StreamResponse:
+    """The server-sent events' response, its status line and headers sent."""
     resp = web.StreamResponse(
         headers={
             "Content-Type": "text/event-stream",
             "Cache-Control": "no-cache",
-            **({SESSION_HEADER: first.session_id} if call.keep_session else {}),
+            **({SESSION_HEADER: session_id} if call.keep_session else {}),
         }
     )
     await resp.prepare(request)
+    return resp
+
+
+async def _stream(request: web.Request, call: Call, first, items, done) -> tuple[web.StreamResponse, str]:
+    """Server-sent events; an error after the status line was sent travels as an event (the openai
+    client raises it). Returns the response and the turn's outcome (a gRPC status name)."""
+    resp = await _event_stream(request, call, first.session_id)
     sid = first.session_id
     text = StopText(call.stop)
-    tokens = api.Tokens(call, request.app[_GATEWAY].tokenizer)
+    tokens = responses.Tokens(call, request.app[_GATEWAY].tokenizer)
     calls = _Calls(call, sid, resp) if call.tool_parser else None
     code = "OK"
     try:
@@ -226,35 +235,35 @@ async def _stream(request: web.Request, call: api.Call, first, items, done) -> t
             await resp.write(f": queued, {item.ahead} ahead, waited {item.waited_s:.0f} s\n\n".encode())
             item = await anext(items)
         if call.chat:
-            await resp.write(_event(api.chunk(call, sid, None, [])))
+            await resp.write(_event(responses.chunk(call, sid, None, [])))
         while isinstance(item, Chunk):
             if item.echo_ids is not None:  # completions' echo: the prompt first
                 prompt, lp = tokens.echo(item.echo_ids, item.echo)
-                await resp.write(_event(api.chunk(call, sid, prompt, [], logprobs=lp)))
+                await resp.write(_event(responses.chunk(call, sid, prompt, [], logprobs=lp)))
             delta = text.push(item.text)
             lp = tokens.entries(item.token_ids, item.logprobs)
             if calls is not None:
                 await calls.push(delta, item.token_ids, lp)
             elif delta or call.return_token_ids or lp is not None:
-                await resp.write(_event(api.chunk(call, sid, delta, item.token_ids, logprobs=lp)))
+                await resp.write(_event(responses.chunk(call, sid, delta, item.token_ids, logprobs=lp)))
             item = await anext(items)
         assert isinstance(item, Finished)
         await _rest(items)
         await done(item.session_id)
         rest = text.flush()
-        reason = api.finish_reason(item, text)
+        reason = responses.finish_reason(item, text)
         if calls is not None:
             await calls.push(rest, [], None, final=True)
             if calls.index and reason == "stop":
                 reason = "tool_calls"
         elif rest:
-            await resp.write(_event(api.chunk(call, sid, rest, [])))
-        await resp.write(_event(api.last_chunk(call, item, reason)))
+            await resp.write(_event(responses.chunk(call, sid, rest, [])))
+        await resp.write(_event(responses.last_chunk(call, item, reason)))
         if call.include_usage:
-            await resp.write(_event(api.usage_chunk(call, item)))
+            await resp.write(_event(responses.usage_chunk(call, item)))
     except Abort as e:
         code = e.code.name
-        await resp.write(_event(api.from_abort(e).body))
+        await resp.write(_event(from_abort(e).body))
     except ConnectionResetError:  # the client is gone: nothing to tell it
         raise
     except Exception:  # noqa: BLE001 - a bug, after the status line: logged, then an error event
@@ -269,7 +278,7 @@ class _Calls:
     """A stream whose text is read for tool calls: content deltas as they come, each call once it is
     whole (its first delta with index, id, type and name, then its argument fragments)."""
 
-    def __init__(self, call: api.Call, sid: str, resp: web.StreamResponse):
+    def __init__(self, call: Call, sid: str, resp: web.StreamResponse):
         self.call, self.sid, self.resp = call, sid, resp
         self.parser = StreamParser(call.tool_parser)
         self.index = 0  # calls sent
@@ -280,16 +289,16 @@ class _Calls:
             out += self.parser.flush()
         if logprobs is not None or (self.call.return_token_ids and token_ids):
             # the tokens' own event (their text goes out below, as content or as a call)
-            await self.resp.write(_event(api.chunk(self.call, self.sid, "", token_ids, logprobs=logprobs)))
+            await self.resp.write(_event(responses.chunk(self.call, self.sid, "", token_ids, logprobs=logprobs)))
         for it in out:
             if isinstance(it, ToolCall):
                 if self.index and not self.call.parallel_tool_calls:
                     continue
-                for ev in api.tool_call_chunks(self.call, self.sid, self.index, it):
+                for ev in responses.tool_call_chunks(self.call, self.sid, self.index, it):
                     await self.resp.write(_event(ev))
                 self.index += 1
             else:
-                await self.resp.write(_event(api.chunk(self.call, self.sid, it, [])))
+                await self.resp.write(_event(responses.chunk(self.call, self.sid, it, [])))
 
 
 def app(gateway: Gateway, model: str, max_body_bytes: int) -> web.Application:

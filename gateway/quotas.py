@@ -219,6 +219,37 @@ class _Tenant:  # the in-memory store's counts of one tenant
             self.tokens.pop(f"turn:{t}", None)
 
 
+def _refuse(code: int, n: int, first: list, now: float, tenant: str, session_id: str, need: int, q: Quota) -> None:
+    """Raises what an admission's ``code`` means (0: admitted, nothing): 1 the turns quota is full,
+    2 the sessions quota (``first``: when the idlest session expires), 3 the tokens quota, 4 the
+    session is gone; ``n``: the count that is full."""
+    if code == 4:
+        raise Abort(Status.NOT_FOUND, f"session_id {session_id!r}: no such session (it was closed)", field="session_id")
+    if code > 1:  # a full turns quota is counted by the queue, if it refuses the turn
+        M.QUOTA_REFUSALS.labels(("turns", "sessions", "tokens")[code - 1]).inc()
+    if code == 1:  # the turn may wait for a slot (admission.TurnQueue)
+        raise TurnsFull(
+            f"tenant {tenant!r}: {n} turns are running on the gateways, the quota is turns={q.turns}", q.turns
+        )
+    if code == 2:
+        wait = max(1.0, float(first[0]) - now) if first else None
+        raise Abort(
+            Status.RESOURCE_EXHAUSTED,
+            f"tenant {tenant!r}: {n} sessions are kept, the quota is sessions={q.sessions}; close one you no "
+            "longer continue (CloseSession, DELETE /v1/sessions/ID), or send this request without a session "
+            "(a one-call session is not kept)"
+            + (f", or retry after {wait:.0f} s, when the idlest one expires unless it is used" if wait else ""),
+            retry_after=wait,
+        )
+    if code == 3:
+        raise Abort(
+            Status.RESOURCE_EXHAUSTED,
+            f"tenant {tenant!r}: the sessions hold {n} tokens and this turn may take the session to {need} "
+            f"(history + max_new_tokens), the quota is tokens={q.tokens}; close sessions or ask for fewer "
+            "max_new_tokens",
+        )
+
+
 class Quotas:
     """The quotas of every tenant, counted in ``store`` (through ``call``: the records' retried calls)."""
 
@@ -277,33 +308,7 @@ class Quotas:
                 t = self._t(tenant)
                 code, n = self._admit_memory(t, q, now, session_id, need, turn_id, lease_s, expiry, kept)
                 first = [min(t.sessions.values())] if code == 2 else []
-        if code == 4:
-            raise Abort(
-                Status.NOT_FOUND, f"session_id {session_id!r}: no such session (it was closed)", field="session_id"
-            )
-        if code > 1:  # a full turns quota is counted by the queue, if it refuses the turn
-            M.QUOTA_REFUSALS.labels(("turns", "sessions", "tokens")[code - 1]).inc()
-        if code == 1:  # the turn may wait for a slot (admission.TurnQueue)
-            raise TurnsFull(
-                f"tenant {tenant!r}: {n} turns are running on the gateways, the quota is turns={q.turns}", q.turns
-            )
-        if code == 2:
-            wait = max(1.0, float(first[0]) - now) if first else None
-            raise Abort(
-                Status.RESOURCE_EXHAUSTED,
-                f"tenant {tenant!r}: {n} sessions are kept, the quota is sessions={q.sessions}; close one you no "
-                "longer continue (CloseSession, DELETE /v1/sessions/ID), or send this request without a session "
-                "(a one-call session is not kept)"
-                + (f", or retry after {wait:.0f} s, when the idlest one expires unless it is used" if wait else ""),
-                retry_after=wait,
-            )
-        if code == 3:
-            raise Abort(
-                Status.RESOURCE_EXHAUSTED,
-                f"tenant {tenant!r}: the sessions hold {n} tokens and this turn may take the session to {need} "
-                f"(history + max_new_tokens), the quota is tokens={q.tokens}; close sessions or ask for fewer "
-                "max_new_tokens",
-            )
+        _refuse(code, n, first, now, tenant, session_id, need, q)
 
     def _admit_memory(
         self, t: _Tenant, q: Quota, now, sid, need, turn_id, lease_s, expiry, kept: bool

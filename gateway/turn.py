@@ -119,17 +119,7 @@ class Turn:
             while True:
                 out, done, text = self._stop_strings(detok, out, done)
                 if out:
-                    now = time.perf_counter()
-                    if not emitted:
-                        M.TTFT_SECONDS.observe(now - t0)
-                    else:
-                        per = (now - t_emit) / len(out)
-                        for _ in out:
-                            M.TPOT_SECONDS.observe(per)
-                    t_emit = now
-                    emitted.extend(out)
-                    rounds.emitted(out)
-                    self._generated.inc(len(out))
+                    t_emit = self._emit(out, emitted, t0, t_emit)
                     chunk = Chunk(sid, text, out, _cut(lp, len(out)))
                     if len(emitted) == len(out) and self.req.echo:  # the first chunk
                         chunk = self._echo(chunk, opened)
@@ -162,6 +152,21 @@ class Turn:
         finally:
             spans.close()
             await links.release(cancel=not finished)
+
+    def _emit(self, out: list[int], emitted: list[int], t0: float, t_emit: float) -> float:
+        """``out`` leaves now, after ``emitted`` (the turn began at ``t0``, the last chunk left at
+        ``t_emit``): time to first token or per output token, the counts. Returns now."""
+        now = time.perf_counter()
+        if not emitted:
+            M.TTFT_SECONDS.observe(now - t0)
+        else:
+            per = (now - t_emit) / len(out)
+            for _ in out:
+                M.TPOT_SECONDS.observe(per)
+        emitted.extend(out)
+        self.rounds.emitted(out)
+        self._generated.inc(len(out))
+        return now
 
     def _echo(self, chunk: Chunk, opened) -> Chunk:
         """The first chunk with the turn's input (and, asked for, their log-probabilities)."""

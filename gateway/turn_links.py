@@ -239,20 +239,7 @@ class TurnLinks:
             if rec.verifier != ep:
                 gw.backends.placed(ep)
             if rec.verifier and rec.verifier != ep:
-                reason = self.leaving["verifier"] or "gone"  # gone: not among the verifiers when the turn began
-                reprefilled = len(self.rounds.committed) - opened.reused_tokens - opened.prefix_tokens
-                M.SESSIONS_MOVED.labels("verifier", reason).inc()
-                M.REPREFILLED_TOKENS.inc(reprefilled)
-                log.info(
-                    "session moved to another verifier",
-                    extra={
-                        "session_id": rec.session_id,
-                        "from": rec.verifier,
-                        "to": ep,
-                        "reason": reason,
-                        "reprefilled_tokens": reprefilled,
-                    },
-                )
+                self._moved_verifier(ep, opened)
             self.leaving["verifier"] = None
             rec.verifier = ep
             if opened.cost is not None:
@@ -260,6 +247,24 @@ class TurnLinks:
             gw.backends.opened(ep)
             self.prefill_ms += opened.elapsed_ms
             return opened
+
+    def _moved_verifier(self, ep: str, opened: Opened) -> None:
+        """The session left its record's verifier for ``ep``: counted, with the tokens prefilled again, and logged."""
+        rec = self.record
+        reason = self.leaving["verifier"] or "gone"  # gone: not among the verifiers when the turn began
+        reprefilled = len(self.rounds.committed) - opened.reused_tokens - opened.prefix_tokens
+        M.SESSIONS_MOVED.labels("verifier", reason).inc()
+        M.REPREFILLED_TOKENS.inc(reprefilled)
+        log.info(
+            "session moved to another verifier",
+            extra={
+                "session_id": rec.session_id,
+                "from": rec.verifier,
+                "to": ep,
+                "reason": reason,
+                "reprefilled_tokens": reprefilled,
+            },
+        )
 
     async def open_drafter(self, topk: list[int], topk_width: int) -> None:
         """A drafter stream holding the committed tokens (``topk``: the verifier's rows for them, if any)."""

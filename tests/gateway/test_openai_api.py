@@ -1,5 +1,5 @@
-"""gateway/openai_api.py without a server: any JSON body is a Call or a 400 (never a crash), an error
-names its field, and every gRPC status has its HTTP status."""
+"""The OpenAI API without a server (gateway/openai_requests.py, gateway/openai_errors.py): any JSON body
+is a Call or a 400 (never a crash), an error names its field, and every gRPC status has its HTTP status."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.errors import Abort, Status
-from gateway import openai_api as api
+from gateway.openai_bodies import _NO_OP
+from gateway.openai_errors import ApiError, from_abort
+from gateway.openai_requests import parse
 from gateway.requests import Limits, check
 
 FIELDS = [
@@ -35,8 +37,8 @@ BODY = st.dictionaries(
 @given(body=BODY | JSON, chat=st.booleans())
 def test_any_body_is_a_call_or_a_400(body, chat):
     try:
-        call = api.parse(body, chat)
-    except api.ApiError as e:
+        call = parse(body, chat)
+    except ApiError as e:
         assert e.status == 400
         err = e.body["error"]
         assert err["type"] == "invalid_request_error" and err["message"]
@@ -51,7 +53,7 @@ def test_any_body_is_a_call_or_a_400(body, chat):
 
 
 def test_fields_map_to_the_request():
-    call = api.parse(
+    call = parse(
         {
             "model": "m",
             "messages": [
@@ -76,14 +78,14 @@ def test_fields_map_to_the_request():
     assert r.seed == 3 and r.stop == ("x",) and call.stop == ("x",) and r.top_k == 0
     assert (r.mode, r.budget) == ("pld", 8) and r.session_id == "abc" and call.keep_session
     assert call.stream and call.include_usage
-    new = api.parse({"model": "m", "prompt": "hi", "session_id": "new"}, chat=False)
+    new = parse({"model": "m", "prompt": "hi", "session_id": "new"}, chat=False)
     assert new.request.session_id == "" and new.keep_session and new.request.input == "text"
-    ids = api.parse({"model": "m", "prompt": [[1, 2, 3]]}, chat=False)
+    ids = parse({"model": "m", "prompt": [[1, 2, 3]]}, chat=False)
     assert ids.request.input == "prompt_ids" and ids.request.prompt_ids == (1, 2, 3)
     assert ids.request.share  # a turn goes into the tenant corpus unless it says otherwise
-    assert not api.parse({"model": "m", "prompt": "hi", "share": False}, chat=False).request.share
-    with pytest.raises(api.ApiError) as e:
-        api.parse({"model": "m", "prompt": "hi", "share": "no"}, chat=False)
+    assert not parse({"model": "m", "prompt": "hi", "share": False}, chat=False).request.share
+    with pytest.raises(ApiError) as e:
+        parse({"model": "m", "prompt": "hi", "share": "no"}, chat=False)
     assert e.value.status == 400 and e.value.body["error"]["param"] == "share"
 
 
@@ -113,10 +115,10 @@ def test_the_expected_table_names_every_status():
 
 @pytest.mark.parametrize("status", list(Status))
 def test_every_status_has_an_http_status(status):
-    e = api.from_abort(Abort(status, "max_new_tokens: 9, expected 1..8", field="max_new_tokens"))
+    e = from_abort(Abort(status, "max_new_tokens: 9, expected 1..8", field="max_new_tokens"))
     assert (e.status, e.body["error"]["type"]) == EXPECTED_HTTP[status.name]
     assert e.body["error"]["param"] == "max_tokens" and e.body["error"]["message"].startswith("max_new_tokens")
-    assert api.from_abort(Abort(status, "missing or unknown API key")).body["error"]["param"] is None
+    assert from_abort(Abort(status, "missing or unknown API key")).body["error"]["param"] is None
 
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -155,19 +157,19 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 )  # fmt: skip
 def test_a_field_error_names_the_field(fields, param, where):
     """The OpenAI error's ``param`` is the top-level field; the message points into it."""
-    with pytest.raises(api.ApiError) as e:
-        api.parse({**CHAT, **fields}, chat=True)
+    with pytest.raises(ApiError) as e:
+        parse({**CHAT, **fields}, chat=True)
     err = e.value.body["error"]
     assert e.value.status == 400 and err["type"] == "invalid_request_error" and err["code"] is None
     assert err["param"] == param and err["message"].startswith(f"{where}: "), err
 
 
-@pytest.mark.parametrize("name, value", [(name, ok[0]) for name, ok in api._NO_OP.items()])
+@pytest.mark.parametrize("name, value", [(name, ok[0]) for name, ok in _NO_OP.items()])
 def test_unimplemented_fields_pass_at_their_no_op_value_only(name, value):
-    assert api.parse({**CHAT, name: value}, chat=True).model == "m"
-    assert api.parse({**CHAT, name: None}, chat=True).model == "m"
-    with pytest.raises(api.ApiError) as e:
-        api.parse({**CHAT, name: "something"}, chat=True)
+    assert parse({**CHAT, name: value}, chat=True).model == "m"
+    assert parse({**CHAT, name: None}, chat=True).model == "m"
+    with pytest.raises(ApiError) as e:
+        parse({**CHAT, name: "something"}, chat=True)
     err = e.value.body["error"]
     assert (err["param"], err["code"]) == (name, "unsupported_parameter") and e.value.status == 400
 
@@ -180,7 +182,7 @@ def test_unimplemented_fields_pass_at_their_no_op_value_only(name, value):
 )  # fmt: skip
 def test_the_gateways_field_is_the_apis_param(field, param):
     """An ``Abort`` from the gateway's own checks names its field; the message is not read for it."""
-    e = api.from_abort(Abort(Status.INVALID_ARGUMENT, "temperature: a message that names another field", field=field))
+    e = from_abort(Abort(Status.INVALID_ARGUMENT, "temperature: a message that names another field", field=field))
     assert e.status == 400 and e.body["error"]["param"] == param
 
 
@@ -191,7 +193,7 @@ def test_the_gateways_field_is_the_apis_param(field, param):
 )  # fmt: skip
 def test_the_gateways_own_checks_name_the_field(fields, param):
     """What passes this API's parse but not the gateway's limits is refused there, naming the field."""
-    call = api.parse({**CHAT, **fields}, chat=True)
+    call = parse({**CHAT, **fields}, chat=True)
     with pytest.raises(Abort) as e:
         check(call.request, Limits(max_new_tokens=8, max_budget=8), None)
-    assert e.value.code is Status.INVALID_ARGUMENT and api.from_abort(e.value).body["error"]["param"] == param
+    assert e.value.code is Status.INVALID_ARGUMENT and from_abort(e.value).body["error"]["param"] == param
