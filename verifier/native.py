@@ -48,7 +48,56 @@ QUANT_SOURCE = Path(__file__).with_name("native_quant.c")  # projections over GG
 SELECT_SOURCE = Path(__file__).with_name("native_select.c")  # each row's top-k ids of the logits
 POOL_SOURCE = Path(__file__).with_name("native_pool.c")  # the kernels' threads
 HEADERS = tuple(Path(__file__).with_name(h) for h in ("native_vec.h", "native_pool.h"))  # included by the sources
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-Wno-psabi")
+
+# ``RACER_NATIVE_ISA``: the instructions the library may use, at most what the CPU has, so that one
+# machine builds and tests the code another CPU would run (CONTRIBUTING.md, "The ISA matrix"). Each
+# level leaves out what the ones before it have: "native" everything this CPU has; "no-vnni" no
+# AVX512-VNNI or AVX-VNNI (the block kernel's AVX2 integer path beside AVX-512 floats); "avx2" no
+# AVX-512 and no AMX; "sse" no AVX at all (the generic C and vector-extension code).
+ISA_LEVELS = {
+    "native": (),
+    "no-vnni": ("-mno-avx512vnni", "-mno-avxvnni"),
+    "avx2": ("-mno-avx512f", "-mno-avxvnni", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"),
+    "sse": ("-mno-avx", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"),
+}
+# ``RACER_NATIVE_FAULT``: comma-separated faults compiled into the library (tests only: a kernel that
+# gives wrong values, which the start-up check must refuse). "packed": the packed block kernel's
+# integer sums with the wrong sign.
+FAULTS = {"packed": "-DRACER_FAULT_PACKED"}
+
+# The reference build (``reference_build()``): the block kernel's C code, for the baseline of the
+# architecture, with vectorization off, so the compiler cannot turn a reference loop into other
+# arithmetic (GCC 12 once made a signed-byte loop into vpdpbusd's unsigned-by-signed products). The
+# start-up check (verifier/native_check.py) compares the library's kernels with it; a block kernel
+# that disagrees is served from it.
+REFERENCE_SOURCES = ("native_quant.c", "native_pool.c")
+REFERENCE_FLAGS = ("-O2", "-fno-tree-vectorize", "-fno-tree-slp-vectorize", "-fPIC", "-shared", "-pthread")
+
+
+def isa_level() -> str:
+    """``RACER_NATIVE_ISA`` (default "native"); ValueError naming the levels for another value."""
+    level = os.environ.get("RACER_NATIVE_ISA", "native").strip().lower() or "native"
+    if level not in ISA_LEVELS:
+        raise ValueError(f"RACER_NATIVE_ISA={level!r}: one of {', '.join(ISA_LEVELS)}")
+    return level
+
+
+def build_flags() -> tuple[str, ...]:
+    """The library's compiler flags: ``FLAGS``, the ISA level's, the faults asked for."""
+    faults = [f.strip() for f in os.environ.get("RACER_NATIVE_FAULT", "").split(",") if f.strip()]
+    unknown = sorted(set(faults) - set(FAULTS))
+    if unknown:
+        raise ValueError(f"RACER_NATIVE_FAULT: unknown {unknown} (one of {', '.join(FAULTS)})")
+    return (*FLAGS, *ISA_LEVELS[isa_level()], *(FAULTS[f] for f in sorted(set(faults))))
+
+
+def _reference_flags() -> tuple[str, ...]:
+    import platform
+
+    baseline = ("-march=x86-64",) if platform.machine().lower() in ("x86_64", "amd64") else ()
+    return (*REFERENCE_FLAGS, *baseline)
+
 
 # name -> (weight rows, x rows) per tile, and the vector width (bits) the shape is meant for: a
 # 256-bit build has 16 vector registers (4x3 and 6x2 tiles fit), a 512-bit one 32 (6x4 and 8x3 fit).
@@ -64,8 +113,9 @@ PAIRS = {"native6x4bf", "native8x3bf"}
 
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
-_lock = threading.Lock()
-_state: dict = {}  # "lib": the loaded library or None, once tried; "why": why not
+_lock = threading.RLock()  # re-entrant: the start-up check calls the kernels while the library is being made
+_state: dict = {}  # "lib": the loaded library or None, once tried; "why": why not; "ref", "ref_why": the reference's
+_checks: dict = {}  # kernel -> native_check.Verdict, once the library is checked; "seconds": how long it took
 
 
 def sources() -> tuple[Path, ...]:
@@ -89,14 +139,41 @@ def _openmp_runtimes() -> set[str]:
     return {os.path.realpath(p) for p in paths if os.path.basename(p).startswith(names)}
 
 
-def _build(cc: str, out: Path) -> None:
+def _build(cc: str, out: Path, flags: tuple[str, ...], files: tuple[Path, ...]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     if not os.access(out.parent, os.W_OK):  # e.g. an image's baked cache: the next place, not an error
         raise PermissionError(f"{out.parent} is not writable")
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-    cmd = [cc, *FLAGS, *map(str, sources()), "-o", str(tmp)]
+    cmd = [cc, *flags, *map(str, files), "-o", str(tmp)]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
     tmp.replace(out)  # atomic: another process building the same key reads a whole file or none
+
+
+def _compiler_version(cc: str) -> str | None:
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        _state["why"] = f"{cc} --version failed: {e}"
+        return None
+
+
+def _built(cc: str, version: str, name: str, flags: tuple[str, ...], files: tuple[Path, ...], machine: str):
+    """The library ``name`` built from ``files`` with ``flags`` (cached under a key of the sources,
+    the compiler, the flags and the CPU), loaded; None with ``_state["why"]`` set."""
+    texts = (f.read_text() for f in (*files, *HEADERS))
+    digest = hashlib.sha256(b"\0".join(x.encode() for x in (*texts, version, " ".join(flags), machine))).hexdigest()
+    for where in (cache_root() / "native", Path(tempfile.gettempdir()) / f"racer-native-{os.getuid()}"):
+        path = where / f"{name}-{digest[:20]}.so"
+        try:
+            if not path.exists():
+                _build(cc, path, flags, files)
+            return ctypes.CDLL(str(path))
+        except subprocess.CalledProcessError as e:
+            _state["why"] = f"compiling {name} failed: {e.stderr.strip()[-500:]}"
+            return None
+        except (OSError, subprocess.SubprocessError) as e:  # an unwritable cache: the next place
+            _state["why"] = f"{path}: {e}"
+    return None
 
 
 def _load(machine: str) -> ctypes.CDLL | None:
@@ -107,30 +184,11 @@ def _load(machine: str) -> ctypes.CDLL | None:
     if cc is None:
         _state["why"] = "no C compiler (set CC or install gcc)"
         return None
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        _state["why"] = f"{cc} --version failed: {e}"
+    version = _compiler_version(cc)
+    if version is None:
         return None
-    digest = hashlib.sha256(
-        b"\0".join(
-            x.encode() for x in (*(f.read_text() for f in (*sources(), *HEADERS)), version, " ".join(FLAGS), machine)
-        )
-    ).hexdigest()[:20]
     before = _openmp_runtimes()
-    lib = None
-    for where in (cache_root() / "native", Path(tempfile.gettempdir()) / f"racer-native-{os.getuid()}"):
-        path = where / f"linear-{digest}.so"
-        try:
-            if not path.exists():
-                _build(cc, path)
-            lib = ctypes.CDLL(str(path))
-            break
-        except subprocess.CalledProcessError as e:
-            _state["why"] = f"compiling {SOURCE.name} failed: {e.stderr.strip()[-500:]}"
-            return None
-        except (OSError, subprocess.SubprocessError) as e:  # an unwritable cache: the next place
-            _state["why"] = f"{path}: {e}"
+    lib = _built(cc, version, "linear", build_flags(), sources(), machine)
     if lib is None:
         return None
     after = _openmp_runtimes()
@@ -160,6 +218,21 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.racer_panel_width.restype = ctypes.c_int
     lib.racer_linear_panel.restype = ctypes.c_int
     lib.racer_linear_panel.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    _declare_quant(lib)
+    lib.racer_top_rows.restype = ctypes.c_int
+    lib.racer_top_rows.argtypes = [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_int]
+    lib.racer_pool_hold.restype = None
+    lib.racer_pool_hold.argtypes = [ctypes.c_int]
+    lib.racer_pool_workers.restype = ctypes.c_int
+    lib.racer_decoder_quant_from.restype = None
+    lib.racer_decoder_quant_from.argtypes = [ctypes.c_void_p]
+    lib.racer_decoder.restype = ctypes.c_int
+    lib.racer_decoder.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_long]
+    lib.racer_decoder.argtypes += [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 4
+
+
+def _declare_quant(lib: ctypes.CDLL) -> None:
+    """The block kernel's entry points (``native_quant.c``), typed: the library's and the reference's."""
     lib.racer_quant_supported.restype = ctypes.c_int
     lib.racer_quant_supported.argtypes = [ctypes.c_int]
     lib.racer_quant_isa.restype = ctypes.c_int
@@ -173,30 +246,96 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.racer_quant_pack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
     lib.racer_quant_packed.restype = ctypes.c_int
     lib.racer_quant_packed.argtypes = lib.racer_quant.argtypes + [ctypes.c_int]
-    lib.racer_top_rows.restype = ctypes.c_int
-    lib.racer_top_rows.argtypes = [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_int]
-    lib.racer_pool_hold.restype = None
-    lib.racer_pool_hold.argtypes = [ctypes.c_int]
-    lib.racer_pool_workers.restype = ctypes.c_int
-    lib.racer_decoder.restype = ctypes.c_int
-    lib.racer_decoder.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_long]
-    lib.racer_decoder.argtypes += [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 4
 
 
 def library(machine: str = "") -> ctypes.CDLL | None:
-    """The built library, or None (``why()`` says why). ``machine`` (the CPU's identity) is part of
-    the build's key: a cache directory shared by several machines holds one build per CPU."""
+    """The built library, checked, or None (``why()`` says why). ``machine`` (the CPU's identity) is
+    part of the build's key: a cache directory shared by several machines holds one build per CPU.
+    Before anyone else calls a kernel, each is checked against its reference on this machine
+    (``verifier/native_check.py``); the ones that disagree are refused (``checks()``)."""
     with _lock:
         if "lib" not in _state:
             _state["lib"] = _load(machine)
             if _state["lib"] is None:
                 log.info("native kernels not available: %s", _state.get("why"))
+            else:
+                _check(_state["lib"])
         return _state["lib"]
 
 
+def _check(lib: ctypes.CDLL) -> None:
+    from . import native_check
+
+    verdicts, seconds = native_check.run(sys.modules[__name__], lib, reference_build())
+    _checks.update({v.kernel: v for v in verdicts}, seconds=seconds)
+    ref = reference_build()
+    if _refused_any("quant") and ref is not None:  # the decoder's block products from the reference too
+        lib.racer_decoder_quant_from(ctypes.cast(ref.racer_quant_many, ctypes.c_void_p))
+    bad = [v for v in verdicts if not v.ok]
+    for v in bad:
+        log.warning(
+            "native kernel refused: %s disagrees with its reference here (%s); another path serves", v.kernel, v.detail
+        )
+    summary = {"kernels": len(verdicts), "refused": len(bad), "ms": round(seconds * 1e3, 1)}
+    log.info("native kernels checked", extra=summary)
+
+
+def loaded() -> ctypes.CDLL | None:
+    """The library if it was built and loaded already (builds nothing)."""
+    return _state.get("lib")
+
+
+def checks() -> dict:
+    """The start-up check's verdicts, kernel name -> ``native_check.Verdict`` (empty before the
+    library is built or where it is not), and "seconds": what the check took."""
+    return dict(_checks)
+
+
+def refused(kernel: str) -> bool:
+    """Whether the start-up check refused ``kernel`` (a ``native_check`` name, e.g. "quant Q8_0 packed")."""
+    v = _checks.get(kernel)
+    return v is not None and not v.ok
+
+
+def _refused_any(prefix: str) -> bool:
+    return any(k.startswith(prefix) and not v.ok for k, v in _checks.items() if k != "seconds")
+
+
+def reference_build() -> ctypes.CDLL | None:
+    """The block kernel's reference build (``REFERENCE_SOURCES`` for the architecture's baseline,
+    vectorization off): what the start-up check compares the block kernel with, and what serves a
+    format whose kernel it refused. None where it cannot be built (``why_reference()``)."""
+    with _lock:
+        if "ref" not in _state:
+            cc = _compiler()
+            version = _compiler_version(cc) if cc else None
+            if version is None:
+                _state["ref"], _state["ref_why"] = None, _state.get("why") or "no C compiler"
+            else:
+                why = _state.get("why")
+                files = tuple(Path(__file__).with_name(f) for f in REFERENCE_SOURCES)
+                ref = _state["ref"] = _built(cc, version, "reference", _reference_flags(), files, "")
+                _state["ref_why"], _state["why"] = _state.get("why"), why
+                if ref is not None:
+                    _declare_quant(ref)
+        return _state["ref"]
+
+
+def why_reference() -> str | None:
+    return None if _state.get("ref") is not None else _state.get("ref_why")
+
+
 def source_digest() -> str:
-    """Identifies the kernels' source: a choice measured on other kernels is measured again."""
-    return hashlib.sha256(b"".join(f.read_bytes() for f in (*sources(), *HEADERS))).hexdigest()[:16]
+    """Identifies the kernels' source and build: a choice measured on other kernels (another ISA
+    level, another build) is measured again."""
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in (*sources(), *HEADERS)))
+    digest.update(" ".join(build_flags()).encode())
+    return digest.hexdigest()[:16]
+
+
+def why_refused(part: str) -> str:
+    """The start-up check's reasons for the refused kernels whose name contains ``part``."""
+    return "; ".join(f"{k}: {v.detail}" for k, v in _checks.items() if k != "seconds" and part in k and not v.ok)
 
 
 def why() -> str | None:
@@ -210,14 +349,19 @@ def usable(name: str, machine: str = "") -> bool:
     if os.environ.get("RACER_NATIVE", "on").lower() in ("off", "0", "no", "false"):
         return False
     lib = library(machine)
-    if lib is None or name not in VARIANTS or VARIANTS[name][1] != lib.racer_vector_bits():
+    if lib is None or name not in VARIANTS or VARIANTS[name][1] != lib.racer_vector_bits() or not dtypes(name):
         return False
     return name not in PAIRS or bool(lib.racer_bf16_pairs())
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 def dtypes(name: str) -> tuple[torch.dtype, ...]:
-    """The weight dtypes the variant ``name`` takes."""
-    return (torch.bfloat16,) if name in PAIRS else tuple(WEIGHT_TYPES)
+    """The weight dtypes the variant ``name`` takes (less those the start-up check refused)."""
+    kinds = (torch.bfloat16,) if name in PAIRS else tuple(WEIGHT_TYPES)
+    return tuple(d for d in kinds if not refused(f"linear {name} {_dtype_name(d)}"))
 
 
 def _operands(name: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kinds, pairs: bool = False):
@@ -226,6 +370,8 @@ def _operands(name: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | Non
     if w.dtype not in kinds or w.device.type != "cpu" or not w.is_contiguous() or x.dtype != w.dtype:
         names = ", ".join(str(d).replace("torch.", "") for d in kinds)
         raise TypeError(f"{name}: contiguous {names} CPU weights only")
+    if refused(f"{'panel' if name == PANEL else f'linear {name}'} {_dtype_name(w.dtype)}"):
+        raise TypeError(f"{name}: refused for {_dtype_name(w.dtype)} by the start-up check: {why_refused(name)}")
     half = w.dtype != torch.float32
     x = x.contiguous() if pairs or not half else x.float().contiguous()
     if b is not None:
@@ -337,7 +483,7 @@ def top_rows(logits: torch.Tensor, k: int) -> torch.Tensor | None:
     column 0 is ``torch.argmax``'s choice, NaN included), from ``native_select.c``: one pass a row
     instead of torch's sort. None where it does not apply (no library, ``RACER_NATIVE=off``, not a
     float32 CPU matrix, ``k`` outside [1, columns]); the caller then asks torch."""
-    lib = None if _off() else library()
+    lib = None if _off() or refused("top_rows") else library()
     if lib is None or logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2:
         return None
     n, v = logits.shape
@@ -371,6 +517,8 @@ def _panel_prepare(lib, w: torch.Tensor) -> int:
     width = panel_width()
     if not width:
         raise TypeError(f"{PANEL}: native kernels not available: {why()}")
+    if refused(f"panel {_dtype_name(w.dtype)}"):
+        raise TypeError(f"{PANEL}: refused for {_dtype_name(w.dtype)} by the start-up check: {why_refused('panel')}")
     if w.shape[0] % width:
         raise TypeError(f"{PANEL}: {w.shape[0]} output rows are not a whole number of {width}-wide panels")
     return WEIGHT_TYPES.get(w.dtype, -1)
@@ -392,9 +540,23 @@ linear_panel = _kernel(PANEL, (torch.bfloat16, torch.float16), _panel_prepare, _
 # -- weights kept as a GGUF file's blocks (native_quant.c) ------------------------------------------
 
 
+_QUANT_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
+
+
+def _quant_lib(kind: int) -> ctypes.CDLL | None:
+    """What serves GGML type ``kind`` (a packed one's number included): the library, or where the
+    start-up check refused its kernel the reference build (the same bits by construction, slower).
+    None without either."""
+    lib = library()
+    if lib is None:
+        return None
+    name = f"quant {_QUANT_NAMES.get(kind % PACKED, kind)}{' packed' if kind > PACKED else ''}"
+    return reference_build() if refused(name) else lib
+
+
 def quant_supported(kind: int) -> bool:
     """Whether the block kernel takes GGML type number ``kind`` here (built, not switched off)."""
-    lib = None if _off() else library()
+    lib = None if _off() else _quant_lib(int(kind))
     return lib is not None and bool(lib.racer_quant_supported(int(kind)))
 
 
@@ -421,7 +583,7 @@ def quant_pack(kind: int, blocks: torch.Tensor, n: int, k: int) -> tuple[int, to
     into groups of 8 rows (``native_quant.c``: the same bytes, nothing widened), which the block
     kernel reads 8 rows a vector at a time: ``(packed type number, bytes)``, or None where the kernel
     does not pack this format or shape (then the rows are read as stored)."""
-    lib = None if _off() else library()
+    lib = None if _off() else _quant_lib(int(kind) + PACKED)
     if lib is None or n % 8 or not lib.racer_quant_supported(int(kind) + PACKED):
         return None
     blocks = blocks.contiguous()
@@ -438,8 +600,8 @@ def quant_linear(
     (uint8, contiguous: [n, row bytes] as the file stores them, or packed, ``quant_pack``): x
     quantized per row to 8 bits a value in blocks of 32 and multiplied as integers, each output the
     same float32 steps in a fixed order (row invariant). ``reference``: a packed weight by the C
-    code instead of the vector code (the same bits)."""
-    lib = library() or _library("quant")
+    code instead of the vector code (the same bits): the reference build's (``reference_build()``)."""
+    lib = (reference_build() if reference else _quant_lib(int(kind))) or _library("quant")
     x = x.float().contiguous()
     if x.shape[1] != k or blocks.dtype != torch.uint8 or not blocks.is_contiguous():
         raise RuntimeError(f"quant: x {tuple(x.shape)} against blocks {tuple(blocks.shape)} of a [{n}, {k}] weight")
@@ -460,7 +622,7 @@ def quant_linear(
 def quant_rows(kind: int, blocks: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
     """Rows ``ids`` of a weight kept as blocks (as stored or packed), as the file's values in
     float32 ([len(ids), k])."""
-    lib = library() or _library("quant")
+    lib = _quant_lib(int(kind)) or _library("quant")
     ids = ids.to(torch.int64).contiguous().view(-1)
     out = torch.empty((ids.shape[0], k), dtype=torch.float32)
     if lib.racer_quant_rows(int(kind), blocks.data_ptr(), ids.data_ptr(), ids.shape[0], k, out.data_ptr()):
@@ -488,14 +650,22 @@ def attention_usable(dtype: torch.dtype, device: torch.device, head_dim: int) ->
     if _off() or device.type != "cpu" or dtype not in _ATTENTION_TYPES:
         return False
     lib = library()
-    return lib is not None and head_dim <= 256 and head_dim % (lib.racer_vector_bits() // 32) == 0
+    if lib is None or head_dim > 256 or head_dim % (lib.racer_vector_bits() // 32):
+        return False
+    return not refused(f"attention vector {_dtype_name(dtype)}")
 
 
-def attention_paths(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> tuple[str, ...]:
-    """The paths that run here for this cache dtype and head shape (``attention_usable`` first)."""
+def attention_paths(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, checked: bool = True
+) -> tuple[str, ...]:
+    """The paths that run here for this cache dtype and head shape (``attention_usable`` first), less
+    those the start-up check refused (``checked=False``: all of them, for the check itself)."""
     lib = library()
     if lib is None:
         return ()
+    if checked:
+        paths = attention_paths(dtype, heads, kv_heads, head_dim, checked=False)
+        return tuple(p for p in paths if not refused(f"attention {p} {_dtype_name(dtype)}"))
     amx = (
         dtype == torch.bfloat16
         and head_dim % 32 == 0
@@ -651,6 +821,8 @@ class Decoder:
         lib = library()
         if lib is None:
             raise TypeError(f"native decoder not available: {why()}")
+        if any(_refused_any(kind) for kind in ("linear", "panel", "attention")):  # refused blocks: the reference's
+            raise TypeError(f"native decoder: it calls kernels the start-up check refused ({why_refused('')})")
         weights = [mods[p].weight for _, _, mods in layers for p in PROJECTIONS]
         blocks = [getattr(mods[p], "racer_blocks", None) for _, _, mods in layers for p in PROJECTIONS]
         dtype = weights[0].dtype

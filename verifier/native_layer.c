@@ -27,6 +27,15 @@ int racer_panel_many(int count, int type, const float *x, const void *const *w, 
                      float *const *y, const int64_t *N, long M, long K, int threads);
 int racer_quant_many(int count, const int64_t *types, const float *x, const void *const *w,
                      const float *const *bias, float *const *y, const int64_t *N, long M, long K, int threads);
+
+/* What the decoder multiplies GGUF blocks with: this library's block kernel, or where the start-up
+ * check refused it, the reference build's entry point of the same signature and bits
+ * (verifier/native.py, racer_decoder_quant_from). */
+typedef int (*quant_many_fn)(int count, const int64_t *types, const float *x, const void *const *w,
+                             const float *const *bias, float *const *y, const int64_t *N, long M, long K, int threads);
+static quant_many_fn quant_many = racer_quant_many;
+void racer_decoder_quant_from(quant_many_fn fn) { quant_many = fn ? fn : racer_quant_many; }
+
 int racer_attention(int type, const float *q, const void *k, const void *v, float *out, long n, long H, long Hkv,
                     long D, long cap, const int64_t *counts, const int64_t *inplace, const int64_t *tail, long T,
                     float scale, int threads);
@@ -110,8 +119,7 @@ static int project(const struct shape *s, const struct layer *l, int first, int 
     int panels = 0, blocks = 0;
     for (int j = first; j < first + count; j++) blocks += l->qtype[j] != 0;
     if (blocks == count)
-        return racer_quant_many(count, &l->qtype[first], x, &l->w[first], &l->bias[first], y, out, n, in,
-                                (int)s->threads);
+        return quant_many(count, &l->qtype[first], x, &l->w[first], &l->bias[first], y, out, n, in, (int)s->threads);
     if (blocks) {
         for (int j = 0, rc; j < count; j++)
             if ((rc = project(s, l, first + j, 1, x, y + j, out + j, n, in))) return rc;

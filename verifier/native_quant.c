@@ -287,13 +287,14 @@ static inline __attribute__((always_inline)) void row_dot(int R, int type, const
         float ws[8], min;
         int o;
         unpack(type, row, b, v, ws, &min, &o);
+        const int8_t *sv = (const int8_t *)v; /* Q8_0's values: signed bytes read as such (see quant_packed_ref) */
         for (int r = 0; r < R; r++) {
             const long m = m0 + r;
             const int8_t *x = X->q + m * nb * 32 + 32 * b;
             for (int j = 0; j < 8; j++) {
                 int isum = 0;
                 for (int i = 4 * j; i < 4 * j + 4; i++)
-                    isum += (signed8 ? (int)(int8_t)v[i] : (int)v[i] - offset) * (int)x[i];
+                    isum += (signed8 ? (int)sv[i] : (int)v[i] - offset) * (int)x[i];
                 acc[r][j] = fmaf(ws[j] * X->d[m * nb + b], (float)isum, acc[r][j]);
             }
             if (type == GQ4_1 || type == GQ4_K) msum[r] = fmaf(min, X->s[m * nb + b], msum[r]);
@@ -440,8 +441,9 @@ int racer_quant_rows(int type, const void *w, const int64_t *ids, long n, long K
             } else {
                 unpack(base, (const uint8_t *)w + ids[r] * row_bytes, b, v, ws, &min, &o);
             }
+            const int8_t *sv = (const int8_t *)v;
             for (int i = 0; i < 32; i++) {
-                const int q = o == 1 ? (int)(int8_t)v[i] : (int)v[i] - o;
+                const int q = o == 1 ? (int)sv[i] : (int)v[i] - o;
                 out[r * K + 32 * b + i] = ws[i / 4] * (float)q + min;
             }
         }
@@ -573,8 +575,12 @@ static float quant_packed_ref(int type, const uint8_t *g, const struct xp *X, in
         packed_block(type, g + b * gbytes, j, blk);
         unpack(type, blk, 0, v, ws, &min, &o);
         const int8_t *q = X->q + (b * X->M + m) * 32;
+        /* Q8_0's values are signed bytes, read through an int8_t pointer: GCC 12 at -O3 with
+         * AVX512-VNNI vectorized the cast of each uint8_t (``(int)(int8_t)v[i]``) into vpdpbusd, which
+         * multiplies unsigned by signed bytes, so a negative weight counted as w + 256. */
+        const int8_t *sv = (const int8_t *)v;
         int isum = 0;
-        for (int i = 0; i < 32; i++) isum += (type == GQ8_0 ? (int)(int8_t)v[i] : (int)v[i]) * (int)q[i];
+        for (int i = 0; i < 32; i++) isum += (type == GQ8_0 ? (int)sv[i] : (int)v[i]) * (int)q[i];
         if (type == GQ4_0) isum -= 8 * X->sum[b * X->M + m];
         acc = fmaf(ws[0] * X->d[b * X->M + m], (float)isum, acc);
         if (type == GQ4_1) msum = fmaf(min, X->s[b * X->M + m], msum);
@@ -630,7 +636,10 @@ static inline __attribute__((always_inline)) void group_rows(int type, const uin
                 const __m256i x = _mm256_loadu_si256((const __m256i *)(X->q + (b * M + m) * 32));
                 __m256i v[8];
                 for (int j = 0; j < 8; j++) v[j] = dot_us(aw[j], _mm256_sign_epi8(x, w[j]));
-                const __m256i isum = sum8(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
+                __m256i isum = sum8(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
+#if defined(RACER_FAULT_PACKED)
+                isum = _mm256_sub_epi32(_mm256_setzero_si256(), isum);
+#endif
                 const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(X->d[b * M + m]));
                 acc[m - m0] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum), acc[m - m0]);
             }
@@ -667,6 +676,9 @@ static inline __attribute__((always_inline)) void group_rows(int type, const uin
 #endif
 #undef XW
             if (type == GQ4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * X->sum[b * M + m]));
+#if defined(RACER_FAULT_PACKED)
+            isum = _mm256_sub_epi32(_mm256_setzero_si256(), isum); /* a wrong sign, for the start-up check's test */
+#endif
             const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(X->d[b * M + m]));
             acc[m - m0] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum), acc[m - m0]);
             if (type == GQ4_1) msum[m - m0] = _mm256_fmadd_ps(mw, _mm256_set1_ps(X->s[b * M + m]), msum[m - m0]);
