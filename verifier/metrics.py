@@ -59,3 +59,7 @@ PREFIX_SAVED_TOKENS = Counter(
     "racer_verifier_prefix_cache_saved_tokens", "Prompt tokens whose rows were copied from the prefix cache"
 )
 PREFIX_EVICTED_BLOCKS = Counter("racer_verifier_prefix_cache_evicted_blocks", "Prefix cache blocks evicted for room")
+# The native kernels' start-up check (verifier/native_check.py): 1 for a kernel it refused (its calls
+# take another path), 0 for one that agreed with its reference.
+KERNEL_REFUSED = Gauge("racer_verifier_kernel_refused", "Native kernels refused by the start-up check", ["kernel"])
+KERNEL_CHECK_SECONDS = Gauge("racer_verifier_kernel_check_seconds", "Seconds the native kernels' start-up check took")

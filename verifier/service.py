@@ -50,7 +50,14 @@ class VerifierService(pb_grpc.VerifierServicer):
             prefix_blocks=self.verifier.prefix_held(),
             prefix_block_tokens=self.verifier.prefix.block if self.verifier.prefix is not None else 0,
             epoch=self.verifier.epoch,
+            setup=_setup(self.verifier.setup()),
         )
+
+
+def _setup(s) -> pb.VerifierSetup:
+    checks = [pb.KernelCheck(kernel=c.kernel, ok=c.ok, detail=c.detail) for c in s.kernel_checks]
+    fields = {k: v for k, v in asdict(s).items() if k != "kernel_checks"}
+    return pb.VerifierSetup(**fields, kernel_checks=checks)
 
 
 class _VerifyStream(SessionStream[Entry]):

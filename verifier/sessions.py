@@ -155,6 +155,16 @@ class Verifier(Holder):
         self.model_thread = ModelThread(self.prefill_chunk, torch.get_num_threads(), lead=prefill_lead)
         self.batcher = Batcher(self.model_thread, self.streaming, max_batch, max_wait_ms)
         self.prefills = PrefillBatcher(self.model_thread, prefill_batch, self.prefill_chunk)
+        setup = self.setup()  # the native kernels were checked when the model's plan was made
+        for check in setup.kernel_checks:
+            M.KERNEL_REFUSED.labels(check.kernel).set(0 if check.ok else 1)
+        M.KERNEL_CHECK_SECONDS.set(setup.kernel_check_seconds)
+
+    def setup(self):
+        """What this verifier computes with (``verifier/setup.py``)."""
+        from . import setup
+
+        return setup.of(self.model, self.backend)
 
     @property
     def busy(self) -> int:

@@ -151,7 +151,7 @@ class VerifierSessionStats(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., cache_tokens: _Optional[int] = ..., streaming: _Optional[bool] = ..., idle_seconds: _Optional[float] = ...) -> None: ...
 
 class VerifierStatsResponse(_message.Message):
-    __slots__ = ("sessions", "cache_tokens", "cost", "saturation", "streaming", "draining", "prefix_blocks", "prefix_block_tokens", "epoch")
+    __slots__ = ("sessions", "cache_tokens", "cost", "saturation", "streaming", "draining", "prefix_blocks", "prefix_block_tokens", "epoch", "setup")
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,7 @@ class VerifierStatsResponse(_message.Message):
     PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SETUP_FIELD_NUMBER: _ClassVar[int]
     sessions: _containers.RepeatedCompositeFieldContainer[VerifierSessionStats]
     cache_tokens: int
     cost: _common_pb2.CostCurve
@@ -170,4 +171,33 @@ class VerifierStatsResponse(_message.Message):
     prefix_blocks: _containers.RepeatedScalarFieldContainer[int]
     prefix_block_tokens: int
     epoch: int
-    def __init__(self, sessions: _Optional[_Iterable[_Union[VerifierSessionStats, _Mapping]]] = ..., cache_tokens: _Optional[int] = ..., cost: _Optional[_Union[_common_pb2.CostCurve, _Mapping]] = ..., saturation: _Optional[float] = ..., streaming: _Optional[int] = ..., draining: _Optional[bool] = ..., prefix_blocks: _Optional[_Iterable[int]] = ..., prefix_block_tokens: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    setup: VerifierSetup
+    def __init__(self, sessions: _Optional[_Iterable[_Union[VerifierSessionStats, _Mapping]]] = ..., cache_tokens: _Optional[int] = ..., cost: _Optional[_Union[_common_pb2.CostCurve, _Mapping]] = ..., saturation: _Optional[float] = ..., streaming: _Optional[int] = ..., draining: _Optional[bool] = ..., prefix_blocks: _Optional[_Iterable[int]] = ..., prefix_block_tokens: _Optional[int] = ..., epoch: _Optional[int] = ..., setup: _Optional[_Union[VerifierSetup, _Mapping]] = ...) -> None: ...
+
+class VerifierSetup(_message.Message):
+    __slots__ = ("dtype", "backend", "native_isa_level", "native_quant_isa", "native_vector_bits", "kernel_checks", "kernel_check_seconds")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    NATIVE_ISA_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    NATIVE_QUANT_ISA_FIELD_NUMBER: _ClassVar[int]
+    NATIVE_VECTOR_BITS_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_CHECKS_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_CHECK_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    backend: str
+    native_isa_level: str
+    native_quant_isa: str
+    native_vector_bits: int
+    kernel_checks: _containers.RepeatedCompositeFieldContainer[KernelCheck]
+    kernel_check_seconds: float
+    def __init__(self, dtype: _Optional[str] = ..., backend: _Optional[str] = ..., native_isa_level: _Optional[str] = ..., native_quant_isa: _Optional[str] = ..., native_vector_bits: _Optional[int] = ..., kernel_checks: _Optional[_Iterable[_Union[KernelCheck, _Mapping]]] = ..., kernel_check_seconds: _Optional[float] = ...) -> None: ...
+
+class KernelCheck(_message.Message):
+    __slots__ = ("kernel", "ok", "detail")
+    KERNEL_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    kernel: str
+    ok: bool
+    detail: str
+    def __init__(self, kernel: _Optional[str] = ..., ok: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...

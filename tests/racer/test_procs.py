@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import signal
 
+import pytest
+
 from racer.procs import RedisServer
-from tests.support.procs import Proc, reap
+from tests.support.procs import DTYPE, Proc, reap, verifier_procs
 
 DRAFTER = {"RACER_PRIOR": "none"}
 
@@ -68,3 +70,23 @@ def test_two_redis_servers_at_once_and_a_restart_keeps_the_url_and_the_data(tmp_
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_verifier_runs_the_dtype_the_test_set_and_a_verifier_running_another_fails_the_test(tmp_path, tiny_llama):
+    """The harness gives a test's verifier its dtype whatever the test process's own RACER_* say
+    (``Service`` passes none on) and whatever ``--dtype auto`` would pick on this CPU, then asks the
+    verifier what it runs: a test whose verifier reports another dtype fails where it starts."""
+    model = tmp_path / "model"
+    tiny_llama.save_pretrained(model)
+    (p,) = verifier_procs(1, model, tmp_path, {})
+    try:
+        p.start().wait_healthy()  # checks the reported setup
+        setup = p.setup()
+        assert (setup.dtype, setup.backend) == (DTYPE, "llama")
+        assert setup.kernel_checks and all(c.ok for c in setup.kernel_checks)  # the start-up check ran
+        assert p.metric("racer_verifier_kernel_refused") == 0 and p.metric("racer_verifier_kernel_check_seconds") > 0
+        p.env["RACER_DTYPE"] = "bfloat16"  # what the test says, no longer what runs
+        with pytest.raises(AssertionError, match="RACER_DTYPE=bfloat16, but the verifier reports 'float32'"):
+            p.check_setup()
+    finally:
+        reap([p])

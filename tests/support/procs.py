@@ -20,16 +20,47 @@ from .stack import BACKEND_METADATA, INTERNAL_TOKEN, wait_until
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# What a test's verifier serves unless the test says otherwise: float32, whose reference is Hugging
+# Face greedy decoding. Given to each process explicitly (``Service`` passes on none of the caller's
+# RACER_* variables), never left to ``--dtype auto``, whose choice depends on the CPU.
+DTYPE = "float32"
+
+
 class Proc(Service):
     """One ``racer serve KIND`` process of the tests: the internal token the tests' gateways send,
-    one OpenMP thread, INFO logs; ``env`` adds to that. Restarts keep a drafter's or verifier's
-    address (its Unix socket); a gateway's port is read back after each start."""
+    one OpenMP thread, INFO logs, a verifier's dtype ``DTYPE``; ``env`` adds to that. Restarts keep a
+    drafter's or verifier's address (its Unix socket); a gateway's port is read back after each start.
+    A verifier that serves is asked what it runs (``Stats.setup``): a dtype or backend other than the
+    test set fails the test there (``wait_healthy``)."""
 
     def __init__(
         self, kind: str, env: dict[str, str], log_dir: Path, name: str | None = None, unix: bool | None = None
     ):
         base = dict(OMP_NUM_THREADS="1", RACER_INTERNAL_TOKEN=INTERNAL_TOKEN)
+        if kind == "verifier":
+            base["RACER_DTYPE"] = DTYPE
         super().__init__(kind, dict(base, **env), log_dir, name, unix)
+
+    def wait_healthy(self, timeout: float = 300.0) -> "Proc":
+        super().wait_healthy(timeout)
+        if self.kind == "verifier":
+            self.check_setup()
+        return self
+
+    def setup(self) -> verifier_pb2.VerifierSetup:
+        """What the verifier reports it computes with."""
+        with grpc.insecure_channel(self.target) as ch:
+            stub = verifier_pb2_grpc.VerifierStub(ch)
+            return stub.Stats(verifier_pb2.VerifierStatsRequest(), timeout=30, metadata=BACKEND_METADATA).setup
+
+    def check_setup(self) -> None:
+        """AssertionError where the verifier runs another dtype or backend than its settings name
+        (``auto`` aside): a test must run what it says it runs."""
+        got = self.setup()
+        for setting, reported in (("RACER_DTYPE", got.dtype), ("RACER_BACKEND", got.backend)):
+            wanted = self.env.get(setting, "auto")
+            if wanted != "auto" and wanted != reported:
+                raise AssertionError(f"{self.name}: {setting}={wanted}, but the verifier reports {reported!r}")
 
     def refuses_as_draining(self) -> bool:
         """Whether the drafter or verifier refuses a ``Session`` message as draining (its SIGTERM drain
