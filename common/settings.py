@@ -8,8 +8,13 @@ this table, so the files cannot drift from what the services read.
 Values are checked by pydantic's ``TypeAdapter`` for the setting's type (a boolean takes
 1/0/true/false/yes/no/on/off and is a real ``bool``). A value that does not parse is a
 ``SettingError`` that names the flag or the variable and the type expected. Environment variables
-are read when a command's settings are resolved (``resolve``), not when its parser is built, so a
-malformed ``RACER_*`` variable stops only the commands that read it, with one line.
+are read when a command's settings are resolved (``resolve``, ``resolve_flags``), not when its
+parser is built, so a malformed ``RACER_*`` variable stops only the commands that read it, with one
+line.
+
+A command with a flag of its own for a service's setting (``racer stack --dtype``, ``racer bench
+--backend``: ``add_flag``) reads it as the service does: the flag, else the variable, else the
+default (the table's, or the command's own where it has one).
 
 A renamed setting keeps its old flag (``old_flags``), variable (``old_envs``) and values
 (``old_values``): they keep working and warn (a ``DeprecationWarning`` and a log line).
@@ -95,8 +100,9 @@ BACKENDS = ("auto", "llama", "hf")
 # Their earlier names, (old, now): accepted with a warning by the flag, the variable and
 # ``verifier.engine.make_backend`` alike.
 OLD_BACKENDS = (("fast", "llama"), ("generic", "hf"))
-# Model and KV cache dtypes; "auto": bfloat16 on CUDA, the default model's GGUF blocks on a CPU, else
-# bfloat16 where the CPU computes it natively, else float32;
+# Model and KV cache dtypes; "auto": float32 for a model the "hf" backend verifies (it takes no other),
+# else bfloat16 on CUDA, the default model's GGUF blocks on a CPU, else bfloat16 where the CPU computes
+# it natively, else float32 (verifier.model.auto_dtype);
 # "gguf" serves the default model's projections as its GGUF file stores them (float32 around them).
 DTYPES = ("float32", "bfloat16", "float16", "gguf", "auto")
 
@@ -305,8 +311,9 @@ SERVICE = {
             "model and KV cache dtype: float32 (output equals Hugging Face greedy), bfloat16 or float16 (output "
             "equals the engine's own decoding without drafts; Llama-family models only), gguf (the default model's "
             "GGUF blocks read in place, 8-bit activations; output equals the engine's own decoding without "
-            "drafts), or auto (CUDA: bfloat16; a CPU: gguf for the default model where the block kernel is "
-            "built, else bfloat16 with AMX/AVX512-BF16, else float32)",
+            "drafts), or auto (a model on the hf backend: float32, the only dtype it verifies; else CUDA: "
+            "bfloat16; a CPU: gguf for the default model where the block kernel is built, else bfloat16 with "
+            "AMX/AVX512-BF16, else float32)",
             choices=DTYPES,
         ),
         Setting("--threads", "RACER_THREADS", 0, "torch CPU threads (0: torch's default, one per core)", int),
@@ -694,7 +701,9 @@ def _flag_type(s: Setting):
     return parse
 
 
-def _add(parser: argparse.ArgumentParser, s: Setting, default: object, where: str) -> None:
+def _add(
+    parser: argparse.ArgumentParser, s: Setting, default: object, where: str, shown: object, text: str = ""
+) -> None:
     kw: dict = {"nargs": "?", "const": True} if s.type is bool else {}  # --flag alone, or --flag 0/1
     parser.add_argument(
         s.flag,
@@ -705,7 +714,7 @@ def _add(parser: argparse.ArgumentParser, s: Setting, default: object, where: st
         action=_Store,
         setting=s,
         metavar="|".join(s.choices) if s.choices else s.type.__name__.upper(),
-        help=f"{s.help} ({where}default {s.default})",
+        help=f"{text or s.help} ({where}default {shown})",
         **kw,
     )
 
@@ -714,14 +723,54 @@ def add_arguments(parser: argparse.ArgumentParser, service: str) -> None:
     """Flags for ``service``. A flag not given stays unset in the parsed namespace: ``resolve`` fills it
     from its environment variable, then from the table."""
     for s in settings_of(service):
-        _add(parser, s, argparse.SUPPRESS, f"env {s.env}; ")
+        _add(parser, s, argparse.SUPPRESS, f"env {s.env}; ", s.default)
 
 
-def add_flag(parser: argparse.ArgumentParser, service: str, flag: str) -> None:
-    """A command's own flag for a setting of ``service`` (``racer generate --backend``): the table's type,
-    choices, old names and default; no environment variable."""
+@dataclass(frozen=True)
+class FromEnv:
+    """What a command's flag of ``add_flag`` holds until ``resolve_flags``: it was not given."""
+
+    setting: Setting
+    fallback: object  # the value without the flag or the variable
+
+    def value(self, environ: Mapping[str, str]) -> object:
+        names = (self.setting.env, *self.setting.old_envs)
+        return self.setting.from_env(environ) if any(n in environ for n in names) else self.fallback
+
+
+_TABLE = object()  # add_flag's default: the table's
+
+
+def add_flag(
+    parser: argparse.ArgumentParser, service: str, flag: str, default: object = _TABLE, help: str = ""
+) -> None:
+    """A command's own flag for a setting of ``service`` (``racer stack --dtype``): the table's type,
+    choices and old names (and help, unless ``help`` says what it is to the command). Not given, it
+    is what the service would read: the setting's variable (``RACER_DTYPE``), else ``default`` (the
+    table's unless the command passes its own). The parser must be a ``CommandParser`` (or its
+    namespace go through ``resolve_flags``)."""
     s = lookup(service, flag)
-    _add(parser, s, s.default, "")
+    fallback = s.default if default is _TABLE else default
+    _add(parser, s, FromEnv(s, fallback), f"env {s.env}; ", fallback, help)
+
+
+def resolve_flags(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """Every flag of ``add_flag`` the command line left out: from its variable (``SettingError`` when
+    malformed), else its default. Other values stay as they are."""
+    environ = os.environ if environ is None else environ
+    for name, value in vars(args).items():
+        if isinstance(value, FromEnv):
+            setattr(args, name, value.value(environ))
+    return args
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose flags of ``add_flag`` are resolved as it parses (``resolve_flags``),
+    its subcommands' too (they are parsers of this class)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, rest = super().parse_known_args(args, namespace)
+        return resolve_flags(ns), rest
 
 
 def resolve(args: argparse.Namespace, service: str, environ: Mapping[str, str] | None = None) -> argparse.Namespace:

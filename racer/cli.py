@@ -34,11 +34,11 @@ from common import settings  # noqa: E402
 from common.params import MODES  # noqa: E402
 from common.settings import PORTS, SettingError  # noqa: E402
 
+from .exits import ServiceFailed  # noqa: E402  (stdlib only, as the next)
 from .prompts import BFCL  # noqa: E402  (stdlib only: a health probe still imports no torch)
 
 DEFAULT_SYSTEM = "You are a helpful assistant."  # the system prompt of every command that chats
 DEFAULT_PROMPT = "Explain speculative decoding in three sentences."
-DEFAULT_MODEL = settings.default("verifier", "--model")
 _DEFAULT_BFCL = str(BFCL / "BFCL_v4_live_multiple.json")
 
 
@@ -73,15 +73,17 @@ def pin_flag(parser) -> None:
 
 
 def model_flag(parser) -> None:
-    parser.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help="Hugging Face model directory (default: the bundled SmolLM2-135M-Instruct)",
-    )
+    help = "'default' (the bundled SmolLM2-135M-Instruct) or a Hugging Face model directory"
+    settings.add_flag(parser, "verifier", "--model", help=help)
 
 
 def dtype_flag(parser) -> None:
     settings.add_flag(parser, "verifier", "--dtype")
+
+
+def threads_flag(parser) -> None:
+    """Torch's threads in this process, as the verifier's ``--threads`` (0: torch's, one per core)."""
+    settings.add_flag(parser, "verifier", "--threads")
 
 
 def tls_flags(parser) -> None:
@@ -240,7 +242,7 @@ def bench_arguments(b) -> None:
     b.add_argument(
         "--budget", type=_csv(_budget), default=[16], help="comma-separated tree sizes; 'auto': cost-aware adaptive"
     )
-    b.add_argument("--threads", type=int, default=0, help="torch threads for every mode (default: torch's, all cores)")
+    threads_flag(b)  # every mode's, HF's included
     b.add_argument("--json", default=None, help="write one record per prompt x mode x budget")
     b.add_argument("--plot", default=None, help="write a PNG chart")
 
@@ -256,16 +258,14 @@ def stack_arguments(st) -> None:
     answer_flags(st)
     stack_flags(st)
     st.add_argument("--keep", action="store_true", help="keep the stack up for other clients until Ctrl-C")
-    st.add_argument(
-        "--http-port", type=int, default=8000, help="the gateway's OpenAI-compatible HTTP API (0: off; default 8000)"
-    )
+    settings.add_flag(st, "gateway", "--http-port", default=8000)  # the stack's HTTP API is on unless told
     st.add_argument(
         "--any-ports",
         action="store_true",
         help="every listener (gRPC, metrics, HTTP) on a port the OS picks, read back and printed; "
         "--port-base and --metrics-base are then unused (a stack beside other programs)",
     )
-    st.add_argument("--log-level", default="WARNING")
+    settings.add_flag(st, "verifier", "--log-level", default="WARNING")  # every service's; quiet unless told
 
 
 def soak_arguments(sk) -> None:
@@ -282,7 +282,7 @@ def soak_arguments(sk) -> None:
         help="instead: this many identical waves of --burst requests, no faults; "
         "the verifiers' memory once idle after each",
     )
-    sk.add_argument("--model", default=DEFAULT_MODEL)
+    model_flag(sk)
     dtype_flag(sk)
 
 
@@ -370,7 +370,7 @@ def bench_corpus_arguments(bc) -> None:
     bc.add_argument("--categories", type=_csv(str), default=None, help="only these Spec-Bench categories")
     bc.add_argument("--budget", type=_csv(int), default=[16, 64], help="tree sizes C (comma-separated)")
     settings.add_flag(bc, "drafter", "--corpus-tokens")
-    bc.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's, all cores)")
+    threads_flag(bc)
     bc.add_argument("--hf", action="store_true", help="also compare every output with Hugging Face greedy decoding")
     bc.add_argument("--json", default=None, help="also write one record per session to JSON.RUN.jsonl")
     bc.add_argument(
@@ -422,7 +422,7 @@ def bench_tools_arguments(bt) -> None:
     bt.add_argument("--max-new-tokens", type=int, default=64)
     bt.add_argument("--budget", type=int, default=16, help="draft tree nodes per round (C)")
     settings.add_flag(bt, "drafter", "--corpus-tokens")
-    bt.add_argument("--threads", type=int, default=0, help="in process: torch threads (default: torch's)")
+    threads_flag(bt)  # --through process
     bt.add_argument(
         "--no-prior", dest="prior", action="store_false", help="no model-derived copy-logit prior in the drafter"
     )
@@ -575,7 +575,8 @@ COMMANDS = (
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="racer", description="RACER speculative decoding")
+    # Its commands' flags for service settings (settings.add_flag) read their RACER_* variables as it parses.
+    p = settings.CommandParser(prog="racer", description="RACER speculative decoding")
     sub = p.add_subparsers(dest="cmd", required=True)
     for c in COMMANDS:
         sp = sub.add_parser(c.name, help=c.help)
@@ -619,6 +620,9 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as e:  # SettingError included: one line naming the variable
         print(f"racer: {e}", file=sys.stderr)
         return 2
+    except ServiceFailed as e:  # a service the command started exited: which, and why, in one line
+        print(f"racer: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ class InProcessStack:
         dtype: str = settings.default("verifier", "--dtype"),
         **drafter,
     ) -> "InProcessStack":
-        loaded = load(model, dtype=dtype, threads=threads)
+        loaded = load(model, dtype=dtype, threads=threads, backend=backend)
         config = DrafterConfig(**drafter)
         table = None
         if prior:

@@ -150,14 +150,16 @@ async def start_drafter(args) -> tuple[Server, object]:
 
 
 async def load_model(args):
-    """The target model of ``--model`` on ``--device`` in ``--dtype``."""
+    """The target model of ``--model`` on ``--device`` in ``--dtype`` (``auto``: one the backend of
+    ``--backend`` that will verify it takes: ``verifier.model.auto_dtype``)."""
     from verifier.model import load, resolve_dtype
 
     device = args.device
     if device == "auto":
         device = "cuda" if _cuda() else "cpu"
-    dtype = resolve_dtype(args.dtype, device, args.model)
-    model = (await asyncio.to_thread(load, args.model, dtype, args.threads or None, False)).model
+    dtype = resolve_dtype(args.dtype, device, args.model, args.backend)
+    log.info("model", extra={"model": args.model, "dtype": dtype, "setting": args.dtype, "device": device})
+    model = (await asyncio.to_thread(load, args.model, dtype, args.threads or None, False, args.backend)).model
     if device == "cpu":
         from verifier import native
 
@@ -193,11 +195,13 @@ async def _measure(model, args) -> tuple[dict[int, float] | None, int | None]:
 async def start_verifier(args, model=None) -> tuple[Server, object]:
     from verifier import load as verifier_load
     from verifier import metrics as VM
+    from verifier.engine import backend_for
     from verifier.service import VerifierService
     from verifier.sessions import Verifier
 
     server_kw = _server_kw(args, "verifier")  # before the model loads: refused at once
     model = model if model is not None else await load_model(args)
+    backend_for(model, args.backend)  # a backend that refuses the model or its dtype: refused now, not per session
     cost, prompt_rows = await _measure(model, args)
     core = Verifier(
         model=model,
@@ -471,12 +475,36 @@ def serve(args) -> int:
     tracing.setup(args.service, args.otlp_endpoint)  # before the servers: they add its interceptors
 
     async def go():
-        srv, _ = await start(args)
-        metrics = start_metrics(args.metrics_port, args.host)
-        if args.ports_file:  # after every listener is up: a reader of the file may connect at once
-            ports = {"grpc": srv.address, "port": srv.port, "health": srv.health_port, "metrics": metrics}
-            write_ports_file(args.ports_file, dict(ports, http=getattr(srv, "http_port", 0)))
+        try:
+            srv, _ = await start(args)
+            metrics = start_metrics(args.metrics_port, args.host)
+            if args.ports_file:  # after every listener is up: a reader of the file may connect at once
+                ports = {"grpc": srv.address, "port": srv.port, "health": srv.health_port, "metrics": metrics}
+                write_ports_file(args.ports_file, dict(ports, http=getattr(srv, "http_port", 0)))
+        except Exception as e:
+            raise _NotStarted() from e
         await serve_forever(srv, args.drain_seconds)
 
-    asyncio.run(go())
+    try:
+        asyncio.run(go())
+    except _NotStarted as e:
+        return _not_started(args.service, e.__cause__)
     return 0
+
+
+class _NotStarted(Exception):
+    """A service's start-up failed (the cause is the error); once it serves, errors are not this."""
+
+
+def _not_started(service: str, error: BaseException) -> int:
+    """A service that cannot start: its last line says why (``racer.exits.fatal_line``), which is what
+    ``racer stack`` and the other commands that start services report. A refusal (ValueError, a
+    missing file: a setting, the model, a backend that does not take the dtype) is that line alone,
+    exit 2; anything else is logged with its traceback first, exit 1."""
+    from .exits import fatal_line
+
+    refused = isinstance(error, (ValueError, FileNotFoundError))
+    if not refused:
+        log.error("start-up failed", extra={"service": service}, exc_info=error)
+    print(fatal_line(service, str(error) if refused else f"{type(error).__name__}: {error}"), file=sys.stderr)
+    return 2 if refused else 1

@@ -19,9 +19,10 @@ HEAD = """# Configuration reference
 
 Every setting of `racer serve drafter|verifier|gateway`, as a flag or a `RACER_*` environment
 variable (a flag wins; a value that does not parse stops the service with one line naming it).
-Written from the settings table, `common/settings.py` (`python -m racer.settings_doc`); a test
-fails when this page and the table differ. Deployment files name the same variables, and tests
-compare them with the table too.
+The commands that share a flag with a service (`racer stack --dtype`, `racer soak --model`,
+`racer bench --threads`, ...) read its variable the same way. Written from the settings table,
+`common/settings.py` (`python -m racer.settings_doc`); a test fails when this page and the table
+differ. Deployment files name the same variables, and tests compare them with the table too.
 """
 
 

@@ -84,18 +84,36 @@ def _rss_mib(pid: int) -> float | None:
     return None
 
 
+def shared_settings(args, token: str) -> dict[str, str]:
+    """The settings every service of the soak gets (``racer.procs.Service`` passes on no other
+    ``RACER_*`` variable): ``--model`` and ``--dtype`` as the command resolved them (the flag, else
+    ``RACER_MODEL`` / ``RACER_DTYPE``, else the table's default)."""
+    base = dict(RACER_INTERNAL_TOKEN=token, RACER_LOG_LEVEL="WARNING", RACER_MODEL=args.model, RACER_DTYPE=args.dtype)
+    if args.model != "default":
+        base["RACER_PRIOR"] = "none"
+    return base
+
+
 class Soak:
     def __init__(self, args, workdir: Path):
-        from .procs import RedisServer, Service
+        from .procs import RedisServer
 
         self.args = args
         self.redis = RedisServer(workdir / "redis").start()
-        token = secrets.token_urlsafe(32)
-        base = dict(RACER_INTERNAL_TOKEN=token, RACER_LOG_LEVEL="WARNING", RACER_MODEL=args.model)
-        if args.dtype:
-            base["RACER_DTYPE"] = args.dtype
-        if args.model != "default":
-            base["RACER_PRIOR"] = "none"
+        self.services: list = []  # each service once it is made (close stops the started ones)
+        try:
+            self._start(workdir)
+        except BaseException:
+            self.close()  # what started, and Redis
+            raise
+        self.memory: list[tuple[float, str, float]] = []  # (seconds, service, MiB)
+        self.faults: list[tuple[float, str]] = []
+
+    def _start(self, workdir: Path) -> None:
+        from .exits import wait_healthy
+        from .procs import Service
+
+        base = shared_settings(self.args, secrets.token_urlsafe(32))
         verifier = dict(base, RACER_THREADS="1", OMP_NUM_THREADS="1")
         drafter = dict(base, RACER_SNAPSHOT_URL=self.redis.url)
         self.verifiers = [Service("verifier", verifier, workdir, f"verifier{i}") for i in range(2)]
@@ -111,15 +129,13 @@ class Soak:
         self.gateway = Service("gateway", gateway, workdir, "gateway")
         self.services = [*self.verifiers, *self.drafters, self.gateway]
         for s in self.verifiers:  # one at a time: each measures its kernels at start-up
-            s.start().wait_healthy(900)
+            wait_healthy(s.start(), 900)
         for s in [*self.drafters, self.gateway]:
             s.start()
         for s in [*self.drafters, self.gateway]:
-            s.wait_healthy()
+            wait_healthy(s)
         self.target = self.gateway.target
         self.url = f"http://127.0.0.1:{self.gateway.http_port}/v1"
-        self.memory: list[tuple[float, str, float]] = []  # (seconds, service, MiB)
-        self.faults: list[tuple[float, str]] = []
 
     def close(self) -> None:
         for s in self.services:

@@ -43,7 +43,57 @@ def internal_metadata() -> tuple[tuple[str, str], ...]:
 
 
 def _spawn(service: str, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "racer.cli", "serve", service], env=env, start_new_session=True)
+    """``racer serve SERVICE``; its stderr passes through ``_Output`` (``proc.output``)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "racer.cli", "serve", service], env=env, start_new_session=True, stderr=subprocess.PIPE
+    )
+    proc.output = _Output(proc.stderr)
+    return proc
+
+
+class _Output:
+    """A service's stderr, copied line by line to this process's stderr as it comes (its logs show
+    as before), but for the line it ends with when it cannot start (``racer.exits.FATAL``): that one
+    is held for ``failed``, which the stack reports as its own one line. The last lines are kept."""
+
+    def __init__(self, stream, keep: int = 200):
+        import collections
+        import threading
+
+        self.stream = stream
+        self.held: list[str] = []  # start-up failure lines, not shown yet
+        self.last: collections.deque[str] = collections.deque(maxlen=keep)
+        self.thread = threading.Thread(target=self._copy, name="service-stderr", daemon=True)
+        self.thread.start()
+
+    def _copy(self) -> None:
+        from .exits import FATAL
+
+        # This thread never takes Ctrl-C or SIGTERM: ``run --keep`` waits for them in the main thread.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        for raw in iter(self.stream.readline, b""):
+            line = raw.decode(errors="replace")
+            self.last.append(line)
+            if FATAL.match(line.strip()):
+                self.held.append(line)
+            else:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+        self.stream.close()
+
+    def failed(self, name: str, proc: subprocess.Popen):
+        """``ServiceFailed`` for ``name``, which exited: the reason its output gave (read to its end)."""
+        from .exits import ServiceFailed, reason
+
+        self.thread.join(10)  # its last lines: the pipe ends once the process has exited
+        self.held.clear()  # the exception reports them
+        return ServiceFailed(name, reason("".join(self.last), proc.poll()))
+
+    def flush(self) -> None:
+        """Held lines nobody reported (a service that failed while another was awaited)."""
+        for line in self.held:
+            sys.stderr.write(line)
+        self.held.clear()
 
 
 def _ports(port_base: int, metrics_base: int) -> dict[str, tuple[int, int]]:
@@ -147,6 +197,23 @@ def start_healthy(
         with open(path, encoding="utf-8") as f:
             return json.load(f)
 
+    def serving(s: str) -> dict:
+        """What ``s`` listens on once it serves; ``ServiceFailed`` (one line: why) if it exits first."""
+        from .exits import ServiceFailed
+
+        try:
+            where = listening(s)
+            alive = procs[s].poll
+            wait_serving(where["grpc"], HEALTH_SERVICES[s], timeout=300, alive=lambda: alive() is None, what=s)
+            return where
+        except (RuntimeError, TimeoutError) as e:
+            output = getattr(procs[s], "output", None)
+            if output is None:
+                raise
+            if procs[s].poll() is None:  # still running, not serving: a guard against a hang
+                raise ServiceFailed(s, "still running, not serving (its log is above)", "did not serve in 300 s") from e
+            raise output.failed(s, procs[s]) from None
+
     found: dict[str, dict] = {}
     groups = [("verifier",), ("drafter", "gateway")]
     if targets is None:  # the gateway is told where the drafter listens
@@ -157,9 +224,7 @@ def start_healthy(
                 envs[s].update(RACER_DRAFTERS=found["drafter"]["grpc"], RACER_VERIFIERS=found["verifier"]["grpc"])
             procs[s] = _spawn(s, envs[s])
         for s in group:
-            found[s] = listening(s)
-            alive = procs[s].poll
-            wait_serving(found[s]["grpc"], HEALTH_SERVICES[s], timeout=300, alive=lambda a=alive: a() is None, what=s)
+            found[s] = serving(s)
     return found
 
 
@@ -175,6 +240,11 @@ def stop(procs) -> None:
         except subprocess.TimeoutExpired:
             print(f"{name} did not stop in 30 s; killing it", file=sys.stderr)
             p.kill()
+    for _, p in procs:
+        output = getattr(p, "output", None)
+        if output is not None:
+            output.thread.join(10)  # the rest of its output, before this process goes on
+            output.flush()
 
 
 class Target(str):

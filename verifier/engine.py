@@ -45,13 +45,14 @@ class VerifyResult:
     logprobs: LogProbs | None = None  # of each accepted node's successor, then the bonus
 
 
-def make_backend(model, kind: str = "auto", capacity: int = 1024) -> Backend:
-    """``auto``: the "llama" backend where it implements the model, else the "hf" one; ``llama``: the
-    llama one or ValueError; ``hf``: the hf one (float32 only). ``capacity``: rows the llama
-    backend allocates now."""
+def backend_for(model, kind: str = "auto") -> str:
+    """The backend ``make_backend(model, kind)`` builds: "llama" or "hf". ``auto``: "llama" where it
+    implements the model (``LlamaBackend.supports``), else "hf"; ``llama``: the llama one or
+    ValueError; ``hf``: the hf one, float32 only (ValueError for another dtype). An old name warns.
+    Decided without building it: the verifier checks at start-up what its sessions will build."""
     new = dict(OLD_BACKENDS).get(kind)
     if new is not None:
-        warnings.warn(f"backend {kind!r} is now called {new!r}", DeprecationWarning, stacklevel=2)
+        warnings.warn(f"backend {kind!r} is now called {new!r}", DeprecationWarning, stacklevel=3)
         kind = new
     if kind not in BACKENDS:
         raise ValueError(f"unknown backend {kind!r} (one of {', '.join(BACKENDS)})")
@@ -60,7 +61,7 @@ def make_backend(model, kind: str = "auto", capacity: int = 1024) -> Backend:
     if kind == "llama":
         if not LlamaBackend.supports(model):
             raise ValueError(f"the llama backend does not support model_type={model.config.model_type!r}")
-        return LlamaBackend(model, capacity)
+        return kind
     dtype = next(model.parameters()).dtype
     if dtype != torch.float32:
         # Its rows' bits depend on what shares a forward (tree nodes, other sessions), so drafts
@@ -69,6 +70,14 @@ def make_backend(model, kind: str = "auto", capacity: int = 1024) -> Backend:
             f"model_type={model.config.model_type!r} runs on the hf backend, which verifies in float32 "
             f"only (got {str(dtype).replace('torch.', '')}): use --dtype float32"
         )
+    return kind
+
+
+def make_backend(model, kind: str = "auto", capacity: int = 1024) -> Backend:
+    """The backend ``backend_for(model, kind)`` names (ValueError where it refuses). ``capacity``: rows
+    the llama backend allocates now."""
+    if backend_for(model, kind) == "llama":
+        return LlamaBackend(model, capacity)
     return HFBackend(model)
 
 

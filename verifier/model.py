@@ -119,14 +119,19 @@ class LoadedModel:
 
 
 def load(
-    model: str = DEFAULT_MODEL, dtype: str = "float32", threads: int | None = None, tokenizer: bool = True
+    model: str = DEFAULT_MODEL,
+    dtype: str = "float32",
+    threads: int | None = None,
+    tokenizer: bool = True,
+    backend: str = "auto",
 ) -> LoadedModel:
     """The model (and its tokenizer unless ``tokenizer=False``: the verifier works on token ids only,
-    so a model directory without tokenizer files serves too)."""
+    so a model directory without tokenizer files serves too). ``backend``: the ``--backend`` that will
+    verify it, which ``dtype`` ``auto`` follows (``auto_dtype``)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dtype = resolve_dtype(dtype, "cpu", model)
+    dtype = resolve_dtype(dtype, "cpu", model, backend)
     if dtype == GGUF and model != DEFAULT_MODEL:
         raise ValueError("--dtype gguf serves the default model's GGUF file (a model directory has no blocks)")
     if threads:
@@ -144,22 +149,35 @@ GGUF = "gguf"  # the projections as the GGUF file stores them (verifier/gguf_blo
 DTYPES = ("auto", "float32", "bfloat16", "float16", GGUF)
 
 
-def resolve_dtype(dtype: str = "auto", device: str = "cpu", model: str = DEFAULT_MODEL) -> str:
+def resolve_dtype(dtype: str = "auto", device: str = "cpu", model: str = DEFAULT_MODEL, backend: str = "auto") -> str:
     """``auto`` (``auto_dtype``) or the dtype given. float32 is token-identical to Hugging Face greedy
     decoding; reduced precision and ``gguf`` run the batch-invariant forward (speculation never
     changes the output: it equals the engine's own decoding without drafts)."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r} (one of {', '.join(DTYPES)})")
-    return auto_dtype(device, model) if dtype == "auto" else dtype
+    return auto_dtype(device, model, backend) if dtype == "auto" else dtype
 
 
-def auto_dtype(device: str = "cpu", model: str = DEFAULT_MODEL) -> str:
-    """``--dtype auto``: on CUDA, bfloat16. On a CPU, the default model as its GGUF file stores it
-    (``gguf``) where the block kernel is built: a step reads 3-6x fewer bytes than in bfloat16 or
-    float32 (docs/design/gguf.md). Another model: bfloat16 where the CPU multiplies it natively
-    (AMX or AVX512-BF16), float32 elsewhere (bfloat16 GEMMs are emulated without them)."""
+def auto_dtype(device: str = "cpu", model: str = DEFAULT_MODEL, backend: str = "auto") -> str:
+    """``--dtype auto``: a dtype the backend that will verify ``model`` takes, never one it refuses.
+
+    ``backend`` is the ``--backend`` setting; ``serving_backend`` says which backend that is for
+    ``model``, from its config without its weights. In order:
+
+    1. the "hf" backend (``--backend hf``, or ``auto`` for a model the llama backend does not
+       implement: a sliding window, layers without RoPE, a family of another shape): float32, on
+       any device, the only dtype it verifies (``verifier.engine.backend_for``);
+    2. on CUDA: bfloat16;
+    3. on a CPU, the default model: as its GGUF file stores it (``gguf``) where the block kernel
+       is built (``native.quant_supported``): a step reads 3-6x fewer bytes than in bfloat16 or
+       float32 (docs/design/gguf.md);
+    4. on a CPU, any other model on the llama backend (and the default one without the block
+       kernel): bfloat16 where the CPU multiplies it natively (AMX or AVX512-BF16, as
+       ``torch.cpu``'s probes say), float32 elsewhere (bfloat16 GEMMs are emulated without them)."""
     import torch  # as in ``load``: the CLI reads this module's names without loading torch
 
+    if serving_backend(model, backend) == "hf":
+        return "float32"
     if torch.device(device).type == "cuda":
         return "bfloat16"
     if model == DEFAULT_MODEL:
@@ -170,6 +188,48 @@ def auto_dtype(device: str = "cpu", model: str = DEFAULT_MODEL) -> str:
     cpu = torch.cpu
     native_bf16 = any(getattr(cpu, f, lambda: False)() for f in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
     return "bfloat16" if native_bf16 else "float32"
+
+
+# The bundled SmolLM2-135M-Instruct is a Llama (model_type llama, full attention, tied head), which
+# the llama backend implements. Known here rather than read, so that choosing its dtype never
+# converts its GGUF file (tests/services/test_default_model.py checks it on the loaded model).
+_BUNDLED_BACKEND = "llama"
+
+
+def serving_backend(model: str = DEFAULT_MODEL, backend: str = "auto") -> str:
+    """The backend that will verify ``model`` under ``--backend backend``, "llama" or "hf", as
+    ``verifier.engine.make_backend`` will choose it, without loading the weights. ``llama`` and
+    ``hf`` (and their old names) are what they say (a model the llama backend does not implement is
+    refused at start-up, with the reason); ``auto`` asks ``LlamaBackend.supports`` about the
+    model's modules, built from its config.json on the meta device (no memory, milliseconds). A
+    directory without config.json: FileNotFoundError, as ``load`` says; a model that cannot be
+    built without its weights: "hf", whose float32 every backend verifies."""
+    from common.settings import OLD_BACKENDS
+
+    kind = dict(OLD_BACKENDS).get(backend, backend)
+    if kind != "auto":
+        return "hf" if kind == "hf" else "llama"
+    if model == DEFAULT_MODEL:
+        return _BUNDLED_BACKEND
+    path = resolve_model_dir(model)
+    try:
+        skeleton = _skeleton(path)
+    except Exception as e:  # noqa: BLE001 - an unusual model class: the safe choice, and why
+        log.warning("cannot tell the backend of %s from its config (%s): its dtype is chosen for hf", path, e)
+        return "hf"
+    from .llama import LlamaBackend
+
+    return "llama" if LlamaBackend.supports(skeleton) else "hf"
+
+
+def _skeleton(path: Path):
+    """``path``'s model class built from its config on the meta device: its modules, no weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
 
 
 def eos_token_ids(path: Path, tokenizer) -> tuple[int, ...]:

@@ -10,7 +10,6 @@ output without drafts token for token.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -47,10 +46,10 @@ def prompts(path: Path, n: int) -> list[tuple[list[dict], dict]]:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = settings.CommandParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--model", default=settings.default("verifier", "--model"))
+    settings.add_flag(ap, "verifier", "--model")
     args = ap.parse_args(argv)
     import openai
 

@@ -10,7 +10,6 @@ figures walk a valid call for each schema, token by token, as a decode would.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -157,9 +156,9 @@ def _ms(xs: list[float], q: float = 0.5) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = settings.CommandParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schemas", type=int, default=60)
-    ap.add_argument("--model", default=settings.default("verifier", "--model"))
+    settings.add_flag(ap, "verifier", "--model")
     args = ap.parse_args(argv)
     from transformers import AutoConfig, AutoTokenizer
 

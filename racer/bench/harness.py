@@ -56,8 +56,11 @@ class Procs:
         return p
 
     def healthy(self) -> None:
+        """Waits until every process serves; ``ServiceFailed`` (which, and why) for one that exits."""
+        from ..exits import wait_healthy
+
         for p in self.procs:
-            p.wait_healthy()
+            wait_healthy(p)
 
     def stop(self) -> None:
         for p in self.procs:

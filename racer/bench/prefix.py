@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -28,6 +27,8 @@ import secrets
 import statistics
 import sys
 from pathlib import Path
+
+from common import settings
 
 from ..prompts import BFCL
 from .harness import table
@@ -288,23 +289,23 @@ async def _placement(model, prompts, args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m racer.bench.prefix", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="model directory or name (default: the default model)")
+    p = settings.CommandParser(prog="python -m racer.bench.prefix", description=__doc__.split("\n\n")[0])
+    settings.add_flag(p, "verifier", "--model")
     p.add_argument("--data", default=str(BFCL_MULTIPLE), help="BFCL JSON lines (tool sets and questions)")
     p.add_argument("--tenants", type=int, default=2, help="tenants of the prefill run (0: no prefill run)")
     p.add_argument("--sessions", type=int, default=4, help="sessions per tenant (the first and the later ones)")
     p.add_argument("--prompt-tokens", type=int, default=3000, help="system prompt size (tool docs), in tokens")
     p.add_argument("--new-tokens", type=int, default=8, help="greedy tokens per session (outputs compared)")
-    p.add_argument("--threads", type=int, default=2)
+    settings.add_flag(p, "verifier", "--threads", default=2)
     p.add_argument("--placement-sessions", type=int, default=6, help="sessions per tool set (0: no placement run)")
     p.add_argument("--placement-sets", type=int, default=3, help="tool sets (system prompts) in the placement run")
     p.add_argument("--placement-tokens", type=int, default=500, help="system prompt tokens in the placement run")
     p.add_argument("--placement-kv-tokens", type=int, default=16384, help="each placement verifier's KV memory")
     args = p.parse_args(argv)
 
-    from verifier.model import DEFAULT_MODEL, load
+    from verifier.model import load
 
-    loaded = load(args.model or DEFAULT_MODEL, dtype="float32", threads=args.threads)
+    loaded = load(args.model, dtype="float32", threads=args.threads or None)
     sets = tool_sets(Path(args.data))
     prompts = (
         tenant_prompts(loaded.tokenizer, sets, args.tenants, args.prompt_tokens, args.sessions) if args.tenants else []

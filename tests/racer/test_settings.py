@@ -3,6 +3,7 @@ line for a malformed variable, real booleans, and old names that keep working wi
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -161,3 +162,130 @@ def test_the_stack_with_api_keys_answers_with_a_key_of_the_file_and_says_how_cli
     assert " tokens=" in proc.stderr and "session=" in proc.stderr  # the stack's own answer came back
     assert f"with a key of {keys}" in proc.stderr and "use tenant acme's key" in proc.stderr
     assert secret not in proc.stderr + proc.stdout  # it says which key, never the key
+
+
+# -- commands that share a service's setting read its variable, and their flag wins --------------------
+
+# The commands that start services or run the engine, and their flags that are not the service setting
+# of the same name (another meaning): the tokens to generate, llama.cpp's threads, the first stack's
+# port, how many drafter replicas.
+ENGINE_COMMANDS = ("generate", "bench", "stack", "soak", "bench-stack", "bench-batch", "bench-burst")
+ENGINE_COMMANDS += ("bench-corpus", "bench-tools", "bench-llama-cpp", "prior")
+OTHER_MEANING = {"--max-new-tokens", "bench-llama-cpp --threads", "bench-burst --http-port", "bench-corpus --drafters"}
+
+
+def _subparser(name: str):
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def _shared_flags(command: str) -> list[tuple[str, settings.Setting]]:
+    """(flag, setting) for each flag of ``command`` named like a service setting."""
+    table = {s.flag: s for service in settings.PORTS for s in settings.settings_of(service)}
+    out = []
+    for action in _subparser(command)._actions:
+        flag = next((f for f in action.option_strings if f in table), None)
+        if flag and flag not in OTHER_MEANING and f"{command} {flag}" not in OTHER_MEANING:
+            out.append((flag, table[flag]))
+    return out
+
+
+def _another_value(s: settings.Setting, now: object) -> str:
+    """A valid value of ``s`` other than ``now``, as a flag or a variable spells it."""
+    if s.choices:
+        return next(c for c in s.choices if c != now)
+    if s.type is bool:
+        return "0" if now else "1"
+    if s.type in (int, float):
+        return str(int(now or 0) + 3)
+    return f"{now}-elsewhere"
+
+
+@pytest.mark.parametrize("command", ENGINE_COMMANDS)
+def test_a_commands_flag_for_a_service_setting_reads_its_variable_and_the_flag_wins(command, monkeypatch):
+    shared = _shared_flags(command)
+    assert shared or command == "bench-llama-cpp", f"racer {command} shares no setting"
+    for name in list(os.environ):
+        if name.startswith("RACER_"):
+            monkeypatch.delenv(name)
+    for flag, s in shared:
+        dest = flag.removeprefix("--").replace("-", "_")
+        fallback = getattr(parser().parse_args([command]), dest)  # neither flag nor variable: its default
+        from_env = _another_value(s, fallback)
+        monkeypatch.setenv(s.env, from_env)
+        assert getattr(parser().parse_args([command]), dest) == s.parse(from_env, s.env), f"{command} {flag}"
+        from_flag = _another_value(s, s.parse(from_env, s.env))
+        assert getattr(parser().parse_args([command, flag, from_flag]), dest) == s.parse(from_flag, flag)
+        monkeypatch.delenv(s.env)
+
+
+def test_without_flag_or_variable_a_command_has_the_tables_default_or_its_own(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("RACER_"):
+            monkeypatch.delenv(name)
+    args = parser().parse_args(["stack"])
+    assert (args.dtype, args.model) == (
+        settings.default("verifier", "--dtype"),
+        settings.default("verifier", "--model"),
+    )
+    assert (args.log_level, args.http_port) == ("WARNING", 8000)  # the stack's own: quiet, its HTTP API on
+    assert parser().parse_args(["bench"]).threads == settings.default("verifier", "--threads")
+
+
+def test_a_malformed_variable_of_a_commands_flag_is_one_line(monkeypatch, capsys, no_start):
+    monkeypatch.setenv("RACER_DTYPE", "float64")
+    assert main(["stack", "--no-pin"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["racer: RACER_DTYPE='float64': expected one of float32, bfloat16, float16, gguf, auto"]
+
+
+@pytest.fixture
+def stack_environments(monkeypatch):
+    """``racer stack``'s services' environments, as the command would start them (nothing starts)."""
+    got: dict[str, dict[str, str]] = {}
+
+    def start_healthy(procs, envs, targets=None):
+        got.update(envs)
+        raise KeyboardInterrupt  # stops the command here; nothing was started
+
+    monkeypatch.setattr(stack, "start_healthy", start_healthy)
+    monkeypatch.setattr("verifier.model.resolve_model_dir", lambda model: None)
+    for name in list(os.environ):
+        if name.startswith("RACER_"):
+            monkeypatch.delenv(name)
+
+    def run(*argv: str) -> dict[str, dict[str, str]]:
+        got.clear()
+        with pytest.raises(KeyboardInterrupt):
+            main(["stack", "--no-pin", *argv])
+        return got
+
+    return run
+
+
+def test_racer_stack_serves_the_dtype_of_racer_dtype_and_a_flag_wins(stack_environments, monkeypatch):
+    assert stack_environments()["verifier"]["RACER_DTYPE"] == "auto"
+    monkeypatch.setenv("RACER_DTYPE", "float32")
+    monkeypatch.setenv("RACER_LOG_LEVEL", "INFO")
+    envs = stack_environments()
+    assert {s: e["RACER_DTYPE"] for s, e in envs.items()} == dict.fromkeys(
+        ("gateway", "drafter", "verifier"), "float32"
+    )
+    assert envs["verifier"]["RACER_LOG_LEVEL"] == "INFO"
+    envs = stack_environments("--dtype", "bfloat16", "--log-level", "ERROR")
+    assert (envs["verifier"]["RACER_DTYPE"], envs["verifier"]["RACER_LOG_LEVEL"]) == ("bfloat16", "ERROR")
+
+
+def test_racer_stack_serves_the_model_of_racer_model_and_a_flag_wins(stack_environments, monkeypatch, tmp_path):
+    monkeypatch.setenv("RACER_MODEL", str(tmp_path / "from-env"))
+    assert stack_environments()["verifier"]["RACER_MODEL"] == str(tmp_path / "from-env")
+    assert stack_environments("--model", str(tmp_path / "flag"))["gateway"]["RACER_MODEL"] == str(tmp_path / "flag")
+
+
+def test_racer_soak_gives_its_services_racer_dtype_and_a_flag_wins(monkeypatch):
+    from racer.soak import shared_settings
+
+    monkeypatch.setenv("RACER_DTYPE", "float32")
+    monkeypatch.delenv("RACER_MODEL", raising=False)
+    assert shared_settings(parser().parse_args(["soak"]), "t")["RACER_DTYPE"] == "float32"
+    assert shared_settings(parser().parse_args(["soak", "--dtype", "gguf"]), "t")["RACER_DTYPE"] == "gguf"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -74,11 +75,21 @@ def _openai_chat_equals_greedy(st, default_model):
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == r.choices[0].message.content
 
 
+def test_the_bundled_model_is_one_the_llama_backend_implements(default_model):
+    """``--dtype auto`` takes it for a Llama without reading it (verifier.model._BUNDLED_BACKEND)."""
+    from verifier.llama import LlamaBackend
+    from verifier.model import serving_backend
+
+    assert LlamaBackend.supports(default_model.model) and serving_backend() == "llama"
+
+
 def test_stack_command_streams_an_answer_and_stops_cleanly(default_model):
     question = "Name three primary colors."
     tok, eos = default_model.tokenizer, default_model.eos_token_ids
     greedy = hf_greedy(default_model.model, chat_ids(tok, question, DEFAULT_SYSTEM), 16, eos)
-    env = dict(os.environ, OMP_NUM_THREADS="1", RACER_DTYPE="float32")  # float32: equal to HF greedy
+    # float32 (equal to HF greedy) from the variable, as the services read it: the command's flag,
+    # not given, does not override it
+    env = dict(os.environ, OMP_NUM_THREADS="1", RACER_DTYPE="float32")
     proc = subprocess.run(
         [
             sys.executable,
@@ -91,6 +102,8 @@ def test_stack_command_streams_an_answer_and_stops_cleanly(default_model):
             "--any-ports",
             "--http-port",
             "8000",
+            "--log-level",
+            "INFO",  # the verifier's "model" line says the dtype it serves
         ],
         env=env,
         capture_output=True,
@@ -98,7 +111,18 @@ def test_stack_command_streams_an_answer_and_stops_cleanly(default_model):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+    served = [r for r in map(_record, proc.stderr.splitlines()) if r and r.get("msg") == "model"]
+    assert [(r["setting"], r["dtype"]) for r in served] == [("float32", "float32")], proc.stderr[-2000:]
     assert proc.stdout == tok.decode(greedy, skip_special_tokens=True) + "\n", "the answer is not greedy's"
     assert f"tokens={len(greedy)} " in proc.stderr and "MAT=" in proc.stderr
     assert "did not stop" not in proc.stderr
     assert re.search(r"OpenAI API http://127\.0\.0\.1:\d+/v1", proc.stderr)  # in the "stack up" line
+
+
+def _record(line: str) -> dict | None:
+    """A JSON log line of a service, else None."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None

@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from racer.bench.tiny import FAMILIES
 from tests.support.models import make_tiny_llama
 from verifier import kernels, layouts, native, plan_cache, tuning
 from verifier.kernels import BUCKETS, CANDIDATES, Timing, chunked
-from verifier.model import auto_dtype, resolve_dtype
+from verifier.model import auto_dtype, resolve_dtype, serving_backend
 from verifier.tuning import kernel_plan, position_invariant, tune_shape
 
 ROWS = sorted({*BUCKETS, 3, 5, 13, 33, 70, 130})  # buckets, rows between them, rows beyond the largest
@@ -165,24 +166,106 @@ def test_position_check_rejects_a_kernel_whose_rows_depend_on_their_neighbours()
     assert plan.rows == 1  # every multi-row chunk failed the check; one-row chunks cannot
 
 
-def test_auto_dtype_follows_native_bf16(monkeypatch):
-    native_bf16 = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
-    assert auto_dtype("cpu", "some/model/dir") == ("bfloat16" if native_bf16 else "float32")
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    assert auto_dtype("cpu", "some/model/dir") == "bfloat16"
-    assert auto_dtype("cuda") == "bfloat16"
+# -- --dtype auto: one test per choice, the CPU's features faked (never the machine's own) ------------
 
 
-def test_auto_dtype_serves_the_bundled_model_from_its_gguf_blocks_where_the_kernel_is_built(monkeypatch):
-    from verifier import native
+@pytest.fixture
+def cpu(monkeypatch):
+    """``cpu(native_bf16, block_kernel)``: what ``auto_dtype`` learns of the CPU, faked: torch's AMX and
+    AVX512-BF16 probes, and whether the GGUF block kernel is built (``native.quant_supported``)."""
 
-    monkeypatch.delenv("RACER_NATIVE", raising=False)
-    assert auto_dtype("cpu") == ("gguf" if native.quant_supported(3) else "float32")
-    assert resolve_dtype("auto", "cpu", "default") == auto_dtype("cpu")
-    assert resolve_dtype("bfloat16", "cpu", "default") == "bfloat16"  # a dtype given stays as it is
-    monkeypatch.setenv("RACER_NATIVE", "off")  # no native kernels: the bundled model's float32 or bfloat16
-    assert auto_dtype("cpu") in ("float32", "bfloat16")
-    assert auto_dtype("cuda") == "bfloat16"
+    def fake(native_bf16: bool, block_kernel: bool = False) -> None:
+        for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+            monkeypatch.setattr(torch.cpu, probe, lambda: native_bf16, raising=False)
+        monkeypatch.setattr(native, "quant_supported", lambda kind: block_kernel)
+
+    return fake
+
+
+def _model_dir(path, family: str) -> str:
+    """A directory holding ``family``'s config.json only: ``auto`` decides from the config, no weights."""
+    from racer.bench.tiny import make
+
+    make(family).config.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    return _model_dir(tmp_path / "llama", "llama")
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    """A sliding-window model: the llama backend does not implement it, the hf one verifies it."""
+    return _model_dir(tmp_path / "mistral-swa", "mistral-swa")
+
+
+def test_auto_on_cuda_is_bfloat16(cpu, llama_dir):
+    cpu(native_bf16=False, block_kernel=True)  # the CPU's features do not matter on CUDA
+    assert auto_dtype("cuda", llama_dir) == "bfloat16"
+    assert auto_dtype("cuda") == "bfloat16"  # the bundled model too
+
+
+def test_auto_serves_the_bundled_model_from_its_gguf_blocks_where_the_block_kernel_is_built(cpu):
+    cpu(native_bf16=False, block_kernel=True)
+    assert auto_dtype("cpu") == "gguf"
+    assert resolve_dtype("auto", "cpu", "default") == "gguf"
+    cpu(native_bf16=True, block_kernel=False)  # no block kernel: as any llama-family model
+    assert auto_dtype("cpu") == "bfloat16"
+
+
+def test_auto_is_bfloat16_for_a_llama_family_model_on_a_cpu_that_multiplies_it_natively(cpu, llama_dir):
+    cpu(native_bf16=True, block_kernel=True)  # the block kernel serves the bundled model only
+    assert auto_dtype("cpu", llama_dir) == "bfloat16"
+    assert resolve_dtype("auto", "cpu", llama_dir, "llama") == "bfloat16"
+
+
+def test_auto_is_float32_for_a_llama_family_model_on_a_cpu_without_native_bfloat16(cpu, llama_dir):
+    cpu(native_bf16=False, block_kernel=True)
+    assert auto_dtype("cpu", llama_dir) == "float32"
+    cpu(native_bf16=False, block_kernel=False)
+    assert auto_dtype("cpu") == "float32"  # the bundled model without the block kernel
+
+
+def test_auto_is_float32_for_a_model_on_the_hf_backend_even_where_the_cpu_multiplies_bfloat16(cpu, hf_dir, llama_dir):
+    """The hf backend verifies in float32 only (``backend_for`` refuses bfloat16): ``auto`` never
+    picks what the backend that will verify the model refuses."""
+    cpu(native_bf16=True, block_kernel=True)
+    assert auto_dtype("cpu", hf_dir) == "float32"
+    assert auto_dtype("cuda", hf_dir) == "float32"
+    assert resolve_dtype("auto", "cpu", hf_dir, "auto") == "float32"
+    # --backend hf for a model the llama backend implements, and for the bundled one (old name too)
+    assert auto_dtype("cpu", llama_dir, "hf") == "float32"
+    assert auto_dtype("cpu", "default", "hf") == "float32"
+    assert auto_dtype("cpu", "default", "generic") == "float32"
+
+
+def test_a_dtype_given_stays_as_it_is(cpu, hf_dir):
+    cpu(native_bf16=True, block_kernel=True)
+    assert resolve_dtype("bfloat16", "cpu", "default") == "bfloat16"
+    assert resolve_dtype("float32", "cpu", "default") == "float32"
+    assert resolve_dtype("bfloat16", "cpu", hf_dir) == "bfloat16"  # and the verifier refuses it at start-up
+    with pytest.raises(ValueError, match="unknown dtype 'half'"):
+        resolve_dtype("half")
+
+
+def test_a_directory_without_config_json_says_so(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        auto_dtype("cpu", str(tmp_path))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_backend_auto_plans_for_is_the_one_make_backend_builds(family, tmp_path):
+    """``serving_backend`` decides from config.json alone (modules on the meta device) what
+    ``backend_for`` decides on the loaded model, for every family the tests build."""
+    from racer.bench.tiny import make
+    from verifier.engine import backend_for
+
+    model = make(family)
+    model.config.save_pretrained(tmp_path)
+    assert serving_backend(str(tmp_path)) == backend_for(model) == ("llama" if FAMILIES[family][2] == "llama" else "hf")
+    assert serving_backend(str(tmp_path), "hf") == "hf"
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v projections with biases
