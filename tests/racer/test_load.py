@@ -12,6 +12,7 @@ from prometheus_client import REGISTRY
 from racer.bench.loadgen import check_loopback, make_prompts, percentiles, run_load
 from racer.client import Client
 from tests.support.engine import hf_greedy
+from tests.support.holds import held_rounds
 from tests.support.stack import start_stack, wait_until
 
 SESSIONS, TURNS, NEW, PROMPT = 16, 3, 12, 6
@@ -83,9 +84,12 @@ def test_load_is_bounded_and_loopback_only():
 
 
 def test_a_run_past_its_time_limit_stops_and_says_so(stack):
-    report = asyncio.run(
-        run_load(stack.gateway, 2, 1, 1000, seed=1, ids_vocab=96, time_limit=0.3, budget=1, mode="off")
-    )
-    assert report.errors.get("TIME_LIMIT") == 2 and report.completed_turns == 0
-    gw = stack.gateway_pair[1]
-    wait_until(lambda: not gw._turns, timeout=5, what="the cancelled turns ended")
+    # The turns' rounds are held (after each turn's open, at the latest) until the run has stopped:
+    # no turn can end within the time limit, however fast the machine.
+    with held_rounds(stack.lt, [core for _, core in stack.verifiers]):
+        report = asyncio.run(
+            run_load(stack.gateway, 2, 1, 1000, seed=1, ids_vocab=96, time_limit=0.3, budget=1, mode="off")
+        )
+        assert report.errors.get("TIME_LIMIT") == 2 and report.completed_turns == 0
+        gw = stack.gateway_pair[1]  # the gateway ends the cancelled turns itself, its verifier still held
+        wait_until(lambda: not gw._turns, timeout=60, what="the cancelled turns ended")

@@ -20,6 +20,7 @@ from common.v1 import verifier_pb2_grpc as vgrpc
 from drafter.draft_session import DraftSession
 from racer.client import Client
 from tests.support.engine import hf_greedy
+from tests.support.holds import held_rounds
 from tests.support.stack import backend_channel, prompt, start_stack, wait_until
 from verifier.engine import VerifierSession
 
@@ -207,19 +208,22 @@ def test_a_round_overhead_sample_is_clamped_and_a_non_finite_one_ignored():
 
 
 def test_cancelled_stream_frees_drafter_and_verifier_streams(stack):
-    c = Client(stack.gateway)
-    call = c.generate(prompt(5), max_new_tokens=1000, budget=2, mode="off")
-    first = next(call)
-    sid = first.session_id
-    call.cancel()
-    c.close()
-
     def released():
         d = [s for i in range(2) for s in stack.drafter_sessions(i) if s.session_id == sid]
         v = [s for s in stack.verifier_sessions() if s.session_id == sid]
         return all(not s.streaming for s in d + v)
 
-    wait_until(released, timeout=10, what="drafter and verifier streams closed")
+    # the turn's rounds are held after its first chunk: the cancel ends a running turn, on any machine
+    with held_rounds(stack.lt, [core for _, core in stack.verifiers]) as hold:
+        c = Client(stack.gateway)
+        call = c.generate(prompt(5), max_new_tokens=1000, budget=2, mode="off")
+        first = next(call)
+        sid = first.session_id
+        assert hold.reached.wait(60) and hold.held == {sid}
+        assert not released(), "the turn's streams were not open when it was cancelled"
+        call.cancel()
+        c.close()
+        wait_until(released, timeout=60, what="drafter and verifier streams closed")
     with Client(stack.gateway) as c2, pytest.raises(grpc.RpcError) as e:
         c2.get_session(sid)  # a cancelled first turn leaves no session behind
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
@@ -236,11 +240,14 @@ def test_a_drafter_stopping_mid_session_does_not_change_the_output(loop_thread, 
             sid = last.session_id
             owner = next(i for i in range(2) if sid in {s.session_id for s in st.drafter_sessions(i)})
             p2 = prompt(7, n=4)
-            # the next turn starts on the owner; stop it after the first chunk of the stream
+            # the next turn starts on the owner; stop it after the first chunk of the stream, the turn's
+            # first round held meanwhile (its drafter step answered), so the turn needs the drafter again
             restored = REGISTRY.get_sample_value("racer_drafter_restores_total", {"source": "snapshot"}) or 0
-            call = c.generate(p2, session_id=sid, max_new_tokens=120, budget=4)
-            got = list(next(call).token_ids)
-            st.stop_drafter(owner, grace=0)
+            with held_rounds(st.lt, [core for _, core in st.verifiers], sessions=[sid]) as hold:
+                call = c.generate(p2, session_id=sid, max_new_tokens=120, budget=4)
+                got = list(next(call).token_ids)
+                assert hold.reached.wait(60)
+                st.stop_drafter(owner, grace=0)
             for r in call:
                 got.extend(r.token_ids)
                 last = r
@@ -290,11 +297,16 @@ def test_concurrent_sessions_all_lossless(stack, tiny_llama):
 
     batcher = stack.verifiers[0][1].batcher
     before = len(batcher.sizes)
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    # Each session's first round waits until all six have one waiting: then their trees reach the
+    # verifier together, however fast a machine runs a turn before the next one starts.
+    with held_rounds(stack.lt, [core for _, core in stack.verifiers]) as hold:
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: len(hold.held) == 6, timeout=60, what="every session's first round waiting")
+        hold.release()
+        for t in threads:
+            t.join()
     assert {i: results.get(i) for i in range(6)} == {i: hf_greedy(tiny_llama, prompt(200 + i), 24) for i in range(6)}
     assert max(batcher.sizes[before:]) > 1, "concurrent sessions' trees were never verified together"
 

@@ -18,6 +18,7 @@ from gateway.requests import request_bytes
 from racer.bench.loadgen import make_prompts, run_load
 from racer.client import Client
 from tests.support.engine import hf_greedy
+from tests.support.holds import held_rounds
 from tests.support.stack import prompt, redis_server, start_stack, wait_until
 
 AB, RE, NF = grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND
@@ -301,9 +302,24 @@ def test_load_with_two_tenants_through_two_gateways(env, tiny_llama):
     st, gws, r = env
     sessions, turns, new, plen = 16, 3, 8, 6
     targets = f"{_target(gws, 0)},{_target(gws, 1)}"
-    report = asyncio.run(
-        run_load(targets, sessions, turns, new, seed=3, ids_vocab=96, prompt_tokens=plen, api_key="key-a,key-b")
-    )
+    # acme's turns are held (after their open) until one of them waits for acme's one slot: its
+    # concurrent turns do meet, however fast the machine runs a turn before the next one arrives.
+    with held_rounds(st.lt, [core for _, core in st.verifiers], tenants=["acme"]) as hold:
+
+        def release_once_one_waits():
+            try:
+                wait_until(
+                    lambda: any(gw.queue.waiting("acme") for _, gw in gws), timeout=120, what="an acme turn queued"
+                )
+            finally:
+                hold.release()
+
+        releaser = threading.Thread(target=release_once_one_waits, daemon=True)
+        releaser.start()
+        report = asyncio.run(
+            run_load(targets, sessions, turns, new, seed=3, ids_vocab=96, prompt_tokens=plen, api_key="key-a,key-b")
+        )
+        releaser.join(60)
     print(report.format())
     # acme (tenant1: sessions=3, turns=1) meets its quotas; globex (tenant2) is never refused
     assert set(report.errors) <= {"RESOURCE_EXHAUSTED"} and set(report.tenant_errors) <= {"tenant1"}
