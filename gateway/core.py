@@ -136,6 +136,13 @@ class Gateway:
             constraint = await asyncio.to_thread(self._constraint, req.grammar)
         if r.session_id:
             record = await self.records.load(tenant, r.session_id)
+            if r.expect_tokens >= 0 and len(record.history) != r.expect_tokens:
+                raise Abort(
+                    Status.ABORTED,
+                    f"session_id {r.session_id!r}: the session holds {len(record.history)} tokens, not the "
+                    f"{r.expect_tokens} this turn continues",
+                    field="session_id",
+                )
         else:
             record = Record.new(secrets.token_urlsafe(18), tenant)
         key = (tenant, record.session_id)

@@ -29,6 +29,7 @@ from .admission import Queued
 from .core import Gateway
 from .openai_errors import ApiError, bad_request, from_abort, model_not_found
 from .openai_requests import Call, parse
+from .responses_api import Responses
 from .stops import StopText
 from .tools import StreamParser, ToolCall
 from .turn import Chunk, Finished
@@ -39,6 +40,7 @@ SESSION_HEADER = "X-Session-Id"
 _GATEWAY = web.AppKey("gateway", Gateway)
 _MODEL = web.AppKey("model", str)
 _CREATED = web.AppKey("created", int)
+_RESPONSES = web.AppKey("responses", Responses)
 
 
 def _error(e: ApiError) -> web.Response:
@@ -133,6 +135,53 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             # An error or a client gone after the turn began (its record may have been saved just
             # before): the one-call session still goes, in a task of its own, whatever cancelled this.
             closing.append(asyncio.ensure_future(_close(gw, tenant, started[0])))
+
+
+async def _create_response(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/responses`` (``responses_api``): the response object, or its events as server-sent
+    events (``event: <type>`` and ``data: {...}``, no ``[DONE]``, as OpenAI sends them)."""
+    tenant = _tenant(request)
+    run = await request.app[_RESPONSES].create(tenant, _json(await request.read()))
+    with M.generate_call() as outcome:
+        if not run.stream:
+            return web.json_response(await run.whole())
+        async with contextlib.aclosing(run.events()) as events:
+            first = await anext(events)  # the turn has begun: an error before it is a plain HTTP error
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            await resp.write(_sse(first))
+            async for ev in events:
+                await resp.write(_sse(ev))
+            await resp.write_eof()
+            outcome[0] = run.outcome
+            return resp
+
+
+def _sse(ev: dict | str) -> bytes:
+    """An event object as its server-sent event; a string as a comment (clients skip it)."""
+    if isinstance(ev, str):
+        return f": {ev}\n\n".encode()
+    return f"event: {ev['type']}\n".encode() + _event(ev)
+
+
+async def _get_response(request: web.Request) -> web.Response:
+    api, tenant = request.app[_RESPONSES], _tenant(request)
+    return web.json_response(await api.get(tenant, request.match_info["response_id"], dict(request.query)))
+
+
+async def _delete_response(request: web.Request) -> web.Response:
+    api, tenant = request.app[_RESPONSES], _tenant(request)
+    return web.json_response(await api.delete(tenant, request.match_info["response_id"]))
+
+
+async def _cancel_response(request: web.Request) -> web.Response:
+    api, tenant = request.app[_RESPONSES], _tenant(request)
+    return web.json_response(await api.cancel(tenant, request.match_info["response_id"]))
+
+
+async def _response_input_items(request: web.Request) -> web.Response:
+    api, tenant = request.app[_RESPONSES], _tenant(request)
+    return web.json_response(await api.input_items(tenant, request.match_info["response_id"], dict(request.query)))
 
 
 def _json(raw: bytes):
@@ -311,6 +360,12 @@ def app(gateway: Gateway, model: str, max_body_bytes: int) -> web.Application:
     a.router.add_get("/v1/models", _models)
     a.router.add_get("/v1/models/{model}", _model)
     a.router.add_delete("/v1/sessions/{session_id}", _close_session)
+    a[_RESPONSES] = Responses(gateway, model)
+    a.router.add_post("/v1/responses", _create_response)
+    a.router.add_get("/v1/responses/{response_id}", _get_response)
+    a.router.add_delete("/v1/responses/{response_id}", _delete_response)
+    a.router.add_post("/v1/responses/{response_id}/cancel", _cancel_response)
+    a.router.add_get("/v1/responses/{response_id}/input_items", _response_input_items)
     return a
 
 

@@ -67,6 +67,9 @@ class Request:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     echo: bool = False  # the turn's first chunk carries the input tokens' log-probabilities
+    # a kept session's next turn only if the session holds exactly this many tokens (-1: whatever it
+    # holds); ABORTED otherwise (another turn continued it since the caller looked)
+    expect_tokens: int = -1
 
 
 @dataclass(frozen=True)

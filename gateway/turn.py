@@ -57,6 +57,7 @@ class Finished:
     verify_ms: float
     total_ms: float  # seen by the gateway
     tokens_per_second: float
+    cached_tokens: int = 0  # of the history, not prefilled: held by the verifier's session or its prefix cache
 
 
 class Turn:
@@ -83,6 +84,7 @@ class Turn:
         self.links.cache_scope = group_scope(q.prefix_group) if q.prefix_group else ""
         self.lease = None  # leases.Lease: the record is saved only while it holds
         self.saved_tokens: int | None = None  # the saved record's length, once saved
+        self.cached = 0  # history tokens the turn's first open did not prefill
         self._generated = M.GENERATED_TOKENS.labels(record.tenant)
 
     def constrain(self, constraint) -> None:
@@ -109,6 +111,7 @@ class Turn:
         try:
             with spans.phase("prefill", **{"racer.history_tokens": len(self.history)}):
                 opened = await links.open_verifier()
+                self.cached = opened.reused_tokens + opened.prefix_tokens
                 await links.open_drafter(opened.topk, opened.topk_width)
             spans.start_rounds()
             out, done = rounds.start(opened.next_token)
@@ -237,6 +240,7 @@ class Turn:
             self.links.verify_ms,
             total * 1e3,
             s.new_tokens / total if total else 0.0,
+            self.cached,
         )
 
 
