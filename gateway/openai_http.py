@@ -20,7 +20,7 @@ import time
 
 from aiohttp import web
 
-from common.errors import Abort, Status
+from common.errors import Abort
 from common.logs import log_bug
 
 from . import metrics as M
@@ -29,7 +29,7 @@ from .admission import Queued
 from .core import Gateway
 from .openai_errors import ApiError, bad_request, from_abort, model_not_found
 from .openai_requests import Call, parse
-from .responses_api import Responses
+from .responses_api import Responses, close_one_call
 from .stops import StopText
 from .tools import StreamParser, ToolCall
 from .turn import Chunk, Finished
@@ -115,7 +115,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     async def done(session_id: str) -> None:
         """After the turn and before the answer's last bytes: a one-call session is closed."""
         if not call.keep_session and not closing:
-            closing.append(asyncio.ensure_future(_close(gw, tenant, session_id)))
+            closing.append(asyncio.ensure_future(close_one_call(gw, tenant, session_id)))
             await asyncio.shield(closing[0])
 
     try:
@@ -134,7 +134,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         if started and not call.keep_session and not closing:
             # An error or a client gone after the turn began (its record may have been saved just
             # before): the one-call session still goes, in a task of its own, whatever cancelled this.
-            closing.append(asyncio.ensure_future(_close(gw, tenant, started[0])))
+            closing.append(asyncio.ensure_future(close_one_call(gw, tenant, started[0])))
 
 
 async def _create_response(request: web.Request) -> web.StreamResponse:
@@ -201,15 +201,6 @@ def _json(raw: bytes):
         raise bad_request("the request body is not valid JSON: it is nested too deeply") from None
     except ValueError as e:  # JSONDecodeError, and an integer of more digits than Python converts
         raise bad_request(f"the request body is not valid JSON: {e}") from None
-
-
-async def _close(gw: Gateway, tenant: str, session_id: str) -> None:
-    """The one-call session goes (a turn that failed saved no record: nothing to close)."""
-    try:
-        await gw.close(tenant, session_id)
-    except Abort as e:
-        if e.code is not Status.NOT_FOUND:
-            log.warning("closing a one-call session failed", extra={"session_id": session_id, "error": e.message})
 
 
 async def _rest(items) -> None:

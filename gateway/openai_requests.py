@@ -178,22 +178,32 @@ def _tools(b: ChatBody, parser: str) -> tuple[str, str, GrammarSpec | None]:
         if choice not in (None, "none", "auto"):
             raise bad_request("tool_choice: requires tools", "tool_choice")
         return "", "", None
+    name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    told, grammar = tool_grammar(tools, choice if isinstance(choice, str) else None, name, parser)
+    return (json.dumps(tools, ensure_ascii=False), parser, grammar) if told else ("", "", None)
+
+
+def tool_grammar(
+    tools: list[dict], choice: str | None, name: str | None, parser: str
+) -> tuple[bool, GrammarSpec | None]:
+    """For ``tools`` in chat's shape and a ``tool_choice`` (``choice``: none, auto, required or None;
+    ``name``: the function it names): whether the model is told of the tools (not with ``none``:
+    then its text is not read for calls either), and the grammar that forces a required or named
+    call (None: the model chooses). 400 for two tools of one name, a name no tool has, or a forced
+    call with a parser other than hermes (the grammar writes hermes' call format)."""
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise bad_request("tools: two tools have the same name", "tools")
-    if choice == "none":  # the model is told of no tools and its text is not read for calls
-        return "", "", None
-    grammar = None
-    if choice == "required" or isinstance(choice, NamedToolChoice):
-        name = choice.function.name if isinstance(choice, NamedToolChoice) else None
-        if name is not None and name not in names:
-            raise bad_request(f"tool_choice: no tool is named {name!r}", "tool_choice")
-        if parser != "hermes":
-            raise bad_request(
-                f"tool_choice: {choice if isinstance(choice, str) else 'a named function'} needs the hermes "
-                f"tool-call parser (this server reads calls with {parser!r})",
-                "tool_choice",
-            )
-        schema = T.call_schema(tools, name)
-        grammar = GrammarSpec("tool_call", json.dumps(schema, sort_keys=True), "tools")
-    return json.dumps(tools, ensure_ascii=False), parser, grammar
+    if choice == "none":
+        return False, None
+    if choice != "required" and name is None:
+        return True, None
+    if name is not None and name not in names:
+        raise bad_request(f"tool_choice: no tool is named {name!r}", "tool_choice")
+    if parser != "hermes":
+        raise bad_request(
+            f"tool_choice: a required or named call needs the hermes tool-call parser (this server reads "
+            f"calls with {parser!r})",
+            "tool_choice",
+        )
+    return True, GrammarSpec("tool_call", json.dumps(T.call_schema(tools, name), sort_keys=True), "tools")

@@ -304,14 +304,14 @@ class Run:
                     plan = Plan(req)
             if not req.keep:
                 closed = True
-                await asyncio.shield(asyncio.ensure_future(_close(gw, self.tenant, sid)))
+                await asyncio.shield(asyncio.ensure_future(close_one_call(gw, self.tenant, sid)))
             yield last
         except Abort as e:
             raise _renamed(e) from None
         finally:
             if sid is not None and not req.keep and not closed:
                 # an error or a client gone after the turn began: the one-call session still goes
-                asyncio.ensure_future(_close(gw, self.tenant, sid))
+                asyncio.ensure_future(close_one_call(gw, self.tenant, sid))
 
 
 # The gateway's request fields (``Abort.field``) as this API names them.
@@ -333,7 +333,7 @@ def _renamed(e: Abort) -> Abort:
     return Abort(e.code, message, e.retry_after, field)
 
 
-async def _close(gw: Gateway, tenant: str, session_id: str) -> None:
+async def close_one_call(gw: Gateway, tenant: str, session_id: str) -> None:
     """A one-call session goes (a turn that failed saved no record: nothing to close)."""
     try:
         await gw.close(tenant, session_id)

@@ -19,11 +19,10 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
-from . import tools as T
 from .grammar import GrammarSpec
 from .openai_bodies import _args, _FunctionCall, _ToolCall
 from .openai_errors import bad_request
-from .openai_requests import _invalid
+from .openai_requests import _invalid, tool_grammar
 from .responses_bodies import ITEMS, FunctionCallItem, FunctionCallOutputItem, MessageItem, ResponsesBody
 
 KEEP_IDS = 1024  # ids of a conversation's items kept for the checks (the most recent)
@@ -184,23 +183,10 @@ def shape(b: ResponsesBody, parser: str) -> Shape:
         if choice not in (None, "none", "auto"):
             raise bad_request("tool_choice: requires tools", "tool_choice")
         return Shape("", "", text, parallel)
-    names = [t["function"]["name"] for t in tools]
-    if len(set(names)) != len(names):
-        raise bad_request("tools: two tools have the same name", "tools")
-    if choice == "none":  # the model is told of no tools and its text is not read for calls
+    name = None if isinstance(choice, (str, type(None))) else choice.name
+    told, grammar = tool_grammar(tools, choice if isinstance(choice, str) else None, name, parser)
+    if not told:
         return Shape("", "", text, parallel)
-    grammar = None
-    if choice == "required" or not isinstance(choice, (str, type(None))):
-        name = None if isinstance(choice, str) else choice.name
-        if name is not None and name not in names:
-            raise bad_request(f"tool_choice: no tool is named {name!r}", "tool_choice")
-        if parser != "hermes":
-            raise bad_request(
-                f"tool_choice: a required or named call needs the hermes tool-call parser (this server reads "
-                f"calls with {parser!r})",
-                "tool_choice",
-            )
-        grammar = GrammarSpec("tool_call", json.dumps(T.call_schema(tools, name), sort_keys=True), "tools")
     return Shape(json.dumps(tools, ensure_ascii=False), parser, grammar or text, parallel)
 
 
