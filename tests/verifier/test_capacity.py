@@ -290,3 +290,41 @@ def test_an_open_reserves_the_turns_new_tokens_too(tiny_llama):
         v.close()
 
     asyncio.run(go())
+
+
+def test_a_kept_sessions_next_turns_grow_into_a_headroom_instead_of_moving_the_cache(tiny_llama):
+    """A later turn that needs more rows than the cache holds grows it by one headroom more than it
+    needs, where free memory allows: the turns after it fit without a new cache (each move zeroes
+    one and copies the old). Where memory is short it takes exactly its need."""
+
+    async def go():
+        v = _verifier(tiny_llama, sessions_fit=4)
+        p = prompt(13, HISTORY)
+        e = await _opened(v, "grow", p)
+        assert e.session.backend.capacity == ROWS  # a first open: exactly its need
+        v.release(e)
+        longer = p + prompt(14, 4)
+        e = v.claim(Open("t", "grow", longer))
+        await v.open(e, longer)
+        grown = e.session.backend.cache
+        assert e.session.backend.capacity == ROWS + 4 + HEADROOM  # the need, and a headroom to grow into
+        v.release(e)
+        longer = longer + prompt(15, 4)
+        e = v.claim(Open("t", "grow", longer))
+        res = await v.open(e, longer)
+        assert e.session.backend.cache is grown  # fits: the same cache, nothing moved
+        assert res.next_token == VerifierSession(tiny_llama, backend="llama").prefill(longer).next_token
+        _held_rows_fit(v)
+        v.release(e)
+        v.close()
+
+        tight = Verifier(tiny_llama, kv_memory_bytes=(ROWS + 4) * PER_TOKEN, headroom=HEADROOM)  # the need alone
+        e = await _opened(tight, "tight", p)
+        tight.release(e)
+        e = tight.claim(Open("t", "tight", p + prompt(14, 4)))
+        await tight.open(e, p + prompt(14, 4))
+        assert e.session.backend.capacity == ROWS + 4
+        _held_rows_fit(tight)
+        tight.close()
+
+    asyncio.run(go())
