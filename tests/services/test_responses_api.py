@@ -254,6 +254,24 @@ def test_a_chain_of_responses_is_chat_over_the_whole_history(stack, client, spec
         prev = r
 
 
+def test_a_request_that_ignores_the_kept_session_answers_the_same_and_its_cached_tokens_show_it(client):
+    """Negative control: the same conversation sent whole (``store: false``, no previous response)
+    gets the continued response's tokens, but prefills its history again: the verifier's count of
+    tokens it did not prefill says which one was continued."""
+    first = _create(client, input="Hi!", instructions="Answer in JSON.", text=TEXT)
+    continued = _create(client, input="And now?", previous_response_id=first.id, text=TEXT)
+    items = [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And now?"},
+    ]
+    whole = _create(client, input=items, instructions="Answer in JSON.", text=TEXT, store=False)
+    assert _ids(whole) == _ids(continued)
+    held = first.usage.total_tokens
+    assert continued.usage.input_tokens_details.cached_tokens >= held - 1
+    assert whole.usage.input_tokens_details.cached_tokens < held - 1
+
+
 def test_free_text_is_continued_as_the_sessions_tokens(client, tok, tiny_llama):
     """Free text that does not re-encode to its tokens (special tokens among them): the chain goes on
     from the tokens the session holds, whatever its text says."""
