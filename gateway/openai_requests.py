@@ -129,19 +129,27 @@ def _input(b: ChatBody | CompletionBody, chat: bool) -> dict:
     return dict(input="prompt_ids", prompt="", prompt_ids=tuple(b.prompt), chat=(), chat_extra=())
 
 
-def _sampling(b: ChatBody | CompletionBody) -> dict:
-    """The ``Request``'s fields of how tokens are chosen and drafted, and whether the turn is shared."""
+def sampling_fields(b, max_new_tokens: int) -> dict:
+    """The ``Request``'s fields of how tokens are chosen and drafted, and whether the turn is shared,
+    from the fields every OpenAI body here has alike (``temperature``, ``top_p``, ``top_k``, ``seed``,
+    ``share``, ``speculation``)."""
     spec = b.speculation or Speculation()
     return dict(
-        max_new_tokens=b.max_completion_tokens or b.max_tokens or 0,
+        max_new_tokens=max_new_tokens,
         mode=spec.mode,
         budget=spec.budget,
+        forced=spec.forced,
         temperature=b.temperature or 0.0,
         top_p=b.top_p or 0.0,
         top_k=max(b.top_k or 0, 0),
         seed=b.seed,
         share=b.share is not False,
-        forced=spec.forced,
+    )
+
+
+def _sampling(b: ChatBody | CompletionBody) -> dict:
+    """``sampling_fields``, and the logit bias and penalties chat and completions take."""
+    return sampling_fields(b, b.max_completion_tokens or b.max_tokens or 0) | dict(
         logit_bias=tuple((int(k), float(v)) for k, v in (b.logit_bias or {}).items()),
         presence_penalty=float(b.presence_penalty or 0.0),
         frequency_penalty=float(b.frequency_penalty or 0.0),

@@ -29,8 +29,8 @@ from common.logs import log_bug
 
 from .admission import Queued
 from .core import Gateway
-from .openai_bodies import Speculation
 from .openai_errors import bad_request, model_not_found
+from .openai_requests import sampling_fields
 from .requests import Request, input_ids
 from .responses_bodies import ResponsesBody
 from .responses_input import Conversation, Input, Shape, chat_fields, new_id, parse_body, read_input, shape
@@ -179,19 +179,7 @@ def _instructions(b: ResponsesBody, prev: StoredResponse | None) -> str | None:
 
 
 def _sampling(b: ResponsesBody) -> dict:
-    spec = b.speculation or Speculation()
-    return dict(
-        max_new_tokens=b.max_output_tokens or 0,
-        mode=spec.mode,
-        budget=spec.budget,
-        forced=spec.forced,
-        temperature=b.temperature or 0.0,
-        top_p=b.top_p or 0.0,
-        top_k=max(b.top_k or 0, 0),
-        seed=b.seed,
-        share=b.share is not False,
-        keep=b.store is not False,
-    )
+    return sampling_fields(b, b.max_output_tokens or 0) | dict(keep=b.store is not False)
 
 
 class Run:

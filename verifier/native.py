@@ -149,46 +149,37 @@ def _build(cc: str, out: Path, flags: tuple[str, ...], files: tuple[Path, ...]) 
     tmp.replace(out)  # atomic: another process building the same key reads a whole file or none
 
 
-def _compiler_version(cc: str) -> str | None:
-    try:
-        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        _state["why"] = f"{cc} --version failed: {e}"
-        return None
-
-
-def _built(cc: str, version: str, name: str, flags: tuple[str, ...], files: tuple[Path, ...], machine: str):
+def _built(name: str, flags: tuple[str, ...], files: tuple[Path, ...], machine: str) -> tuple[ctypes.CDLL | None, str]:
     """The library ``name`` built from ``files`` with ``flags`` (cached under a key of the sources,
-    the compiler, the flags and the CPU), loaded; None with ``_state["why"]`` set."""
+    the compiler, the flags and the CPU) and loaded, or None and why not."""
+    if not sys.platform.startswith("linux"):
+        return None, "built on Linux only"
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler (set CC or install gcc)"
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"{cc} --version failed: {e}"
     texts = (f.read_text() for f in (*files, *HEADERS))
     digest = hashlib.sha256(b"\0".join(x.encode() for x in (*texts, version, " ".join(flags), machine))).hexdigest()
+    why = ""
     for where in (cache_root() / "native", Path(tempfile.gettempdir()) / f"racer-native-{os.getuid()}"):
         path = where / f"{name}-{digest[:20]}.so"
         try:
             if not path.exists():
                 _build(cc, path, flags, files)
-            return ctypes.CDLL(str(path))
+            return ctypes.CDLL(str(path)), ""
         except subprocess.CalledProcessError as e:
-            _state["why"] = f"compiling {name} failed: {e.stderr.strip()[-500:]}"
-            return None
+            return None, f"compiling {name} failed: {e.stderr.strip()[-500:]}"
         except (OSError, subprocess.SubprocessError) as e:  # an unwritable cache: the next place
-            _state["why"] = f"{path}: {e}"
-    return None
+            why = f"{path}: {e}"
+    return None, why
 
 
 def _load(machine: str) -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
-        _state["why"] = "built on Linux only"
-        return None
-    cc = _compiler()
-    if cc is None:
-        _state["why"] = "no C compiler (set CC or install gcc)"
-        return None
-    version = _compiler_version(cc)
-    if version is None:
-        return None
     before = _openmp_runtimes()
-    lib = _built(cc, version, "linear", build_flags(), sources(), machine)
+    lib, _state["why"] = _built("linear", build_flags(), sources(), machine)
     if lib is None:
         return None
     after = _openmp_runtimes()
@@ -307,17 +298,11 @@ def reference_build() -> ctypes.CDLL | None:
     format whose kernel it refused. None where it cannot be built (``why_reference()``)."""
     with _lock:
         if "ref" not in _state:
-            cc = _compiler()
-            version = _compiler_version(cc) if cc else None
-            if version is None:
-                _state["ref"], _state["ref_why"] = None, _state.get("why") or "no C compiler"
-            else:
-                why = _state.get("why")
-                files = tuple(Path(__file__).with_name(f) for f in REFERENCE_SOURCES)
-                ref = _state["ref"] = _built(cc, version, "reference", _reference_flags(), files, "")
-                _state["ref_why"], _state["why"] = _state.get("why"), why
-                if ref is not None:
-                    _declare_quant(ref)
+            files = tuple(Path(__file__).with_name(f) for f in REFERENCE_SOURCES)
+            ref, _state["ref_why"] = _built("reference", _reference_flags(), files, "")
+            if ref is not None:
+                _declare_quant(ref)
+            _state["ref"] = ref
         return _state["ref"]
 
 
