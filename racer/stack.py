@@ -13,6 +13,7 @@ local demo does not hand every session to whoever can reach its ports.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -21,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 
@@ -57,9 +59,6 @@ class _Output:
     is held for ``failed``, which the stack reports as its own one line. The last lines are kept."""
 
     def __init__(self, stream, keep: int = 200):
-        import collections
-        import threading
-
         self.stream = stream
         self.held: list[str] = []  # start-up failure lines, not shown yet
         self.last: collections.deque[str] = collections.deque(maxlen=keep)
