@@ -14,6 +14,11 @@ def _ids(out) -> list[int]:
     return list(out)
 
 
+def has_chat_template(tokenizer) -> bool:
+    """Whether the tokenizer carries a chat template of its own (a base model's has none)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
 def chat_ids(tokenizer, user: str, system: str | None = DEFAULT_SYSTEM) -> list[int]:
     """Token ids of a one-turn chat with the model's template and the assistant prompt opened."""
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]

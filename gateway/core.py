@@ -235,9 +235,9 @@ class Gateway:
         """The turn's input tokens: text is tokenized, and a large ``prompt_ids`` scanned, off the event
         loop, so one large request does not hold up every other stream of this gateway."""
         template = None
-        if r.input == "chat":
+        if r.input in ("chat", "prompt"):  # through a chat template (INVALID_ARGUMENT if there is none)
             wants_tools = bool(r.tools) or any(r.chat_extra)
-            template = template_for(self.tokenizer, self.chat_template, wants_tools)
+            template = template_for(self.tokenizer, self.chat_template, wants_tools, r.input)
         args = (r, history, self.tokenizer, self.eos_ids, self.limits, self.vocab_size, template)
         if r.input == "prompt_ids" and len(r.prompt_ids) <= 2048:
             return input_ids(*args)

@@ -19,6 +19,9 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.errors import Abort, Status
+from common.text import has_chat_template
+
 PARSERS = ("hermes", "pythonic")
 SHIPPED_TEMPLATE = Path(__file__).with_name("templates") / "hermes_tools.jinja"
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
@@ -50,12 +53,22 @@ def supports_tools(template: str | None) -> bool:
     return bool(template) and "tools" in template
 
 
-def template_for(tokenizer, operator: str, wants_tools: bool) -> str | None:
+# What a chat request to a model without a chat template (and none from the operator) is answered.
+NO_CHAT_TEMPLATE = (
+    "this model has no chat template, so it serves completions (POST /v1/completions, or prompt_ids over "
+    "gRPC), not chat; to serve chat, give it one with --chat-template FILE (RACER_CHAT_TEMPLATE)"
+)
+
+
+def template_for(tokenizer, operator: str, wants_tools: bool, field: str = "chat") -> str | None:
     """The template a chat request goes through: the operator's, else the model's own, except that
     a request with tools or tool-call history goes through the shipped one when the model's own
-    cannot render them. None: the tokenizer's own."""
+    cannot render tools. None: the tokenizer's own. A model without a template of its own (a base
+    model) serves no chat without the operator's: INVALID_ARGUMENT about ``field``."""
     if operator:
         return operator
+    if tokenizer is not None and not has_chat_template(tokenizer):
+        raise Abort(Status.INVALID_ARGUMENT, NO_CHAT_TEMPLATE, field=field)
     if wants_tools and not supports_tools(getattr(tokenizer, "chat_template", None)):
         return SHIPPED_TEMPLATE.read_text()
     return None

@@ -321,17 +321,63 @@ def running(
             stop(procs.items())
 
 
+def _has_template_file(path) -> bool:
+    """Whether a model directory's tokenizer files name a chat template (read without loading it)."""
+    from pathlib import Path
+
+    path = Path(path)
+    if (path / "chat_template.jinja").exists() or (path / "chat_template.json").exists():
+        return True
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("chat_template"))
+
+
+def text_prompt(model: str, prompt: str, chat_template: str = "") -> list[int] | None:
+    """The prompt's token ids as plain text (a completion, no system prompt) when ``model`` has no
+    chat template and none was given (``chat_template``: the operator's file), so the gateway would
+    refuse it as chat; None: the prompt goes as a chat message. The tokenizer is loaded only when the
+    model directory names no template."""
+    from verifier.model import resolve_model_dir
+
+    if chat_template:
+        return None
+    path = resolve_model_dir(model)
+    if _has_template_file(path):
+        return None
+    from transformers import AutoTokenizer
+
+    from common.text import has_chat_template, text_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if has_chat_template(tokenizer):
+        return None
+    return text_ids(tokenizer, prompt)
+
+
 def _answer(gateway: str, args) -> int:
-    """Streams the answer to ``args.prompt`` through the stack; 1 (with the status) when the call fails."""
+    """Streams the answer to ``args.prompt`` through the stack; 1 (with the status) when the call fails.
+    A model without a chat template continues the prompt as text."""
     import grpc
 
     from .client import Client, format_stats
 
+    prompt, system = args.prompt, args.system
+    ids = text_prompt(args.model, prompt, args.chat_template)
+    if ids is not None:
+        print(
+            f"racer: {args.model} has no chat template, so the prompt is continued as text "
+            "(--chat-template FILE gives it one)",
+            file=sys.stderr,
+        )
+        prompt, system = ids, ""
     with Client(gateway, api_key=client_key()) as c:
         last = None
         try:
             for r in c.generate(
-                args.prompt, max_new_tokens=args.max_new_tokens, mode=args.mode, budget=args.budget, system=args.system
+                prompt, max_new_tokens=args.max_new_tokens, mode=args.mode, budget=args.budget, system=system
             ):
                 sys.stdout.write(r.text)
                 sys.stdout.flush()
@@ -354,6 +400,7 @@ def run(args) -> int:
         dtype=args.dtype,
         http_port=args.http_port,
         any_ports=args.any_ports,
+        env={"RACER_CHAT_TEMPLATE": args.chat_template} if args.chat_template else None,
     ) as gateway:
         if args.prompt and _answer(gateway, args):
             return 1

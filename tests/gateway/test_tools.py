@@ -10,7 +10,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.tools import StreamParser, ToolCall, call_schema, parse, parse_hermes, parse_pythonic
+from common.errors import Abort, Status
+from gateway.openai_errors import from_abort
+from gateway.tools import (
+    NO_CHAT_TEMPLATE,
+    SHIPPED_TEMPLATE,
+    StreamParser,
+    ToolCall,
+    call_schema,
+    parse,
+    parse_hermes,
+    parse_pythonic,
+    template_for,
+)
 
 NAME = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,12}", fullmatch=True)
 SCALAR = st.none() | st.booleans() | st.integers(-(10**12), 10**12) | st.text(max_size=12)
@@ -104,3 +116,22 @@ def test_call_schema_names_one_tool_or_any():
     tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in "ab"]
     assert call_schema(tools, "b")["properties"]["name"] == {"const": "b"}
     assert [b["properties"]["name"]["const"] for b in call_schema(tools, None)["anyOf"]] == ["a", "b"]
+
+
+class _Tok:
+    def __init__(self, chat_template):
+        self.chat_template = chat_template
+
+
+def test_a_model_without_a_chat_template_serves_chat_only_with_the_operators():
+    for wants_tools in (False, True):
+        for field, param in (("chat", "messages"), ("prompt", "prompt")):
+            with pytest.raises(Abort) as e:
+                template_for(_Tok(None), "", wants_tools, field)
+            assert (e.value.code, e.value.message, e.value.field) == (Status.INVALID_ARGUMENT, NO_CHAT_TEMPLATE, field)
+            api = from_abort(e.value)
+            assert api.status == 400 and api.body["error"]["param"] == param
+        assert template_for(_Tok(""), "OPERATOR", wants_tools) == "OPERATOR"
+    assert template_for(None, "", False) is None  # no tokenizer: the request's own check answers
+    assert template_for(_Tok("{{ messages }}"), "", False) is None  # the model's own, as before
+    assert template_for(_Tok("{{ messages }}"), "", True) == SHIPPED_TEMPLATE.read_text()

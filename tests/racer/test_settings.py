@@ -198,7 +198,7 @@ def _another_value(s: settings.Setting, now: object) -> str:
         return "0" if now else "1"
     if s.type in (int, float):
         return str(int(now or 0) + 3)
-    return f"{now}-elsewhere"
+    return f"{now}-elsewhere" if now else "elsewhere"  # (not "-elsewhere": a flag to argparse)
 
 
 @pytest.mark.parametrize("command", ENGINE_COMMANDS)
@@ -280,6 +280,13 @@ def test_racer_stack_serves_the_model_of_racer_model_and_a_flag_wins(stack_envir
     monkeypatch.setenv("RACER_MODEL", str(tmp_path / "from-env"))
     assert stack_environments()["verifier"]["RACER_MODEL"] == str(tmp_path / "from-env")
     assert stack_environments("--model", str(tmp_path / "flag"))["gateway"]["RACER_MODEL"] == str(tmp_path / "flag")
+
+
+def test_racer_stack_gives_its_gateway_the_chat_template_of_the_flag_or_variable(stack_environments, monkeypatch):
+    assert "RACER_CHAT_TEMPLATE" not in stack_environments()["gateway"]
+    assert stack_environments("--chat-template", "flag.jinja")["gateway"]["RACER_CHAT_TEMPLATE"] == "flag.jinja"
+    monkeypatch.setenv("RACER_CHAT_TEMPLATE", "env.jinja")
+    assert stack_environments()["gateway"]["RACER_CHAT_TEMPLATE"] == "env.jinja"
 
 
 def test_racer_soak_gives_its_services_racer_dtype_and_a_flag_wins(monkeypatch):

@@ -17,7 +17,8 @@ EOS = 5  # <|im_end|>
 JSON = "{}[]<>="  # what JSON and tool-call tags need beyond CHARS (``extra``)
 
 
-def make_char_tokenizer(vocab_size: int = 96, extra: str = ""):
+def make_char_tokenizer(vocab_size: int = 96, extra: str = "", chat: bool = True):
+    """``chat`` False: no chat template (a base model's tokenizer)."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
@@ -29,5 +30,6 @@ def make_char_tokenizer(vocab_size: int = 96, extra: str = ""):
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>", unk_token="<unk>", pad_token="<pad>"
     )
-    fast.chat_template = TEMPLATE
+    if chat:
+        fast.chat_template = TEMPLATE
     return fast
