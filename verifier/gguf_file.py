@@ -72,6 +72,44 @@ class _Cursor:
             raise ValueError(f"unknown metadata value type {vtype} at byte {self.pos}")
 
 
+_SCALARS = {
+    GGUFValueType.UINT8: "B",
+    GGUFValueType.INT8: "b",
+    GGUFValueType.BOOL: "?",
+    GGUFValueType.UINT16: "H",
+    GGUFValueType.INT16: "h",
+    GGUFValueType.UINT32: "I",
+    GGUFValueType.INT32: "i",
+    GGUFValueType.FLOAT32: "f",
+    GGUFValueType.UINT64: "Q",
+    GGUFValueType.INT64: "q",
+    GGUFValueType.FLOAT64: "d",
+}
+
+
+def metadata(path: str | Path, keys) -> dict[str, object]:
+    """The values of the metadata ``keys`` the GGUF file at ``path`` has, strings and numbers (an
+    array's key is left out); every other value is skipped by its length, never read."""
+    keys = set(keys)
+    with open(path, "rb") as f:
+        raw = np.memmap(f, dtype=np.uint8, mode="r")
+    cur = _Cursor(memoryview(raw))
+    if cur.take("I") != GGUF_MAGIC:
+        raise ValueError(f"{path}: not a GGUF file")
+    cur.take("I")
+    _, n_fields = cur.take("Q"), cur.take("Q")
+    out: dict[str, object] = {}
+    for _ in range(n_fields):
+        key, vtype = cur.string(), cur.take("I")
+        if key in keys and vtype == GGUFValueType.STRING:
+            out[key] = cur.string()
+        elif key in keys and vtype in _SCALARS:
+            out[key] = cur.take(_SCALARS[vtype])
+        else:
+            cur.skip_value(vtype)
+    return out
+
+
 def tensors(path: str | Path) -> dict[str, Tensor]:
     """Every tensor of the GGUF file at ``path``, by name, its bytes mapped in place."""
     raw = np.memmap(path, dtype=np.uint8, mode="r")

@@ -113,27 +113,30 @@ class LlamaBackend:
         gated MLP; the model's own embedding and norm modules, so Gemma's scaled embedding and
         1 + weight norms too), rotary embeddings over the whole head on every layer, full attention (no
         sliding window), and a plain linear head (tied or not). Anything else goes to the "hf"
-        backend."""
+        backend (``unsupported`` says why)."""
+        return not LlamaBackend.unsupported(model)
+
+    @staticmethod
+    def unsupported(model) -> str:
+        """Why ``supports(model)`` is False, in a few words ("" where it is True)."""
         cfg = model.config
-        if getattr(cfg, "model_type", "") not in {"llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma"}:
-            return False
-        inner = getattr(model, "model", None)
-        if inner is None or not all(hasattr(inner, a) for a in ("layers", "embed_tokens", "norm", "rotary_emb")):
-            return False
         if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-            return False
+            return "sliding-window layers"
         if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
-            return False
+            return "layers other than full attention"
         if not all(getattr(cfg, "no_rope_layers", None) or [1]):  # SmolLM3: some layers skip RoPE
-            return False
+            return "layers without RoPE"
         rope = getattr(cfg, "rope_parameters", None) or {}
         if float(rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) or 1.0) != 1.0:
-            return False
+            return "RoPE over part of the head"
         if any(getattr(cfg, a, None) for a in ("final_logit_softcapping", "logit_scale", "logits_scaling")):
-            return False
+            return "soft-capped or scaled logits"
+        inner = getattr(model, "model", None)
+        if inner is None or not all(hasattr(inner, a) for a in ("layers", "embed_tokens", "norm", "rotary_emb")):
+            return "a decoder of another shape"
         head = getattr(model, "lm_head", None)
         if head is None or getattr(head, "bias", None) is not None:
-            return False
+            return "an output layer with a bias"
         for layer in inner.layers:
             attn = getattr(layer, "self_attn", None)
             mlp = getattr(layer, "mlp", None)
@@ -146,8 +149,10 @@ class LlamaBackend:
                 and hasattr(layer, "input_layernorm")
                 and hasattr(layer, "post_attention_layernorm")
             ):
-                return False
-        return True
+                return "fused or differently shaped projections"
+        if getattr(cfg, "model_type", "") not in {"llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma"}:
+            return "a family the llama backend does not implement"
+        return ""
 
     @property
     def capacity(self) -> int:
@@ -526,7 +531,12 @@ def _rows_attention(q: torch.Tensor, kv: torch.Tensor, groups, scale: float, gqa
 
 def _linear(plan, x: torch.Tensor, layer) -> torch.Tensor:
     """A decoder projection by the plan's kernel, contiguous rows out: the heads viewed from it must
-    have a unit stride in ``head_dim``, or CPU SDPA leaves its flash kernel for the unfused math path."""
+    have a unit stride in ``head_dim``, or CPU SDPA leaves its flash kernel for the unfused math path.
+    A projection kept as a GGUF file's blocks is read from them by the block kernel, as the native
+    decoder reads it (its bias added in the kernel), never from its dequantized float32 copy."""
+    blocks = getattr(layer, "racer_blocks", None)
+    if blocks is not None:
+        return blocks.matmul(x, layer.bias)
     return plan.mm(x, layer.weight, layer.bias).contiguous()
 
 

