@@ -291,7 +291,8 @@ SERVICE = {
             "--model",
             "RACER_MODEL",
             "default",
-            "target model: 'default' or a Hugging Face causal-LM directory (tokenizer files not needed)",
+            "target model: 'default', a Hugging Face causal-LM directory (tokenizer files not needed), a GGUF file "
+            "or a directory holding one (converted once to a cached float32 directory)",
         ),
         Setting(
             "--backend",
@@ -309,11 +310,11 @@ SERVICE = {
             "RACER_DTYPE",
             "auto",
             "model and KV cache dtype: float32 (output equals Hugging Face greedy), bfloat16 or float16 (output "
-            "equals the engine's own decoding without drafts; Llama-family models only), gguf (the default model's "
-            "GGUF blocks read in place, 8-bit activations; output equals the engine's own decoding without "
-            "drafts), or auto (a model on the hf backend: float32, the only dtype it verifies; else CUDA: "
-            "bfloat16; a CPU: gguf for the default model where the block kernel is built, else bfloat16 with "
-            "AMX/AVX512-BF16, else float32)",
+            "equals the engine's own decoding without drafts; Llama-family models only), gguf (a GGUF file's "
+            "blocks read in place, the default model's too, 8-bit activations; output equals the engine's own "
+            "decoding without drafts), or auto (a model on the hf backend: float32, the only dtype it verifies; "
+            "else CUDA: bfloat16; a CPU: gguf for a GGUF file whose formats the block kernel built here takes, "
+            "else bfloat16 with AMX/AVX512-BF16, else float32)",
             choices=DTYPES,
         ),
         Setting("--threads", "RACER_THREADS", 0, "torch CPU threads (0: torch's default, one per core)", int),
@@ -430,6 +431,30 @@ SERVICE = {
             int,
         ),
         Setting(
+            "--prefix-fetch",
+            "RACER_PREFIX_FETCH",
+            "auto",
+            "a new session's prompt blocks that another verifier holds (the gateway names it): fetched from it "
+            "when that is faster than their prefill by this verifier's measured rates (auto), whenever named "
+            "(always), or never (off)",
+            choices=("auto", "always", "off"),
+        ),
+        Setting(
+            "--prefix-fetch-seconds",
+            "RACER_PREFIX_FETCH_SECONDS",
+            10.0,
+            "longest a transfer of prefix blocks may take (less when the client's deadline is sooner); past it "
+            "the open prefills them",
+            float,
+        ),
+        Setting(
+            "--prefix-fetch-bytes",
+            "RACER_PREFIX_FETCH_BYTES",
+            1 << 30,
+            "most bytes of prefix blocks one transfer may bring (also bounded by free KV memory)",
+            int,
+        ),
+        Setting(
             "--stall-seconds",
             "RACER_STALL_SECONDS",
             60.0,
@@ -443,7 +468,8 @@ SERVICE = {
             "--model",
             "RACER_MODEL",
             "default",
-            "tokenizer source: 'default', a Hugging Face model directory, or 'none' (no tokenizer: clients send "
+            "tokenizer source: 'default', a Hugging Face model directory, a GGUF file (or a directory holding "
+            "one), or 'none' (no tokenizer: clients send "
             "prompt_ids, end-of-turn tokens come only from stop_ids, and the verifier checks the vocabulary)",
         ),
         Setting(
@@ -606,8 +632,9 @@ SERVICE = {
             "--chat-template",
             "RACER_CHAT_TEMPLATE",
             "",
-            "a Jinja chat template file for every chat request (default: the model's own; requests with tools "
-            "use a shipped hermes-style template when the model's own cannot render tools)",
+            "a Jinja chat template file for every chat request (default: the model's own; a model without one, "
+            "a base model, serves completions only; requests with tools use a shipped hermes-style template "
+            "when the model's own cannot render tools)",
         ),
         Setting(
             "--tool-call-parser",

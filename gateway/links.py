@@ -100,6 +100,7 @@ class Opened:
     # echo: the prefilled history tokens' log-probabilities (None: the first, without its predecessor's)
     echo: LogProbs | None = None
     prefix_tokens: int = 0  # of the history, copied from the verifier's prefix cache (not prefilled)
+    fetched_tokens: int = 0  # of those, fetched from the verifier named as their holder
 
 
 @dataclass(frozen=True)
@@ -286,13 +287,15 @@ class VerifierLink(_Link):
         cache_scope: str = "",
         prompt_topk: int | None = None,
         stop_ids: Sequence[int] = (),
+        prefix_source: tuple[str, int] | None = None,
     ) -> Opened:
         """Prefills ``history`` (what the verifier's cache lacks of it); ``sampling``: a SamplingParams;
         ``reserve_tokens``: new tokens the turn may add (the verifier reserves KV memory for them);
         ``mask``: the tokens allowed next (packed, empty: all); ``logprobs``: -1 none, else top n;
         ``cache_scope``: the tenant's sharing group for the prefix cache ("": its own);
         ``prompt_topk``: at most this many prompt rows' top-k (None: the verifier's setting);
-        ``stop_ids``: the tokens that end a run (``verify(run=...)``)."""
+        ``stop_ids``: the tokens that end a run (``verify(run=...)``); ``prefix_source``: (address,
+        blocks) of another verifier holding the history's leading blocks, which this one may fetch."""
         s = vpb.Sampling(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
         if sampling.seed is not None:
             s.seed = sampling.seed
@@ -313,6 +316,8 @@ class VerifierLink(_Link):
             prompt_topk=prompt_topk,
             stop_ids=stop_ids,
         )
+        if prefix_source is not None:
+            op.prefix_source.CopyFrom(vpb.PrefixSource(address=prefix_source[0], blocks=prefix_source[1]))
         resp = await self.ask(vpb.VerifyRequest(open=op))
         cost = (tuple(resp.cost.sizes), tuple(resp.cost.ms)) if resp.cost.sizes else None
         return Opened(
@@ -325,6 +330,7 @@ class VerifierLink(_Link):
             _logprobs(resp),
             _echo(resp) if echo else None,
             resp.prefix_tokens,
+            resp.fetched_tokens,
         )
 
     async def verify(self, tokens: list[int], parents: list[int], masks: bytes = b"", run: int = 0) -> Verified:
@@ -373,11 +379,16 @@ class Load:
         (``keys``: block size -> the tokens' key ids, computed once per placement)."""
         if not self.block_tokens or not self.prefix_blocks or len(tokens) < self.block_tokens:
             return 0.0
+        return self.held(scope, tokens, keys) / (len(tokens) // self.block_tokens)
+
+    def held(self, scope: str, tokens: list[int], keys: dict) -> int:
+        """How many of ``tokens``' leading full blocks its prefix cache holds."""
+        if not self.block_tokens or not self.prefix_blocks or len(tokens) < self.block_tokens:
+            return 0
         ids = keys.get(self.block_tokens)
         if ids is None:
             ids = keys[self.block_tokens] = [key_id(k) for k in chain_keys(scope, tokens, self.block_tokens)]
-        held = next((i for i, k in enumerate(ids) if k not in self.prefix_blocks), len(ids))
-        return held / len(ids)
+        return next((i for i, k in enumerate(ids) if k not in self.prefix_blocks), len(ids))
 
 
 class Backends:

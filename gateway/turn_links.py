@@ -88,6 +88,9 @@ class TurnLinks:
         self.echo = False  # the turn's first open returns the prefilled tokens' log-probabilities
         self.turn_start = len(rounds.committed)  # the turn's output starts here in the committed tokens
         self.cache_scope = ""  # the verifiers' prefix-cache scope: the tenant's sharing group ("": its own)
+        # The verifier holding most of the prompt's leading blocks at the last placement, and how many:
+        # named to another verifier the session opens on, which may fetch them (PrefixSource)
+        self.prefix_holder: tuple[str, int] | None = None
         self.drafter_opened = 0  # the session's tokens the drafter stream was opened with
         # The adaptive budget's rest: rounds left to verify without the drafter, the last tree's
         # feedback held meanwhile, the rest's tokens and top-k rows so far (for the step after it),
@@ -193,6 +196,11 @@ class TurnLinks:
         ranked = sorted(live, key=key)
         if ranked:
             M.PLACEMENTS.labels("prefix" if overlap[ranked[0]] > 0 else "load").inc()
+        # A draining holder still serves its blocks; a silent one is taken to hold nothing.
+        named = [e for e in backends.verifiers.live() if e not in self.failed["verifier"]]  # full ones too
+        held = {e: (loads.get(e) or Load()).held(scope, tokens, keys) for e in named}
+        best = max(held, key=held.get, default=None)
+        self.prefix_holder = (best, held[best]) if best is not None and held[best] > 0 else None
         return ranked
 
     async def open_verifier(self) -> Opened:
@@ -218,6 +226,7 @@ class TurnLinks:
                     cache_scope=self.cache_scope,
                     prompt_topk=0 if self.rounds.mode == "off" else None,  # nothing drafted: no table rows
                     stop_ids=sorted(self.rounds.stop),
+                    prefix_source=self._prefix_source(ep),
                 )
             except (Lost, Abort) as e:
                 await link.close(cancel=True)
@@ -247,6 +256,12 @@ class TurnLinks:
             gw.backends.opened(ep)
             self.prefill_ms += opened.elapsed_ms
             return opened
+
+    def _prefix_source(self, ep: str) -> tuple[str, int] | None:
+        """The verifier to name as the holder of the prompt's blocks to ``ep``: the best holder at the
+        last placement, unless that is ``ep`` itself (or none holds any)."""
+        holder = self.prefix_holder
+        return holder if holder is not None and holder[0] != ep else None
 
     def _moved_verifier(self, ep: str, opened: Opened) -> None:
         """The session left its record's verifier for ``ep``: counted, with the tokens prefilled again, and logged."""

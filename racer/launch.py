@@ -196,7 +196,7 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
     from verifier import load as verifier_load
     from verifier import metrics as VM
     from verifier.engine import backend_for
-    from verifier.service import VerifierService
+    from verifier.service import PeerFetcher, VerifierService
     from verifier.sessions import Verifier
 
     server_kw = _server_kw(args, "verifier")  # before the model loads: refused at once
@@ -224,7 +224,14 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
         prompt_topk=prompt_rows,
         prefix_cache=args.prefix_cache,
         prefix_block=args.prefix_block_tokens,
+        prefix_fetch=args.prefix_fetch,
+        prefix_fetch_seconds=args.prefix_fetch_seconds,
+        prefix_fetch_bytes=args.prefix_fetch_bytes,
     )
+    # Other verifiers' prefix blocks: asked with the internal token the gateways send (every verifier
+    # accepts it), over plaintext (a verifier that requires TLS of its callers is not fetched from).
+    fetcher = PeerFetcher(identity_metadata(internal_tokens(args)), None, channel_options(args.max_message_bytes))
+    core.fetcher = fetcher
     log.info(
         "KV memory",
         extra={
@@ -235,6 +242,7 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
     )
 
     async def closed():  # after the last RPC: the model thread finishes its job and ends
+        await fetcher.close()
         await asyncio.to_thread(core.model_thread.close)
 
     srv = await _start_backend(

@@ -59,6 +59,36 @@ PREFIX_SAVED_TOKENS = Counter(
     "racer_verifier_prefix_cache_saved_tokens", "Prompt tokens whose rows were copied from the prefix cache"
 )
 PREFIX_EVICTED_BLOCKS = Counter("racer_verifier_prefix_cache_evicted_blocks", "Prefix cache blocks evicted for room")
+# Prefix blocks moved between verifiers (verifier/prefix_fetch.py); exported with _total where they count.
+PREFIX_FETCH_DECISIONS = Counter(
+    "racer_verifier_prefix_fetch_decisions",
+    "Opens told where their prompt's blocks are, by choice: fetch (cheaper by the measured rule), prefill",
+    ["choice"],
+)
+PREFIX_FETCHED_BLOCKS = Counter("racer_verifier_prefix_fetched_blocks", "Prefix blocks fetched from other verifiers")
+PREFIX_FETCHED_BYTES = Counter("racer_verifier_prefix_fetched_bytes", "Bytes of prefix blocks fetched")
+PREFIX_FETCH_REFUSED = Counter(
+    "racer_verifier_prefix_fetch_refused",
+    "Transfers from another verifier discarded (the open prefilled), by reason: scope, fingerprint, hash, "
+    "deadline, budget, source (the holder failed, stopped answering, or ended early)",
+    ["reason"],
+)
+PREFIX_SERVED_BLOCKS = Counter("racer_verifier_prefix_served_blocks", "Prefix blocks sent to other verifiers")
+PREFIX_SERVED_BYTES = Counter("racer_verifier_prefix_served_bytes", "Bytes of prefix blocks sent to other verifiers")
+PREFIX_SERVE_REFUSED = Counter(
+    "racer_verifier_prefix_serve_refused",
+    "Requests of other verifiers for prefix blocks refused, by reason: fingerprint, budget",
+    ["reason"],
+)
+PREFIX_FETCH_SECONDS = Histogram(
+    "racer_verifier_prefix_fetch_seconds", "A transfer of prefix blocks, used or not", buckets=REQUEST_SECONDS_BUCKETS
+)
+PREFIX_PREFILL_PER_TOKEN = Gauge(
+    "racer_verifier_prefill_seconds_per_token", "Prefill seconds per token, as the fetch rule averages them"
+)
+PREFIX_FETCH_RATE = Gauge(
+    "racer_verifier_prefix_fetch_bytes_per_second", "Transfer rate of prefix blocks, as the fetch rule averages it"
+)
 # The native kernels' start-up check (verifier/native_check.py): 1 for a kernel it refused (its calls
 # take another path), 0 for one that agreed with its reference.
 KERNEL_REFUSED = Gauge("racer_verifier_kernel_refused", "Native kernels refused by the start-up check", ["kernel"])

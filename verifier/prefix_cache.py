@@ -47,6 +47,7 @@ class Block:
     parent: bytes | None
     tokens: tuple[int, ...]
     rows: object = None  # the block's KV rows (the backend's), None while they are being copied in
+    scope: str = ""  # the scope it was cached under (its key's too): another verifier gets it only in that scope
     pins: int = 0  # copies in flight (into a session, or into this block): never evicted while > 0
     last_used: float = field(default_factory=time.monotonic)
 
@@ -101,6 +102,24 @@ class PrefixCache:
             b.pins += 1
         return Match(found)
 
+    def match_any_scope(self, tokens: list[int], limit: int) -> Match:
+        """``match`` by the tokens alone, whatever scope holds them: what a holder that ignored the
+        scope would serve (the fault ``ignore-scope`` of ``prefix_fetch``; never used otherwise)."""
+        found, parent = [], None
+        for i in range(limit // self.block):
+            want = tuple(tokens[i * self.block : (i + 1) * self.block])
+            b = next(
+                (b for b in self.blocks.values() if b.parent == parent and b.tokens == want and b.rows is not None),
+                None,
+            )
+            if b is None:
+                break
+            found.append(b)
+            parent = b.key
+        for b in found:
+            b.pins += 1
+        return Match(found)
+
     def unpin(self, match: Match) -> None:
         for b in match.blocks:
             b.pins -= 1
@@ -119,12 +138,13 @@ class PrefixCache:
         self._touch([self.blocks[k] for k in keys[:first]])
         return keys, first
 
-    def add(self, keys: list[bytes], tokens: list[int], first: int, count: int) -> list[Block]:
-        """New blocks ``first .. first + count`` of ``tokens`` (keys from ``missing``), pinned and
-        without rows: the caller fills them (``fill``) or takes them back (``discard``)."""
+    def add(self, keys: list[bytes], tokens: list[int], first: int, count: int, scope: str = "") -> list[Block]:
+        """New blocks ``first .. first + count`` of ``tokens`` (keys from ``missing``) in ``scope``, pinned
+        and without rows: the caller fills them (``fill``) or takes them back (``discard``)."""
         out = []
         for i in range(first, first + count):
             b = Block(keys[i], keys[i - 1] if i else None, tuple(tokens[i * self.block : (i + 1) * self.block]))
+            b.scope = scope
             b.pins = 1
             self.blocks[b.key] = b
             out.append(b)

@@ -1,11 +1,14 @@
-"""The verifier service: the ``Verifier`` RPCs over ``verifier.sessions``, protobuf in and out."""
+"""The verifier service: the ``Verifier`` RPCs over ``verifier.sessions``, protobuf in and out; and
+its client side towards other verifiers (``PeerFetcher``: their prefix blocks, ``prefix_fetch.py``)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 
+import grpc
 from opentelemetry import trace
 
 from common.errors import Abort, Status
@@ -17,6 +20,7 @@ from common.v1 import verifier_pb2_grpc as pb_grpc
 from . import load
 from . import metrics as M
 from .constraints import Adjust, unpack
+from .prefix_fetch import Ask, Header, Refused, WireBlock
 from .sessions import Entry, Open, Verifier
 
 tracer = trace.get_tracer("racer.verifier")
@@ -38,6 +42,30 @@ class VerifierService(pb_grpc.VerifierServicer):
     async def Drop(self, request, context):
         return pb.VerifierDropResponse(existed=self.verifier.drop(request.tenant, request.session_id))
 
+    async def PrefixBlocks(self, request, context):
+        """Served while draining too: a draining verifier's blocks are still good to hand over."""
+        ask = Ask(
+            tenant=request.tenant,
+            scope=request.cache_scope,
+            tokens=list(request.tokens),
+            first=request.first_block,
+            block=request.block_tokens,
+            fingerprint=request.fingerprint,
+            max_bytes=request.max_bytes,
+        )
+        async with contextlib.aclosing(self.verifier.serve_prefix(ask)) as items:
+            async for item in items:
+                if isinstance(item, Header):
+                    header = pb.PrefixBlocksHeader(
+                        fingerprint=item.fingerprint, blocks=item.blocks, block_bytes=item.block_bytes
+                    )
+                    yield pb.PrefixBlocksChunk(header=header)
+                else:
+                    block = pb.PrefixBlock(
+                        index=item.index, key=item.key, scope=item.scope, rows=item.rows, digest=item.digest
+                    )
+                    yield pb.PrefixBlocksChunk(block=block)
+
     async def Stats(self, request, context):
         return pb.VerifierStatsResponse(
             # the core's SessionStats has the message's field names
@@ -50,14 +78,75 @@ class VerifierService(pb_grpc.VerifierServicer):
             prefix_blocks=self.verifier.prefix_held(),
             prefix_block_tokens=self.verifier.prefix.block if self.verifier.prefix is not None else 0,
             epoch=self.verifier.epoch,
-            setup=_setup(self.verifier.setup()),
+            setup=_setup(self.verifier.setup(), self.verifier.fingerprint),
         )
 
 
-def _setup(s) -> pb.VerifierSetup:
+def _setup(s, fingerprint: str = "") -> pb.VerifierSetup:
     checks = [pb.KernelCheck(kernel=c.kernel, ok=c.ok, detail=c.detail) for c in s.kernel_checks]
     fields = {k: v for k, v in asdict(s).items() if k != "kernel_checks"}
-    return pb.VerifierSetup(**fields, kernel_checks=checks)
+    return pb.VerifierSetup(**fields, kernel_checks=checks, prefix_fingerprint=fingerprint)
+
+
+class PeerFetcher:
+    """The verifier's channels to other verifiers, for their prefix blocks: one per address, with
+    ``metadata`` (the internal token) on every call, ``credentials`` (None: plaintext) and the
+    channel ``options``. Called as the core's ``fetcher``: plain values out, a failed call as
+    ``Refused`` (FAILED_PRECONDITION: the holder refused the fingerprint) or ``grpc.RpcError``."""
+
+    MAX_CHANNELS = 64
+
+    def __init__(self, metadata=(), credentials=None, options=()):
+        self.metadata = tuple(metadata)
+        self.credentials = credentials
+        self.options = list(options)
+        self.channels: dict[str, grpc.aio.Channel] = {}
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        ch = self.channels.get(address)
+        if ch is None:
+            if len(self.channels) >= self.MAX_CHANNELS:  # addresses come and go (pods): the oldest goes
+                old = self.channels.pop(next(iter(self.channels)))
+                asyncio.ensure_future(old.close())
+            if self.credentials is not None:
+                ch = grpc.aio.secure_channel(address, self.credentials, options=self.options)
+            else:
+                ch = grpc.aio.insecure_channel(address, options=self.options)
+            self.channels[address] = ch
+        return ch
+
+    async def __call__(self, address: str, ask: Ask, seconds: float):
+        req = pb.PrefixBlocksRequest(
+            tenant=ask.tenant,
+            cache_scope=ask.scope,
+            tokens=ask.tokens,
+            first_block=ask.first,
+            block_tokens=ask.block,
+            fingerprint=ask.fingerprint,
+            max_bytes=ask.max_bytes,
+        )
+        call = pb_grpc.VerifierStub(self.channel(address)).PrefixBlocks(
+            req, timeout=max(seconds, 0.001), metadata=self.metadata
+        )
+        try:
+            async for chunk in call:
+                if chunk.HasField("header"):
+                    h = chunk.header
+                    yield Header(h.fingerprint, h.blocks, h.block_bytes)
+                else:
+                    b = chunk.block
+                    yield WireBlock(b.index, b.key, b.scope, b.rows, b.digest)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION and "fingerprint" in (e.details() or ""):
+                raise Refused("fingerprint", e.details()) from None
+            raise
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        for ch in self.channels.values():
+            await ch.close()
+        self.channels.clear()
 
 
 class _VerifyStream(SessionStream[Entry]):
@@ -109,7 +198,16 @@ class _VerifyStream(SessionStream[Entry]):
             session.open_mask = session.open_mask[0]
         with tracer.start_as_current_span("verifier.prefill") as span:
             top = op.prompt_topk if op.HasField("prompt_topk") else None
-            res = await v.open(self.entry, history, self.context.time_remaining(), op.reserve_tokens, top)
+            source = None
+            if op.HasField("prefix_source"):
+                if op.prefix_source.blocks < 0:
+                    raise Abort(
+                        Status.INVALID_ARGUMENT,
+                        f"open.prefix_source.blocks: {op.prefix_source.blocks}, at least 0",
+                        field="prefix_source",
+                    )
+                source = (op.prefix_source.address, op.prefix_source.blocks)
+            res = await v.open(self.entry, history, self.context.time_remaining(), op.reserve_tokens, top, source)
             span.set_attributes({"racer.history_tokens": len(history), "racer.reused_tokens": res.reused_tokens})
         echo = {}
         if session.echo:
@@ -120,7 +218,12 @@ class _VerifyStream(SessionStream[Entry]):
                 echo_top_logprobs=[w for _, _, vals in out for w in vals],
             )
         return self._answer(
-            res, reused_tokens=res.reused_tokens, prefix_tokens=res.prefix_tokens, cost=_cost_curve(v), **echo
+            res,
+            reused_tokens=res.reused_tokens,
+            prefix_tokens=res.prefix_tokens,
+            fetched_tokens=res.fetched_tokens,
+            cost=_cost_curve(v),
+            **echo,
         )
 
     async def tree(self, tree: pb.VerifyTree) -> AsyncIterator[pb.VerifyResponse]:

@@ -19,7 +19,10 @@ No grpc: ``verifier/service.py`` converts its messages.
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import secrets
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -39,6 +42,10 @@ from .fair import ModelThread
 from .gguf_blocks import cache_dtype
 from .kv_memory import KVMemory, default_kv_bytes, kv_bytes_per_token
 from .prefix_cache import BLOCK_TOKENS, Match, PrefixCache
+from .prefix_fetch import Ask, Clock, Header, Rates, Refused, WireBlock, faults, fingerprint, layout, link, pack, seed
+from .prefix_fetch import unpack as unpack_rows
+
+log = logging.getLogger("racer.verifier")
 
 MAX_TREE = 4096
 PREFIX_KEY = ("", "prefix cache")  # the prefix cache's reservation in KV memory (no tenant is empty)
@@ -77,6 +84,7 @@ class Prefilled:
     elapsed_ms: float
     logprobs: LogProbs | None = None  # of next_token, when the open asked for them
     prefix_tokens: int = 0  # history tokens whose rows came from the prefix cache (not prefilled)
+    fetched_tokens: int = 0  # of those, tokens whose rows this open fetched from another verifier
 
 
 @dataclass(frozen=True)
@@ -108,7 +116,10 @@ class Verifier(Holder):
     job, ``max_waiting`` opens for at most ``wait_seconds`` in KV memory's queue, ``stall_seconds``
     before the model thread counts as stalled, ``prefill_batch`` prompts per forward, ``prompt_topk``
     the prompt's last positions whose top-k an open sends back (None: every position),
-    ``prefix_cache`` on or off and its ``prefix_block`` (tokens per block, ``prefix_cache.py``)."""
+    ``prefix_cache`` on or off and its ``prefix_block`` (tokens per block, ``prefix_cache.py``);
+    ``prefix_fetch`` (auto: by the measured rule, always, off) the blocks another verifier holds, within
+    ``prefix_fetch_seconds`` and ``prefix_fetch_bytes`` a transfer (``prefix_fetch.py``; ``fetcher``,
+    the transport, is the service's)."""
 
     def __init__(
         self,
@@ -133,6 +144,9 @@ class Verifier(Holder):
         prompt_topk: int | None = None,
         prefix_cache: bool = True,
         prefix_block: int = BLOCK_TOKENS,
+        prefix_fetch: str = "auto",
+        prefix_fetch_seconds: float = 10.0,
+        prefix_fetch_bytes: int = 1 << 30,
     ):
         self.model = model
         self.topk = topk
@@ -159,6 +173,26 @@ class Verifier(Holder):
         for check in setup.kernel_checks:
             M.KERNEL_REFUSED.labels(check.kernel).set(0 if check.ok else 1)
         M.KERNEL_CHECK_SECONDS.set(setup.kernel_check_seconds)
+        if prefix_fetch not in ("auto", "always", "off"):
+            raise ValueError(f"prefix_fetch: {prefix_fetch!r}, one of auto, always, off")
+        self.prefix_fetch = prefix_fetch
+        self.prefix_fetch_seconds = prefix_fetch_seconds
+        self.prefix_fetch_bytes = prefix_fetch_bytes
+        # fetcher(address, Ask, seconds): the Header, then the WireBlocks, of another verifier (the service's)
+        self.fetcher = None
+        self.faults = faults()  # tests only: a holder that misbehaves (``prefix_fetch.FAULTS``)
+        self.rates = Rates()
+        if self.cost:  # until a prefill is measured: the largest tree's forward, per token
+            n = max(self.cost)
+            self.rates.prefilled(n, self.cost[n] / 1e3)
+        self.fingerprint, self.row_layout = "", None
+        if self.prefix is not None:
+            self.row_layout = layout(model.config, setup.backend, cache_dtype(model), prefix_block)
+            if self.row_layout.nbytes == self.prefix.block_bytes:
+                self.fingerprint, what = fingerprint(model, setup, self.row_layout, prefix_block)
+                log.info("prefix fingerprint", extra={"fingerprint": self.fingerprint, "of": what})
+            else:  # rows not shaped as this module knows them: none move
+                log.warning("prefix blocks do not move: rows of %s", self.row_layout.describe())
 
     def setup(self):
         """What this verifier computes with (``verifier/setup.py``)."""
@@ -333,7 +367,7 @@ class Verifier(Holder):
         fit = min(want, max(0, (mem.total - mem.used) // cache.block_bytes))
         if fit <= 0:
             return
-        blocks = cache.add(keys, history, first, fit)
+        blocks = cache.add(keys, history, first, fit, entry.scope)
         held = cache.nbytes
         if not mem.try_reserve(PREFIX_KEY, held):  # cannot fail: it fits in free memory
             cache.discard(blocks)
@@ -359,6 +393,184 @@ class Verifier(Holder):
         self.kv_memory.shrink(PREFIX_KEY, self.prefix.nbytes)
         M.PREFIX_BYTES.set(self.prefix.nbytes)
 
+    async def _prefix_fetch(
+        self, entry: Entry, history: list[int], reuse: int, source: tuple[str, int], timeout: float | None
+    ) -> int:
+        """Fetches the blocks of ``history`` the prefix cache lacks, up to the ``source``'s (address,
+        blocks held), from that verifier into the prefix cache, where the rule says it is cheaper than
+        their prefill (``prefix_fetch.py``); the tokens fetched (0: the open prefills them). Their KV
+        memory is reserved before a byte arrives; whatever fails or is refused is discarded."""
+        cache, mem = self.prefix, self.kv_memory
+        address, held = source
+        if (
+            cache is None
+            or self.fetcher is None
+            or self.prefix_fetch == "off"
+            or not self.fingerprint
+            or not address
+            or not entry.session.prefix_exact
+            or getattr(entry.session, "echo", False)  # copied rows compute no log-probabilities
+            or mem.waiting  # who waits for memory goes first
+        ):
+            return 0
+        size = cache.block
+        end = min(held, (len(history) - 1) // size)  # at least one token is fed
+        if end * size <= reuse:
+            return 0
+        keys, first = cache.missing(entry.scope, history[: end * size])
+        want = end - first
+        if want <= 0:
+            return 0
+        gain = end * size - max(reuse, first * size)  # tokens not prefilled
+        if self.prefix_fetch == "auto" and not self.rates.worth(gain, want * cache.block_bytes):
+            M.PREFIX_FETCH_DECISIONS.labels("prefill").inc()
+            return 0
+        M.PREFIX_FETCH_DECISIONS.labels("fetch").inc()
+        budget = min(self.prefix_fetch_bytes, want * cache.block_bytes)
+        chain = set(keys[:first])  # the blocks' parents: evicting one would strand them
+        while mem.used + budget > mem.total:
+            oldest = cache.oldest()
+            if oldest is None or oldest.key in chain:
+                break
+            self._evict_block(oldest)
+        fit = min(want, budget // cache.block_bytes, max(0, mem.total - mem.used) // cache.block_bytes)
+        if fit <= 0:
+            M.PREFIX_FETCH_REFUSED.labels("budget").inc()
+            return 0
+        blocks = cache.add(keys, history, first, fit, entry.scope)
+        if not mem.try_reserve(PREFIX_KEY, cache.nbytes):  # cannot fail: it fits in free memory
+            self._prefix_dropped(blocks)
+            return 0
+        M.PREFIX_BYTES.set(cache.nbytes)
+        ask = Ask(
+            entry.tenant,
+            entry.scope,
+            history[: (first + fit) * size],
+            first,
+            size,
+            self.fingerprint,
+            fit * cache.block_bytes,
+        )
+        seconds = self.prefix_fetch_seconds if timeout is None else max(0.0, min(self.prefix_fetch_seconds, timeout))
+        clock, rows = Clock(), None
+        try:
+            try:
+                async with asyncio.timeout(seconds):
+                    rows = await self._receive(address, ask, keys, seconds, clock)
+            except TimeoutError:
+                raise Refused("deadline", f"not done within {seconds:g} s") from None
+        except Refused as e:
+            M.PREFIX_FETCH_REFUSED.labels(e.reason).inc()
+            log.warning("prefix blocks refused", extra={"source": address, "reason": e.reason, "detail": e.detail})
+        except Exception as e:  # noqa: BLE001 - a failing holder costs a prefill, nothing more
+            M.PREFIX_FETCH_REFUSED.labels("source").inc()
+            log.warning("prefix blocks not fetched", extra={"source": address, "error": repr(e)})
+        finally:
+            M.PREFIX_FETCH_SECONDS.observe(clock())
+            if rows is None:
+                self._prefix_dropped(blocks)
+        if rows is None:
+            return 0
+        n = len(rows)
+        cache.fill(blocks[:n], rows)
+        if n < fit:
+            self._prefix_dropped(blocks[n:])
+        M.PREFIX_FETCHED_BLOCKS.inc(n)
+        M.PREFIX_FETCHED_BYTES.inc(n * cache.block_bytes)
+        if self.rates.bytes_per_second is not None:
+            M.PREFIX_FETCH_RATE.set(self.rates.bytes_per_second)
+        return max(0, (first + n) * size - max(reuse, first * size)) if n else 0
+
+    def _prefix_dropped(self, blocks) -> None:
+        """Blocks added for a transfer that did not fill them: out of the cache, their memory given back."""
+        self.prefix.discard(blocks)
+        self.kv_memory.shrink(PREFIX_KEY, self.prefix.nbytes)
+        M.PREFIX_BYTES.set(self.prefix.nbytes)
+
+    async def _receive(self, address: str, ask: Ask, keys: list[bytes], seconds: float, clock: Clock) -> list:
+        """The rows of ``ask``'s blocks from the verifier at ``address``, each checked (scope, key,
+        chained digest, size) before it is taken; ``Refused`` at the first that fails."""
+        header, out, total, setup = None, [], 0, 0.0
+        prev = seed(self.fingerprint, ask.scope)
+        async for item in self.fetcher(address, ask, seconds):
+            if header is None:
+                if not isinstance(item, Header):
+                    raise Refused("source", "a block before the header")
+                header, setup = item, clock()
+                if header.fingerprint != self.fingerprint or header.block_bytes != self.prefix.block_bytes:
+                    mine = self.fingerprint
+                    raise Refused("fingerprint", f"the holder's is {header.fingerprint!r}, this one's {mine!r}")
+                if header.blocks * header.block_bytes > ask.max_bytes:
+                    raise Refused("budget", f"{header.blocks} blocks announced, {ask.max_bytes} bytes allowed")
+                continue
+            i = ask.first + len(out)
+            if not isinstance(item, WireBlock) or len(out) >= header.blocks or item.index != i:
+                raise Refused("source", f"out of order where block {i} of {ask.first + header.blocks} was due")
+            if item.scope != ask.scope:
+                raise Refused("scope", f"block {i} is of another scope")
+            if item.key != keys[i]:
+                raise Refused("hash", f"block {i}'s key is not its tokens' in this scope")
+            total += len(item.rows)
+            if total > ask.max_bytes:
+                raise Refused("budget", f"more than {ask.max_bytes} bytes")
+            prev = link(prev, item.key, item.rows)
+            if item.digest != prev:
+                raise Refused("hash", f"block {i}'s digest does not chain")
+            out.append(unpack_rows(item.rows, self.row_layout))
+        if header is None or len(out) < header.blocks:
+            raise Refused("source", "the transfer ended early")
+        if out:
+            self.rates.fetched(total, setup, clock())
+        return out
+
+    async def serve_prefix(self, ask: Ask):
+        """The ``Header``, then the ``WireBlock``s, of the blocks ``ask.first`` .. of ``ask.tokens``
+        this prefix cache holds in ``ask``'s scope (at most ``ask.max_bytes`` of rows), for another
+        verifier whose fingerprint is this one's; pinned while they are sent."""
+        cache = self.prefix
+        if cache is None or not self.fingerprint:
+            raise Abort(Status.FAILED_PRECONDITION, "prefix blocks: this verifier keeps none")
+        if not ask.tenant:
+            raise Abort(Status.INVALID_ARGUMENT, "prefix blocks: tenant required", field="tenant")
+        if ask.first < 0:
+            raise Abort(Status.INVALID_ARGUMENT, f"first_block: {ask.first}, at least 0", field="first_block")
+        if ask.block != cache.block or ask.fingerprint != self.fingerprint:
+            M.PREFIX_SERVE_REFUSED.labels("fingerprint").inc()
+            raise Abort(
+                Status.FAILED_PRECONDITION,
+                f"prefix blocks: fingerprint {ask.fingerprint!r} of {ask.block}-token blocks; this verifier's is "
+                f"{self.fingerprint!r} of {cache.block}",
+                field="fingerprint",
+            )
+        scope = ask.scope or ask.tenant
+        limit = (len(ask.tokens) // cache.block) * cache.block
+        if "ignore-scope" in self.faults:
+            match = cache.match_any_scope(ask.tokens, limit)
+        else:
+            match = cache.match(scope, ask.tokens, limit)
+        try:
+            chosen = match.blocks[ask.first :]
+            if "ignore-scope" not in self.faults:  # keys carry the scope; the blocks say it too
+                chosen = chosen[: next((i for i, b in enumerate(chosen) if b.scope != scope), len(chosen))]
+            most = max(0, ask.max_bytes) // cache.block_bytes
+            if most < len(chosen):
+                M.PREFIX_SERVE_REFUSED.labels("budget").inc()
+                chosen = chosen[:most]
+            yield Header(self.fingerprint, len(chosen), cache.block_bytes)
+            prev = seed(self.fingerprint, scope)
+            for i, b in enumerate(chosen):
+                data = pack(b.rows)
+                prev = link(prev, b.key, data)
+                if "corrupt" in self.faults:
+                    data = bytes([data[0] ^ 0xFF]) + data[1:]
+                M.PREFIX_SERVED_BLOCKS.inc()
+                M.PREFIX_SERVED_BYTES.inc(len(data))
+                yield WireBlock(ask.first + i, b.key, b.scope, data, prev)
+                if i == 0 and len(chosen) > 1 and "stop-mid-transfer" in self.faults:
+                    os.kill(os.getpid(), signal.SIGSTOP)
+        finally:
+            cache.unpin(match)
+
     async def open(
         self,
         entry: Entry,
@@ -366,10 +578,13 @@ class Verifier(Holder):
         timeout: float | None = None,
         reserve_tokens: int = 0,
         prompt_topk: int | None = None,
+        source: tuple[str, int] | None = None,
     ) -> Prefilled:
         """Keeps the longest prefix of ``history`` the cache holds, copies the prefix cache's blocks
-        past it (``prefix_cache.py``) and prefills the rest, in chunks of ``prefill_chunk`` tokens,
-        each its own job in the tenant's fair turn on the model thread; then offers the history's
+        past it (``prefix_cache.py``; first fetched from ``source``, (address, blocks) of another
+        verifier holding them, where that is cheaper: ``_prefix_fetch``) and prefills the rest, in
+        chunks of ``prefill_chunk`` tokens, each its own job in the tenant's fair turn on the model
+        thread; then offers the history's
         new full blocks to the prefix cache. ``prompt_topk``: at most this many prompt rows' top-k,
         the last ones (None: ``self.prompt_topk``'s)."""
         have = entry.tokens
@@ -393,7 +608,11 @@ class Verifier(Holder):
         # chunk) thus keeps a cache the next open can reuse.
         entry.tokens = have[:reuse]
         session = entry.session
+        fetched = 0
+        if source is not None:
+            fetched = await self._prefix_fetch(entry, history, reuse, source, timeout)
         match = self._prefix_match(entry, history, reuse)
+        t_prefill = time.perf_counter()
         start = reuse if match is None else match.tokens  # the first token to prefill
         size = self.prefix.block if self.prefix is not None else 0
         cached = [] if match is None else [(i * size, b.rows) for i, b in enumerate(match.blocks)]
@@ -436,9 +655,13 @@ class Verifier(Holder):
         elapsed = (time.perf_counter() - t0) * 1e3
         M.PREFILL_SECONDS.observe(elapsed / 1e3)
         M.REUSED_TOKENS.inc(reuse)
+        if self.prefix is not None and len(new) >= self.prefix.block:  # what the fetch rule weighs against
+            self.rates.prefilled(len(new), time.perf_counter() - t_prefill)
+            M.PREFIX_PREFILL_PER_TOKEN.set(self.rates.prefill_per_token)
         self._prefix_insert(entry, history)
         self._gauge()
-        return Prefilled(res.next_token, topk, reuse, len(entry.tokens), elapsed, res.logprobs, start - reuse)
+        fetched = min(fetched, max(0, start - reuse))
+        return Prefilled(res.next_token, topk, reuse, len(entry.tokens), elapsed, res.logprobs, start - reuse, fetched)
 
     def _prompt_rows(self, asked: int | None) -> int | None:
         """The prompt rows an open sends the top-k of: at most ``asked`` and this verifier's

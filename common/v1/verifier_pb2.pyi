@@ -20,7 +20,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class VerifierOpen(_message.Message):
-    __slots__ = ("session_id", "tenant", "history", "sampling", "reserve_tokens", "mask", "logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "echo", "generated_tokens", "cache_scope", "prompt_topk", "stop_ids")
+    __slots__ = ("session_id", "tenant", "history", "sampling", "reserve_tokens", "mask", "logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "echo", "generated_tokens", "cache_scope", "prompt_topk", "stop_ids", "prefix_source")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class VerifierOpen(_message.Message):
     CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOPK_FIELD_NUMBER: _ClassVar[int]
     STOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SOURCE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     history: _containers.RepeatedScalarFieldContainer[int]
@@ -58,7 +59,66 @@ class VerifierOpen(_message.Message):
     cache_scope: str
     prompt_topk: int
     stop_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., history: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., reserve_tokens: _Optional[int] = ..., mask: _Optional[bytes] = ..., logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., echo: _Optional[bool] = ..., generated_tokens: _Optional[int] = ..., cache_scope: _Optional[str] = ..., prompt_topk: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    prefix_source: PrefixSource
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., history: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., reserve_tokens: _Optional[int] = ..., mask: _Optional[bytes] = ..., logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., echo: _Optional[bool] = ..., generated_tokens: _Optional[int] = ..., cache_scope: _Optional[str] = ..., prompt_topk: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., prefix_source: _Optional[_Union[PrefixSource, _Mapping]] = ...) -> None: ...
+
+class PrefixSource(_message.Message):
+    __slots__ = ("address", "blocks")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    blocks: int
+    def __init__(self, address: _Optional[str] = ..., blocks: _Optional[int] = ...) -> None: ...
+
+class PrefixBlocksRequest(_message.Message):
+    __slots__ = ("tenant", "cache_scope", "tokens", "first_block", "block_tokens", "fingerprint", "max_bytes")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    cache_scope: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    first_block: int
+    block_tokens: int
+    fingerprint: str
+    max_bytes: int
+    def __init__(self, tenant: _Optional[str] = ..., cache_scope: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., first_block: _Optional[int] = ..., block_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+
+class PrefixBlocksHeader(_message.Message):
+    __slots__ = ("fingerprint", "blocks", "block_bytes")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: str
+    blocks: int
+    block_bytes: int
+    def __init__(self, fingerprint: _Optional[str] = ..., blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class PrefixBlock(_message.Message):
+    __slots__ = ("index", "key", "scope", "rows", "digest")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    key: bytes
+    scope: str
+    rows: bytes
+    digest: bytes
+    def __init__(self, index: _Optional[int] = ..., key: _Optional[bytes] = ..., scope: _Optional[str] = ..., rows: _Optional[bytes] = ..., digest: _Optional[bytes] = ...) -> None: ...
+
+class PrefixBlocksChunk(_message.Message):
+    __slots__ = ("header", "block")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    header: PrefixBlocksHeader
+    block: PrefixBlock
+    def __init__(self, header: _Optional[_Union[PrefixBlocksHeader, _Mapping]] = ..., block: _Optional[_Union[PrefixBlock, _Mapping]] = ...) -> None: ...
 
 class VerifyTree(_message.Message):
     __slots__ = ("tokens", "parents", "masks", "run")
@@ -81,7 +141,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[VerifierOpen, _Mapping]] = ..., tree: _Optional[_Union[VerifyTree, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("next_token", "accepted", "topk", "topk_width", "reused_tokens", "cache_tokens", "elapsed_ms", "cost", "batch_rows", "logprobs", "top_ids", "top_logprobs", "echo_logprobs", "echo_top_ids", "echo_top_logprobs", "prefix_tokens", "more")
+    __slots__ = ("next_token", "accepted", "topk", "topk_width", "reused_tokens", "cache_tokens", "elapsed_ms", "cost", "batch_rows", "logprobs", "top_ids", "top_logprobs", "echo_logprobs", "echo_top_ids", "echo_top_logprobs", "prefix_tokens", "more", "fetched_tokens")
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +159,7 @@ class VerifyResponse(_message.Message):
     ECHO_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     next_token: int
     accepted: _containers.RepeatedScalarFieldContainer[int]
     topk: _containers.RepeatedScalarFieldContainer[int]
@@ -116,7 +177,8 @@ class VerifyResponse(_message.Message):
     echo_top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     prefix_tokens: int
     more: bool
-    def __init__(self, next_token: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., topk: _Optional[_Iterable[int]] = ..., topk_width: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., cache_tokens: _Optional[int] = ..., elapsed_ms: _Optional[float] = ..., cost: _Optional[_Union[_common_pb2.CostCurve, _Mapping]] = ..., batch_rows: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., echo_logprobs: _Optional[_Iterable[float]] = ..., echo_top_ids: _Optional[_Iterable[int]] = ..., echo_top_logprobs: _Optional[_Iterable[float]] = ..., prefix_tokens: _Optional[int] = ..., more: _Optional[bool] = ...) -> None: ...
+    fetched_tokens: int
+    def __init__(self, next_token: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., topk: _Optional[_Iterable[int]] = ..., topk_width: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., cache_tokens: _Optional[int] = ..., elapsed_ms: _Optional[float] = ..., cost: _Optional[_Union[_common_pb2.CostCurve, _Mapping]] = ..., batch_rows: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., echo_logprobs: _Optional[_Iterable[float]] = ..., echo_top_ids: _Optional[_Iterable[int]] = ..., echo_top_logprobs: _Optional[_Iterable[float]] = ..., prefix_tokens: _Optional[int] = ..., more: _Optional[bool] = ..., fetched_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifierDropRequest(_message.Message):
     __slots__ = ("session_id", "tenant")
@@ -175,7 +237,7 @@ class VerifierStatsResponse(_message.Message):
     def __init__(self, sessions: _Optional[_Iterable[_Union[VerifierSessionStats, _Mapping]]] = ..., cache_tokens: _Optional[int] = ..., cost: _Optional[_Union[_common_pb2.CostCurve, _Mapping]] = ..., saturation: _Optional[float] = ..., streaming: _Optional[int] = ..., draining: _Optional[bool] = ..., prefix_blocks: _Optional[_Iterable[int]] = ..., prefix_block_tokens: _Optional[int] = ..., epoch: _Optional[int] = ..., setup: _Optional[_Union[VerifierSetup, _Mapping]] = ...) -> None: ...
 
 class VerifierSetup(_message.Message):
-    __slots__ = ("dtype", "backend", "native_isa_level", "native_quant_isa", "native_vector_bits", "kernel_checks", "kernel_check_seconds")
+    __slots__ = ("dtype", "backend", "native_isa_level", "native_quant_isa", "native_vector_bits", "kernel_checks", "kernel_check_seconds", "prefix_fingerprint")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     NATIVE_ISA_LEVEL_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +245,7 @@ class VerifierSetup(_message.Message):
     NATIVE_VECTOR_BITS_FIELD_NUMBER: _ClassVar[int]
     KERNEL_CHECKS_FIELD_NUMBER: _ClassVar[int]
     KERNEL_CHECK_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     backend: str
     native_isa_level: str
@@ -190,7 +253,8 @@ class VerifierSetup(_message.Message):
     native_vector_bits: int
     kernel_checks: _containers.RepeatedCompositeFieldContainer[KernelCheck]
     kernel_check_seconds: float
-    def __init__(self, dtype: _Optional[str] = ..., backend: _Optional[str] = ..., native_isa_level: _Optional[str] = ..., native_quant_isa: _Optional[str] = ..., native_vector_bits: _Optional[int] = ..., kernel_checks: _Optional[_Iterable[_Union[KernelCheck, _Mapping]]] = ..., kernel_check_seconds: _Optional[float] = ...) -> None: ...
+    prefix_fingerprint: str
+    def __init__(self, dtype: _Optional[str] = ..., backend: _Optional[str] = ..., native_isa_level: _Optional[str] = ..., native_quant_isa: _Optional[str] = ..., native_vector_bits: _Optional[int] = ..., kernel_checks: _Optional[_Iterable[_Union[KernelCheck, _Mapping]]] = ..., kernel_check_seconds: _Optional[float] = ..., prefix_fingerprint: _Optional[str] = ...) -> None: ...
 
 class KernelCheck(_message.Message):
     __slots__ = ("kernel", "ok", "detail")

@@ -50,6 +50,11 @@ class VerifierStub:
                 request_serializer=racer_dot_v1_dot_verifier__pb2.VerifierStatsRequest.SerializeToString,
                 response_deserializer=racer_dot_v1_dot_verifier__pb2.VerifierStatsResponse.FromString,
                 _registered_method=True)
+        self.PrefixBlocks = channel.unary_stream(
+                '/racer.v1.Verifier/PrefixBlocks',
+                request_serializer=racer_dot_v1_dot_verifier__pb2.PrefixBlocksRequest.SerializeToString,
+                response_deserializer=racer_dot_v1_dot_verifier__pb2.PrefixBlocksChunk.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -76,6 +81,16 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrefixBlocks(self, request, context):
+        """Another verifier's request for the KV rows of a prompt's cached leading blocks (its prefix cache
+        lacks them): a header, then the blocks in order, each checked by the asker before use. Served
+        only for blocks of the scope the request names and only to a verifier that computes exactly as
+        this one does (the fingerprint); FAILED_PRECONDITION otherwise.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +108,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=racer_dot_v1_dot_verifier__pb2.VerifierStatsRequest.FromString,
                     response_serializer=racer_dot_v1_dot_verifier__pb2.VerifierStatsResponse.SerializeToString,
+            ),
+            'PrefixBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.PrefixBlocks,
+                    request_deserializer=racer_dot_v1_dot_verifier__pb2.PrefixBlocksRequest.FromString,
+                    response_serializer=racer_dot_v1_dot_verifier__pb2.PrefixBlocksChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +197,33 @@ class Verifier:
             '/racer.v1.Verifier/Stats',
             racer_dot_v1_dot_verifier__pb2.VerifierStatsRequest.SerializeToString,
             racer_dot_v1_dot_verifier__pb2.VerifierStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefixBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/racer.v1.Verifier/PrefixBlocks',
+            racer_dot_v1_dot_verifier__pb2.PrefixBlocksRequest.SerializeToString,
+            racer_dot_v1_dot_verifier__pb2.PrefixBlocksChunk.FromString,
             options,
             channel_credentials,
             insecure,
