@@ -15,13 +15,18 @@ from array import array
 def chain_keys(scope: str, tokens: list[int], block: int, n_blocks: int | None = None) -> list[bytes]:
     """The 16-byte keys of ``tokens``' first full blocks (all of them, or at most ``n_blocks``), in order."""
     n = len(tokens) // block if n_blocks is None else min(n_blocks, len(tokens) // block)
-    keys, prev = [], b"scope\x00" + scope.encode()
+    keys, prev = [], None
     for i in range(n):
-        h = hashlib.blake2b(prev, digest_size=16)
-        h.update(array("i", tokens[i * block : (i + 1) * block]).tobytes())
-        prev = h.digest()
+        prev = child_key(scope, prev, tokens[i * block : (i + 1) * block])
         keys.append(prev)
     return keys
+
+
+def child_key(scope: str, parent: bytes | None, tokens) -> bytes:
+    """The key of the block of ``tokens`` after the block keyed ``parent`` (None: a chain's first block)."""
+    h = hashlib.blake2b(b"scope\x00" + scope.encode() if parent is None else parent, digest_size=16)
+    h.update(array("i", list(tokens)).tobytes())
+    return h.digest()
 
 
 def key_id(key: bytes) -> int:

@@ -455,6 +455,14 @@ SERVICE = {
             int,
         ),
         Setting(
+            "--prefix-warm-share",
+            "RACER_PREFIX_WARM_SHARE",
+            0.25,
+            "share of KV memory a verifier that joins may fill with the hottest prefix blocks of a verifier "
+            "the gateway names (Warm); 0: it is not warmed",
+            float,
+        ),
+        Setting(
             "--stall-seconds",
             "RACER_STALL_SECONDS",
             60.0,

@@ -24,6 +24,7 @@ from common.v1 import drafter_pb2_grpc as dgrpc
 from common.v1 import verifier_pb2 as vpb
 from common.v1 import verifier_pb2_grpc as vgrpc
 
+from . import metrics as M
 from .routing import Endpoints
 
 log = logging.getLogger("racer.gateway")
@@ -287,7 +288,7 @@ class VerifierLink(_Link):
         cache_scope: str = "",
         prompt_topk: int | None = None,
         stop_ids: Sequence[int] = (),
-        prefix_source: tuple[str, int] | None = None,
+        prefix_source: tuple[str, int, str] | None = None,
     ) -> Opened:
         """Prefills ``history`` (what the verifier's cache lacks of it); ``sampling``: a SamplingParams;
         ``reserve_tokens``: new tokens the turn may add (the verifier reserves KV memory for them);
@@ -295,7 +296,8 @@ class VerifierLink(_Link):
         ``cache_scope``: the tenant's sharing group for the prefix cache ("": its own);
         ``prompt_topk``: at most this many prompt rows' top-k (None: the verifier's setting);
         ``stop_ids``: the tokens that end a run (``verify(run=...)``); ``prefix_source``: (address,
-        blocks) of another verifier holding the history's leading blocks, which this one may fetch."""
+        blocks, session id) of another verifier holding the history's leading blocks, which this one
+        may fetch (with a session id: a hand-over, that verifier drains and holds the session's rows)."""
         s = vpb.Sampling(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
         if sampling.seed is not None:
             s.seed = sampling.seed
@@ -317,7 +319,8 @@ class VerifierLink(_Link):
             stop_ids=stop_ids,
         )
         if prefix_source is not None:
-            op.prefix_source.CopyFrom(vpb.PrefixSource(address=prefix_source[0], blocks=prefix_source[1]))
+            address, blocks, handover = prefix_source
+            op.prefix_source.CopyFrom(vpb.PrefixSource(address=address, blocks=blocks, session_id=handover))
         resp = await self.ask(vpb.VerifyRequest(open=op))
         cost = (tuple(resp.cost.sizes), tuple(resp.cost.ms)) if resp.cost.sizes else None
         return Opened(
@@ -369,6 +372,7 @@ class Load:
     prefix_blocks: frozenset[int] = frozenset()  # its prefix cache's blocks (``common.prefix.key_id``)
     block_tokens: int = 0  # tokens per prefix-cache block (0: no prefix cache)
     epoch: int = 0  # changes when it restarts (with a cold cache)
+    fingerprint: str = ""  # what its rows depend on: blocks move only between equal ones
 
     def rank(self) -> tuple[float, int]:
         """Lower is better: saturation in steps of 0.1, then streams (those placed since included)."""
@@ -403,6 +407,9 @@ class Backends:
         self.loads: dict[str, Load] = {}  # endpoint -> its last report (every gateway's sessions counted)
         self._loads_at = float("-inf")
         self._polling: asyncio.Task | None = None
+        self.warm_seconds = 120.0  # a warm-up's bound, as the gateway waits for it (the verifier's is its own)
+        self._warming: set[asyncio.Task] = set()
+        self._polled = False  # verifiers answering the first poll are the fleet as found, not joining
 
     def opened(self, verifier: str) -> None:
         """A turn's stream to ``verifier`` is open: new sessions prefer the verifiers with fewer."""
@@ -433,6 +440,7 @@ class Backends:
 
         results = await asyncio.gather(*(ask(ep) for ep in endpoints), return_exceptions=True)
         self._loads_at = time.monotonic()
+        joined: list[str] = []  # verifiers first heard from (or restarted): warmed if cold
         for ep, res in zip(endpoints, results):
             if isinstance(res, Exception):
                 load = self.loads.setdefault(ep, Load())
@@ -449,10 +457,51 @@ class Backends:
                 prefix_blocks=frozenset(res.prefix_blocks),
                 block_tokens=res.prefix_block_tokens,
                 epoch=res.epoch,
+                fingerprint=res.setup.prefix_fingerprint,
             )
+            if self._polled and (old is None or old.epoch != res.epoch):
+                joined.append(ep)
         for ep in list(self.loads):
             if ep not in endpoints:
                 del self.loads[ep]
+        self._polled = True
+        for ep in joined:
+            self._warm(ep)
+
+    def _warm(self, ep: str) -> None:
+        """``ep`` joined since this gateway's first poll (or restarted) with an empty prefix cache: it is asked to warm
+        from the verifier that reports the most blocks (of its fingerprint, not silent), in the
+        background. Several gateways may ask; the verifier warms once."""
+        load = self.loads[ep]
+        if load.prefix_blocks or not load.block_tokens or not load.fingerprint or load.draining:
+            return
+        holders = [
+            (len(h.prefix_blocks), e)
+            for e, h in self.loads.items()
+            if e != ep and not h.silent and h.prefix_blocks and h.fingerprint == load.fingerprint
+        ]
+        if not holders:
+            return
+        source = max(holders)[1]
+        task = asyncio.ensure_future(self._ask_warm(ep, source))
+        self._warming.add(task)
+        task.add_done_callback(self._warming.discard)
+
+    async def _ask_warm(self, ep: str, source: str) -> None:
+        stub = vgrpc.VerifierStub(self.verifiers.channel(ep))
+        try:
+            res = await stub.Warm(
+                vpb.VerifierWarmRequest(source=source), timeout=self.warm_seconds, metadata=self.verifiers.metadata
+            )
+        except grpc.aio.AioRpcError as e:
+            M.VERIFIER_WARMS.labels("failed").inc()
+            log.warning("verifier warm-up failed", extra={"endpoint": ep, "source": source, "error": str(e.code())})
+            return
+        M.VERIFIER_WARMS.labels("warmed" if res.blocks else "refused").inc()
+        log.info(
+            "verifier warmed",
+            extra={"endpoint": ep, "source": source, "blocks": res.blocks, "bytes": res.bytes, "refused": res.refused},
+        )
 
     def drafter(self, endpoint: str) -> DrafterLink:
         call = dgrpc.DrafterStub(self.drafters.channel(endpoint)).Session(metadata=self.drafters.metadata)

@@ -52,6 +52,12 @@ SESSIONS_MOVED = Counter(
     "lost (its stream broke), full, unreachable (at open), gone (no longer among the endpoints)",
     ["kind", "reason"],
 )
+VERIFIER_WARMS = Counter(
+    "racer_verifier_warms",
+    "Verifiers that joined, asked to warm their prefix cache from the verifier holding the most blocks, by "
+    "outcome: warmed (blocks taken), refused (none: off, or a check or the holder failed), failed (no answer)",
+    ["outcome"],
+)
 PLACEMENTS = Counter(
     "racer_verifier_placements",
     "New sessions (and moved ones) placed on a verifier, by what decided: prefix (it holds a prefix of the "

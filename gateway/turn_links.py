@@ -176,6 +176,8 @@ class TurnLinks:
         sticky = self.record.verifier
         if sticky in live and not backends.loads.get(sticky, Load()).draining:
             return [sticky]
+        if sticky and backends.loads.get(sticky, Load()).draining:
+            self.leaving["verifier"] = "drain"  # its Stats say it drains: the session moves, handed over
         loads = await backends.refresh_loads(backends.verifiers.live())
         scope = self.cache_scope or self.record.tenant
         tokens, keys = self.rounds.committed, {}
@@ -257,11 +259,18 @@ class TurnLinks:
             self.prefill_ms += opened.elapsed_ms
             return opened
 
-    def _prefix_source(self, ep: str) -> tuple[str, int] | None:
-        """The verifier to name as the holder of the prompt's blocks to ``ep``: the best holder at the
-        last placement, unless that is ``ep`` itself (or none holds any)."""
+    def _prefix_source(self, ep: str) -> tuple[str, int, str] | None:
+        """The verifier to name as the holder of the prompt's blocks to ``ep``: a session leaving a
+        draining verifier names that one, with its id (a hand-over: it holds the session's whole
+        history); else the best holder at the last placement, unless that is ``ep`` itself (or none
+        holds any)."""
+        rec = self.record
+        if self.leaving["verifier"] == "drain" and rec.verifier and rec.verifier != ep:
+            tokens = len(self.rounds.committed)
+            block = (self.gw.backends.loads.get(rec.verifier) or Load()).block_tokens
+            return rec.verifier, tokens // block if block else tokens, rec.session_id
         holder = self.prefix_holder
-        return holder if holder is not None and holder[0] != ep else None
+        return (*holder, "") if holder is not None and holder[0] != ep else None
 
     def _moved_verifier(self, ep: str, opened: Opened) -> None:
         """The session left its record's verifier for ``ep``: counted, with the tokens prefilled again, and logged."""

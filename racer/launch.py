@@ -73,13 +73,15 @@ async def _start_backend(
     core,
     streaming: Callable[[], int],
     after_drain: Callable[[], Awaitable[None]] | None = None,
+    after_streams: Callable[[float], Awaitable[int]] | None = None,
     closed: Callable[[], Awaitable[None]] | None = None,
     background: tuple[Callable[[Server], Awaitable[None]], ...] = (),
     server_kw: dict | None = None,
 ) -> Server:
     """A drafter's or verifier's server: ``svc`` registered by ``register``, the sessions' janitor and
     ``background`` tasks running beside it. On SIGTERM the tasks stop, ``svc`` refuses new work and
-    the drain waits (at most its grace) until ``streaming()`` is 0, then runs ``after_drain``."""
+    the drain waits (at most its grace) until ``streaming()`` is 0, then ``after_streams`` (given the
+    grace left: a verifier serves its moving sessions' hand-overs), then runs ``after_drain``."""
     tasks: list[asyncio.Future] = []
 
     async def drain(grace: float):
@@ -89,6 +91,11 @@ async def _start_backend(
         t0 = time.monotonic()
         left = await _streams_ended(streaming, grace)
         log.info("drained", extra={"service": kind, "seconds": round(time.monotonic() - t0, 3), "streams_left": left})
+        if after_streams is not None:
+            awaited = await after_streams(max(0.0, grace - (time.monotonic() - t0)))
+            log.info(
+                "handed over", extra={"service": kind, "seconds": round(time.monotonic() - t0, 3), "not_asked": awaited}
+            )
         if after_drain is not None:
             await after_drain()
 
@@ -227,6 +234,7 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
         prefix_fetch=args.prefix_fetch,
         prefix_fetch_seconds=args.prefix_fetch_seconds,
         prefix_fetch_bytes=args.prefix_fetch_bytes,
+        prefix_warm_share=args.prefix_warm_share,
     )
     # Other verifiers' prefix blocks: asked with the internal token the gateways send (every verifier
     # accepts it), over plaintext (a verifier that requires TLS of its callers is not fetched from).
@@ -252,6 +260,7 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
         verifier_pb2_grpc.add_VerifierServicer_to_server,
         core,
         core.streaming,
+        after_streams=core.handed_over,  # the moving sessions' rows: served until asked for (bounded)
         closed=closed,
         background=(lambda srv: watch_model_thread(core, srv), lambda srv: trim_heap_when_idle(core)),
         server_kw=server_kw,

@@ -80,6 +80,29 @@ PREFIX_SERVE_REFUSED = Counter(
     "Requests of other verifiers for prefix blocks refused, by reason: fingerprint, budget",
     ["reason"],
 )
+# The same transfers, by use: a moving session's rows off a draining verifier, a joining verifier's warm-up.
+PREFIX_HANDOVER_ROWS = Counter(
+    "racer_verifier_prefix_handover_rows",
+    "KV rows of sessions moving off a draining verifier, by side: sent (the draining one), received (the new one)",
+    ["side"],
+)
+PREFIX_HANDOVER_BYTES = Counter(
+    "racer_verifier_prefix_handover_bytes", "Bytes of KV rows of sessions moving off a draining verifier", ["side"]
+)
+PREFIX_WARMED_ROWS = Counter(
+    "racer_verifier_prefix_warmed_rows", "KV rows a joining verifier took into its prefix cache from a holder"
+)
+PREFIX_WARMED_BYTES = Counter("racer_verifier_prefix_warmed_bytes", "Bytes of KV rows a joining verifier warmed with")
+PREFIX_TRANSFER_REFUSED = Counter(
+    "racer_verifier_prefix_transfer_refused",
+    "Hand-overs and warm-ups not used (the open prefilled; the cache stayed cold), by use (handover, warm) "
+    "and reason (those of racer_verifier_prefix_fetch_refused_total)",
+    ["use", "reason"],
+)
+PREFIX_HANDOVER_WAIT_SECONDS = Gauge(
+    "racer_verifier_prefix_handover_wait_seconds",
+    "How long the last drain kept serving hand-overs after its streams had ended",
+)
 PREFIX_FETCH_SECONDS = Histogram(
     "racer_verifier_prefix_fetch_seconds", "A transfer of prefix blocks, used or not", buckets=REQUEST_SECONDS_BUCKETS
 )

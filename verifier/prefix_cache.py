@@ -151,6 +151,16 @@ class PrefixCache:
         self._touch(out)
         return out
 
+    def put(self, key: bytes, parent: bytes | None, tokens, scope: str, rows) -> Block:
+        """A ready block from elsewhere (a warm-up: its key checked by the caller), unpinned."""
+        b = Block(key, parent, tuple(tokens), rows, scope)
+        self.blocks[key] = b
+        return b
+
+    def touch(self, chain: list[Block]) -> None:
+        """Marks ``chain`` (parents before children) used now, parents the more recent."""
+        self._touch(chain)
+
     def fill(self, blocks: list[Block], rows: list[object]) -> None:
         for b, r in zip(blocks, rows):
             b.rows = r

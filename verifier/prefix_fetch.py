@@ -17,6 +17,14 @@ counts as favourable to the fetch: the first fetch measures the link, bounded li
 a deadline (``--prefix-fetch-seconds``, and the client's own) and a byte budget
 (``--prefix-fetch-bytes``, and the free KV memory the received blocks will hold).
 
+Other uses of the same transfer. A session moving off a draining verifier (a hand-over:
+``Ask.session``) is named to its next verifier with the draining one as the source; that one sends
+the blocks its prefix cache holds, then the session's own committed rows read from its KV cache, as
+blocks of the same chain keys, so the receiver checks them exactly as prefix blocks. A verifier
+that joins is warmed (``Ask.hottest``): the holder sends its most recently used chains, any scope,
+each block with its tokens and its parent's key; the receiver recomputes each key from them
+(``common.prefix.child_key``), which takes the place of its own prompt's keys.
+
 What is checked. Every check that fails discards the whole transfer, and the open prefills:
 
 * scope: the holder serves only blocks cached under the scope the request names (set from the
@@ -49,6 +57,9 @@ from pathlib import Path
 import torch
 
 REASONS = ("scope", "fingerprint", "hash", "deadline", "budget", "source")
+# What a transfer is for: a new session's prefix (fetch), a moving session's rows off a draining
+# verifier (handover), or a joining verifier's prefix cache (warm).
+USES = ("fetch", "handover", "warm")
 FAULTS = ("ignore-scope", "corrupt", "stop-mid-transfer")
 DIGEST = 32
 
@@ -82,6 +93,8 @@ class Ask:
     block: int
     fingerprint: str
     max_bytes: int
+    session: str = ""  # a hand-over: this session's own rows past the prefix cache's blocks
+    hottest: bool = False  # a warm-up: the holder's most recently used chains, no tokens asked
 
 
 @dataclass(frozen=True)
@@ -98,6 +111,8 @@ class WireBlock:
     scope: str
     rows: bytes
     digest: bytes
+    tokens: tuple[int, ...] = ()  # a warm-up's: the block's tokens
+    parent: bytes = b""  # a warm-up's: the parent's key (b"": a chain's first block)
 
 
 def seed(fingerprint: str, scope: str) -> bytes:

@@ -52,6 +52,8 @@ class VerifierService(pb_grpc.VerifierServicer):
             block=request.block_tokens,
             fingerprint=request.fingerprint,
             max_bytes=request.max_bytes,
+            session=request.session_id,
+            hottest=request.hottest,
         )
         async with contextlib.aclosing(self.verifier.serve_prefix(ask)) as items:
             async for item in items:
@@ -62,9 +64,25 @@ class VerifierService(pb_grpc.VerifierServicer):
                     yield pb.PrefixBlocksChunk(header=header)
                 else:
                     block = pb.PrefixBlock(
-                        index=item.index, key=item.key, scope=item.scope, rows=item.rows, digest=item.digest
+                        index=item.index,
+                        key=item.key,
+                        scope=item.scope,
+                        rows=item.rows,
+                        digest=item.digest,
+                        tokens=item.tokens,
+                        parent=item.parent,
                     )
                     yield pb.PrefixBlocksChunk(block=block)
+
+    async def Warm(self, request, context):
+        """A gateway's request to this verifier, which just joined: fill the prefix cache from the
+        verifier at ``source`` (its hottest blocks)."""
+        if not request.source:
+            raise Abort(Status.INVALID_ARGUMENT, "warm: source required", field="source")
+        if self.draining:
+            raise Abort(Status.FAILED_PRECONDITION, "warm: this verifier drains")
+        blocks, nbytes, refused = await self.verifier.warm(request.source)
+        return pb.VerifierWarmResponse(blocks=blocks, bytes=nbytes, refused=refused)
 
     async def Stats(self, request, context):
         return pb.VerifierStatsResponse(
@@ -124,6 +142,8 @@ class PeerFetcher:
             block_tokens=ask.block,
             fingerprint=ask.fingerprint,
             max_bytes=ask.max_bytes,
+            session_id=ask.session,
+            hottest=ask.hottest,
         )
         call = pb_grpc.VerifierStub(self.channel(address)).PrefixBlocks(
             req, timeout=max(seconds, 0.001), metadata=self.metadata
@@ -135,7 +155,7 @@ class PeerFetcher:
                     yield Header(h.fingerprint, h.blocks, h.block_bytes)
                 else:
                     b = chunk.block
-                    yield WireBlock(b.index, b.key, b.scope, b.rows, b.digest)
+                    yield WireBlock(b.index, b.key, b.scope, b.rows, b.digest, tuple(b.tokens), b.parent)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION and "fingerprint" in (e.details() or ""):
                 raise Refused("fingerprint", e.details()) from None
@@ -206,7 +226,8 @@ class _VerifyStream(SessionStream[Entry]):
                         f"open.prefix_source.blocks: {op.prefix_source.blocks}, at least 0",
                         field="prefix_source",
                     )
-                source = (op.prefix_source.address, op.prefix_source.blocks)
+                ps = op.prefix_source
+                source = (ps.address, ps.blocks, ps.session_id)
             res = await v.open(self.entry, history, self.context.time_remaining(), op.reserve_tokens, top, source)
             span.set_attributes({"racer.history_tokens": len(history), "racer.reused_tokens": res.reused_tokens})
         echo = {}
@@ -273,6 +294,9 @@ class _VerifyStream(SessionStream[Entry]):
 
     def release(self, entry: Entry) -> None:
         self.verifier.release(entry)
+
+    async def before_refusal(self) -> None:
+        self.verifier.leaving(self.entry)  # it moves: its next verifier may ask for its rows
 
     def draining(self) -> bool:
         return self.servicer.draining

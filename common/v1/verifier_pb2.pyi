@@ -63,15 +63,17 @@ class VerifierOpen(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., history: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., reserve_tokens: _Optional[int] = ..., mask: _Optional[bytes] = ..., logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., echo: _Optional[bool] = ..., generated_tokens: _Optional[int] = ..., cache_scope: _Optional[str] = ..., prompt_topk: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., prefix_source: _Optional[_Union[PrefixSource, _Mapping]] = ...) -> None: ...
 
 class PrefixSource(_message.Message):
-    __slots__ = ("address", "blocks")
+    __slots__ = ("address", "blocks", "session_id")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     address: str
     blocks: int
-    def __init__(self, address: _Optional[str] = ..., blocks: _Optional[int] = ...) -> None: ...
+    session_id: str
+    def __init__(self, address: _Optional[str] = ..., blocks: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class PrefixBlocksRequest(_message.Message):
-    __slots__ = ("tenant", "cache_scope", "tokens", "first_block", "block_tokens", "fingerprint", "max_bytes")
+    __slots__ = ("tenant", "cache_scope", "tokens", "first_block", "block_tokens", "fingerprint", "max_bytes", "session_id", "hottest")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +81,8 @@ class PrefixBlocksRequest(_message.Message):
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    HOTTEST_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     cache_scope: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -86,7 +90,25 @@ class PrefixBlocksRequest(_message.Message):
     block_tokens: int
     fingerprint: str
     max_bytes: int
-    def __init__(self, tenant: _Optional[str] = ..., cache_scope: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., first_block: _Optional[int] = ..., block_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+    session_id: str
+    hottest: bool
+    def __init__(self, tenant: _Optional[str] = ..., cache_scope: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., first_block: _Optional[int] = ..., block_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_bytes: _Optional[int] = ..., session_id: _Optional[str] = ..., hottest: _Optional[bool] = ...) -> None: ...
+
+class VerifierWarmRequest(_message.Message):
+    __slots__ = ("source",)
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    def __init__(self, source: _Optional[str] = ...) -> None: ...
+
+class VerifierWarmResponse(_message.Message):
+    __slots__ = ("blocks", "bytes", "refused")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    bytes: int
+    refused: str
+    def __init__(self, blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., refused: _Optional[str] = ...) -> None: ...
 
 class PrefixBlocksHeader(_message.Message):
     __slots__ = ("fingerprint", "blocks", "block_bytes")
@@ -99,18 +121,22 @@ class PrefixBlocksHeader(_message.Message):
     def __init__(self, fingerprint: _Optional[str] = ..., blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class PrefixBlock(_message.Message):
-    __slots__ = ("index", "key", "scope", "rows", "digest")
+    __slots__ = ("index", "key", "scope", "rows", "digest", "tokens", "parent")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
     index: int
     key: bytes
     scope: str
     rows: bytes
     digest: bytes
-    def __init__(self, index: _Optional[int] = ..., key: _Optional[bytes] = ..., scope: _Optional[str] = ..., rows: _Optional[bytes] = ..., digest: _Optional[bytes] = ...) -> None: ...
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    parent: bytes
+    def __init__(self, index: _Optional[int] = ..., key: _Optional[bytes] = ..., scope: _Optional[str] = ..., rows: _Optional[bytes] = ..., digest: _Optional[bytes] = ..., tokens: _Optional[_Iterable[int]] = ..., parent: _Optional[bytes] = ...) -> None: ...
 
 class PrefixBlocksChunk(_message.Message):
     __slots__ = ("header", "block")

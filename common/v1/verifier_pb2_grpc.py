@@ -55,6 +55,11 @@ class VerifierStub:
                 request_serializer=racer_dot_v1_dot_verifier__pb2.PrefixBlocksRequest.SerializeToString,
                 response_deserializer=racer_dot_v1_dot_verifier__pb2.PrefixBlocksChunk.FromString,
                 _registered_method=True)
+        self.Warm = channel.unary_unary(
+                '/racer.v1.Verifier/Warm',
+                request_serializer=racer_dot_v1_dot_verifier__pb2.VerifierWarmRequest.SerializeToString,
+                response_deserializer=racer_dot_v1_dot_verifier__pb2.VerifierWarmResponse.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -91,6 +96,14 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Warm(self, request, context):
+        """A gateway's request to a verifier that just joined: fetch the hottest prefix blocks of the
+        verifier named (PrefixBlocks with hottest set), as far as --prefix-warm-share of KV memory allows.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +126,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.PrefixBlocks,
                     request_deserializer=racer_dot_v1_dot_verifier__pb2.PrefixBlocksRequest.FromString,
                     response_serializer=racer_dot_v1_dot_verifier__pb2.PrefixBlocksChunk.SerializeToString,
+            ),
+            'Warm': grpc.unary_unary_rpc_method_handler(
+                    servicer.Warm,
+                    request_deserializer=racer_dot_v1_dot_verifier__pb2.VerifierWarmRequest.FromString,
+                    response_serializer=racer_dot_v1_dot_verifier__pb2.VerifierWarmResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +242,33 @@ class Verifier:
             '/racer.v1.Verifier/PrefixBlocks',
             racer_dot_v1_dot_verifier__pb2.PrefixBlocksRequest.SerializeToString,
             racer_dot_v1_dot_verifier__pb2.PrefixBlocksChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Warm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/racer.v1.Verifier/Warm',
+            racer_dot_v1_dot_verifier__pb2.VerifierWarmRequest.SerializeToString,
+            racer_dot_v1_dot_verifier__pb2.VerifierWarmResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -123,13 +123,14 @@ def test_a_session_placed_off_its_prefix_fetches_the_blocks_and_prefills_the_res
 # -- straight to the verifiers, as a gateway would call them ------------------------------------------
 
 
-def _turn(target: str, tenant: str, session_id: str, history: list[int], source: tuple[str, int] | None, n: int):
-    """A turn at the verifier's API: open (naming ``source`` as the blocks' holder), then ``n - 1``
-    one-token rounds. (the tokens, the open's answer)."""
+def _turn(target: str, tenant: str, session_id: str, history: list[int], source: tuple | None, n: int):
+    """A turn at the verifier's API: open (naming ``source``, (address, blocks[, session id: a
+    hand-over]), as the blocks' holder), then ``n - 1`` one-token rounds. (the tokens, the open's answer)."""
     q: queue.Queue = queue.Queue()
     op = vpb.VerifierOpen(session_id=session_id, tenant=tenant, history=history, reserve_tokens=n)
     if source is not None:
-        op.prefix_source.CopyFrom(vpb.PrefixSource(address=source[0], blocks=source[1]))
+        address, blocks, handover = (*source, "")[:3]
+        op.prefix_source.CopyFrom(vpb.PrefixSource(address=address, blocks=blocks, session_id=handover))
     q.put(vpb.VerifyRequest(open=op))
     with backend_channel(target) as ch:
         call = vgrpc.VerifierStub(ch).Session(iter(q.get, None), timeout=120)

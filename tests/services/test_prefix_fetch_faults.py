@@ -80,6 +80,36 @@ def test_a_source_killed_mid_transfer_costs_a_prefill_and_the_turn_answers_ident
     holder.start().wait_healthy()
 
 
+def test_a_source_killed_mid_hand_over_costs_a_prefill_and_the_turn_answers_identical(procs, tiny_llama):
+    """A hand-over (the session's own rows, past the prefix cache's blocks): its source dies after the
+    first block; the receiver prefills the whole history and answers as without a move."""
+    holder, receiver, _ = procs
+    first = prompt(420, 4 * BLOCK) + prompt(8, 7)
+    out, _ = _turn(holder.target, "heidi", "moving", first, None, 2 * BLOCK)  # rows past the cached blocks
+    history = first + out + prompt(9, 5)
+    refused = receiver.metric("racer_verifier_prefix_transfer_refused_total", use="handover", reason="source")
+    result = {}
+
+    def turn():
+        source = (holder.target, len(history) // BLOCK, "moving")
+        result["out"] = _turn(receiver.target, "heidi", "moving", history, source, N)
+
+    t = threading.Thread(target=turn)
+    t.start()
+    wait_until(holder.stopped, timeout=120, what="the holder stopped mid-hand-over")
+    holder.kill()
+    t.join(300)
+    assert not t.is_alive()
+    got, opened = result["out"]
+    assert got == hf_greedy(tiny_llama, history, N)
+    assert opened.prefix_tokens == 0 and opened.fetched_tokens == 0
+    assert (
+        receiver.metric("racer_verifier_prefix_transfer_refused_total", use="handover", reason="source") == refused + 1
+    )
+    assert receiver.metric("racer_verifier_prefix_handover_rows_total", side="received") == 0
+    holder.start().wait_healthy()
+
+
 def test_a_source_stopped_mid_transfer_costs_a_prefill_after_the_deadline(procs, tiny_llama):
     holder, _, receiver = procs
     history = prompt(410, 4 * BLOCK) + prompt(7, 7)
