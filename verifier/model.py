@@ -73,6 +73,8 @@ def resolve_model_dir(model: str = DEFAULT_MODEL) -> Path:
     gguf = gguf_source(model)
     if gguf is None:
         path = Path(model)
+        if not path.exists():
+            raise FileNotFoundError(f"{model}: no such model file or directory")
         if not (path / "config.json").exists():
             raise FileNotFoundError(
                 f"{model} is not a Hugging Face model directory (no config.json), a GGUF file or a directory with one"

@@ -128,7 +128,7 @@ def test_a_service_that_cannot_start_ends_with_one_line_saying_why(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     last = proc.stderr.splitlines()[-1]
-    assert last == f"racer serve verifier: {missing} is not a Hugging Face model directory (no config.json)"
+    assert last == f"racer serve verifier: {missing}: no such model file or directory"
 
 
 def test_a_stack_whose_verifier_cannot_start_says_which_and_why_in_one_line(sliding_window_model):
