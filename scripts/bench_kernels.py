@@ -15,6 +15,15 @@ measured) or a forced ``RACER_KERNELS`` spec (``linear``, ``wxt``, ``onednn``, `
 weights where the loader put them (``verifier/arena.py``; for ``--dtype gguf``, the GGUF blocks as
 the file stores their rows instead of in groups of 8); both may follow one plan. ``--dtype
 gguf,bfloat16,float32`` runs every plan in each dtype, interleaved the same way.
+
+``--blocks`` times the block kernel (``native_quant.c``) alone instead, on random weights of the
+given formats and shapes (``out x in``), each as the file stores its rows or packed in groups of 8,
+at each of ``--sizes`` rows and each of ``--threads`` (a list here), all interleaved, microseconds a
+call: the median and the best of ``--reps`` batches of ``--calls`` calls (on a shared machine the
+best is the least disturbed):
+
+    PYTHONPATH=. python scripts/bench_kernels.py --blocks Q5_0/packed,Q4_1/packed,Q5_0/rows \
+        --weights 576x1536,1536x576 --sizes 1,4,16 --threads 1,2 --reps 15
 """
 
 from __future__ import annotations
@@ -55,17 +64,75 @@ def shape_table(plan) -> None:
     print(flush=True)
 
 
+def block_table(args) -> None:
+    """``--blocks``: the block kernel's median and best per format and layout, weight, rows, threads."""
+    from verifier import native, native_check
+
+    lib = native.library()
+    if lib is None:
+        raise SystemExit(f"no native library: {native.why()}")
+    specs = [(f, layout or "packed") for f, _, layout in (s.partition("/") for s in args.blocks.split(","))]
+    shapes = [tuple(int(v) for v in w.split("x")) for w in args.weights.split(",")]
+    sizes = [int(s) for s in args.sizes.split(",")]
+    counts = [int(t) for t in str(args.threads).split(",")]
+    gen = torch.Generator().manual_seed(0)
+    weights = {}
+    for n, k in shapes:
+        for fmt, layout in specs:
+            kind = native_check.FORMATS[fmt][0]
+            data = native_check._blocks(fmt, n, k, gen)
+            if layout == "packed":
+                packed = native.quant_pack(kind, data, n, k)
+                if packed is None:
+                    raise SystemExit(f"{fmt} is not packed here")
+                kind, data = packed
+            weights[(n, k, fmt, layout)] = (kind, data)
+    xs = {(k, m): torch.randn((m, k), generator=gen) for _, k in shapes for m in sizes}
+    keys = [(t, w, m) for t in counts for w in weights for m in sizes]
+    times = {key: [] for key in keys}
+    for rep in range(args.reps + 1):  # the first pass warms up and is not counted
+        random.Random(rep).shuffle(keys)
+        for t, (n, k, fmt, layout), m in keys:
+            torch.set_num_threads(t)
+            kind, data = weights[(n, k, fmt, layout)]
+            x = xs[(k, m)]
+            lib.racer_pool_hold(1)  # as a forward holds the pool over its calls
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                native.quant_linear(x, kind, data, n, k)
+            elapsed = time.perf_counter() - t0
+            lib.racer_pool_hold(0)
+            if rep:
+                times[(t, (n, k, fmt, layout), m)].append(elapsed / args.calls * 1e6)
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    print(f"\n{cpu}, block kernel {native.quant_isa()}, {args.reps} x {args.calls} calls: median / best (us a call)")
+    head = " | ".join(f"{t} thr, {m} rows" for t in counts for m in sizes)
+    print(f"| weight | format | {head} |")
+    print("|---|---|" + "---|" * (len(counts) * len(sizes)))
+    for n, k, fmt, layout in weights:
+        cells = [times[(t, (n, k, fmt, layout), m)] for t in counts for m in sizes]
+        cells = [f"{statistics.median(c):.1f} / {min(c):.1f}" for c in cells]
+        print(f"| {n}x{k} | {fmt} {layout} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--dtype", default="float32", help="comma-separated: each dtype x plan is one curve")
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--threads", default=str(torch.get_num_threads()), help="a list with --blocks")
     ap.add_argument("--plans", default="tune,linear")
     ap.add_argument("--sizes", default="1,2,4,8,16,32,64")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--shapes", action="store_true", help="also print each plan's per-shape tuner timings")
+    ap.add_argument("--blocks", default="", help="FORMAT/packed or FORMAT/rows, comma-separated: the kernel alone")
+    ap.add_argument("--weights", default="576x1536,1536x576", help="--blocks: weight shapes, out x in")
+    ap.add_argument("--calls", type=int, default=20, help="--blocks: calls per timed batch")
     args = ap.parse_args()
+    if args.blocks:
+        block_table(args)
+        return
+    args.threads = int(args.threads)
     torch.set_num_threads(args.threads)
     sizes = [int(s) for s in args.sizes.split(",")]
     dtypes = args.dtype.split(",")

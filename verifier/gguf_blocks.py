@@ -1,9 +1,10 @@
 """A GGUF file's projection weights kept as the file stores them: block-quantized, read in place.
 
 ``--dtype gguf`` loads the model as float32 (norms, embedding, and every weight a kernel here does
-not take: the file's values, dequantized) and hands each Llama projection and the output layer the
-file's own blocks (``Blocks``): Q4_0, Q4_1, Q8_0, Q4_K and Q6_K, where the native block kernel is
-built (``native_quant.c``). The native decoder and the output layer then read those blocks; a
+not take: the file's values, dequantized) and hands each projection of a model the llama backend
+serves (Llama, Mistral, Qwen2/3, SmolLM3, Gemma) and the output layer the
+file's own blocks (``Blocks``): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K, where the native
+block kernel is built (``native_quant.c``). The native decoder and the output layer then read those blocks; a
 weight stored in any other format is served from its dequantized float32 values, and a log line
 names it. The residual stream and activations stay float32; the KV cache is float16 (``cache_dtype``).
 
@@ -27,7 +28,7 @@ from . import arena, native
 log = logging.getLogger(__name__)
 
 # GGML type numbers the block kernel takes.
-KINDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+KINDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 
 _NAMES = {
     "attn_q": ("self_attn", "q_proj"),
@@ -52,18 +53,26 @@ class Blocks:
     n: int
     k: int
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, k] -> x @ W.T [M, n] float32 by the block kernel."""
-        return native.quant_linear(x, self.kind, self.data, self.n, self.k)
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, k] -> x @ W.T (+ bias) [M, n] float32 by the block kernel."""
+        return native.quant_linear(x, self.kind, self.data, self.n, self.k, bias)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The file's values of rows ``ids``, float32 [len(ids), k]."""
         return native.quant_rows(self.kind, self.data, ids, self.k)
 
 
+# The architectures (``general.architecture``) whose q and k rows llama.cpp's converter permutes:
+# Llama's, which Mistral models are written as too. Every other family's rows are stored in the
+# model's order, and transformers' GGUF loader reverses the permutation for these only
+# (``modeling_gguf_pytorch_utils.TENSOR_PROCESSORS``).
+PERMUTED = ("llama", "mistral")
+
+
 def unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
-    """A q or k weight's rows put back in the model's order: GGUF converters interleave each head's
-    two rotary halves (llama.cpp's ``permute``); rows are whole blocks, so the blocks move as they are."""
+    """A q or k weight's rows put back in the model's order: llama.cpp's converter interleaves each
+    head's two rotary halves (its ``permute``, for the architectures of ``PERMUTED``); rows are whole
+    blocks, so the blocks move as they are."""
     n = rows.shape[0]
     order = np.arange(n).reshape(heads, 2, n // heads // 2).swapaxes(1, 2).reshape(-1)
     out = np.empty_like(rows)
@@ -97,20 +106,41 @@ def kept(model) -> dict | None:
     return model._racer_gguf
 
 
+def projection_formats(path: Path) -> set[str]:
+    """The formats of a GGUF file's layer projections (its ``blk.N.attn_*`` and ``ffn_*`` weights)."""
+    from .gguf_file import tensors as read_tensors
+
+    wanted = {f"{short}.weight" for short in _NAMES}
+    return {t.kind for name, t in read_tensors(path).items() if name.split(".", 2)[-1] in wanted}
+
+
+def takes(path: Path) -> bool:
+    """Whether the block kernel built here takes every layer projection of the file at ``path`` as
+    its blocks (``--dtype auto`` serves such a file from them)."""
+    formats = projection_formats(path)
+    return bool(formats) and all(f in KINDS and native.quant_supported(KINDS[f]) for f in formats)
+
+
 def attach(model, path: Path) -> dict[str, int]:
-    """Gives each projection of a Llama-family ``model`` (loaded from ``path``, dequantized) and its
-    output layer the file's own blocks where the block kernel takes their format. Returns how many
-    weights of each format were kept as blocks; the others are logged and stay float32."""
+    """Gives each projection of a ``model`` of a family the llama backend serves (loaded from
+    ``path``, dequantized: Llama, Mistral, Qwen2/3, SmolLM3, Gemma) and its output layer (the
+    embedding where the file has no ``output.weight``: tied) the file's own blocks where the block
+    kernel takes their format; q and k rows are put back in the model's order for the architectures
+    of ``PERMUTED`` only. Biases (Qwen2's q/k/v) stay float32 on their modules, added by the kernel.
+    Returns how many weights of each format were kept as blocks; the others are logged and stay
+    float32."""
+    from .gguf_file import metadata
     from .gguf_file import tensors as read_tensors
 
     tensors = read_tensors(path)
+    permuted = metadata(path, ("general.architecture",)).get("general.architecture") in PERMUTED
     cfg = model.config
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     wanted: list[tuple[str, torch.nn.Module, int]] = []
     for i, layer in enumerate(model.model.layers):
         for short, (part, proj) in _NAMES.items():
-            rope_heads = heads if short == "attn_q" else kv_heads if short == "attn_k" else 0
+            rope_heads = (heads if short == "attn_q" else kv_heads if short == "attn_k" else 0) if permuted else 0
             wanted.append((f"blk.{i}.{short}.weight", getattr(getattr(layer, part), proj), rope_heads))
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     wanted.append((head, model.lm_head, 0))

@@ -525,7 +525,7 @@ linear_panel = _kernel(PANEL, (torch.bfloat16, torch.float16), _panel_prepare, _
 # -- weights kept as a GGUF file's blocks (native_quant.c) ------------------------------------------
 
 
-_QUANT_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
+_QUANT_NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 
 
 def _quant_lib(kind: int) -> ctypes.CDLL | None:
@@ -564,10 +564,10 @@ PACKED = 256
 
 
 def quant_pack(kind: int, blocks: torch.Tensor, n: int, k: int) -> tuple[int, torch.Tensor] | None:
-    """A Q4_0, Q4_1 or Q8_0 weight's blocks (uint8 [n, row bytes], as the file stores them) moved
-    into groups of 8 rows (``native_quant.c``: the same bytes, nothing widened), which the block
-    kernel reads 8 rows a vector at a time: ``(packed type number, bytes)``, or None where the kernel
-    does not pack this format or shape (then the rows are read as stored)."""
+    """A Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 weight's blocks (uint8 [n, row bytes], as the file stores
+    them) moved into groups of 8 rows (``native_quant.c``: the same bytes, nothing widened), which the
+    block kernel reads 8 rows a vector at a time: ``(packed type number, bytes)``, or None where the
+    kernel does not pack this format or shape (then the rows are read as stored)."""
     lib = None if _off() else _quant_lib(int(kind) + PACKED)
     if lib is None or n % 8 or not lib.racer_quant_supported(int(kind) + PACKED):
         return None

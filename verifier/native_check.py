@@ -35,11 +35,14 @@ import torch
 FORMATS = {
     "Q4_0": (2, 18, 32, (0,)),
     "Q4_1": (3, 20, 32, (0, 2)),
+    "Q5_0": (6, 22, 32, (0,)),
+    "Q5_1": (7, 24, 32, (0, 2)),
     "Q8_0": (8, 34, 32, (0,)),
     "Q4_K": (12, 144, 256, (0, 2)),
+    "Q5_K": (13, 176, 256, (0, 2)),
     "Q6_K": (14, 210, 256, (208,)),
 }
-PACKABLE = ("Q4_0", "Q4_1", "Q8_0")
+PACKABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 PACKED = 256  # a packed weight's type number: its GGML number + PACKED (native_quant.c)
 QUANT_SHAPE = (16, 512)  # weight rows (two packed groups), columns (two K-quant super-blocks)
 QUANT_ROWS = (1, 3, 4, 19)  # x rows: one; a tail of the 4-row tile; one tile; past a 16-row pass

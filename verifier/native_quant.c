@@ -1,5 +1,6 @@
 /* y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) over a weight kept as a GGUF file stores it: each row a
- * run of quantized blocks (Q4_0, Q4_1, Q8_0: 32 values a block; Q4_K, Q6_K: 256), read in place.
+ * run of quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: 32 values a block; Q4_K, Q5_K, Q6_K: 256),
+ * read in place.
  *
  * The arithmetic is llama.cpp's: each row of x is quantized to 8 bits per 32 values (a float32 scale
  * dx = max|x| / 127, the values rounded to nearest, and for the formats with a minimum the block's
@@ -10,14 +11,16 @@
  * where isum[j] is the integer dot product of values 4j .. 4j + 3 of the block and ws[j] the weight's
  * scale for them (one per block; Q6_K has one per 16 values); blocks in order. Then
  *     y = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7])) + msum (+ bias)
- * with msum = fma(min[b], sx[b], msum) over the blocks in order (Q4_1, Q4_K). Each output is thus
+ * with msum = fma(min[b], sx[b], msum) over the blocks in order (Q4_1, Q5_1, Q4_K, Q5_K). Each output is thus
  * the same float32 operations whatever the rows it shares a call with, the tile, the thread or the
  * vector unit: row invariant by construction. AVX2's maddubs/madd, AVX-VNNI's and AVX512-VNNI's
  * dpbusd and the generic C code all make the same integers, so every build gives the same bits.
  *
- * The integer products never saturate: a 4-bit (or 6-bit) unsigned weight value times a quantized
+ * The integer products never saturate: a 4-, 5- or 6-bit unsigned weight value times a quantized
  * activation (|q| <= 127), two of them summed into 16 bits, stays under 2 * 63 * 127; a signed 8-bit
- * weight is multiplied as |w| times x with w's sign, at most 2 * 128 * 127 < 32768.
+ * weight is multiplied as |w| times x with w's sign, at most 2 * 128 * 127 < 32768. The offset
+ * formats (Q4_0: values 0..15 standing for v - 8, Q5_0: 0..31 for v - 16, Q6_K: 0..63 for v - 32)
+ * subtract offset * sum(q) from the unsigned products' sum.
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -33,7 +36,7 @@
 #endif
 
 /* GGML's type numbers. */
-enum { GQ4_0 = 2, GQ4_1 = 3, GQ8_0 = 8, GQ4_K = 12, GQ6_K = 14 };
+enum { GQ4_0 = 2, GQ4_1 = 3, GQ5_0 = 6, GQ5_1 = 7, GQ8_0 = 8, GQ4_K = 12, GQ5_K = 13, GQ6_K = 14 };
 
 static float half_to_float(uint16_t h)
 {
@@ -48,13 +51,24 @@ static long block_bytes(int type)
     switch (type) {
     case GQ4_0: return 18;
     case GQ4_1: return 20;
+    case GQ5_0: return 22;
+    case GQ5_1: return 24;
     case GQ8_0: return 34;
     case GQ4_K: return 144;
+    case GQ5_K: return 176;
     case GQ6_K: return 210;
     default: return 0;
     }
 }
-static long block_values(int type) { return type == GQ4_K || type == GQ6_K ? 256 : 32; }
+static long block_values(int type) { return type == GQ4_K || type == GQ5_K || type == GQ6_K ? 256 : 32; }
+
+/* Whether a format's blocks have a minimum (value = scale * v + min), and the offset o of the formats
+ * whose unsigned values v stand for v - o (Q8_0's signed bytes: none). */
+static inline int has_min(int type) { return type == GQ4_1 || type == GQ5_1 || type == GQ4_K || type == GQ5_K; }
+static inline int value_offset(int type) { return type == GQ4_0 ? 8 : type == GQ5_0 ? 16 : type == GQ6_K ? 32 : 0; }
+
+/* A little-endian uint32 at p (Q5_0's and Q5_1's high bits). */
+static inline uint32_t le32(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
 
 #define PACKED 256 /* a packed weight's type: its GGML number + PACKED (racer_quant_pack) */
 static long packed_bytes(int type);
@@ -105,6 +119,18 @@ static void unpack(int type, const uint8_t *row, long b, uint8_t v[32], float ws
         for (int i = 0; i < 16; i++) v[i] = qs[i] & 0xF, v[i + 16] = qs[i] >> 4;
         for (int j = 0; j < 8; j++) ws[j] = d;
         *offset = type == GQ4_0 ? 8 : 0;
+    } else if (type == GQ5_0 || type == GQ5_1) { /* d, (m,) qh: bit i value i's fifth bit, qs as Q4_0's */
+        const uint8_t *p = row + b * block_bytes(type);
+        const float d = half_to_float((uint16_t)(p[0] | p[1] << 8));
+        if (type == GQ5_1) *min = half_to_float((uint16_t)(p[2] | p[3] << 8));
+        const uint8_t *h = p + (type == GQ5_1 ? 4 : 2), *qs = h + 4;
+        const uint32_t qh = le32(h);
+        for (int i = 0; i < 16; i++) {
+            v[i] = (uint8_t)((qs[i] & 0xF) | ((qh >> i) & 1) << 4);
+            v[i + 16] = (uint8_t)((qs[i] >> 4) | ((qh >> (i + 16)) & 1) << 4);
+        }
+        for (int j = 0; j < 8; j++) ws[j] = d;
+        *offset = type == GQ5_0 ? 16 : 0;
     } else if (type == GQ8_0) {
         const uint8_t *p = row + b * 34;
         const float d = half_to_float((uint16_t)(p[0] | p[1] << 8));
@@ -120,6 +146,18 @@ static void unpack(int type, const uint8_t *row, long b, uint8_t v[32], float ws
         k4_scale(p + 4, s, &sc, &m);
         const uint8_t *qs = p + 16 + 32 * (s / 2);
         for (int i = 0; i < 32; i++) v[i] = s % 2 ? qs[i] >> 4 : qs[i] & 0xF;
+        for (int j = 0; j < 8; j++) ws[j] = d * (float)sc;
+        *min = -(dmin * (float)m);
+    } else if (type == GQ5_K) { /* Q4_K's fields, then qh[32] (bit s of byte i: value i's fifth bit in sub-block s), qs[128] */
+        const uint8_t *p = row + (b / 8) * 176;
+        const int s = (int)(b % 8);
+        const float d = half_to_float((uint16_t)(p[0] | p[1] << 8));
+        const float dmin = half_to_float((uint16_t)(p[2] | p[3] << 8));
+        int sc, m;
+        k4_scale(p + 4, s, &sc, &m);
+        const uint8_t *qh = p + 16, *qs = p + 48 + 32 * (s / 2);
+        for (int i = 0; i < 32; i++)
+            v[i] = (uint8_t)((s % 2 ? qs[i] >> 4 : qs[i] & 0xF) | ((qh[i] >> s) & 1) << 4);
         for (int j = 0; j < 8; j++) ws[j] = d * (float)sc;
         *min = -(dmin * (float)m);
     } else { /* Q6_K */
@@ -201,10 +239,42 @@ static inline __m256i dot_us(__m256i u, __m256i s)
 #endif
 }
 
+/* The 32 bits of a little-endian uint32 at p as 32 bytes: byte i 0x10 where bit i is set, else 0
+ * (Q5_0's and Q5_1's fifth bits, in place). */
+static inline __m256i bits_to_0x10(const uint8_t *p)
+{
+    const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i bytes = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)le32(p)), spread), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, bit), _mm256_set1_epi8(0x10));
+}
+
 /* Block b of a row widened in registers: 32 bytes (as ``unpack`` describes) and its lane scales. */
 static inline __attribute__((always_inline)) __m256i block_bytes_avx2(int type, const uint8_t *row, long b, __m256 *ws, float *min)
 {
     const __m256i low4 = _mm256_set1_epi8(0xF);
+    if (type == GQ5_0 || type == GQ5_1) {
+        const uint8_t *p = row + b * block_bytes(type);
+        *ws = _mm256_set1_ps(half_to_float((uint16_t)(p[0] | p[1] << 8)));
+        *min = type == GQ5_1 ? half_to_float((uint16_t)(p[2] | p[3] << 8)) : 0.f;
+        const uint8_t *h = p + (type == GQ5_1 ? 4 : 2);
+        const __m128i q = _mm_loadu_si128((const __m128i *)(h + 4));
+        const __m256i lo = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), low4);
+        return _mm256_or_si256(lo, bits_to_0x10(h));
+    }
+    if (type == GQ5_K) {
+        const uint8_t *p = row + (b / 8) * 176;
+        const int s = (int)(b % 8);
+        int sc, m;
+        k4_scale(p + 4, s, &sc, &m);
+        *ws = _mm256_set1_ps(half_to_float((uint16_t)(p[0] | p[1] << 8)) * (float)sc);
+        *min = -(half_to_float((uint16_t)(p[2] | p[3] << 8)) * (float)m);
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(p + 48 + 32 * (s / 2)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 16));
+        const __m256i lo = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(q, 4) : q, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, s), _mm256_set1_epi8(1));
+        return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+    }
     if (type == GQ4_0 || type == GQ4_1) {
         const uint8_t *p = row + b * block_bytes(type);
         *ws = _mm256_set1_ps(half_to_float((uint16_t)(p[0] | p[1] << 8)));
@@ -249,7 +319,7 @@ static inline __attribute__((always_inline)) void row_dot(int R, int type, const
 {
     const long nb = X->nb;
     const int signed8 = type == GQ8_0;
-    const int offset = type == GQ4_0 ? 8 : type == GQ6_K ? 32 : 0;
+    const int offset = value_offset(type);
     float msum[4] = {0.f, 0.f, 0.f, 0.f};
 #if defined(QUANT_AVX2)
     __m256 acc[4];
@@ -272,7 +342,7 @@ static inline __attribute__((always_inline)) void row_dot(int R, int type, const
                 isum = dot_us(w, x);
             const __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(X->d[m * nb + b]));
             acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum), acc[r]);
-            if (type == GQ4_1 || type == GQ4_K) msum[r] = fmaf(min, X->s[m * nb + b], msum[r]);
+            if (has_min(type)) msum[r] = fmaf(min, X->s[m * nb + b], msum[r]);
         }
     }
     for (int r = 0; r < R; r++) {
@@ -297,7 +367,7 @@ static inline __attribute__((always_inline)) void row_dot(int R, int type, const
                     isum += (signed8 ? (int)sv[i] : (int)v[i] - offset) * (int)x[i];
                 acc[r][j] = fmaf(ws[j] * X->d[m * nb + b], (float)isum, acc[r][j]);
             }
-            if (type == GQ4_1 || type == GQ4_K) msum[r] = fmaf(min, X->s[m * nb + b], msum[r]);
+            if (has_min(type)) msum[r] = fmaf(min, X->s[m * nb + b], msum[r]);
         }
     }
     for (int r = 0; r < R; r++) y[r * ys] = lanes_sum(acc[r]) + msum[r] + bias;
@@ -325,8 +395,11 @@ static inline __attribute__((always_inline)) void row_all_of(int type, const uin
     }
 ROW_ALL(GQ4_0)
 ROW_ALL(GQ4_1)
+ROW_ALL(GQ5_0)
+ROW_ALL(GQ5_1)
 ROW_ALL(GQ8_0)
 ROW_ALL(GQ4_K)
+ROW_ALL(GQ5_K)
 ROW_ALL(GQ6_K)
 
 static void row_all(int type, const uint8_t *row, const struct xq *X, long M, float *y, long N, float bias)
@@ -334,8 +407,11 @@ static void row_all(int type, const uint8_t *row, const struct xq *X, long M, fl
     switch (type) {
     case GQ4_0: row_all_GQ4_0(row, X, M, y, N, bias); break;
     case GQ4_1: row_all_GQ4_1(row, X, M, y, N, bias); break;
+    case GQ5_0: row_all_GQ5_0(row, X, M, y, N, bias); break;
+    case GQ5_1: row_all_GQ5_1(row, X, M, y, N, bias); break;
     case GQ8_0: row_all_GQ8_0(row, X, M, y, N, bias); break;
     case GQ4_K: row_all_GQ4_K(row, X, M, y, N, bias); break;
+    case GQ5_K: row_all_GQ5_K(row, X, M, y, N, bias); break;
     default: row_all_GQ6_K(row, X, M, y, N, bias); break;
     }
 }
@@ -452,29 +528,60 @@ int racer_quant_rows(int type, const void *w, const int64_t *ids, long n, long K
 
 /* -- Packed groups: the 32-value formats' blocks, 8 weight rows interleaved ---------------------------
  *
- * racer_quant_pack moves a Q4_0, Q4_1 or Q8_0 weight's bytes (rows a multiple of 8) into groups of 8
- * rows; within a group, block b of all 8 rows is one run of bytes: the values first (Q4_0/Q4_1:
- * 4 runs of 32 bytes, run c holding bytes 4c .. 4c + 3 of each row's 16 nibble bytes in row order, so
- * that its low nibbles are values 4c .. 4c + 3 of the 8 rows and its high nibbles values 16 + 4c ..
- * 16 + 4c + 3; Q8_0: row j's 32 bytes at 32 j), then the 8 rows' float16 scales, then (Q4_1) their 8 float16 minimums. The same bytes as
- * the file, moved: nothing is widened. A packed type's number is its GGML number + PACKED.
+ * racer_quant_pack moves a Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 weight's bytes (rows a multiple of 8) into
+ * groups of 8 rows; within a group, block b of all 8 rows is one run of bytes: the values first
+ * (Q4_0/Q4_1/Q5_0/Q5_1: 4 runs of 32 bytes, run c holding bytes 4c .. 4c + 3 of each row's 16 nibble
+ * bytes in row order, so that its low nibbles are values 4c .. 4c + 3 of the 8 rows and its high
+ * nibbles values 16 + 4c .. 16 + 4c + 3; Q8_0: row j's 32 bytes at 32 j), then the 8 rows' float16
+ * scales, then (Q4_1, Q5_1) their 8 float16 minimums, then (Q5_0, Q5_1) their 8 32-bit words of fifth
+ * bits, each row's bits reordered within its word: bit t of byte i is value 4t + i's (the file's bit
+ * 4t + i), so that values 4t .. 4t + 3 take bit t of the word's 4 bytes, one shift for all 8 rows.
+ * The same bytes as the file, moved (the fifth bits within their word): nothing is widened. A packed
+ * type's number is its GGML number + PACKED.
  *
  * Over packed groups each output is the integer dot product of a whole 32-value block (exact),
  * then per block, in order, with float32 rounding at each step:
  *     acc = fma(dw[b] * dx[b], (float) isum[b], acc)      msum = fma(min[b], sx[b], msum)
  *     y = (acc + msum) + bias
  * where dw/min are the weight block's, dx the activation block's scale and sx = dx * sum(q) (Q4_1
- * only; msum stays 0 otherwise), and isum = sum(v * q) - offset * sum(q) (Q4_0's offset 8). The SIMD
- * code computes 8 weight rows' outputs in the 8 float lanes of one vector, so each lane is one
- * output's steps exactly: row invariant, and the same bits as the C code (quant_packed_ref). */
+ * and Q5_1 only; msum stays 0 otherwise), and isum = sum(v * q) - offset * sum(q) (Q4_0's offset 8,
+ * Q5_0's 16). The SIMD code computes 8 weight rows' outputs in the 8 float lanes of one vector, so
+ * each lane is one output's steps exactly: row invariant, and the same bits as the C code
+ * (quant_packed_ref). These are not the bits of the rows as stored (row_dot keeps 8 partial sums a
+ * block): a weight is served in one layout for its life. */
 static long packed_bytes(int type) /* one block of a group of 8 rows */
 {
     switch (type) {
     case GQ4_0: return 8 * 18;
     case GQ4_1: return 8 * 20;
+    case GQ5_0: return 8 * 22;
+    case GQ5_1: return 8 * 24;
     case GQ8_0: return 8 * 34;
     default: return 0;
     }
+}
+
+/* Where the nibble formats keep their fields: in the file's block, the first value byte (after d, m
+ * and qh) and qh (0: none); in a group's block, the 8 rows' qh words (0: none). The scales are at 128
+ * and the minimums at 144 of a group's block. */
+static int file_qs(int type) { return type == GQ4_0 ? 2 : type == GQ4_1 ? 4 : type == GQ5_0 ? 6 : 8; }
+static int file_qh(int type) { return type == GQ5_0 ? 2 : type == GQ5_1 ? 4 : 0; }
+static int group_qh(int type) { return type == GQ5_0 ? 144 : type == GQ5_1 ? 160 : 0; }
+
+/* A row's fifth bits, the file's word (bit b: value b's) <-> a group's (bit t of byte i: value 4t + i's). */
+static void qh_to_group(const uint8_t *file, uint8_t *group)
+{
+    const uint32_t w = le32(file);
+    uint32_t o = 0;
+    for (int b = 0; b < 32; b++) o |= ((w >> b) & 1u) << (8 * (b % 4) + b / 4);
+    for (int i = 0; i < 4; i++) group[i] = (uint8_t)(o >> (8 * i));
+}
+static void qh_from_group(const uint8_t *group, uint8_t *file)
+{
+    const uint32_t o = le32(group);
+    uint32_t w = 0;
+    for (int b = 0; b < 32; b++) w |= ((o >> (8 * (b % 4) + b / 4)) & 1u) << b;
+    for (int i = 0; i < 4; i++) file[i] = (uint8_t)(w >> (8 * i));
 }
 
 /* Bytes of row j's block b within a group's block, as the file stores the block (for unpacking). */
@@ -485,9 +592,10 @@ static void packed_block(int type, const uint8_t *gb, int j, uint8_t *out)
         memcpy(out + 2, gb + 32 * j, 32);
         return;
     }
-    const int head = type == GQ4_1 ? 4 : 2;
+    const int head = file_qs(type);
     memcpy(out, gb + 128 + 2 * j, 2);
-    if (type == GQ4_1) memcpy(out + 2, gb + 144 + 2 * j, 2);
+    if (has_min(type)) memcpy(out + 2, gb + 144 + 2 * j, 2);
+    if (file_qh(type)) qh_from_group(gb + group_qh(type) + 4 * j, out + file_qh(type));
     for (int c = 0; c < 4; c++) memcpy(out + head + 4 * c, gb + 32 * c + 4 * j, 4);
 }
 
@@ -496,7 +604,7 @@ int racer_quant_pack(int type, const void *w, long N, long K, void *out)
 {
     if (!packed_bytes(type) || N % 8 || K % 32) return -1;
     const long nb = K / 32, bb = block_bytes(type), row_bytes = nb * bb, gbytes = packed_bytes(type);
-    const int head = type == GQ4_1 ? 4 : 2;
+    const int head = type == GQ8_0 ? 2 : file_qs(type);
     for (long n = 0; n < N; n++) {
         const long g = n / 8;
         const int j = (int)(n % 8);
@@ -508,7 +616,8 @@ int racer_quant_pack(int type, const void *w, long N, long K, void *out)
                 memcpy(gb + 32 * j, src + 2, 32);
             } else {
                 memcpy(gb + 128 + 2 * j, src, 2);
-                if (type == GQ4_1) memcpy(gb + 144 + 2 * j, src + 2, 2);
+                if (has_min(type)) memcpy(gb + 144 + 2 * j, src + 2, 2);
+                if (file_qh(type)) qh_to_group(src + file_qh(type), gb + group_qh(type) + 4 * j);
                 for (int c = 0; c < 4; c++) memcpy(gb + 32 * c + 4 * j, src + head + 4 * c, 4);
             }
         }
@@ -581,9 +690,9 @@ static float quant_packed_ref(int type, const uint8_t *g, const struct xp *X, in
         const int8_t *sv = (const int8_t *)v;
         int isum = 0;
         for (int i = 0; i < 32; i++) isum += (type == GQ8_0 ? (int)sv[i] : (int)v[i]) * (int)q[i];
-        if (type == GQ4_0) isum -= 8 * X->sum[b * X->M + m];
+        isum -= value_offset(type) * X->sum[b * X->M + m];
         acc = fmaf(ws[0] * X->d[b * X->M + m], (float)isum, acc);
-        if (type == GQ4_1) msum = fmaf(min, X->s[b * X->M + m], msum);
+        if (has_min(type)) msum = fmaf(min, X->s[b * X->M + m], msum);
     }
     return (acc + msum) + bias;
 }
@@ -620,8 +729,8 @@ static inline __attribute__((always_inline)) void group_rows(int type, const uin
     for (long b = 0; b < X->nb; b++) {
         const uint8_t *p = g + b * gbytes;
 #if PREFETCH_BLOCKS > 0
-        /* a block of a group: 160 bytes (Q4_0, Q4_1) or 272 (Q8_0); a prefetch never faults, past
-         * the weight's end included */
+        /* a block of a group: 144 to 192 bytes (Q4_0 .. Q5_1) or 272 (Q8_0); a prefetch never
+         * faults, past the weight's end included */
         const char *ahead = (const char *)p + PREFETCH_BLOCKS * gbytes;
         for (long c = 0; c < gbytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
 #endif
@@ -646,12 +755,22 @@ static inline __attribute__((always_inline)) void group_rows(int type, const uin
             continue;
         }
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 128)));
-        const __m256 mw = type == GQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 144))) : _mm256_setzero_ps();
+        const __m256 mw = has_min(type) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 144))) : _mm256_setzero_ps();
         __m256i wv[8]; /* wv[t]: values 4t .. 4t + 3 of each of the 8 rows, a row per 32-bit lane */
         for (int c = 0; c < 4; c++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(p + 32 * c));
             wv[c] = _mm256_and_si256(q, low4);
             wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+        }
+        if (type == GQ5_0 || type == GQ5_1) {
+            /* the fifth bits: row j's word in lane j, bit t of its byte i value 4t + i's, shifted to
+             * bit 4 (within each byte: 16-bit shifts by at most 4 bring no bit across into bit 4) */
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + group_qh(type)));
+            const __m256i five = _mm256_set1_epi8(0x10);
+            for (int t = 0; t < 8; t++) {
+                const __m256i at4 = t < 4 ? _mm256_slli_epi16(qh, 4 - t) : t > 4 ? _mm256_srli_epi16(qh, t - 4) : qh;
+                wv[t] = _mm256_or_si256(wv[t], _mm256_and_si256(at4, five));
+            }
         }
         for (long m = m0; m < m1; m++) {
             const int8_t *xq = X->q + (b * M + m) * 32;
@@ -666,22 +785,28 @@ static inline __attribute__((always_inline)) void group_rows(int type, const uin
             }
             __m256i isum = _mm256_add_epi32(i0, i1);
 #else
-            /* 16-bit sums: 8 products of pairs, each at most 2 * 15 * 127, so any partial sum stays
-             * under 32768; summed as a tree (exact: the order does not change the bits), not a chain */
+            /* 16-bit sums, as a tree (exact: the order does not change the bits), not a chain. 4-bit
+             * values: 8 products of pairs, each at most 2 * 15 * 127, so any partial sum stays under
+             * 32768; 5-bit values (up to 2 * 31 * 127 a pair): 4 pairs in 16 bits, then two 32-bit sums */
             __m256i p[8];
             for (int t = 0; t < 8; t++) p[t] = _mm256_maddubs_epi16(wv[t], XW(t));
-            const __m256i s16 = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])),
-                                                 _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7])));
-            __m256i isum = _mm256_madd_epi16(s16, ones);
+            const __m256i lo = _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3]));
+            const __m256i hi = _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7]));
+            __m256i isum;
+            if (type == GQ5_0 || type == GQ5_1)
+                isum = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
+            else
+                isum = _mm256_madd_epi16(_mm256_add_epi16(lo, hi), ones);
 #endif
 #undef XW
-            if (type == GQ4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * X->sum[b * M + m]));
+            if (value_offset(type))
+                isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(value_offset(type) * X->sum[b * M + m]));
 #if defined(RACER_FAULT_PACKED)
             isum = _mm256_sub_epi32(_mm256_setzero_si256(), isum); /* a wrong sign, for the start-up check's test */
 #endif
             const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(X->d[b * M + m]));
             acc[m - m0] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum), acc[m - m0]);
-            if (type == GQ4_1) msum[m - m0] = _mm256_fmadd_ps(mw, _mm256_set1_ps(X->s[b * M + m]), msum[m - m0]);
+            if (has_min(type)) msum[m - m0] = _mm256_fmadd_ps(mw, _mm256_set1_ps(X->s[b * M + m]), msum[m - m0]);
         }
     }
     for (long m = m0; m < m1; m++)
@@ -696,6 +821,8 @@ static inline __attribute__((always_inline)) void group_rows(int type, const uin
     }
 GROUP_ROWS(GQ4_0)
 GROUP_ROWS(GQ4_1)
+GROUP_ROWS(GQ5_0)
+GROUP_ROWS(GQ5_1)
 GROUP_ROWS(GQ8_0)
 #endif
 
@@ -708,9 +835,13 @@ static void group_all(int type, const uint8_t *g, const struct xp *X, float *y, 
         const __m256 bv = bias ? _mm256_loadu_ps(bias + n0) : _mm256_setzero_ps();
         for (long m0 = 0; m0 < X->M; m0 += CHUNK) {
             const long m1 = m0 + CHUNK < X->M ? m0 + CHUNK : X->M;
-            if (type == GQ4_0) group_rows_GQ4_0(g, X, m0, m1, y + n0, N, bv);
-            else if (type == GQ4_1) group_rows_GQ4_1(g, X, m0, m1, y + n0, N, bv);
-            else group_rows_GQ8_0(g, X, m0, m1, y + n0, N, bv);
+            switch (type) {
+            case GQ4_0: group_rows_GQ4_0(g, X, m0, m1, y + n0, N, bv); break;
+            case GQ4_1: group_rows_GQ4_1(g, X, m0, m1, y + n0, N, bv); break;
+            case GQ5_0: group_rows_GQ5_0(g, X, m0, m1, y + n0, N, bv); break;
+            case GQ5_1: group_rows_GQ5_1(g, X, m0, m1, y + n0, N, bv); break;
+            default: group_rows_GQ8_0(g, X, m0, m1, y + n0, N, bv); break;
+            }
         }
         return;
     }

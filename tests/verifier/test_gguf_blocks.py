@@ -25,8 +25,9 @@ from tests.verifier.test_native_decoder import _step
 from verifier import gguf_blocks, native
 from verifier.llama import forward_segments
 
-FORMATS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
-PACKABLE = ["Q4_0", "Q4_1", "Q8_0"]
+FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+PACKABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+QUANTIZED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # the formats gguf's own quantizer writes
 # each format as the file stores its rows, and the 32-value formats packed 8 rows a group too
 LAYOUTS = [(name, False) for name in FORMATS] + [(name, True) for name in PACKABLE]
 
@@ -41,11 +42,11 @@ def _blocks(name: str, n: int, k: int, rng: np.random.Generator, scale: float = 
     """A weight [n, k] in format ``name``: uint8 [n, row bytes]. The 32-value formats quantize a
     random weight (gguf's own quantizer); the K-quants (which it does not quantize) are random
     blocks with small float16 scales."""
-    if name in ("Q4_0", "Q4_1", "Q8_0"):
+    if name in QUANTIZED:
         return quants.quantize((rng.standard_normal((n, k)) * scale).astype(np.float32), _kind(name))
-    size = {"Q4_K": 144, "Q6_K": 210}[name]
+    size = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[name]
     raw = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
-    if name == "Q4_K":  # d, dmin float16 first
+    if name in ("Q4_K", "Q5_K"):  # d, dmin float16 first
         raw[:, :, 0:2] = np.frombuffer(np.float16(scale / 400).tobytes(), np.uint8)
         raw[:, :, 2:4] = np.frombuffer(np.float16(scale / 100).tobytes(), np.uint8)
     else:  # d float16 last
@@ -175,6 +176,84 @@ def test_packed_groups_vector_code_gives_the_c_codes_bits(name):
     assert not torch.equal(_run(x, name, raw, n, k, packed=True), simd)  # the bias is in it
 
 
+def _extreme_blocks(name: str, n: int, k: int) -> np.ndarray:
+    """A weight [n, k] in a 5-bit format whose rows hold its extreme values: row 0 every value 31 (all
+    four nibble bits and the fifth set; Q5_K's sub-block scales 63), row 1 every value 0, the others
+    alternating blocks of both. Scales 2^-7, Q5_1's minimum -2^-4, Q5_K's 2^-10: exact in float16."""
+    size, values = {"Q5_0": (22, 32), "Q5_1": (24, 32), "Q5_K": (176, 256)}[name]
+    head = {"Q5_0": 2, "Q5_1": 4, "Q5_K": 16}[name]  # d, (m or dmin, scales,) then the bits
+    high = np.zeros(size, np.uint8)
+    high[head:] = 0xFF
+    low = high.copy()
+    low[head:] = 0
+    if name == "Q5_K":  # sub-block scales and minimums 63, their 6-bit packing all ones
+        high[4:16] = low[4:16] = 0xFF
+    for blk in (high, low):
+        blk[0:2] = np.frombuffer(np.float16(2.0**-7).tobytes(), np.uint8)
+        if name != "Q5_0":
+            blk[2:4] = np.frombuffer(np.float16(-(2.0**-4) if name == "Q5_1" else 2.0**-10).tobytes(), np.uint8)
+    nb = k // values
+    rows = np.empty((n, nb, size), np.uint8)
+    rows[0], rows[1] = high, low
+    for r in range(2, n):
+        for b in range(nb):
+            rows[r, b] = high if (r + b) % 2 else low
+    return rows.reshape(n, -1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name,packed", [(n, p) for n, p in LAYOUTS if n.startswith("Q5")])
+def test_five_bit_values_at_their_extremes_never_saturate_the_integer_sums(name, packed):
+    """The largest integer sums a 5-bit block makes: every value 31 against activations all +127 or
+    all -127 (x = +-1 quantizes exactly), 32 products of 31 x 127 = 125,984 a block, past what 16
+    bits hold (the vector code's pairwise sums must widen in time). The result is the exact product
+    but for float32 rounding; on both paths, the C code's bits too."""
+    n, k = 16, 512
+    raw = _extreme_blocks(name, n, k)
+    w = _dequantized(name, raw).double()
+    x = torch.ones((3, k))
+    x[1] = -1
+    x[2, ::2] = -1
+    y = _run(x, name, raw, n, k, packed=packed)
+    err = (y.double() - x.double() @ w.T).abs()
+    assert (err <= 1e-5 * (x.double().abs() @ w.abs().T)).all(), err.max()
+    assert torch.equal(_run(x, name, raw, n, k, packed=packed, reference=True), y)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", PACKABLE)
+def test_packing_moves_the_files_bytes_and_keeps_its_values(name):
+    """A packed group holds its 8 rows' bytes, each once (moved, not widened; the 5-bit formats' fifth
+    bits reordered within each row's word: the words' bits counted); unpacked, its rows are the
+    file's values bit for bit; and its kernel, which sums each block's products as one integer where
+    the rows' kernel keeps 8 partial sums, agrees with the rows' kernel within float32 rounding."""
+    rng = np.random.default_rng(14)
+    n, k = 24, 320
+    raw = _blocks(name, n, k, rng)
+    kind, packed = _weight(name, raw, n, k, packed=True)
+    assert packed.shape == (n // 8, 8 * raw.shape[1])
+    size = raw.shape[1] // (k // 32)
+    file_bits, group_bits = {"Q5_0": (2, 144), "Q5_1": (4, 160)}.get(name, (0, 0))  # where the words lie
+    for g in range(n // 8):
+        rows = raw[8 * g : 8 * g + 8].reshape(8, k // 32, size)
+        group = packed[g].numpy().reshape(k // 32, 8 * size)
+        if file_bits:
+            words, rows = rows[:, :, file_bits : file_bits + 4], np.delete(rows, range(file_bits, file_bits + 4), 2)
+            reordered = group[:, group_bits : group_bits + 32]
+            group = np.delete(group, range(group_bits, group_bits + 32), 1)
+            for b in range(k // 32):  # per block, the 8 rows' fifth bits
+                assert np.unpackbits(words[:, b]).sum() == np.unpackbits(reordered[b]).sum()
+        assert np.array_equal(np.sort(group.reshape(-1)), np.sort(rows.reshape(-1)))
+    ids = torch.tensor([0, 7, 8, 13, 23, 2])
+    values = _dequantized(name, raw)[ids]
+    assert torch.equal(native.quant_rows(kind, packed, ids, k), values)
+    assert torch.equal(native.quant_rows(int(_kind(name)), torch.from_numpy(raw), ids, k), values)
+    x = torch.randn((9, k), generator=torch.Generator().manual_seed(15))
+    rows, groups = _run(x, name, raw, n, k), _run(x, name, raw, n, k, packed=True)
+    w = _dequantized(name, raw).double()
+    assert ((rows.double() - groups.double()).abs() <= 1e-5 * (x.double().abs() @ w.abs().T)).all()
+
+
 @needs_kernel
 @pytest.mark.parametrize("name,packed", LAYOUTS)
 def test_a_changed_activation_row_is_caught(name, packed):
@@ -285,9 +364,9 @@ def test_a_format_the_kernel_does_not_take_is_dequantized_with_a_log_line(tmp_pa
     monkeypatch.setenv("RACER_CACHE", str(tmp_path))
     monkeypatch.delenv("RACER_KERNELS", raising=False)
     with caplog.at_level(logging.WARNING, logger="verifier.gguf_blocks"):
-        model = _gguf_llama(tmp_path, "Q4_1", other="Q5_0")
-    assert any("Q5_0" in r.getMessage() and "dequantized" in r.getMessage() for r in caplog.records)
-    assert gguf_blocks.kept(model)["dequantized"] == {"Q5_0": 2}
+        model = _gguf_llama(tmp_path, "Q4_1", other="BF16")
+    assert any("BF16" in r.getMessage() and "dequantized" in r.getMessage() for r in caplog.records)
+    assert gguf_blocks.kept(model)["dequantized"] == {"BF16": 2}
     assert not hasattr(model.model.layers[0].mlp.down_proj, "racer_blocks")
     rng = random.Random(8)
     prompt = [rng.randrange(3, VOCAB) for _ in range(20)]
@@ -415,7 +494,7 @@ def test_the_vnni_builds_compile_and_where_the_cpu_has_them_give_this_builds_bit
         return  # built, not runnable on this CPU
     rng = np.random.default_rng(11)
     n, k = 24, 512
-    for name in ("Q4_1", "Q8_0"):
+    for name in ("Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         raw = _blocks(name, n, k, rng)
         kind, packed = _weight(name, raw, n, k, packed=True)
         x = torch.randn((5, k), generator=torch.Generator().manual_seed(12))
