@@ -325,9 +325,9 @@ async def load_tokenizer(args) -> tuple[object, tuple[int, ...], int | None]:
     """(tokenizer, end-of-turn ids, vocabulary size) of ``--model``."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from verifier.model import eos_token_ids, resolve_model_dir
+    from verifier.model import eos_token_ids, tokenizer_dir
 
-    path = await asyncio.to_thread(resolve_model_dir, args.model)
+    path = await asyncio.to_thread(tokenizer_dir, args.model)  # a GGUF file's weights are not converted here
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path)
     return tokenizer, tuple(eos_token_ids(path, tokenizer)), AutoConfig.from_pretrained(path).vocab_size
 

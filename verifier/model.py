@@ -139,6 +139,54 @@ def _convert(gguf: Path, target: Path) -> None:
     log.info("%s: converted in %.1f s; cached at %s (%.0f MiB)", gguf.name, time.monotonic() - t0, target, size / 2**20)
 
 
+def tokenizer_dir(model: str = DEFAULT_MODEL) -> Path:
+    """A directory holding ``model``'s tokenizer, config and generation config, for a service that
+    needs only those (the gateway): a Hugging Face directory as it is, a GGUF file's full conversion
+    where it is cached, else the file's tokenizer and config alone, read from its metadata once and
+    cached beside the conversions (``<stem>-<digest>-tokenizer``): no weight is dequantized, so a
+    gateway never holds a model's float32 copy."""
+    gguf = gguf_source(model)
+    if gguf is None:
+        return resolve_model_dir(model)
+    full = gguf_cache_dir(gguf)
+    if (full / ".complete").exists():
+        return full
+    target = full.with_name(full.name.removesuffix("-fp32") + "-tokenizer")
+    if not (target / ".complete").exists():
+        _write_tokenizer(gguf, target)
+    return target
+
+
+def _write_tokenizer(gguf: Path, target: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from .gguf_file import metadata
+
+    t0 = time.monotonic()
+    log.info("%s: reading its tokenizer and config once into %s", gguf, target)
+    try:
+        with _one_parse():
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except (ValueError, NotImplementedError) as e:
+        raise ValueError(f"{gguf}: transformers cannot read this GGUF file's tokenizer ({e})") from e
+    tokenizer.chat_template = metadata(gguf, ("tokenizer.chat_template",)).get("tokenizer.chat_template")
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    tokenizer.save_pretrained(tmp)
+    config.save_pretrained(tmp)
+    GenerationConfig.from_model_config(config).save_pretrained(tmp)
+    (tmp / ".complete").touch()
+    try:
+        tmp.rename(target)
+    except OSError:  # a concurrent reader won; keep theirs
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / ".complete").exists():
+            raise
+    log.info("%s: tokenizer and config read in %.1f s; cached at %s", gguf.name, time.monotonic() - t0, target)
+
+
 @contextmanager
 def _one_parse():
     """The conversion with the GGUF file parsed once. transformers reads it whole three times
@@ -222,9 +270,10 @@ def resolve_dtype(dtype: str = "auto", device: str = "cpu", model: str = DEFAULT
     decoding; reduced precision and ``gguf`` run the batch-invariant forward (speculation never
     changes the output: it equals the engine's own decoding without drafts).
 
-    A GGUF file of a family the llama backend does not serve (sliding windows, soft-capping, fused
-    projections, ...), or under ``--backend hf``: ``auto`` and ``gguf`` both give float32 (the hf
-    backend's dtype, from the file's dequantized weights), and one log line names the family and why."""
+    A GGUF file of a family the llama backend does not serve (``LlamaBackend.unsupported``: LayerNorms,
+    longrope scaling, Mistral's or Qwen2's sliding windows, ...), or under ``--backend hf``: ``auto``
+    and ``gguf`` both give float32 (the hf backend's dtype, from the file's dequantized weights), and
+    one log line names the family and why."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r} (one of {', '.join(DTYPES)})")
     source = gguf_source(model) if dtype in ("auto", GGUF) else None
@@ -246,7 +295,7 @@ def auto_dtype(device: str = "cpu", model: str = DEFAULT_MODEL, backend: str = "
     ``model``, from its config without its weights. In order:
 
     1. the "hf" backend (``--backend hf``, or ``auto`` for a model the llama backend does not
-       implement: a sliding window, layers without RoPE, a family of another shape): float32, on
+       implement: a Mistral's sliding window, layers without RoPE, a family of another shape): float32, on
        any device, the only dtype it verifies (``verifier.engine.backend_for``);
     2. on CUDA: bfloat16;
     3. on a CPU, a model served from a GGUF file (the default one, or one given: ``gguf_source``):

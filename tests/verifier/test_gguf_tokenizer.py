@@ -1,0 +1,43 @@
+"""What a gateway reads of a GGUF file: its tokenizer, config and generation config alone
+(``verifier.model.tokenizer_dir``), never its weights dequantized; the same tokenizer, end-of-turn
+ids, vocabulary and chat template as the full conversion the verifier serves from."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoConfig, AutoTokenizer
+
+from tests.support.gguf_models import write
+from verifier.model import eos_token_ids, resolve_model_dir, tokenizer_dir
+
+pytestmark = pytest.mark.slow  # the 49k-token vocabulary is parsed twice: ~20 s
+
+
+def test_a_gguf_tokenizer_is_read_without_converting_the_weights(tmp_path, monkeypatch):
+    monkeypatch.setenv("RACER_CACHE", str(tmp_path / "cache"))
+    path = write(tmp_path / "base.gguf", "llama", "Q8_0", False, False)  # a base model: no template
+
+    alone = tokenizer_dir(str(path))
+    assert (alone / ".complete").exists() and alone.name.endswith("-tokenizer")
+    assert not list(alone.glob("*.safetensors")), "the tokenizer's directory holds no weights"
+    assert not (tmp_path / "cache" / "models" / alone.name.replace("-tokenizer", "-fp32")).exists()
+
+    full = resolve_model_dir(str(path))  # the verifier's conversion
+    assert tokenizer_dir(str(path)) == full  # once converted, the conversion serves the gateway too
+
+    tok_alone, tok_full = AutoTokenizer.from_pretrained(alone), AutoTokenizer.from_pretrained(full)
+    text = "Hello, world! Speculative decoding, 123 times."
+    assert tok_alone.encode(text) == tok_full.encode(text)
+    assert tok_alone.chat_template is None and tok_full.chat_template is None
+    assert eos_token_ids(alone, tok_alone) == eos_token_ids(full, tok_full) != ()
+    assert AutoConfig.from_pretrained(alone).vocab_size == AutoConfig.from_pretrained(full).vocab_size
+
+
+def test_a_gguf_tokenizer_keeps_the_files_chat_template(tmp_path, monkeypatch):
+    monkeypatch.setenv("RACER_CACHE", str(tmp_path / "cache"))
+    path = write(tmp_path / "chat.gguf", "llama", "Q8_0", True, False)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir(str(path)))
+    assert tok.chat_template
+    messages = [{"role": "user", "content": "hi there"}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert "hi there" in text and text != "hi there"
