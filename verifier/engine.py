@@ -60,7 +60,8 @@ def backend_for(model, kind: str = "auto") -> str:
         kind = "llama" if LlamaBackend.supports(model) else "hf"
     if kind == "llama":
         if not LlamaBackend.supports(model):
-            raise ValueError(f"the llama backend does not support model_type={model.config.model_type!r}")
+            why = LlamaBackend.unsupported(model)
+            raise ValueError(f"the llama backend does not support model_type={model.config.model_type!r}: {why}")
         return kind
     dtype = next(model.parameters()).dtype
     if dtype != torch.float32:

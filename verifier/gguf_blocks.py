@@ -2,7 +2,7 @@
 
 ``--dtype gguf`` loads the model as float32 (norms, embedding, and every weight a kernel here does
 not take: the file's values, dequantized) and hands each projection of a model the llama backend
-serves (Llama, Mistral, Qwen2/3, SmolLM3, Gemma) and the output layer the
+serves (Llama, Mistral, Qwen2/3, SmolLM3, Gemma 1/2/3, Phi-3) and the output layer the
 file's own blocks (``Blocks``): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K, where the native
 block kernel is built (``native_quant.c``). The native decoder and the output layer then read those blocks; a
 weight stored in any other format is served from its dequantized float32 values, and a log line
@@ -39,6 +39,20 @@ _NAMES = {
     "ffn_up": ("mlp", "up_proj"),
     "ffn_down": ("mlp", "down_proj"),
 }
+# Phi-3's fused weights, one tensor each in the file as in the model: q, k and v rows in ``attn_qkv``,
+# gate then up rows in ``ffn_up`` (llama.cpp's converter writes them as the model holds them, and
+# transformers reads them so); the forward splits their outputs as the modules do.
+_FUSED = {"attn_qkv": ("self_attn", "qkv_proj"), "ffn_up": ("mlp", "gate_up_proj")}
+
+
+def _layer_modules(layer) -> dict[str, torch.nn.Module]:
+    """A decoder layer's projection modules by their tensors' short names in a GGUF file."""
+    found: dict[str, torch.nn.Module] = {}
+    for short, (part, proj) in (*_NAMES.items(), *_FUSED.items()):
+        module = getattr(getattr(layer, part), proj, None)
+        if module is not None:
+            found.setdefault(short, module)
+    return found
 
 
 @dataclass
@@ -110,7 +124,7 @@ def projection_formats(path: Path) -> set[str]:
     """The formats of a GGUF file's layer projections (its ``blk.N.attn_*`` and ``ffn_*`` weights)."""
     from .gguf_file import tensors as read_tensors
 
-    wanted = {f"{short}.weight" for short in _NAMES}
+    wanted = {f"{short}.weight" for short in (*_NAMES, *_FUSED)}
     return {t.kind for name, t in read_tensors(path).items() if name.split(".", 2)[-1] in wanted}
 
 
@@ -123,8 +137,9 @@ def takes(path: Path) -> bool:
 
 def attach(model, path: Path) -> dict[str, int]:
     """Gives each projection of a ``model`` of a family the llama backend serves (loaded from
-    ``path``, dequantized: Llama, Mistral, Qwen2/3, SmolLM3, Gemma) and its output layer (the
-    embedding where the file has no ``output.weight``: tied) the file's own blocks where the block
+    ``path``, dequantized: Llama, Mistral, Qwen2/3, SmolLM3, Gemma 1/2/3, Phi-3: its fused
+    ``attn_qkv`` and ``ffn_up`` as one weight each) and its output layer (the embedding where the
+    file has no ``output.weight``: tied) the file's own blocks where the block
     kernel takes their format; q and k rows are put back in the model's order for the architectures
     of ``PERMUTED`` only. Biases (Qwen2's q/k/v) stay float32 on their modules, added by the kernel.
     Returns how many weights of each format were kept as blocks; the others are logged and stay
@@ -139,9 +154,9 @@ def attach(model, path: Path) -> dict[str, int]:
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     wanted: list[tuple[str, torch.nn.Module, int]] = []
     for i, layer in enumerate(model.model.layers):
-        for short, (part, proj) in _NAMES.items():
+        for short, module in _layer_modules(layer).items():
             rope_heads = (heads if short == "attn_q" else kv_heads if short == "attn_k" else 0) if permuted else 0
-            wanted.append((f"blk.{i}.{short}.weight", getattr(getattr(layer, part), proj), rope_heads))
+            wanted.append((f"blk.{i}.{short}.weight", module, rope_heads))
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     wanted.append((head, model.lm_head, 0))
     counts: dict[str, int] = {}

@@ -121,20 +121,27 @@ def moves() -> int:
     return _moved
 
 
+_PROJECTIONS = (
+    ("self_attn", ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")),
+    ("mlp", ("gate_proj", "up_proj", "gate_up_proj", "down_proj")),
+)
+
+
+def layer_projections(layer) -> list[torch.nn.Module]:
+    """A Llama-family decoder layer's projection modules, in the order the forward runs them (Phi-3's
+    fused ``qkv_proj`` and ``gate_up_proj`` in place of the q/k/v and gate/up ones)."""
+    return [
+        mod
+        for part, names in _PROJECTIONS
+        for name in names
+        if (mod := getattr(getattr(layer, part), name, None)) is not None
+    ]
+
+
 def projection_weights(model) -> dict[tuple[int, int], torch.Tensor]:
     """One weight per distinct projection shape of a Llama-family model (its first use)."""
     found: dict[tuple[int, int], torch.Tensor] = {}
-    layer = model.model.layers[0]
-    for mod in (
-        layer.self_attn.q_proj,
-        layer.self_attn.k_proj,
-        layer.self_attn.v_proj,
-        layer.self_attn.o_proj,
-        layer.mlp.gate_proj,
-        layer.mlp.up_proj,
-        layer.mlp.down_proj,
-        model.lm_head,
-    ):
+    for mod in (*layer_projections(model.model.layers[0]), model.lm_head):
         found.setdefault(tuple(mod.weight.shape), mod.weight)
     return found
 
@@ -143,8 +150,7 @@ def all_projections(model) -> list[torch.nn.Parameter]:
     """Every projection weight of a Llama-family model and its output layer (tied ones once)."""
     params: dict[int, torch.nn.Parameter] = {}
     for layer in model.model.layers:
-        a, m = layer.self_attn, layer.mlp
-        for mod in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
+        for mod in layer_projections(layer):
             params.setdefault(id(mod.weight), mod.weight)
     params.setdefault(id(model.lm_head.weight), model.lm_head.weight)
     return list(params.values())

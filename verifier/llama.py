@@ -5,9 +5,9 @@ positions and which cached or new tokens each may attend to, return the final hi
 new tokens and keep their K/V rows in the cache so that the accepted ones can be kept and the rest
 dropped.
 
-``LlamaBackend`` runs the decoder layers of a Llama-family model (Llama, Mistral, Qwen2/3, SmolLM,
-Gemma) directly on the model's own weights and modules, with a preallocated KV cache that is
-compacted in place. On a CPU this is what makes tree verification cheap: no cache concatenation per
+``LlamaBackend`` runs the decoder layers of a Llama-family model (Llama, Mistral, Qwen2/3, SmolLM3,
+Gemma, Gemma 2, Gemma 3, Phi-3) directly on the model's own weights and modules, with a preallocated
+KV cache that is compacted in place. On a CPU this is what makes tree verification cheap: no cache concatenation per
 step, no generic mask construction, and projections run by the kernels measured fastest on this
 machine for each row count (``verifier/kernels.py``). ``forward_segments`` runs several sessions'
 new tokens in one pass over the weights, one decoder layer at a time (``decoder_block``). In
@@ -52,6 +52,14 @@ class LlamaBackend:
         self.embed = inner.embed_tokens
         self.norm = inner.norm
         self.rotary = inner.rotary_emb
+        # Per layer: its sliding window (None: full attention), the rotary table it reads (Gemma 3's
+        # local and global layers have their own; None: the model's one) and its attention logits'
+        # soft cap (Gemma 2; None: none).
+        self.windows = _windows(model)
+        self.rope_kinds = _rope_kinds(model)
+        self.softcaps = _softcaps(model)
+        self.final_softcap = _final_softcap(model)
+        self.partial_rotary = cfg.model_type == "phi3"  # rotary over the head's first dims where it says so
         self.lm_head_w = model.lm_head.weight  # [V, hidden]
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
@@ -59,16 +67,21 @@ class LlamaBackend:
         self.dtype = self.lm_head_w.dtype
         self.kv_dtype = cache_dtype(model)  # float16 for GGUF blocks, else the model's
         self.device = self.lm_head_w.device
-        # Invariant attention over the cache in place (native_attention.c) where it is built; else
-        # each row's keys gathered and padded to whole blocks (any device).
-        self.native_attention = self.invariant and native.attention_usable(self.kv_dtype, self.device, self.head_dim)
+        # Invariant attention over the cache in place (native_attention.c) where it is built and the
+        # scores are plain (no soft cap; a window is a row's keys named by index); else each row's
+        # keys gathered and padded to whole blocks (any device).
+        self.native_attention = (
+            self.invariant
+            and not any(self.softcaps)
+            and native.attention_usable(self.kv_dtype, self.device, self.head_dim)
+        )
         # Zeroed: invariant attention reads masked keys past a row's own, which must be finite.
         self.cache = torch.zeros(
             (len(self.layers), 2, self.n_kv, capacity, self.head_dim), dtype=self.kv_dtype, device=self.device
         )
         self.length = 0  # rows of the cache that hold committed context
         self.reserved_rows: int | None = None  # None: grow by doubling (no reservation to answer to)
-        self._rope: dict = {}  # invariant mode: dtype -> (cos, sin) by position
+        self._rope: dict = {}  # invariant mode: (dtype, rotary kind) -> (cos, sin) by position
         self._op_by_op = False  # True: never the native decoder (``fused = None``)
 
     @property
@@ -86,51 +99,79 @@ class LlamaBackend:
 
     _ROPE_CHUNK = 256
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [1, n, head_dim] of ``positions`` (in ``dtype``, default the model's) from a table
+    def rope(
+        self, positions: torch.Tensor, dtype: torch.dtype | None = None, kind: str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, n, rotary dims] of ``positions`` (in ``dtype``, default the model's; ``kind``:
+        the layer type whose rotary values, for a model with one table per layer type) from a table
         computed in fixed chunks of positions, so a position's values never depend on which other
         positions share the call."""
         dtype = dtype or self.dtype
         need = int(positions.max()) + 1
-        table = self._rope.get(dtype)
+        table = self._rope.get((dtype, kind))
         have = 0 if table is None else table[0].shape[0]
         if need > have:
             dummy = torch.zeros((1, 1, self.head_dim), dtype=dtype, device=self.device)
             parts = [
-                self.rotary(dummy, torch.arange(s, s + self._ROPE_CHUNK, device=self.device)[None])
+                self.rotary_of(dummy, torch.arange(s, s + self._ROPE_CHUNK, device=self.device)[None], kind)
                 for s in range(have, need, self._ROPE_CHUNK)
             ]
             cos = torch.cat([p[0][0] for p in parts])
             sin = torch.cat([p[1][0] for p in parts])
             table = (cos, sin) if table is None else (torch.cat((table[0], cos)), torch.cat((table[1], sin)))
-            self._rope[dtype] = table
+            self._rope[(dtype, kind)] = table
         return table[0][positions][None], table[1][positions][None]
+
+    def rotary_of(self, x: torch.Tensor, positions: torch.Tensor, kind: str | None) -> tuple[torch.Tensor, ...]:
+        """The model's rotary module over ``positions`` [1, n]: its table for layer type ``kind``
+        (Gemma 3: local and global layers), or its only one (``kind`` None)."""
+        return self.rotary(x, positions) if kind is None else self.rotary(x, positions, kind)
 
     @staticmethod
     def supports(model) -> bool:
         """Whether ``forward_segments`` computes exactly what the model's own forward does: Llama-style
-        decoder layers (q/k/v/o projections, with or without biases; Qwen3's per-head q/k norms;
-        gated MLP; the model's own embedding and norm modules, so Gemma's scaled embedding and
-        1 + weight norms too), rotary embeddings over the whole head on every layer, full attention (no
-        sliding window), and a plain linear head (tied or not). Anything else goes to the "hf"
-        backend (``unsupported`` says why)."""
+        decoder layers (q/k/v/o projections, with or without biases, or Phi-3's fused ``qkv_proj``;
+        Qwen3's and Gemma 3's per-head q/k norms; a gated MLP, or Phi-3's fused ``gate_up_proj``; the
+        model's own embedding and norm modules, so Gemma's scaled embedding and 1 + weight norms too,
+        and Gemma 2/3's norms after attention and around the MLP), rotary embeddings on every layer
+        (over the whole head; Phi-3's over part of it) whose frequencies do not depend on the
+        sequence's length (no dynamic or longrope scaling), Gemma 3's local and global rotary tables,
+        full attention, or sliding windows per layer for Gemma 2, Gemma 3 and Phi-3 (``layer_types``,
+        ``sliding_window``), Gemma 2's soft-capped attention scores, a plain linear head (tied or not)
+        and Gemma 2/3's soft-capped logits. Anything else goes to the "hf" backend (``unsupported``
+        says why)."""
         return not LlamaBackend.unsupported(model)
 
     @staticmethod
     def unsupported(model) -> str:
         """Why ``supports(model)`` is False, in a few words ("" where it is True)."""
         cfg = model.config
-        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-            return "sliding-window layers"
-        if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
-            return "layers other than full attention"
+        family = getattr(cfg, "model_type", "")
+        types = getattr(cfg, "layer_types", None) or []
+        if family in _WINDOWED:
+            if any(t not in ("full_attention", "sliding_attention") for t in types):
+                return "layers other than full or sliding-window attention"
+            if getattr(cfg, "use_bidirectional_attention", False):
+                return "bidirectional attention"
+        else:
+            if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+                return "sliding-window layers"
+            if any(t != "full_attention" for t in types):
+                return "layers other than full attention"
         if not all(getattr(cfg, "no_rope_layers", None) or [1]):  # SmolLM3: some layers skip RoPE
             return "layers without RoPE"
         rope = getattr(cfg, "rope_parameters", None) or {}
-        if float(rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) or 1.0) != 1.0:
+        ropes = [r for r in rope.values() if isinstance(r, dict)] or [rope]  # Gemma 3: one per layer type
+        partial = float(rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) or 1.0)
+        if partial != 1.0 and family != "phi3":
             return "RoPE over part of the head"
-        if any(getattr(cfg, a, None) for a in ("final_logit_softcapping", "logit_scale", "logits_scaling")):
-            return "soft-capped or scaled logits"
+        for r in ropes:
+            if r.get("rope_type") in ("dynamic", "longrope"):
+                return f"{r['rope_type']} RoPE scaling (frequencies that depend on the sequence's length)"
+        if any(getattr(cfg, a, None) for a in ("logit_scale", "logits_scaling")):
+            return "scaled logits"
+        if getattr(cfg, "final_logit_softcapping", None) and family not in _SOFTCAPPED:
+            return "soft-capped logits"
         inner = getattr(model, "model", None)
         if inner is None or not all(hasattr(inner, a) for a in ("layers", "embed_tokens", "norm", "rotary_emb")):
             return "a decoder of another shape"
@@ -142,15 +183,24 @@ class LlamaBackend:
             mlp = getattr(layer, "mlp", None)
             if not (
                 attn is not None
-                and all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling"))
+                and (
+                    all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj"))
+                    or (family == "phi3" and hasattr(attn, "qkv_proj"))
+                )
+                and all(hasattr(attn, p) for p in ("o_proj", "scaling"))
                 and hasattr(attn, "q_norm") == hasattr(attn, "k_norm")
                 and mlp is not None
-                and all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+                and (
+                    all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "act_fn"))
+                    or (family == "phi3" and all(hasattr(mlp, p) for p in ("gate_up_proj", "activation_fn")))
+                )
+                and hasattr(mlp, "down_proj")
                 and hasattr(layer, "input_layernorm")
                 and hasattr(layer, "post_attention_layernorm")
+                and hasattr(layer, "pre_feedforward_layernorm") == hasattr(layer, "post_feedforward_layernorm")
             ):
                 return "fused or differently shaped projections"
-        if getattr(cfg, "model_type", "") not in {"llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma"}:
+        if family not in _FAMILIES:
             return "a family the llama backend does not implement"
         return ""
 
@@ -196,11 +246,12 @@ class LlamaBackend:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden] -> logits [n, V] (an output layer kept as GGUF blocks: the block kernel)."""
+        """hidden [n, hidden] -> logits [n, V] (an output layer kept as GGUF blocks: the block kernel),
+        soft-capped as the model's head caps them (Gemma 2: ``final_logit_softcapping``)."""
         blocks = getattr(self.model.lm_head, "racer_blocks", None)
-        if blocks is not None:
-            return blocks.matmul(hidden)
-        return self.plan.mm(hidden, self.lm_head_w, None)
+        out = blocks.matmul(hidden) if blocks is not None else self.plan.mm(hidden, self.lm_head_w, None)
+        cap = self.final_softcap
+        return out if cap is None else torch.tanh(out / cap) * cap
 
     def take_prefix(self, src: "LlamaBackend", rows: int) -> None:
         """An empty cache takes ``src``'s first ``rows`` committed rows as its committed context (a
@@ -264,7 +315,10 @@ def forward_segments(segments, rows_exact: bool = True) -> list[torch.Tensor]:
     its position makes. On a CPU with the native library that is ``native_attention.c``: keys
     reduced in fixed blocks at absolute positions, block states merged in order, the committed
     context read in place by every row and only a row's ancestors named by index (``_row_keys``);
-    elsewhere each row is one query over its keys gathered (``_row_groups``).
+    elsewhere each row is one query over its keys gathered (``_row_groups``). A sliding-window layer's
+    row sees the keys of its own path within the window (``_windowed``), the same keys a one-token
+    step at its position sees; soft-capped scores (Gemma 2) are computed by torch, each row of an
+    exact call alone (``_capped_rows``).
     """
     b0 = segments[0][0]
     fused = b0.fused is not None and b0.invariant and b0.native_attention
@@ -277,13 +331,15 @@ def forward_segments(segments, rows_exact: bool = True) -> list[torch.Tensor]:
         hidden = _fused_forward(b0, tokens, positions, spans)
         return list(hidden.split(sizes)) if len(sizes) > 1 else [hidden]
     x = _embed(b0, tokens)[None]  # [1, n, hidden]
-    if b0.invariant:
-        cos, sin = b0.rope(positions)
-    else:
-        cos, sin = b0.rotary(x, positions[None])  # [1, n, head_dim]
-    rope = (cos[:, None], sin[:, None])
+    ropes = {}
+    for kind in dict.fromkeys(b0.rope_kinds):
+        if b0.invariant:
+            cos, sin = b0.rope(positions, kind=kind)
+        else:
+            cos, sin = b0.rotary_of(x, positions[None], kind)  # [1, n, rotary dims]
+        ropes[kind] = (cos[:, None], sin[:, None])
     for i, layer in enumerate(b0.layers):
-        x = decoder_block(b0, i, layer, x, rope, spans, exact)
+        x = decoder_block(b0, i, layer, x, ropes[b0.rope_kinds[i]], spans, exact)
     hidden = b0.norm(x)[0]
     return list(hidden.split(sizes)) if len(sizes) > 1 else [hidden]
 
@@ -293,7 +349,7 @@ def _fused_forward(b0, tokens: torch.Tensor, positions: torch.Tensor, spans) -> 
     model's dtype. Every call attends exactly (a prompt's rows too): one computation for every row."""
     x = _embed(b0, tokens).float().contiguous()
     cos, sin = b0.rope(positions, torch.float32)
-    segments = [(s, e, b.cache, past, *how) for b, s, e, past, how in spans]
+    segments = [(s, e, b.cache, past, *hows[None]) for b, s, e, past, hows in spans]
     return b0.fused(x, cos[0].contiguous(), sin[0].contiguous(), segments).to(b0.dtype)
 
 
@@ -391,55 +447,107 @@ def _projections(layer) -> dict:
 
 def _spans(segments, sizes: list[int], exact: bool) -> list[tuple]:
     """Per segment ``(backend, first row, end row, past length, how its rows attend)``, each cache
-    grown first to hold the new rows (and, for exact invariant attention, its pad rows)."""
+    grown first to hold the new rows (and, for exact invariant attention, its pad rows). How its rows
+    attend is by window (None: full attention; a sliding window's where the model has such layers)."""
     spans, start = [], 0
-    for size, (b, _, _, mask) in zip(sizes, segments):
+    for size, (b, _, positions, mask) in zip(sizes, segments):
         b._ensure_capacity(b.length + size + (b.pad_rows() if exact else 0))
-        if exact and b.native_attention:
-            how = _row_keys(mask, b.length, size)
-        elif exact:
-            how = _row_groups(mask, b.length, size, b.device, b.dtype)
-        else:
-            how = None if mask is None else _additive(mask, b.dtype, b.device)
-        spans.append((b, start, start + size, b.length, how))
+        hows = {}
+        for window in dict.fromkeys([None, *b.windows]):
+            if window is not None and int(positions.max()) < window:  # every key lies within the window
+                hows[window] = hows[None]
+                continue
+            seen = mask if window is None else _windowed(mask, b.length, positions, window)
+            if exact and b.native_attention:
+                hows[window] = _row_keys(seen, b.length, size)
+            elif exact:
+                hows[window] = _row_groups(seen, b.length, size, b.device, b.dtype)
+            else:
+                hows[window] = None if seen is None else _additive(seen, b.dtype, b.device)
+        spans.append((b, start, start + size, b.length, hows))
         start += size
     return spans
 
 
+def _windowed(mask: torch.Tensor | None, past: int, positions: torch.Tensor, window: int) -> torch.Tensor:
+    """``mask`` [n, past + n] (None: every key) limited to a sliding window: a row at position p sees
+    a key at position k only where p - window < k (transformers' overlay). The cache's committed rows
+    stand at positions 0, 1, ...; the new rows at ``positions`` (a tree node's: its depth past the
+    context), so a node's window counts the positions along its own path."""
+    pos = positions.cpu()
+    keys = torch.cat((torch.arange(past), pos))
+    near = keys[None, :] > pos[:, None] - window
+    return near if mask is None else mask.cpu() & near
+
+
 def decoder_block(b0, i: int, layer, x: torch.Tensor, rope, spans, exact: bool) -> torch.Tensor:
     """Decoder layer ``i`` over every segment's rows, x [1, n, hidden] -> [1, n, hidden]: attention
-    over each segment's own cache, then the gated MLP, each added to the residual stream."""
+    over each segment's own cache, then the gated MLP, each added to the residual stream (Gemma 2/3:
+    the attention's and the MLP's outputs normed before they are added, the MLP's input by
+    ``pre_feedforward_layernorm``)."""
     plan, attn, mlp = b0.plan, layer.self_attn, layer.mlp
     h = layer.input_layernorm(x)[0]  # [n, hidden]
-    x = x + _linear(plan, _attention(b0, i, attn, h, rope, spans, exact), attn.o_proj)[None]
+    a = _linear(plan, _attention(b0, i, attn, h, rope, spans, exact), attn.o_proj)[None]
+    if hasattr(layer, "pre_feedforward_layernorm"):
+        x = x + layer.post_attention_layernorm(a)
+        h = layer.pre_feedforward_layernorm(x)[0]
+        return x + layer.post_feedforward_layernorm(_mlp(plan, mlp, h)[None])
+    x = x + a
     h = layer.post_attention_layernorm(x)[0]
-    gated = mlp.act_fn(_linear(plan, h, mlp.gate_proj)) * _linear(plan, h, mlp.up_proj)
-    return x + _linear(plan, gated, mlp.down_proj)[None]
+    return x + _mlp(plan, mlp, h)[None]
+
+
+def _mlp(plan, mlp, h: torch.Tensor) -> torch.Tensor:
+    """The gated MLP over h [n, hidden]: gate and up projections, or Phi-3's one ``gate_up_proj``
+    whose first half of outputs is the gate, its second the up projection."""
+    if hasattr(mlp, "gate_up_proj"):
+        gate, up = _linear(plan, h, mlp.gate_up_proj).chunk(2, dim=-1)
+        return _linear(plan, up * mlp.activation_fn(gate), mlp.down_proj)
+    return _linear(plan, mlp.act_fn(_linear(plan, h, mlp.gate_proj)) * _linear(plan, h, mlp.up_proj), mlp.down_proj)
 
 
 def _attention(b0, i: int, attn, h: torch.Tensor, rope, spans, exact: bool) -> torch.Tensor:
     """h [n, hidden] -> attention output [n, heads * head_dim]; writes each segment's new K/V rows
     into its cache of layer ``i``."""
     plan, n = b0.plan, h.shape[0]
-    q = _linear(plan, h, attn.q_proj).view(1, n, b0.n_heads, b0.head_dim).transpose(1, 2)
-    k = _linear(plan, h, attn.k_proj).view(1, n, b0.n_kv, b0.head_dim).transpose(1, 2)
-    v = _linear(plan, h, attn.v_proj).view(1, n, b0.n_kv, b0.head_dim).transpose(1, 2)
+    if hasattr(attn, "qkv_proj"):  # Phi-3: q, k and v rows in one weight, in that order
+        dq, dkv = b0.n_heads * b0.head_dim, b0.n_kv * b0.head_dim
+        q, k, v = _linear(plan, h, attn.qkv_proj).split((dq, dkv, dkv), dim=-1)
+    else:
+        q, k, v = (_linear(plan, h, p) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    q = q.view(1, n, b0.n_heads, b0.head_dim).transpose(1, 2)
+    k = k.view(1, n, b0.n_kv, b0.head_dim).transpose(1, 2)
+    v = v.view(1, n, b0.n_kv, b0.head_dim).transpose(1, 2)
     if hasattr(attn, "q_norm"):  # Qwen3-style per-head norms
         q = attn.q_norm(q.transpose(1, 2)).transpose(1, 2)
         k = attn.k_norm(k.transpose(1, 2)).transpose(1, 2)
-    cos, sin = rope
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
+    q, k = _rotated(q, rope, b0.partial_rotary), _rotated(k, rope, b0.partial_rotary)
     gqa = b0.n_kv != b0.n_heads
-    outs = [_segment_attention(span, i, q, k, v, attn.scaling, exact, gqa) for span in spans]
+    window, cap = b0.windows[i], b0.softcaps[i]
+    outs = [_segment_attention(span, i, q, k, v, attn.scaling, exact, gqa, window, cap) for span in spans]
     o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return o.transpose(1, 2).reshape(n, -1)
 
 
-def _segment_attention(span, i: int, q, k, v, scale: float, exact: bool, gqa: bool) -> torch.Tensor:
+def _rotated(x: torch.Tensor, rope, partial: bool = False) -> torch.Tensor:
+    """x [1, heads, n, head_dim] with its rotary embedding: over the whole head, or (``partial``: Phi-3's
+    partial rotary factor) over its first dims, the others passed through."""
+    cos, sin = rope
+    d = cos.shape[-1]
+    if not partial or d == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    part = x[..., :d]
+    return torch.cat((part * cos + _rotate_half(part) * sin, x[..., d:]), dim=-1)
+
+
+def _segment_attention(
+    span, i: int, q, k, v, scale: float, exact: bool, gqa: bool, window: int | None = None, cap: float | None = None
+) -> torch.Tensor:
     """One segment's rows of q [1, H, n, D] over its own cache (its new K/V rows written first):
-    [1, H, rows, D]."""
-    b, s, e, past, how = span
+    [1, H, rows, D]. ``window``: the layer's sliding window (None: full attention); ``cap``: its
+    scores' soft cap (None: none)."""
+    b, s, e, past, hows = span
+    how = hows[window]
     total = past + e - s
     kv = b.cache[i]
     kv[0, :, past:total] = k[0, :, s:e]
@@ -449,10 +557,30 @@ def _segment_attention(span, i: int, q, k, v, scale: float, exact: bool, gqa: bo
         return o.transpose(0, 1)[None]
     kv = kv.to(q.dtype)  # a cache kept narrower than the model (GGUF blocks: float16), widened exactly
     if exact:
-        return _rows_attention(q[:, :, s:e], kv, how, scale, gqa)
+        return _rows_attention(q[:, :, s:e], kv, how, scale, gqa, cap)
+    if cap is not None:
+        return _capped(q[:, :, s:e], kv[0, :, :total][None], kv[1, :, :total][None], how, scale, cap)
     return F.scaled_dot_product_attention(
         q[:, :, s:e], kv[0, :, :total][None], kv[1, :, :total][None], attn_mask=how, scale=scale, enable_gqa=gqa
     )
+
+
+def _capped(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, add, scale: float, cap: float) -> torch.Tensor:
+    """Attention with soft-capped scores, as Gemma 2's own (eager) attention computes it: q [B, H, n, D]
+    over keys and values [B, kv_heads, m, D], ``add`` an additive mask [B or 1, 1, n, m] or None:
+    scores q k^T * scale, capped to cap * tanh(scores / cap), masked, softmax in float32, times the
+    values. [B, H, n, D] in q's dtype. Reduced precision computes in float32 (a CPU without native
+    bfloat16 products emulates them: slower, and rounded more)."""
+    b, h, n, d = q.shape
+    kv_heads, m = keys.shape[1], keys.shape[2]
+    group = h // kv_heads  # the query heads a KV head serves (consecutive), as one matrix of rows
+    qg = q.float().reshape(b, kv_heads, group * n, d)
+    w = torch.matmul(qg, keys.float().transpose(2, 3)) * scale  # [b, kv_heads, group * n, m]
+    w = torch.tanh(w / cap) * cap
+    if add is not None:
+        w = (w.view(b, kv_heads, group, n, m) + add[:, :, None]).view(b, kv_heads, group * n, m)
+    w = torch.softmax(w, dim=-1)
+    return torch.matmul(w, vals.float()).view(b, h, n, d).to(q.dtype)
 
 
 _KEY_BLOCK = 64  # invariant attention: key counts padded to a multiple of this (masked), so rows share calls
@@ -510,9 +638,12 @@ def _row_groups(mask: torch.Tensor | None, past: int, n: int, dev, dtype=torch.f
     return out
 
 
-def _rows_attention(q: torch.Tensor, kv: torch.Tensor, groups, scale: float, gqa: bool) -> torch.Tensor:
+def _rows_attention(
+    q: torch.Tensor, kv: torch.Tensor, groups, scale: float, gqa: bool, cap: float | None = None
+) -> torch.Tensor:
     """q [1, H, n, D]; kv [2, kv_heads, capacity, D]. Every row is one query over its own keys, in
-    calls whose every batch element has the shape a one-token step at that position has."""
+    calls whose every batch element has the shape a one-token step at that position has. Soft-capped
+    scores (``cap``): each row in calls of its own (``_capped_rows``)."""
     out = torch.empty_like(q)
     for rows, padded, idx, add in groups:
         g = rows.shape[0]
@@ -524,9 +655,24 @@ def _rows_attention(q: torch.Tensor, kv: torch.Tensor, groups, scale: float, gqa
             flat = idx.view(-1)
             keys = kv[0].index_select(1, flat).view(kv.shape[1], g, padded, -1).transpose(0, 1)
             vals = kv[1].index_select(1, flat).view(kv.shape[1], g, padded, -1).transpose(0, 1)
-        o = F.scaled_dot_product_attention(qr, keys, vals, attn_mask=add, scale=scale, enable_gqa=gqa)
+        if cap is not None:
+            o = _capped_rows(qr, keys, vals, add, scale, cap)
+        else:
+            o = F.scaled_dot_product_attention(qr, keys, vals, attn_mask=add, scale=scale, enable_gqa=gqa)
         out[0, :, rows] = o[:, :, 0].transpose(0, 1)
     return out
+
+
+def _capped_rows(qr, keys, vals, add, scale: float, cap: float) -> torch.Tensor:
+    """Soft-capped attention of g rows (qr [g, H, 1, D] over keys, values [g, kv_heads, padded, D],
+    ``add`` [g, 1, 1, padded]), each row alone over its keys copied contiguous: every row's calls are
+    those a one-token step at its position makes, whatever the other rows (torch's batched products
+    promise no bits across batch sizes). [g, H, 1, D]."""
+    rows = []
+    for j in range(qr.shape[0]):
+        keys_j, vals_j = keys[j : j + 1].contiguous(), vals[j : j + 1].contiguous()
+        rows.append(_capped(qr[j : j + 1], keys_j, vals_j, add[j : j + 1], scale, cap))
+    return torch.cat(rows)
 
 
 def _linear(plan, x: torch.Tensor, layer) -> torch.Tensor:
@@ -551,3 +697,45 @@ def _additive(mask: torch.Tensor, dtype, device) -> torch.Tensor:
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+# Families whose model_type the llama backend implements (``LlamaBackend.unsupported``); of them, those
+# whose sliding windows it applies per layer, and those whose head soft-caps its logits.
+_FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma", "gemma2", "gemma3_text", "phi3"}
+_WINDOWED = {"gemma2", "gemma3_text", "phi3"}
+_SOFTCAPPED = {"gemma2", "gemma3_text"}
+
+
+def _windows(model) -> list[int | None]:
+    """Each layer's sliding window (None: full attention): Gemma 2/3 by ``layer_types`` (their
+    attention modules' ``sliding_window``), Phi-3's one window on every layer."""
+    cfg = model.config
+    layers = model.model.layers
+    if cfg.model_type in ("gemma2", "gemma3_text"):
+        return [getattr(layer.self_attn, "sliding_window", None) or None for layer in layers]
+    if cfg.model_type == "phi3":
+        return [getattr(cfg, "sliding_window", None) or None] * len(layers)
+    return [None] * len(layers)
+
+
+def _rope_kinds(model) -> list[str | None]:
+    """Each layer's rotary table: its layer type where the rotary module keeps one per type (Gemma
+    3's local and global bases), else None (the one table)."""
+    cfg = model.config
+    if cfg.model_type == "gemma3_text":
+        return list(cfg.layer_types)
+    return [None] * len(model.model.layers)
+
+
+def _softcaps(model) -> list[float | None]:
+    """Each layer's attention soft cap: Gemma 2's ``attn_logit_softcapping`` (Gemma 3's attention
+    passes none to its attention function, whatever its config says), else None."""
+    cfg = model.config
+    cap = getattr(cfg, "attn_logit_softcapping", None) if cfg.model_type == "gemma2" else None
+    return [float(cap) if cap else None] * len(model.model.layers)
+
+
+def _final_softcap(model) -> float | None:
+    """The logits' soft cap the model's head applies (Gemma 2/3: ``final_logit_softcapping``)."""
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return float(cap) if cap and model.config.model_type in _SOFTCAPPED else None

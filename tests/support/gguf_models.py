@@ -29,10 +29,16 @@ ARCHS = {
     "qwen2": ("qwen2", "tiny qwen2", {}),
     # transformers reads no head size from a qwen3 file: the config class's default (128) it is
     "qwen3": ("qwen3", "tiny qwen3", {"head_dim": 128}),
+    # llama.cpp writes no output layer for a Gemma 2 (its embedding is the output layer): tied=True
+    "gemma2": ("gemma2", "tiny gemma2", {}),
     "gemma3_text": ("gemma3", "tiny gemma3", {}),
+    # q, k, v in one ``attn_qkv``, gate and up in one ``ffn_up``, as the model holds them
+    "phi3": ("phi3", "tiny phi3", {}),
+    # LayerNorms and an ungated MLP: a family the llama backend does not serve
+    "starcoder2": ("starcoder2", "tiny starcoder2", {}),
 }
 VOCAB = 49152  # the bundled tokenizer's
-_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 _QUANTIZED = (*_PROJECTIONS, "token_embd", "output")
 
 
@@ -117,7 +123,10 @@ def _metadata(writer: gguf.GGUFWriter, cfg, name: str, template: bool | str) -> 
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(heads)
     writer.add_head_count_kv(getattr(cfg, "num_key_value_heads", None) or heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if hasattr(cfg, "rms_norm_eps"):
+        writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    else:  # LayerNorms (StarCoder2)
+        writer.add_layer_norm_eps(cfg.norm_epsilon)
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
     writer.add_rope_dimension_count(head_dim)
     writer.add_key_length(head_dim)

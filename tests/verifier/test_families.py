@@ -133,6 +133,12 @@ LLAMA_VARIANTS = {
     "smollm3-nope": ("smollm3-nope", {}),
     "gemma": ("gemma", {}),  # Llama-shaped; its embedding module scales, its norms add 1 to the weight
     "gemma2": ("gemma2", {}),  # soft-capping, sliding windows, extra norms
+    # scores unscaled and capped hard (most of them past the cap), so that a cap left out would show
+    "gemma2-capped": ("gemma2", dict(attn_logit_softcapping=0.05, query_pre_attn_scalar=1)),
+    "gemma3_text": ("gemma3_text", {}),  # q/k norms, local and global layers with their own RoPE bases
+    "phi3": ("phi3", {}),  # fused qkv_proj and gate_up_proj
+    "phi3-swa": ("phi3", dict(sliding_window=8)),
+    "phi3-partial": ("phi3", dict(partial_rotary_factor=0.5)),
     "stablelm": ("stablelm", {}),  # partial rotary, LayerNorm
 }
 
@@ -167,7 +173,9 @@ def test_llama_supports_agrees_with_what_it_computes(variant):
     claims = LlamaBackend.supports(m)
     assert claims == _llama_computes(m), f"supports() says {claims}"
     assert claims == (
-        variant in {"llama", "llama-biases", "llama-tied", "mistral", "qwen2", "qwen3", "smollm3", "gemma"}
+        variant
+        in {"llama", "llama-biases", "llama-tied", "mistral", "qwen2", "qwen3", "smollm3", "gemma", "gemma2"}
+        | {"gemma2-capped", "gemma3_text", "phi3", "phi3-swa", "phi3-partial"}
     )
     if claims:  # and what it claims is lossless end to end
         prompt = echo_prompt(m)

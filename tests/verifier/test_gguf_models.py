@@ -1,7 +1,8 @@
 """A user's own GGUF file as ``--model``: tiny random models of each family the llama backend serves,
 written as llama.cpp writes them (``tests/support/gguf_models.py``), converted once and served from
-their blocks; the chat template is the file's; a family the llama backend does not serve falls
-back to the hf backend in float32 with one log line; a directory with one GGUF file serves it.
+their blocks (Phi-3's fused q/k/v and gate/up weights as one each; Gemma 2/3 past their sliding
+windows); the chat template is the file's; a family the llama backend does not serve falls back to
+the hf backend in float32 with one log line; a directory with one GGUF file serves it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from racer.bench.reference import hf_greedy
 from tests.support.gguf_models import bundled_tokenizer, write
 from verifier import gguf_blocks, native
+from verifier.layouts import layer_projections
 from verifier.model import gguf_source, load, resolve_dtype, resolve_model_dir
 
 pytestmark = pytest.mark.slow  # each file converts once: ~20 s, most of it the 49k-token vocabulary
@@ -23,9 +25,15 @@ pytestmark = pytest.mark.slow  # each file converts once: ~20 s, most of it the 
 needs_kernel = pytest.mark.skipif(not native.quant_supported(3), reason=f"native kernels not built: {native.why()}")
 
 # family -> (projections' format, tied output layer)
-SERVED = {"llama": ("Q4_0", False), "mistral": ("Q4_1", False), "qwen2": ("Q8_0", False), "qwen3": ("Q4_1", True)}
-_PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"))
-_PROJECTIONS += (("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+SERVED = {
+    "llama": ("Q4_0", False),
+    "mistral": ("Q4_1", False),
+    "qwen2": ("Q8_0", False),
+    "qwen3": ("Q4_1", True),
+    "gemma2": ("Q5_0", True),  # llama.cpp writes a Gemma 2 without an output layer
+    "gemma3_text": ("Q4_1", False),
+    "phi3": ("Q4_0", False),
+}
 
 
 @pytest.fixture(scope="module")
@@ -67,13 +75,14 @@ def test_a_gguf_file_is_served_from_its_blocks_and_racer_equals_off(files, famil
     m = load(str(path), "auto").model
     assert m._racer_gguf_file == str(path)
     held = gguf_blocks.kept(m)
-    assert held["dequantized"] == {} and held["blocks"] == {fmt: 2 * 7 + 1}
+    per_layer = 4 if family == "phi3" else 7  # Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj
+    assert all(len(layer_projections(layer)) == per_layer for layer in m.model.layers)
+    assert held["dequantized"] == {} and held["blocks"] == {fmt: 2 * per_layer + 1}
     assert m.config.tie_word_embeddings == tied
     # the blocks hold the values the float32 model holds, q and k rows in the model's order
     for layer in m.model.layers:
-        for part, proj in _PROJECTIONS:
-            mod = getattr(getattr(layer, part), proj)
-            assert torch.equal(mod.racer_blocks.rows(torch.arange(mod.weight.shape[0])), mod.weight), (part, proj)
+        for mod in layer_projections(layer):
+            assert torch.equal(mod.racer_blocks.rows(torch.arange(mod.weight.shape[0])), mod.weight), mod
     ids = torch.arange(0, m.config.vocab_size, 97)
     assert torch.equal(m.lm_head.racer_blocks.rows(ids), m.lm_head.weight[ids])
 
@@ -95,6 +104,7 @@ def test_a_gguf_file_is_served_from_its_blocks_and_racer_equals_off(files, famil
 
     base = _generate(m, prompt, "off", 1, 12)
     echo = prompt + base + prompt  # the prompt holds its own continuation: drafts get accepted
+    assert len(echo) > 3 * (getattr(m.config, "sliding_window", None) or 0)  # past the window
     off = _generate(m, echo, "off", 1, 24)
     for budget in (1, 16, 64):
         assert _generate(m, echo, "racer", budget, 24) == off, budget
@@ -138,13 +148,16 @@ def test_a_file_without_a_chat_template_gives_a_tokenizer_without_one(files):
 def test_a_family_the_llama_backend_does_not_serve_falls_back_to_hf_in_float32_with_one_log_line(files, caplog):
     from verifier.engine import backend_for
 
-    path = str(files("gemma3_text"))
+    path = str(files("starcoder2"))
     for dtype in ("auto", "gguf"):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="verifier.model"):
             loaded = load(path, dtype)
         lines = [r.getMessage() for r in caplog.records if r.name == "verifier.model"]
-        assert lines == ["gemma3: sliding-window layers; served by the hf backend in float32 from dequantized weights"]
+        assert lines == [
+            "starcoder2: fused or differently shaped projections; served by the hf backend in float32 "
+            "from dequantized weights"
+        ]
         assert loaded.model.dtype == torch.float32 and getattr(loaded.model, "_racer_gguf_file", None) is None
         assert backend_for(loaded.model) == "hf"
     # --backend hf asked for: the same, and the line says so
