@@ -54,7 +54,7 @@ def pack(model) -> bool:
     cannot be swapped) nor off a CPU. Returns whether the model is packed."""
     if packed(model):
         return True
-    params = list(dict.fromkeys(model.parameters()))  # tied weights once
+    params = [p for p in dict.fromkeys(model.parameters()) if id(p) not in _served_as_blocks(model)]  # tied once
     if (
         not enabled()
         or not params
@@ -83,6 +83,20 @@ def pack(model) -> bool:
             place(p, flat, p.data)
     model._racer_packed = True
     return True
+
+
+def _served_as_blocks(model) -> set[int]:
+    """ids of the parameters that no forward reads: the float32 weights of projections served from a
+    GGUF file's blocks (``gguf_blocks.attach``: a module with ``racer_blocks``), where no other module
+    shares them (a tied embedding is read by its lookups). They stay where they were loaded, a mapping
+    of the converted file that nothing pages in, instead of a copy in the arena: the verifier's
+    resident memory holds the blocks and not their float32 values too."""
+    served: dict[int, bool] = {}
+    for m in model.modules():
+        blocks = getattr(m, "racer_blocks", None) is not None
+        for p in m.parameters(recurse=False):
+            served[id(p)] = served.get(id(p), True) and blocks and p is getattr(m, "weight", None)
+    return {k for k, v in served.items() if v}
 
 
 def place(param: torch.Tensor, flat: torch.Tensor, value: torch.Tensor) -> None:

@@ -37,6 +37,7 @@ from common.sessions import Entry as _Entry
 from common.sessions import Holder, SessionTable
 
 from . import metrics as M
+from . import native
 from .batcher import Batcher, PrefillBatcher
 from .constraints import LogProbs
 from .engine import VerifierSession
@@ -46,6 +47,7 @@ from .kv_memory import KVMemory, default_kv_bytes, kv_bytes_per_token
 from .prefix_cache import BLOCK_TOKENS, Match, PrefixCache
 from .prefix_fetch import Ask, Clock, Header, Rates, Refused, WireBlock, faults, fingerprint, layout, link, pack, seed
 from .prefix_fetch import unpack as unpack_rows
+from .tuning import kernel_plan
 
 log = logging.getLogger("racer.verifier")
 
@@ -199,7 +201,10 @@ class Verifier(Holder):
         self.model_thread = ModelThread(self.prefill_chunk, torch.get_num_threads(), lead=prefill_lead)
         self.batcher = Batcher(self.model_thread, self.streaming, max_batch, max_wait_ms)
         self.prefills = PrefillBatcher(self.model_thread, prefill_batch, self.prefill_chunk)
-        setup = self.setup()  # the native kernels were checked when the model's plan was made
+        # Loaded (and checked) now if no plan has loaded it yet: what this verifier reports, and its
+        # prefix fingerprint, never depend on whether a forward has run before it started.
+        native.library()
+        setup = self.setup()
         for check in setup.kernel_checks:
             M.KERNEL_REFUSED.labels(check.kernel).set(0 if check.ok else 1)
         M.KERNEL_CHECK_SECONDS.set(setup.kernel_check_seconds)
@@ -228,6 +233,8 @@ class Verifier(Holder):
         if self.prefix is not None:
             self.row_layout = layout(model.config, setup.backend, cache_dtype(model), prefix_block)
             if self.row_layout.nbytes == self.prefix.block_bytes:
+                if setup.backend == "llama":  # the plan its sessions will run, made now (the first
+                    kernel_plan(model, held_ok=True)  # session's open would): the fingerprint names it
                 self.fingerprint, what = fingerprint(model, setup, self.row_layout, prefix_block)
                 log.info("prefix fingerprint", extra={"fingerprint": self.fingerprint, "of": what})
             else:  # rows not shaped as this module knows them: none move

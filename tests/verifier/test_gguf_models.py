@@ -101,6 +101,17 @@ def test_a_gguf_file_is_served_from_its_blocks_and_racer_equals_off(files, famil
         ref = m(torch.tensor([prompt])).logits[0, -1]
     err = ((got - ref).abs().max() / ref.abs().max()).item()
     assert 1e-4 < err < 0.05, err
+    # Weights served from blocks keep no float32 copy in the weight arena (the converted file's
+    # mapping, never paged in, holds them); the embedding, norms and biases are packed as before.
+    from verifier import arena
+
+    if arena.enabled():
+        assert arena.packed(m)
+        for layer in m.model.layers:
+            assert all(arena.slot(mod.weight) is None for mod in layer_projections(layer))
+            assert arena.slot(layer.input_layernorm.weight) is not None
+        assert arena.slot(m.model.embed_tokens.weight) is not None  # its lookups read it, tied or not
+        assert (arena.slot(m.lm_head.weight) is None) == (not tied)
 
     base = _generate(m, prompt, "off", 1, 12)
     echo = prompt + base + prompt  # the prompt holds its own continuation: drafts get accepted
