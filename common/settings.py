@@ -470,6 +470,27 @@ SERVICE = {
             "forward finished",
             float,
         ),
+        Setting(
+            "--tls-ca",
+            "RACER_TLS_CA",
+            "",
+            "PEM CA bundle that signed the other verifiers' certificates, for this verifier's calls to them (KV "
+            "transfers: fetch, hand-over, warm-up); set: it talks TLS to them",
+        ),
+        Setting(
+            "--tls-client-cert",
+            "RACER_TLS_CLIENT_CERT",
+            "",
+            "PEM certificate this verifier presents to other verifiers for KV transfers (for their --tls-client-ca)",
+        ),
+        Setting("--tls-client-key", "RACER_TLS_CLIENT_KEY", "", "PEM private key of --tls-client-cert"),
+        Setting(
+            "--tls-server-name",
+            "RACER_TLS_SERVER_NAME",
+            "",
+            "name the other verifiers' certificates must carry, for this verifier's calls to them (KV transfers; "
+            "default: the address's host; set it when verifiers reach each other at pod IPs)",
+        ),
     ],
     "gateway": [
         Setting(

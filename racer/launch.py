@@ -51,6 +51,17 @@ def _server_kw(args, kind: str = "gateway") -> dict:
     return kw
 
 
+def _client_tls(args, servers: str) -> tuple[object, list]:
+    """A service's calls to other services (the gateway's to drafters and verifiers, a verifier's to
+    other verifiers): channel credentials from ``--tls-ca`` and ``--tls-client-cert``/``--tls-client-key``
+    (None: plaintext) and the channel options, with ``--tls-server-name``. Settings that cannot work
+    are refused here, at start (ValueError: one line)."""
+    if args.tls_server_name and not args.tls_ca:
+        raise ValueError(f"--tls-server-name needs --tls-ca (the CA that signed the {servers}' certificates)")
+    credentials = channel_credentials(args.tls_ca, args.tls_client_cert, args.tls_client_key)
+    return credentials, channel_options(args.max_message_bytes, args.keepalive_seconds, args.tls_server_name)
+
+
 def internal_tokens(args) -> tuple[str, ...]:
     return load_tokens(args.internal_token, args.internal_token_file)
 
@@ -207,6 +218,12 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
     from verifier.sessions import Verifier
 
     server_kw = _server_kw(args, "verifier")  # before the model loads: refused at once
+    peer_credentials, peer_options = _client_tls(args, "other verifiers")
+    # Verifiers set up like this one would refuse its KV transfers (counted as source; the opens prefill).
+    if args.tls_cert and not args.tls_ca:
+        log.warning("this verifier serves TLS but calls other verifiers in plaintext (no --tls-ca)")
+    elif args.tls_client_ca and not args.tls_client_cert:
+        log.warning("this verifier requires client certificates but presents none to other verifiers")
     model = model if model is not None else await load_model(args)
     backend_for(model, args.backend)  # a backend that refuses the model or its dtype: refused now, not per session
     cost, prompt_rows = await _measure(model, args)
@@ -237,8 +254,9 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
         prefix_warm_share=args.prefix_warm_share,
     )
     # Other verifiers' prefix blocks: asked with the internal token the gateways send (every verifier
-    # accepts it), over plaintext (a verifier that requires TLS of its callers is not fetched from).
-    fetcher = PeerFetcher(identity_metadata(internal_tokens(args)), None, channel_options(args.max_message_bytes))
+    # accepts it), over TLS with --tls-ca (and this verifier's client certificate, for verifiers that
+    # require one), else plaintext.
+    fetcher = PeerFetcher(identity_metadata(internal_tokens(args)), peer_credentials, peer_options)
     core.fetcher = fetcher
     log.info(
         "KV memory",
@@ -337,9 +355,10 @@ async def _backend_endpoints(args, resolver=None):
     internal token."""
     from gateway.routing import Endpoints
 
+    credentials, options = _client_tls(args, "drafters' and verifiers")
     kw = dict(
-        channel_options=channel_options(args.max_message_bytes, args.keepalive_seconds, args.tls_server_name),
-        credentials=channel_credentials(args.tls_ca, args.tls_client_cert, args.tls_client_key),
+        channel_options=options,
+        credentials=credentials,
         metadata=identity_metadata(internal_tokens(args)),
         **({"resolver": resolver} if resolver else {}),
     )

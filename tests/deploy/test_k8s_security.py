@@ -165,7 +165,7 @@ def test_secrets_come_from_secrets_and_every_service_shares_the_internal_token(o
             assert not key.endswith("_URL"), f"{key}: store URLs carry the password, they come from a Secret"
 
 
-def test_an_overlay_runs_mutual_tls_between_the_gateway_and_its_backends():
+def test_an_overlay_runs_mutual_tls_between_the_gateway_and_its_backends_and_between_verifiers():
     objs = render("mtls")
     gw = service_env(objs, "gateway")
     assert gw["RACER_TLS_CA"] and gw["RACER_TLS_CLIENT_CERT"] and gw["RACER_TLS_CLIENT_KEY"]
@@ -173,6 +173,12 @@ def test_an_overlay_runs_mutual_tls_between_the_gateway_and_its_backends():
     for service in ("drafter", "verifier"):
         env = service_env(objs, service)
         assert env["RACER_TLS_CERT"] and env["RACER_TLS_KEY"] and env["RACER_TLS_CLIENT_CA"], service
+    # Verifiers call each other too (KV transfers), as the gateway calls them: the CA, a certificate
+    # their --tls-client-ca accepts (the shared one), and the name it carries (they dial pod IPs).
+    v = service_env(objs, "verifier")
+    assert v["RACER_TLS_CA"] == v["RACER_TLS_CLIENT_CA"] == gw["RACER_TLS_CA"]
+    assert (v["RACER_TLS_CLIENT_CERT"], v["RACER_TLS_CLIENT_KEY"]) == (v["RACER_TLS_CERT"], v["RACER_TLS_KEY"])
+    assert v["RACER_TLS_SERVER_NAME"] == gw["RACER_TLS_SERVER_NAME"]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

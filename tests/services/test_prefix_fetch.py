@@ -34,9 +34,8 @@ N = 6
 
 
 def _start_verifier(loop_thread, model, **settings):
-    args = services.defaults(
-        "verifier", host="127.0.0.1", port=0, max_sessions=16, internal_token=INTERNAL_TOKEN, **{**BACKEND, **settings}
-    )
+    settings = {"internal_token": INTERNAL_TOKEN, **BACKEND, **settings}
+    args = services.defaults("verifier", host="127.0.0.1", port=0, max_sessions=16, **settings)
     return loop_thread.run(services.start_verifier(args, model=model))
 
 
@@ -84,8 +83,11 @@ def stacks(loop_thread, tiny_llama, redis_url):
     st.stop()
 
 
-def _holds(target: str, scope: str, tokens: list[int]) -> bool:
-    held = set(_stats(target).prefix_blocks)
+def _holds(target: str, scope: str, tokens: list[int], channel=backend_channel) -> bool:
+    """Whether the verifier at ``target`` reports (``Stats``, over ``channel(target)``) every block
+    of ``tokens`` in ``scope``."""
+    with channel(target) as ch:
+        held = set(vgrpc.VerifierStub(ch).Stats(vpb.VerifierStatsRequest(), timeout=10).prefix_blocks)
     return all(key_id(k) in held for k in chain_keys(scope, tokens, BLOCK))
 
 
@@ -123,16 +125,19 @@ def test_a_session_placed_off_its_prefix_fetches_the_blocks_and_prefills_the_res
 # -- straight to the verifiers, as a gateway would call them ------------------------------------------
 
 
-def _turn(target: str, tenant: str, session_id: str, history: list[int], source: tuple | None, n: int):
-    """A turn at the verifier's API: open (naming ``source``, (address, blocks[, session id: a
-    hand-over]), as the blocks' holder), then ``n - 1`` one-token rounds. (the tokens, the open's answer)."""
+def _turn(
+    target: str, tenant: str, session_id: str, history: list[int], source: tuple | None, n: int, channel=backend_channel
+):
+    """A turn at the verifier's API, over ``channel(target)``: open (naming ``source``, (address,
+    blocks[, session id: a hand-over]), as the blocks' holder), then ``n - 1`` one-token rounds. (the
+    tokens, the open's answer)."""
     q: queue.Queue = queue.Queue()
     op = vpb.VerifierOpen(session_id=session_id, tenant=tenant, history=history, reserve_tokens=n)
     if source is not None:
         address, blocks, handover = (*source, "")[:3]
         op.prefix_source.CopyFrom(vpb.PrefixSource(address=address, blocks=blocks, session_id=handover))
     q.put(vpb.VerifyRequest(open=op))
-    with backend_channel(target) as ch:
+    with channel(target) as ch:
         call = vgrpc.VerifierStub(ch).Session(iter(q.get, None), timeout=120)
         opened = next(call)
         out = [opened.next_token]
@@ -145,10 +150,10 @@ def _turn(target: str, tenant: str, session_id: str, history: list[int], source:
     return out, opened
 
 
-def _cache(target: str, tenant: str, session_id: str, history: list[int]) -> None:
+def _cache(target: str, tenant: str, session_id: str, history: list[int], channel=backend_channel) -> None:
     """``tenant``'s blocks of ``history`` left in the prefix cache of the verifier at ``target``."""
-    _turn(target, tenant, session_id, history, None, 1)
-    wait_until(lambda: _holds(target, tenant, history[: 4 * BLOCK]), what="the blocks cached")
+    _turn(target, tenant, session_id, history, None, 1, channel)
+    wait_until(lambda: _holds(target, tenant, history[: 4 * BLOCK], channel), what="the blocks cached")
 
 
 @pytest.fixture(scope="module")

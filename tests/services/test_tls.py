@@ -1,5 +1,6 @@
 """The pipeline over TLS: certificates made here, mutual TLS between the gateway and its drafters and
-verifiers, TLS (with client certificates) from the client to the gateway."""
+verifiers and between verifiers (KV transfers), TLS (with client certificates) from the client to the
+gateway."""
 
 from __future__ import annotations
 
@@ -15,8 +16,13 @@ from racer.client import Client
 from tests.support.engine import hf_greedy
 from tests.support.stack import prompt, start_drafter, start_gateway, start_stack
 
+# The only name the "peer" certificate carries (not the address verifiers are dialled at).
+PEER_NAME = "racer-verifier.test"
 
-def _cert(name: str, issuer=None, ca: bool = False):
+
+def _cert(name: str, issuer=None, ca: bool = False, names: tuple[str, ...] = ()):
+    """A certificate of ``issuer`` (self-signed without one) for server and client auth, naming
+    localhost and 127.0.0.1, or ``names`` alone."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -37,10 +43,11 @@ def _cert(name: str, issuer=None, ca: bool = False):
         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
     )
     if not ca:
-        b = b.add_extension(
-            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
+        sans = [x509.DNSName(n) for n in names] or [
+            x509.DNSName("localhost"),
+            x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+        ]
+        b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
         b = b.add_extension(
             x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
         )
@@ -65,6 +72,7 @@ def pki(tmp_path_factory):
     out = {"ca": _write(d / "ca", *ca)[0], "rogue_ca": _write(d / "rogue", *rogue)[0]}
     for name, issuer in (("server", ca), ("gateway-client", ca), ("user", ca), ("rogue-client", rogue)):
         out[name] = _write(d / name, *_cert(name, issuer))
+    out["peer"] = _write(d / "peer", *_cert("peer", ca, names=(PEER_NAME,)))
     return out
 
 
@@ -141,6 +149,58 @@ def test_a_gateway_without_a_client_certificate_cannot_use_mtls_backends(loop_th
         loop_thread.run(srv.stop(0))
 
 
+def test_verifiers_fetch_prefix_blocks_from_each_other_over_mutual_tls(loop_thread, tiny_llama, pki):
+    """Verifiers that require client certificates of the CA (and no internal token), each with a
+    certificate naming only ``PEER_NAME``, reached at 127.0.0.1. A receiver with the verifier's TLS
+    settings for its calls to other verifiers (the CA, its client certificate, the name) fetches a
+    tenant's prefix blocks from their holder; one without a client certificate is refused by the
+    holder's handshake (``source``) and prefills. The output is transformers' greedy output both ways."""
+    from racer.bench.tiny import make_tiny_llama
+    from tests.services.test_prefix_fetch import BLOCK, SYSTEM, N, _cache, _delta, _start_verifier, _turn
+    from verifier import native
+
+    cert, key = pki["peer"]
+    serve = dict(tls_cert=cert, tls_key=key, tls_client_ca=pki["ca"], internal_token="")
+    dial = dict(tls_ca=pki["ca"], tls_server_name=PEER_NAME)
+    # The tiny model's weights on a model of their own, its kernel plan forced rather than measured:
+    # the three verifiers' fingerprints agree whatever a measurement on a busy machine would choose.
+    # The native library is loaded first (a measured plan would load it), so all three name it.
+    native.library()
+    model = make_tiny_llama()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RACER_KERNELS", "linear")
+        started = [
+            _start_verifier(loop_thread, model, **serve),  # the holder
+            _start_verifier(loop_thread, model, **serve, **dial, tls_client_cert=cert, tls_client_key=key),
+            _start_verifier(loop_thread, model, **serve, **dial),  # no client certificate
+        ]
+    (holder, _), (receiver, _), (bare, _) = started
+    user = channel_credentials(pki["ca"], *pki["user"])
+
+    def channel(target: str) -> grpc.Channel:  # the test's own calls: a client certificate of the CA
+        return grpc.secure_channel(target, user, options=[("grpc.ssl_target_name_override", PEER_NAME)])
+
+    try:
+        history = SYSTEM + prompt(6, 7)
+        expected = hf_greedy(tiny_llama, history, N)
+        _cache(holder.address, "erin", "tls-a", history, channel)
+        with _delta() as d:
+            out, opened = _turn(receiver.address, "erin", "tls-b", history, (holder.address, 4), N, channel)
+        assert out == expected
+        assert d["fetched"] == 4 and d["served"] == 4 and opened.fetched_tokens == 4 * BLOCK
+        assert d["source"] == 0
+
+        with _delta() as d:
+            out, opened = _turn(bare.address, "erin", "tls-c", history, (holder.address, 4), N, channel)
+        assert out == expected
+        assert d["source"] == 1 and d["fetched"] == 0 and d["served"] == 0
+        assert opened.fetched_tokens == 0 and opened.prefix_tokens == 0  # prefilled all of it
+    finally:
+        for srv, core in started:
+            loop_thread.run(srv.stop(0))
+            core.close()
+
+
 def test_tls_settings_that_cannot_work_are_refused_at_start(pki):
     from common.tls import channel_credentials, server_credentials
 
@@ -155,6 +215,34 @@ def test_tls_settings_that_cannot_work_are_refused_at_start(pki):
     ):
         with pytest.raises(ValueError):
             bad()
+
+
+@pytest.mark.parametrize(
+    "service, settings, says",
+    [
+        ("verifier", dict(tls_client_cert="server.crt", tls_client_key="server.key"), "needs --tls-ca"),
+        ("verifier", dict(tls_ca="ca", tls_client_cert="server.crt"), "its key go together"),
+        ("verifier", dict(tls_server_name=PEER_NAME), "--tls-server-name needs --tls-ca"),
+        ("verifier", dict(tls_ca="/nonexistent.crt"), "--tls-ca '/nonexistent.crt'"),
+        ("gateway", dict(tls_server_name=PEER_NAME), "--tls-server-name needs --tls-ca"),
+    ],
+)
+def test_client_tls_settings_that_cannot_work_stop_the_start_with_one_line(pki, service, settings, says):
+    """A verifier's settings for its calls to other verifiers, as the gateway's for its calls to
+    drafters and verifiers: refused before the model or tokenizer loads."""
+    import asyncio
+
+    from racer import launch
+
+    files = {"ca": pki["ca"], "server.crt": pki["server"][0], "server.key": pki["server"][1]}
+    settings = {k: files.get(v, v) for k, v in settings.items()}
+    if service == "verifier":
+        start = launch.start_verifier(launch.defaults("verifier", port=0, internal_token="t" * 32, **settings))
+    else:
+        start = launch.start_gateway(launch.defaults("gateway", port=0, model="none", **settings))
+    with pytest.raises(ValueError) as e:
+        asyncio.run(start)
+    assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
 def test_probes_without_a_certificate_pass_on_the_health_port_of_a_mutual_tls_backend(loop_thread, pki):
