@@ -16,6 +16,11 @@ weights where the loader put them (``verifier/arena.py``; for ``--dtype gguf``, 
 the file stores their rows instead of in groups of 8); both may follow one plan. ``--dtype
 gguf,bfloat16,float32`` runs every plan in each dtype, interleaved the same way.
 
+A plan served from GGUF blocks also gets the bytes of blocks its one-node step reads against the
+machine's streaming read bandwidth (``--stream-mib`` of memory read by the native library's read
+loop, one contiguous run per thread, interleaved with the verifications): how near the memory limit a
+one-token step runs.
+
 ``--blocks`` times the block kernel (``native_quant.c``) alone instead, on random weights of the
 given formats and shapes (``out x in``), each as the file stores its rows or packed in groups of 8,
 at each of ``--sizes`` rows and each of ``--threads`` (a list here), all interleaved, microseconds a
@@ -115,6 +120,45 @@ def block_table(args) -> None:
         print(f"| {n}x{k} | {fmt} {layout} | " + " | ".join(cells) + " |")
 
 
+def block_bytes(sessions) -> dict[str, int]:
+    """Per plan served from GGUF blocks, the bytes of blocks a one-node step reads (every projection
+    and the output layer; the float32 norms and one embedding row aside)."""
+    out = {}
+    for spec, session in sessions.items():
+        model = session.model
+        nbytes = sum(m.racer_blocks.data.nbytes for m in model.modules() if getattr(m, "racer_blocks", None))
+        if nbytes:
+            out[spec] = nbytes
+    return out
+
+
+class Stream:
+    """The machine's streaming read bandwidth on ``threads`` threads: a buffer far larger than the
+    caches read by the native library's read loop (each thread one contiguous run), on the kernels'
+    pool held as a forward holds it."""
+
+    def __init__(self, threads: int, mib: int):
+        from verifier import native
+
+        self.lib = native.library()
+        self.threads = threads
+        self.buf = torch.ones(mib << 20, dtype=torch.uint8)  # written once: every page is there
+        self.times: list[float] = []
+
+    def measure(self, keep: bool) -> None:
+        self.lib.racer_pool_hold(1)
+        t0 = time.perf_counter()
+        self.lib.racer_stream_read(self.buf.data_ptr(), self.buf.numel(), self.threads)
+        elapsed = time.perf_counter() - t0
+        self.lib.racer_pool_hold(0)
+        if keep:
+            self.times.append(elapsed)
+
+    def median(self) -> float:
+        """GB/s."""
+        return self.buf.numel() / statistics.median(self.times) / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
@@ -128,6 +172,12 @@ def main() -> None:
     ap.add_argument("--blocks", default="", help="FORMAT/packed or FORMAT/rows, comma-separated: the kernel alone")
     ap.add_argument("--weights", default="576x1536,1536x576", help="--blocks: weight shapes, out x in")
     ap.add_argument("--calls", type=int, default=20, help="--blocks: calls per timed batch")
+    ap.add_argument(
+        "--stream-mib",
+        type=int,
+        default=1024,
+        help="gguf plans: MiB of the streaming read the one-node step's weight bytes are compared with (0: none)",
+    )
     args = ap.parse_args()
     if args.blocks:
         block_table(args)
@@ -159,6 +209,7 @@ def main() -> None:
     vocab = next(iter(sessions.values())).vocab_size
     trees = {n: ([rng.randrange(vocab) for _ in range(n)], [-1, *range(n - 1)]) for n in sizes}
     times = {(spec, n): [] for spec in plans for n in sizes}
+    stream = Stream(args.threads, args.stream_mib) if args.stream_mib and block_bytes(sessions) else None
     for rep in range(args.reps + 1):  # the first pass warms up and is not counted
         for n in sizes:
             for spec, session in sessions.items():
@@ -167,6 +218,8 @@ def main() -> None:
                 if rep:
                     times[(spec, n)].append((time.perf_counter() - t0) * 1e3)
                 session.truncate(args.context)
+            if stream is not None:
+                stream.measure(keep=rep > 0)
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     print(
         f"\n{cpu}, {args.threads} thread(s), {args.dtype}, {args.context}-token context, chain trees, "
@@ -177,6 +230,18 @@ def main() -> None:
     for spec in plans:
         med = [statistics.median(times[(spec, n)]) for n in sizes]
         print(f"| {spec} | " + " | ".join(f"{m:.1f}" for m in med) + f" | {med[-1] / med[0]:.1f} |")
+    if stream is not None and 1 in sizes:
+        gbs = stream.median()
+        print(
+            f"\nstreaming read: {gbs:.1f} GB/s ({args.stream_mib} MiB, {args.threads} thread(s), "
+            f"racer_stream_read, median of {len(stream.times)}, interleaved with the verifications)"
+        )
+        print("| plan | block bytes a one-node step reads | one-node step | bytes / step time | share of streaming |")
+        print("|---|---|---|---|---|")
+        for spec, nbytes in block_bytes(sessions).items():
+            ms = statistics.median(times[(spec, 1)])
+            rate = nbytes / ms / 1e6
+            print(f"| {spec} | {nbytes / 1e6:.1f} MB | {ms:.2f} ms | {rate:.1f} GB/s | {100 * rate / gbs:.0f}% |")
 
 
 if __name__ == "__main__":

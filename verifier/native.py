@@ -237,6 +237,8 @@ def _declare_quant(lib: ctypes.CDLL) -> None:
     lib.racer_quant_pack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
     lib.racer_quant_packed.restype = ctypes.c_int
     lib.racer_quant_packed.argtypes = lib.racer_quant.argtypes + [ctypes.c_int]
+    lib.racer_stream_read.restype = ctypes.c_uint64
+    lib.racer_stream_read.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
 
 
 def library(machine: str = "") -> ctypes.CDLL | None:

@@ -532,7 +532,8 @@ int racer_quant_rows(int type, const void *w, const int64_t *ids, long n, long K
  * groups of 8 rows; within a group, block b of all 8 rows is one run of bytes: the values first
  * (Q4_0/Q4_1/Q5_0/Q5_1: 4 runs of 32 bytes, run c holding bytes 4c .. 4c + 3 of each row's 16 nibble
  * bytes in row order, so that its low nibbles are values 4c .. 4c + 3 of the 8 rows and its high
- * nibbles values 16 + 4c .. 16 + 4c + 3; Q8_0: row j's 32 bytes at 32 j), then the 8 rows' float16
+ * nibbles values 16 + 4c .. 16 + 4c + 3; Q8_0: 8 runs of 32 bytes, run t holding values 4t .. 4t + 3 of
+ * the 8 rows in row order), then the 8 rows' float16
  * scales, then (Q4_1, Q5_1) their 8 float16 minimums, then (Q5_0, Q5_1) their 8 32-bit words of fifth
  * bits, each row's bits reordered within its word: bit t of byte i is value 4t + i's (the file's bit
  * 4t + i), so that values 4t .. 4t + 3 take bit t of the word's 4 bytes, one shift for all 8 rows.
@@ -545,10 +546,11 @@ int racer_quant_rows(int type, const void *w, const int64_t *ids, long n, long K
  *     y = (acc + msum) + bias
  * where dw/min are the weight block's, dx the activation block's scale and sx = dx * sum(q) (Q4_1
  * and Q5_1 only; msum stays 0 otherwise), and isum = sum(v * q) - offset * sum(q) (Q4_0's offset 8,
- * Q5_0's 16). The SIMD code computes 8 weight rows' outputs in the 8 float lanes of one vector, so
- * each lane is one output's steps exactly: row invariant, and the same bits as the C code
- * (quant_packed_ref). These are not the bits of the rows as stored (row_dot keeps 8 partial sums a
- * block): a weight is served in one layout for its life. */
+ * Q5_0's 16). The SIMD code computes 8 weight rows' outputs in the 8 float lanes of one vector (two
+ * groups side by side: two such vectors, or with AVX-512 the 16 lanes of one), so each lane is one
+ * output's steps exactly: row invariant, and the same bits as the C code (quant_packed_ref). These
+ * are not the bits of the rows as stored (row_dot keeps 8 partial sums a block): a weight is served
+ * in one layout for its life. */
 static long packed_bytes(int type) /* one block of a group of 8 rows */
 {
     switch (type) {
@@ -589,7 +591,7 @@ static void packed_block(int type, const uint8_t *gb, int j, uint8_t *out)
 {
     if (type == GQ8_0) {
         memcpy(out, gb + 256 + 2 * j, 2);
-        memcpy(out + 2, gb + 32 * j, 32);
+        for (int t = 0; t < 8; t++) memcpy(out + 2 + 4 * t, gb + 32 * t + 4 * j, 4);
         return;
     }
     const int head = file_qs(type);
@@ -613,7 +615,7 @@ int racer_quant_pack(int type, const void *w, long N, long K, void *out)
             uint8_t *gb = (uint8_t *)out + (g * nb + b) * gbytes;
             if (type == GQ8_0) {
                 memcpy(gb + 256 + 2 * j, src, 2);
-                memcpy(gb + 32 * j, src + 2, 32);
+                for (int t = 0; t < 8; t++) memcpy(gb + 32 * t + 4 * j, src + 2 + 4 * t, 4);
             } else {
                 memcpy(gb + 128 + 2 * j, src, 2);
                 if (has_min(type)) memcpy(gb + 144 + 2 * j, src + 2, 2);
@@ -698,15 +700,6 @@ static float quant_packed_ref(int type, const uint8_t *g, const struct xp *X, in
 }
 
 #if defined(QUANT_AVX2)
-/* 8 vectors of 8 int32 -> lane j the sum of vector j's lanes. */
-static inline __m256i sum8(__m256i v0, __m256i v1, __m256i v2, __m256i v3, __m256i v4, __m256i v5, __m256i v6,
-                           __m256i v7)
-{
-    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
-    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v4, v5), _mm256_hadd_epi32(v6, v7));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
-}
-
 /* Blocks ahead of the one being multiplied that a pass asks the cache for. A group's blocks stream
  * from memory once per call; with the hardware prefetcher alone, calls of 1 to 16 rows took 1.05-1.3x
  * as long (the output layer's one-row call 1.2-1.3x; AMD EPYC Zen 3, medians of 40 interleaved calls).
@@ -715,109 +708,308 @@ static inline __m256i sum8(__m256i v0, __m256i v1, __m256i v2, __m256i v3, __m25
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 8
 #endif
-#define CHUNK 16 /* x rows a pass over a group's blocks keeps in registers and L1 */
+/* x rows one pass over a lone group (PASS_ROWS) or a pair of groups (PAIR_ROWS) carries: per x row
+ * and group, its float32 accumulator and the integer sums of the block at hand stay in registers
+ * (AVX2's 16: 2 x 4 + 2 x 4 for a pair), and the groups' values, re-read from L1 for each pass, are
+ * widened once per pass. A pair shares each broadcast of x values between 16 weight rows. One thread,
+ * Q4_1 576x1536 and 1536x576 at 16 rows (AMD EPYC Zen 3, side by side): pairs of 4 rows 167-178
+ * GOP/s, pairs of 2 rows 148-154, lone groups of 4 rows 139-141; the kernel before (lone groups, 16
+ * rows a pass, accumulators and products spilled to the stack at every block) 151-153. The rows
+ * left after the passes (1 to 3) take one pass of their own. */
+#define PASS_ROWS 4
+#define PAIR_ROWS 4
+#define MAX_ROWS 4
 
-/* Group g (8 weight rows) against x rows m0 .. m1 - 1 (at most CHUNK): y[m * ys + 0..7]. */
-static inline __attribute__((always_inline)) void group_rows(int type, const uint8_t *g, const struct xp *X, long m0,
-                                                             long m1, float *y, long ys, __m256 bias)
+/* Values 4t .. 4t + 3 of the 8 rows of a group's block p, row j's in 32-bit lane j: unsigned bytes
+ * (the nibble formats' values, the fifth bit included), or Q8_0's signed ones. */
+static inline __attribute__((always_inline)) __m256i group_values(int type, const uint8_t *p, int t)
+{
+    if (type == GQ8_0) return _mm256_loadu_si256((const __m256i *)(p + 32 * t));
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(p + 32 * (t & 3)));
+    __m256i v = _mm256_and_si256(t < 4 ? q : _mm256_srli_epi16(q, 4), _mm256_set1_epi8(0xF));
+    if (type == GQ5_0 || type == GQ5_1) {
+        /* the fifth bits: row j's word in lane j, bit t of its byte i value 4t + i's, shifted to bit 4
+         * (within each byte: 16-bit shifts by at most 4 bring no bit across into bit 4) */
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + group_qh(type)));
+        const __m256i at4 = t < 4 ? _mm256_slli_epi16(qh, 4 - t) : t > 4 ? _mm256_srli_epi16(qh, t - 4) : qh;
+        v = _mm256_or_si256(v, _mm256_and_si256(at4, _mm256_set1_epi8(0x10)));
+    }
+    return v;
+}
+
+/* A value the compiler must take as it is at this point: it keeps a running sum's steps in the written
+ * order, one step per product as it comes, where GCC 12 otherwise regrouped the sums and kept every
+ * product of a block live at once (spilled to the stack). Changes no value. */
+#if defined(__AVX512F__)
+#define KEEP(v) __asm__("" : "+v"(v)) /* any of the 32 vector registers */
+#else
+#define KEEP(v) __asm__("" : "+x"(v))
+#endif
+
+/* A 32-bit value in every lane (vbroadcastss: on AMD Zen 3 about 1.3 a cycle against vpbroadcastd's 1). */
+static inline __attribute__((always_inline)) __m256i bcast32(const int8_t *p)
+{
+    return _mm256_castps_si256(_mm256_broadcast_ss((const float *)p));
+}
+
+/* G consecutive groups (G <= 2; 8 weight rows each, group i at g + i * gstride) against x rows
+ * m0 .. m0 + R - 1 (R <= PASS_ROWS; G and R constants where it is inlined): y[(m0 + r) * ys + 8 i ..].
+ * Per x row and block, the integer sums of the G x 8 rows, one broadcast of 4 x values serving the
+ * 4 products of G x 8 rows, then the float steps of every lane. */
+static inline __attribute__((always_inline)) void group_pass(int type, int G, int R, const uint8_t *g, long gstride,
+                                                             const struct xp *X, long m0, float *y, long ys,
+                                                             const __m256 *bias)
 {
     const long gbytes = packed_bytes(type), M = X->M;
-    const __m256i low4 = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1);
     (void)ones; /* the 16-bit sums of AVX2 without VNNI only */
-    __m256 acc[CHUNK], msum[CHUNK];
-    for (long m = m0; m < m1; m++) acc[m - m0] = msum[m - m0] = _mm256_setzero_ps();
+    const long dat = type == GQ8_0 ? 256 : 128; /* the scales' offset in a group's block */
+    const int five = type == GQ5_0 || type == GQ5_1;
+    (void)five;
+    __m256 acc[2][MAX_ROWS];
+    for (int i = 0; i < G; i++)
+        for (int r = 0; r < R; r++) acc[i][r] = _mm256_setzero_ps();
     for (long b = 0; b < X->nb; b++) {
-        const uint8_t *p = g + b * gbytes;
+        const int8_t *xq = X->q + (b * M + m0) * 32;
+        const uint8_t *p[2];
+        for (int i = 0; i < G; i++) {
+            p[i] = g + i * gstride + b * gbytes;
 #if PREFETCH_BLOCKS > 0
-        /* a block of a group: 144 to 192 bytes (Q4_0 .. Q5_1) or 272 (Q8_0); a prefetch never
-         * faults, past the weight's end included */
-        const char *ahead = (const char *)p + PREFETCH_BLOCKS * gbytes;
-        for (long c = 0; c < gbytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+            /* a block of a group: 144 to 192 bytes (Q4_0 .. Q5_1) or 272 (Q8_0); past a group's last
+             * block, the same block of the group after the pair (the next pass's); a prefetch never
+             * faults, past the weight's end included */
+            const char *ahead = (const char *)p[i] + PREFETCH_BLOCKS * gbytes + (b + PREFETCH_BLOCKS >= X->nb ? (G - 1) * gstride : 0);
+            for (long c = 0; c < gbytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
 #endif
-        if (type == GQ8_0) {
-            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256)));
-            __m256i w[8], aw[8];
-            for (int j = 0; j < 8; j++) {
-                w[j] = _mm256_loadu_si256((const __m256i *)(p + 32 * j));
-                aw[j] = _mm256_sign_epi8(w[j], w[j]);
-            }
-            for (long m = m0; m < m1; m++) {
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(X->q + (b * M + m) * 32));
-                __m256i v[8];
-                for (int j = 0; j < 8; j++) v[j] = dot_us(aw[j], _mm256_sign_epi8(x, w[j]));
-                __m256i isum = sum8(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
-#if defined(RACER_FAULT_PACKED)
-                isum = _mm256_sub_epi32(_mm256_setzero_si256(), isum);
-#endif
-                const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(X->d[b * M + m]));
-                acc[m - m0] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum), acc[m - m0]);
-            }
-            continue;
         }
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 128)));
-        const __m256 mw = has_min(type) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 144))) : _mm256_setzero_ps();
-        __m256i wv[8]; /* wv[t]: values 4t .. 4t + 3 of each of the 8 rows, a row per 32-bit lane */
-        for (int c = 0; c < 4; c++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(p + 32 * c));
-            wv[c] = _mm256_and_si256(q, low4);
-            wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-        }
-        if (type == GQ5_0 || type == GQ5_1) {
-            /* the fifth bits: row j's word in lane j, bit t of its byte i value 4t + i's, shifted to
-             * bit 4 (within each byte: 16-bit shifts by at most 4 bring no bit across into bit 4) */
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + group_qh(type)));
-            const __m256i five = _mm256_set1_epi8(0x10);
-            for (int t = 0; t < 8; t++) {
-                const __m256i at4 = t < 4 ? _mm256_slli_epi16(qh, 4 - t) : t > 4 ? _mm256_srli_epi16(qh, t - 4) : qh;
-                wv[t] = _mm256_or_si256(wv[t], _mm256_and_si256(at4, five));
-            }
-        }
-        for (long m = m0; m < m1; m++) {
-            const int8_t *xq = X->q + (b * M + m) * 32;
-#define XW(t) _mm256_set1_epi32(load32(xq + 4 * (t))) /* x values 4t .. 4t + 3 in every lane */
+        __m256i isum[2][MAX_ROWS];
 #if defined(DPBUSD)
-            /* dpbusd: 4 products summed into 32 bits, one instruction; two chains (integer sums: any
-             * order gives the same bits) */
-            __m256i i0 = DPBUSD(_mm256_setzero_si256(), wv[0], XW(0)), i1 = DPBUSD(_mm256_setzero_si256(), wv[1], XW(1));
-            for (int t = 2; t < 8; t += 2) {
-                i0 = DPBUSD(i0, wv[t], XW(t));
-                i1 = DPBUSD(i1, wv[t + 1], XW(t + 1));
+        /* dpbusd: 4 products summed into 32 bits, one instruction (integer sums: any order, the same
+         * bits). Q8_0's signed values: |w| times x with w's sign. */
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) {
+            __m256i v[2], u[2];
+            for (int i = 0; i < G; i++) {
+                v[i] = group_values(type, p[i], t);
+                u[i] = type == GQ8_0 ? _mm256_sign_epi8(v[i], v[i]) : v[i];
             }
-            __m256i isum = _mm256_add_epi32(i0, i1);
+            for (int r = 0; r < R; r++) {
+                const __m256i x = bcast32(xq + 32 * r + 4 * t);
+                for (int i = 0; i < G; i++) {
+                    isum[i][r] = DPBUSD(t ? isum[i][r] : _mm256_setzero_si256(), u[i],
+                                        type == GQ8_0 ? _mm256_sign_epi8(x, v[i]) : x);
+                    KEEP(isum[i][r]);
+                }
+            }
+        }
 #else
-            /* 16-bit sums, as a tree (exact: the order does not change the bits), not a chain. 4-bit
-             * values: 8 products of pairs, each at most 2 * 15 * 127, so any partial sum stays under
-             * 32768; 5-bit values (up to 2 * 31 * 127 a pair): 4 pairs in 16 bits, then two 32-bit sums */
-            __m256i p[8];
-            for (int t = 0; t < 8; t++) p[t] = _mm256_maddubs_epi16(wv[t], XW(t));
-            const __m256i lo = _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3]));
-            const __m256i hi = _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7]));
-            __m256i isum;
-            if (type == GQ5_0 || type == GQ5_1)
-                isum = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
-            else
-                isum = _mm256_madd_epi16(_mm256_add_epi16(lo, hi), ones);
+        __m256i s16[2][MAX_ROWS];
+        (void)s16;
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) {
+            __m256i v[2], u[2];
+            for (int i = 0; i < G; i++) {
+                v[i] = group_values(type, p[i], t);
+                u[i] = type == GQ8_0 ? _mm256_sign_epi8(v[i], v[i]) : v[i];
+            }
+            for (int r = 0; r < R; r++) {
+                const __m256i x = bcast32(xq + 32 * r + 4 * t);
+                for (int i = 0; i < G; i++) {
+                    if (type == GQ8_0) {
+                        /* |w| times x with w's sign: a pair of products reaches 2 * 128 * 127, so each
+                         * pair sum goes to 32 bits at once */
+                        const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(u[i], _mm256_sign_epi8(x, v[i])), ones);
+                        isum[i][r] = t ? _mm256_add_epi32(isum[i][r], d) : d;
+                        KEEP(isum[i][r]);
+                        continue;
+                    }
+                    /* 16-bit sums (exact): 4-bit values, 8 products of pairs each at most 2 * 15 * 127,
+                     * so any partial sum stays under 32768; 5-bit values (up to 2 * 31 * 127 a pair): 4
+                     * pairs in 16 bits, then two 32-bit sums */
+                    const __m256i prod = _mm256_maddubs_epi16(v[i], x);
+                    s16[i][r] = t == 0 || (five && t == 4) ? prod : _mm256_add_epi16(s16[i][r], prod);
+                    KEEP(s16[i][r]);
+                    if (five && t == 3) isum[i][r] = _mm256_madd_epi16(s16[i][r], ones);
+                    if (t == 7)
+                        isum[i][r] = five ? _mm256_add_epi32(isum[i][r], _mm256_madd_epi16(s16[i][r], ones))
+                                          : _mm256_madd_epi16(s16[i][r], ones);
+                }
+            }
+        }
 #endif
-#undef XW
-            if (value_offset(type))
-                isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(value_offset(type) * X->sum[b * M + m]));
+        for (int i = 0; i < G; i++) {
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p[i] + dat)));
+            for (int r = 0; r < R; r++) {
+                __m256i is = isum[i][r];
+                if (value_offset(type))
+                    is = _mm256_sub_epi32(is, _mm256_set1_epi32(value_offset(type) * X->sum[b * M + m0 + r]));
 #if defined(RACER_FAULT_PACKED)
-            isum = _mm256_sub_epi32(_mm256_setzero_si256(), isum); /* a wrong sign, for the start-up check's test */
+                is = _mm256_sub_epi32(_mm256_setzero_si256(), is); /* a wrong sign, for the start-up check's test */
 #endif
-            const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(X->d[b * M + m]));
-            acc[m - m0] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum), acc[m - m0]);
-            if (has_min(type)) msum[m - m0] = _mm256_fmadd_ps(mw, _mm256_set1_ps(X->s[b * M + m]), msum[m - m0]);
+                const __m256 scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(X->d + b * M + m0 + r));
+                acc[i][r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(is), acc[i][r]);
+            }
         }
     }
-    for (long m = m0; m < m1; m++)
-        _mm256_storeu_ps(y + m * ys, _mm256_add_ps(_mm256_add_ps(acc[m - m0], msum[m - m0]), bias));
+    /* the minimums' terms, a chain of their own per output (blocks in order), in a second pass over
+     * the groups' minimums so that they take no register in the first */
+    __m256 msum[2][MAX_ROWS];
+    for (int i = 0; i < G; i++)
+        for (int r = 0; r < R; r++) msum[i][r] = _mm256_setzero_ps();
+    if (has_min(type))
+        for (long b = 0; b < X->nb; b++) /* G x R chains side by side: their FMAs' latency overlaps */
+            for (int i = 0; i < G; i++) {
+                const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + i * gstride + b * gbytes + 144)));
+                for (int r = 0; r < R; r++)
+                    msum[i][r] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(X->s + b * M + m0 + r), msum[i][r]);
+            }
+    for (int i = 0; i < G; i++)
+        for (int r = 0; r < R; r++)
+            _mm256_storeu_ps(y + (m0 + r) * ys + 8 * i, _mm256_add_ps(_mm256_add_ps(acc[i][r], msum[i][r]), bias[i]));
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define QUANT_512 1
+/* group_pass for a pair of groups in 16 lanes (AVX-512): lanes 0-7 the first group's rows, 8-15 the
+ * second's, each lane the same integer sums and float32 steps as group_pass's, so the same bits. */
+#define LOAD2(p0, p1, off)                                                                                     \
+    _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)((p0) + (off)))),            \
+                       _mm256_loadu_si256((const __m256i *)((p1) + (off))), 1)
+static inline __attribute__((always_inline)) __m512i pair_values(int type, const uint8_t *p0, const uint8_t *p1, int t)
+{
+    if (type == GQ8_0) return LOAD2(p0, p1, 32 * t);
+    const __m512i q = LOAD2(p0, p1, 32 * (t & 3));
+    __m512i v = _mm512_and_si512(t < 4 ? q : _mm512_srli_epi16(q, 4), _mm512_set1_epi8(0xF));
+    if (type == GQ5_0 || type == GQ5_1) {
+        const __m512i qh = LOAD2(p0, p1, group_qh(type));
+        const __m512i at4 = t < 4 ? _mm512_slli_epi16(qh, 4 - t) : t > 4 ? _mm512_srli_epi16(qh, t - 4) : qh;
+        v = _mm512_or_si512(v, _mm512_and_si512(at4, _mm512_set1_epi8(0x10)));
+    }
+    return v;
+}
+
+static inline __attribute__((always_inline)) __m512 pair_halves(const uint8_t *p0, const uint8_t *p1, long off)
+{
+    const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p0 + off))),
+                                              _mm_loadu_si128((const __m128i *)(p1 + off)), 1);
+    return _mm512_cvtph_ps(h);
+}
+
+static inline __attribute__((always_inline)) void pair_pass512(int type, int R, const uint8_t *g, long gstride,
+                                                               const struct xp *X, long m0, float *y, long ys,
+                                                               const __m256 *bias)
+{
+    const long gbytes = packed_bytes(type), M = X->M;
+    const __m512i ones = _mm512_set1_epi16(1);
+    (void)ones;
+    const long dat = type == GQ8_0 ? 256 : 128;
+    const int five = type == GQ5_0 || type == GQ5_1;
+    (void)five;
+    __m512 acc[MAX_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (long b = 0; b < X->nb; b++) {
+        const int8_t *xq = X->q + (b * M + m0) * 32;
+        const uint8_t *p0 = g + b * gbytes, *p1 = p0 + gstride;
+#if PREFETCH_BLOCKS > 0
+        const long skip = b + PREFETCH_BLOCKS >= X->nb ? gstride : 0; /* as group_pass's */
+        for (long c = 0; c < gbytes; c += 64) {
+            _mm_prefetch((const char *)p0 + PREFETCH_BLOCKS * gbytes + skip + c, _MM_HINT_T0);
+            _mm_prefetch((const char *)p1 + PREFETCH_BLOCKS * gbytes + skip + c, _MM_HINT_T0);
+        }
+#endif
+        __m512i isum[MAX_ROWS], s16[MAX_ROWS];
+        (void)s16;
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) {
+            const __m512i v = pair_values(type, p0, p1, t);
+            const __m512i u = type == GQ8_0 ? _mm512_abs_epi8(v) : v;
+            const __mmask64 neg = type == GQ8_0 ? _mm512_movepi8_mask(v) : 0;
+            for (int r = 0; r < R; r++) {
+                __m512i x = _mm512_set1_epi32(load32(xq + 32 * r + 4 * t));
+                if (type == GQ8_0) /* x with w's sign where w < 0 (where w = 0, |w| = 0 takes the product) */
+                    x = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+#if defined(__AVX512VNNI__)
+                isum[r] = _mm512_dpbusd_epi32(t ? isum[r] : _mm512_setzero_si512(), u, x);
+                KEEP(isum[r]);
+#else
+                if (type == GQ8_0) {
+                    const __m512i d = _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), ones);
+                    isum[r] = t ? _mm512_add_epi32(isum[r], d) : d;
+                    KEEP(isum[r]);
+                    continue;
+                }
+                const __m512i prod = _mm512_maddubs_epi16(u, x);
+                s16[r] = t == 0 || (five && t == 4) ? prod : _mm512_add_epi16(s16[r], prod);
+                KEEP(s16[r]);
+                if (five && t == 3) isum[r] = _mm512_madd_epi16(s16[r], ones);
+                if (t == 7)
+                    isum[r] = five ? _mm512_add_epi32(isum[r], _mm512_madd_epi16(s16[r], ones))
+                                   : _mm512_madd_epi16(s16[r], ones);
+#endif
+            }
+        }
+        const __m512 dw = pair_halves(p0, p1, dat);
+        for (int r = 0; r < R; r++) {
+            __m512i is = isum[r];
+            if (value_offset(type))
+                is = _mm512_sub_epi32(is, _mm512_set1_epi32(value_offset(type) * X->sum[b * M + m0 + r]));
+#if defined(RACER_FAULT_PACKED)
+            is = _mm512_sub_epi32(_mm512_setzero_si512(), is);
+#endif
+            const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(X->d[b * M + m0 + r]));
+            acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(is), acc[r]);
+        }
+    }
+    __m512 msum[MAX_ROWS];
+    for (int r = 0; r < R; r++) msum[r] = _mm512_setzero_ps();
+    if (has_min(type))
+        for (long b = 0; b < X->nb; b++) {
+            const __m512 mw = pair_halves(g + b * gbytes, g + gstride + b * gbytes, 144);
+            for (int r = 0; r < R; r++) msum[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(X->s[b * M + m0 + r]), msum[r]);
+        }
+    const __m512 bv = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_castps_si256(bias[0])),
+                                                             _mm256_castps_si256(bias[1]), 1));
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (m0 + r) * ys, _mm512_add_ps(_mm512_add_ps(acc[r], msum[r]), bv));
+}
+#undef LOAD2
+#endif
+
+/* G groups against every x row: passes of PASS_ROWS rows (G = 1) or PAIR_ROWS (G = 2), then one of
+ * the rows left. */
+static inline __attribute__((always_inline)) void group_rows(int type, int G, const uint8_t *g, long gstride,
+                                                             const struct xp *X, float *y, long ys, const __m256 *bias)
+{
+    const int step = G == 2 ? PAIR_ROWS : PASS_ROWS;
+    long m = 0;
+#if defined(QUANT_512)
+    if (G == 2) {
+        for (; m + PAIR_ROWS <= X->M; m += PAIR_ROWS) pair_pass512(type, PAIR_ROWS, g, gstride, X, m, y, ys, bias);
+        switch (X->M - m) {
+        case 3: pair_pass512(type, 3, g, gstride, X, m, y, ys, bias); break;
+        case 2: pair_pass512(type, 2, g, gstride, X, m, y, ys, bias); break;
+        case 1: pair_pass512(type, 1, g, gstride, X, m, y, ys, bias); break;
+        default: break;
+        }
+        return;
+    }
+#endif
+    for (; m + step <= X->M; m += step) group_pass(type, G, step, g, gstride, X, m, y, ys, bias);
+    switch (X->M - m) {
+    case 3: group_pass(type, G, 3, g, gstride, X, m, y, ys, bias); break;
+    case 2: group_pass(type, G, 2, g, gstride, X, m, y, ys, bias); break;
+    case 1: group_pass(type, G, 1, g, gstride, X, m, y, ys, bias); break;
+    default: break;
+    }
 }
 
 #define GROUP_ROWS(T)                                                                                          \
-    static void group_rows_##T(const uint8_t *g, const struct xp *X, long m0, long m1, float *y, long ys,       \
-                               __m256 bias)                                                                    \
+    static void group_rows_##T(int G, const uint8_t *g, long gstride, const struct xp *X, float *y, long ys,  \
+                               const __m256 *bias)                                                             \
     {                                                                                                          \
-        group_rows(T, g, X, m0, m1, y, ys, bias);                                                              \
+        if (G == 2)                                                                                            \
+            group_rows(T, 2, g, gstride, X, y, ys, bias);                                                      \
+        else                                                                                                   \
+            group_rows(T, 1, g, gstride, X, y, ys, bias);                                                      \
     }
 GROUP_ROWS(GQ4_0)
 GROUP_ROWS(GQ4_1)
@@ -826,30 +1018,39 @@ GROUP_ROWS(GQ5_1)
 GROUP_ROWS(GQ8_0)
 #endif
 
-/* Group ``g`` (rows n0 .. n0 + 7 of a [M, N] output) against every x row. */
-static void group_all(int type, const uint8_t *g, const struct xp *X, float *y, long N, long n0, const float *bias,
-                      int simd)
+/* ``count`` groups (1 or 2) from ``g`` (rows n0 .. n0 + 8 count - 1 of a [M, N] output) against every
+ * x row. A group's outputs are the same whichever groups it is computed with. */
+static void group_all(int type, int count, const uint8_t *g, const struct xp *X, float *y, long N, long n0,
+                      const float *bias, int simd)
 {
+    const long gstride = X->nb * packed_bytes(type);
 #if defined(QUANT_AVX2)
     if (simd) {
-        const __m256 bv = bias ? _mm256_loadu_ps(bias + n0) : _mm256_setzero_ps();
-        for (long m0 = 0; m0 < X->M; m0 += CHUNK) {
-            const long m1 = m0 + CHUNK < X->M ? m0 + CHUNK : X->M;
-            switch (type) {
-            case GQ4_0: group_rows_GQ4_0(g, X, m0, m1, y + n0, N, bv); break;
-            case GQ4_1: group_rows_GQ4_1(g, X, m0, m1, y + n0, N, bv); break;
-            case GQ5_0: group_rows_GQ5_0(g, X, m0, m1, y + n0, N, bv); break;
-            case GQ5_1: group_rows_GQ5_1(g, X, m0, m1, y + n0, N, bv); break;
-            default: group_rows_GQ8_0(g, X, m0, m1, y + n0, N, bv); break;
-            }
+        __m256 bv[2];
+        for (int i = 0; i < count; i++) bv[i] = bias ? _mm256_loadu_ps(bias + n0 + 8 * i) : _mm256_setzero_ps();
+        switch (type) {
+        case GQ4_0: group_rows_GQ4_0(count, g, gstride, X, y + n0, N, bv); break;
+        case GQ4_1: group_rows_GQ4_1(count, g, gstride, X, y + n0, N, bv); break;
+        case GQ5_0: group_rows_GQ5_0(count, g, gstride, X, y + n0, N, bv); break;
+        case GQ5_1: group_rows_GQ5_1(count, g, gstride, X, y + n0, N, bv); break;
+        default: group_rows_GQ8_0(count, g, gstride, X, y + n0, N, bv); break;
         }
         return;
     }
 #endif
     (void)simd;
-    for (long m = 0; m < X->M; m++)
-        for (int j = 0; j < 8; j++) y[m * N + n0 + j] = quant_packed_ref(type, g, X, j, m, bias ? bias[n0 + j] : 0.f);
+    for (int i = 0; i < count; i++)
+        for (long m = 0; m < X->M; m++)
+            for (int j = 0; j < 8; j++) {
+                const long n = n0 + 8 * i + j;
+                y[m * N + n] = quant_packed_ref(type, g + i * gstride, X, j, m, bias ? bias[n] : 0.f);
+            }
 }
+
+/* Calls of fewer x rows take their groups one at a time: a one-row call streams its weight from
+ * memory, and lone groups did so faster than pairs (the 49152x576 Q8_0 output layer, one thread,
+ * AMD EPYC Zen 3: pairs 1.37x as long). The same bits either way. */
+#define PAIR_MIN_ROWS 2
 
 struct packed_call {
     const int64_t *types;
@@ -866,13 +1067,16 @@ static void packed_body(void *ctx, long lo, long hi, int tid)
 {
     const struct packed_call *c = ctx;
     (void)tid;
-    for (long t = lo; t < hi; t++) {
+    for (long t = lo; t < hi;) {
         int j = 0;
         long g = t;
         while (g >= c->N[j] / 8) g -= c->N[j++] / 8;
         const int type = (int)c->types[j] - PACKED;
-        group_all(type, (const uint8_t *)c->w[j] + g * c->X->nb * packed_bytes(type), c->X, c->y[j], c->N[j], 8 * g,
-                  c->bias ? c->bias[j] : NULL, c->simd);
+        /* two groups at once where the run and the projection hold both (group_rows) */
+        const int count = c->X->M >= PAIR_MIN_ROWS && t + 1 < hi && g + 1 < c->N[j] / 8 ? 2 : 1;
+        group_all(type, count, (const uint8_t *)c->w[j] + g * c->X->nb * packed_bytes(type), c->X, c->y[j], c->N[j],
+                  8 * g, c->bias ? c->bias[j] : NULL, c->simd);
+        t += count;
     }
 }
 
@@ -917,4 +1121,47 @@ int racer_quant_packed(int type, const float *x, const void *w, const float *bia
 {
     const int64_t t = type, n = N;
     return quant_packed_many(1, &t, x, &w, &bias, &y, &n, M, K, threads, simd);
+}
+
+/* -- Streaming read bandwidth -----------------------------------------------------------------------
+ *
+ * racer_stream_read reads ``bytes`` from p (a multiple of 64 KiB) on ``threads``
+ * threads of the kernels' pool, each one contiguous run of its share, as a one-row call of the
+ * block kernel streams its weights; returns a checksum of what it read (so that nothing is left
+ * out). What a benchmark divides a step's weight bytes by (scripts/bench_kernels.py). */
+struct read_call {
+    const uint8_t *p;
+    _Atomic uint64_t sum;
+};
+
+#define READ_ITEM 65536L
+static void read_body(void *ctx, long lo, long hi, int tid)
+{
+    struct read_call *c = ctx;
+    (void)tid;
+    uint64_t sum = 0;
+#if defined(QUANT_AVX2)
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    for (const uint8_t *q = c->p + lo * READ_ITEM, *end = c->p + hi * READ_ITEM; q < end; q += 128) {
+        a0 = _mm256_xor_si256(a0, _mm256_loadu_si256((const __m256i *)q));
+        a1 = _mm256_xor_si256(a1, _mm256_loadu_si256((const __m256i *)(q + 32)));
+        a2 = _mm256_xor_si256(a2, _mm256_loadu_si256((const __m256i *)(q + 64)));
+        a3 = _mm256_xor_si256(a3, _mm256_loadu_si256((const __m256i *)(q + 96)));
+    }
+    uint64_t lanes[4];
+    _mm256_storeu_si256((__m256i *)lanes, _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3)));
+    sum = lanes[0] ^ lanes[1] ^ lanes[2] ^ lanes[3];
+#else
+    const uint64_t *q = (const uint64_t *)(c->p + lo * READ_ITEM), *end = (const uint64_t *)(c->p + hi * READ_ITEM);
+    for (; q < end; q++) sum ^= *q;
+#endif
+    atomic_fetch_xor(&c->sum, sum);
+}
+
+uint64_t racer_stream_read(const void *p, long bytes, int threads)
+{
+    struct read_call c = {p, 0};
+    const long items = bytes / READ_ITEM, nth = threads > 0 ? threads : 1;
+    racer_pfor(items, (items + nth - 1) / nth, (int)nth, read_body, &c);
+    return c.sum;
 }

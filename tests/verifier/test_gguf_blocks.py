@@ -176,6 +176,25 @@ def test_packed_groups_vector_code_gives_the_c_codes_bits(name):
     assert not torch.equal(_run(x, name, raw, n, k, packed=True), simd)  # the bias is in it
 
 
+@needs_kernel
+@pytest.mark.parametrize("name", PACKABLE)
+def test_a_groups_bits_are_the_same_paired_with_its_neighbour_or_alone(name):
+    """The vector code takes two neighbouring groups of 8 weight rows at once (each broadcast of x
+    serving 16 rows; 16 lanes with AVX-512) and a group left over alone: each group's outputs are the
+    same bits either way, as a weight of its 8 rows alone gives them, at 1 to 9 rows of x and on 1
+    and 2 threads."""
+    rng = np.random.default_rng(21)
+    n, k = 24, 320  # 3 groups: a pair and one left over
+    raw = _blocks(name, n, k, rng)
+    x = torch.randn((9, k), generator=torch.Generator().manual_seed(22))
+    for m in (1, 2, 3, 5, 9):
+        for threads in (1, 2):
+            whole = _run(x[:m], name, raw, n, k, threads=threads, packed=True)
+            for g in range(3):
+                alone = _run(x[:m], name, np.ascontiguousarray(raw[8 * g : 8 * g + 8]), 8, k, threads=1, packed=True)
+                assert torch.equal(alone, whole[:, 8 * g : 8 * g + 8]), (m, threads, g)
+
+
 def _extreme_blocks(name: str, n: int, k: int) -> np.ndarray:
     """A weight [n, k] in a 5-bit format whose rows hold its extreme values: row 0 every value 31 (all
     four nibble bits and the fifth set; Q5_K's sub-block scales 63), row 1 every value 0, the others
