@@ -33,6 +33,17 @@ SYSTEM = prompt(300, 4 * BLOCK)
 N = 6
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_plan():
+    """Every verifier of the module runs one forced kernel plan (``RACER_KERNELS``): verifiers that
+    each measured their own on a loaded machine could choose differently, and their fingerprints
+    would differ (the blocks then rightly stay where they are)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RACER_KERNELS", "linear")
+    yield
+    mp.undo()
+
+
 def _start_verifier(loop_thread, model, **settings):
     settings = {"internal_token": INTERNAL_TOKEN, **BACKEND, **settings}
     args = services.defaults("verifier", host="127.0.0.1", port=0, max_sessions=16, **settings)
@@ -212,7 +223,7 @@ def test_a_receiver_with_other_kernels_refuses_the_blocks_and_prefills(stacks, l
     its fingerprint differs, the holder refuses it, and it prefills."""
     st = stacks
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RACER_KERNELS", "linear")
+        mp.setenv("RACER_KERNELS", "wxt")
         srv, core = _start_verifier(loop_thread, make_tiny_llama())
     try:
         mine = _stats(srv.address).setup.prefix_fingerprint

@@ -31,7 +31,14 @@ from common.v1 import verifier_pb2_grpc as vgrpc
 from racer.bench.tiny import make_tiny_llama
 from racer.client import Client
 from tests.services.test_placement import _stats, holder, other_gateway_streams
-from tests.services.test_prefix_fetch import BLOCK, SYSTEM, _holds, _start_verifier, _turn
+from tests.services.test_prefix_fetch import (
+    BLOCK,
+    SYSTEM,
+    _holds,
+    _one_plan,  # noqa: F401 - the fixture, autouse here too
+    _start_verifier,
+    _turn,
+)
 from tests.support.engine import hf_greedy
 from tests.support.stack import INTERNAL_TOKEN, Stack, backend_channel, prompt, start_drafter, start_gateway, wait_until
 
@@ -225,7 +232,7 @@ def test_a_joining_verifier_is_warmed_with_a_hot_prefix(fleet, loop_thread, tiny
 def test_a_receiver_with_other_kernels_refuses_a_hand_over_and_a_warm_up(fleet, loop_thread, tiny_llama):
     st = fleet
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RACER_KERNELS", "linear")
+        mp.setenv("RACER_KERNELS", "wxt")
         srv, core = _start_verifier(loop_thread, make_tiny_llama())
     try:
         assert _stats(srv.address).setup.prefix_fingerprint != _stats(st.verifier_target(0)).setup.prefix_fingerprint
