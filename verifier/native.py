@@ -72,7 +72,17 @@ FAULTS = {"packed": "-DRACER_FAULT_PACKED"}
 # start-up check (verifier/native_check.py) compares the library's kernels with it; a block kernel
 # that disagrees is served from it.
 REFERENCE_SOURCES = ("native_quant.c", "native_pool.c")
-REFERENCE_FLAGS = ("-O2", "-fno-tree-vectorize", "-fno-tree-slp-vectorize", "-fPIC", "-shared", "-pthread")
+# Its thread pool is its own (native_pool.c built again): its workers are named apart from the
+# library's, as ``top -H`` and /proc show them.
+REFERENCE_FLAGS = (
+    "-O2",
+    "-fno-tree-vectorize",
+    "-fno-tree-slp-vectorize",
+    "-fPIC",
+    "-shared",
+    "-pthread",
+    '-DRACER_POOL_NAME="racer-pool-ref"',
+)
 
 
 def isa_level() -> str:

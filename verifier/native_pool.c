@@ -38,6 +38,10 @@
 #define relax() ((void)0)
 #endif
 
+#ifndef RACER_POOL_NAME
+#define RACER_POOL_NAME "racer-pool" /* the reference build's pool: "racer-pool-ref" (native.py) */
+#endif
+
 enum { MAX_WORKERS = 254 };
 #define IDLE_SPIN_NS 50000L /* outside a hold: how long a worker spins after a loop before it sleeps */
 
@@ -135,7 +139,7 @@ static int started(int n)
         pthread_attr_destroy(&a);
         if (rc) break;
         pthread_detach(t);
-        pthread_setname_np(t, "racer-pool"); /* as top -H and /proc/<pid>/task/<tid>/comm show it */
+        pthread_setname_np(t, RACER_POOL_NAME); /* as top -H and /proc/<pid>/task/<tid>/comm show it */
         P.workers++;
     }
     return P.workers + 1 < n ? P.workers + 1 : n;
