@@ -245,6 +245,8 @@ def _declare_quant(lib: ctypes.CDLL) -> None:
     lib.racer_quant_rows.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_void_p]
     lib.racer_quant_pack.restype = ctypes.c_int
     lib.racer_quant_pack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+    lib.racer_quant_packed_size.restype = ctypes.c_long
+    lib.racer_quant_packed_size.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long]
     lib.racer_quant_packed.restype = ctypes.c_int
     lib.racer_quant_packed.argtypes = lib.racer_quant.argtypes + [ctypes.c_int]
     lib.racer_stream_read.restype = ctypes.c_uint64
@@ -576,15 +578,19 @@ PACKED = 256
 
 
 def quant_pack(kind: int, blocks: torch.Tensor, n: int, k: int) -> tuple[int, torch.Tensor] | None:
-    """A Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 weight's blocks (uint8 [n, row bytes], as the file stores
-    them) moved into groups of 8 rows (``native_quant.c``: the same bytes, nothing widened), which the
-    block kernel reads 8 rows a vector at a time: ``(packed type number, bytes)``, or None where the
-    kernel does not pack this format or shape (then the rows are read as stored)."""
+    """A weight's blocks (uint8 [n, row bytes], as the file stores them; Q4_0, Q4_1, Q5_0, Q5_1,
+    Q8_0, Q4_K, Q5_K or Q6_K) moved into groups of 8 rows (``native_quant.c``: the same bytes, nothing
+    widened; a K-quant's 6-bit scales unpacked to a byte each), which the block kernel reads 8 rows a
+    vector at a time: ``(packed type number, bytes)``, or None where the kernel does not pack this
+    format or shape (then the rows are read as stored)."""
     lib = None if _off() else _quant_lib(int(kind) + PACKED)
     if lib is None or n % 8 or not lib.racer_quant_supported(int(kind) + PACKED):
         return None
+    size = lib.racer_quant_packed_size(int(kind), n, k)
+    if size < 0:
+        return None
     blocks = blocks.contiguous()
-    out = torch.empty_like(blocks).view(n // 8, -1)
+    out = torch.empty(size, dtype=torch.uint8).view(n // 8, -1)
     if lib.racer_quant_pack(int(kind), blocks.data_ptr(), n, k, out.data_ptr()):
         return None
     return int(kind) + PACKED, out

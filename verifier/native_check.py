@@ -42,7 +42,7 @@ FORMATS = {
     "Q5_K": (13, 176, 256, (0, 2)),
     "Q6_K": (14, 210, 256, (208,)),
 }
-PACKABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+PACKABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 PACKED = 256  # a packed weight's type number: its GGML number + PACKED (native_quant.c)
 QUANT_SHAPE = (16, 512)  # weight rows (two packed groups), columns (two K-quant super-blocks)
 QUANT_ROWS = (1, 3, 4, 19)  # x rows: one; a tail of the 4-row tile; one tile; past a 16-row pass
@@ -106,7 +106,8 @@ def _check_quant(lib, ref, fmt: str, packed: bool, gen: torch.Generator) -> str 
     n, k = QUANT_SHAPE
     w = _blocks(fmt, n, k, gen)
     if packed:
-        mine, theirs = torch.empty_like(w), torch.empty_like(w)
+        size = lib.racer_quant_packed_size(kind, n, k)
+        mine, theirs = torch.empty(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)
         if lib.racer_quant_pack(kind, w.data_ptr(), n, k, mine.data_ptr()):
             return "packing refused"
         ref.racer_quant_pack(kind, w.data_ptr(), n, k, theirs.data_ptr())

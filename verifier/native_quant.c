@@ -496,6 +496,9 @@ int racer_quant_many(int count, const int64_t *types, const float *x, const void
 }
 
 static void packed_block(int type, const uint8_t *gb, int j, uint8_t *out);
+static void k_unpack(int type, const uint8_t *g, int j, long b, uint8_t v[32], float ws[8], float *min, int *offset);
+static inline int is_k(int type);
+static long group_bytes(int type, long K);
 
 /* Rows ``ids`` [n] of a quantized weight [rows, K] (as the file stores it, or packed) dequantized to
  * float32 out [n, K]: value i of a block is ws * (v - offset) + min, as the file defines it (an
@@ -511,7 +514,9 @@ int racer_quant_rows(int type, const void *w, const int64_t *ids, long n, long K
             uint8_t v[32], blk[34];
             float ws[8], min;
             int o;
-            if (packed) {
+            if (packed && is_k(base)) {
+                k_unpack(base, (const uint8_t *)w + (ids[r] / 8) * group_bytes(base, K), (int)(ids[r] % 8), b, v, ws, &min, &o);
+            } else if (packed) {
                 packed_block(base, (const uint8_t *)w + ((ids[r] / 8) * nb + b) * packed_bytes(base), (int)(ids[r] % 8), blk);
                 unpack(base, blk, 0, v, ws, &min, &o);
             } else {
@@ -551,7 +556,7 @@ int racer_quant_rows(int type, const void *w, const int64_t *ids, long n, long K
  * output's steps exactly: row invariant, and the same bits as the C code (quant_packed_ref). These
  * are not the bits of the rows as stored (row_dot keeps 8 partial sums a block): a weight is served
  * in one layout for its life. */
-static long packed_bytes(int type) /* one block of a group of 8 rows */
+static long packed_bytes(int type) /* one block of a group of 8 rows (K-quants: one super-block) */
 {
     switch (type) {
     case GQ4_0: return 8 * 18;
@@ -559,16 +564,58 @@ static long packed_bytes(int type) /* one block of a group of 8 rows */
     case GQ5_0: return 8 * 22;
     case GQ5_1: return 8 * 24;
     case GQ8_0: return 8 * 34;
+    case GQ4_K: return 160 + 8 * 128;
+    case GQ5_K: return 160 + 8 * 160;
+    case GQ6_K: return 144 + 8 * 192;
     default: return 0;
     }
 }
 
+/* -- Packed K-quants ------------------------------------------------------------------------------
+ *
+ * A K-quant's super-block (256 values) of a group's 8 rows is one run of bytes: a header, then its 8
+ * sub-blocks of 32 values, each laid out as a nibble format's values are (4 runs of 32 bytes, above),
+ * followed by (Q5_K) the 8 rows' words of fifth bits as Q5_0's, or (Q6_K) two runs of 32 bytes of
+ * high bits: in run h, byte i of row j holds at bits 2u, 2u + 1 the top two bits of value
+ * 4 (4h + u) + i (u = 0..3), so that one shift and mask bring values 4t .. 4t + 3's to bits 4-5. The
+ * header: Q4_K and Q5_K the 8 rows' float16 d, their 8 float16 dmin, then the 6-bit scales and
+ * minimums unpacked to a byte each ([sub-block][row], 64 bytes each); Q6_K the 8 rows' float16 d,
+ * then the signed scales ([sub-block][half][row], 128 bytes). Q6_K takes the file's bytes exactly;
+ * Q4_K and Q5_K 32 bytes more a group's super-block (the unpacked scales), 2.8% and 2.3%.
+ *
+ * The arithmetic per 32-value sub-block b, in integers (exact), then one float step per block as the
+ * 32-value formats take:
+ *     Q4_K, Q5_K:  is = sc[b] * sum(v * q)          Q6_K:  is = sc_lo[b] * (sum_lo(v * q) - 32 sum_lo(q))
+ *                                                                + sc_hi[b] * (sum_hi(v * q) - 32 sum_hi(q))
+ *     acc = fma(d * dx[b], (float) is, acc)          msum = fma(-(dmin * m[b]), sx[b], msum)
+ *     y = (acc + msum) + bias
+ * (lo, hi: the sub-block's values 0-15 and 16-31, Q6_K's scale halves). |is| < 2^24. */
+static inline int is_k(int type) { return type == GQ4_K || type == GQ5_K || type == GQ6_K; }
+static long k_header(int type) { return type == GQ6_K ? 144 : 160; }
+static long k_unit(int type) { return type == GQ4_K ? 128 : type == GQ5_K ? 160 : 192; } /* a sub-block's bytes */
+
+/* A group's bytes over K columns, and where its block b's values start (``g``: the group's first byte). */
+static long group_bytes(int type, long K) { return K / block_values(type) * packed_bytes(type); }
+static inline const uint8_t *block_at(int type, const uint8_t *g, long b)
+{
+    if (!is_k(type)) return g + b * packed_bytes(type);
+    return g + (b / 8) * packed_bytes(type) + k_header(type) + (b % 8) * k_unit(type);
+}
+static inline const uint8_t *header_at(int type, const uint8_t *g, long b) { return g + (b / 8) * packed_bytes(type); }
+
+/* Bytes a packed weight of N rows and K columns takes; -1 where the kernel does not pack it. */
+long racer_quant_packed_size(int type, long N, long K)
+{
+    if (!packed_bytes(type) || N % 8 || K % block_values(type)) return -1;
+    return N / 8 * group_bytes(type, K);
+}
+
 /* Where the nibble formats keep their fields: in the file's block, the first value byte (after d, m
  * and qh) and qh (0: none); in a group's block, the 8 rows' qh words (0: none). The scales are at 128
- * and the minimums at 144 of a group's block. */
+ * and the minimums at 144 of a group's block (Q5_K: its fifth bits at 128 of a sub-block's). */
 static int file_qs(int type) { return type == GQ4_0 ? 2 : type == GQ4_1 ? 4 : type == GQ5_0 ? 6 : 8; }
 static int file_qh(int type) { return type == GQ5_0 ? 2 : type == GQ5_1 ? 4 : 0; }
-static int group_qh(int type) { return type == GQ5_0 ? 144 : type == GQ5_1 ? 160 : 0; }
+static int group_qh(int type) { return type == GQ5_0 ? 144 : type == GQ5_1 ? 160 : type == GQ5_K ? 128 : 0; }
 
 /* A row's fifth bits, the file's word (bit b: value b's) <-> a group's (bit t of byte i: value 4t + i's). */
 static void qh_to_group(const uint8_t *file, uint8_t *group)
@@ -601,10 +648,57 @@ static void packed_block(int type, const uint8_t *gb, int j, uint8_t *out)
     for (int c = 0; c < 4; c++) memcpy(out + head + 4 * c, gb + 32 * c + 4 * j, 4);
 }
 
-/* w [N, K / 32 blocks] as the file stores it -> ``out`` packed (N a multiple of 8). 0, or -1. */
+/* Row j's super-block ``src`` (as the file stores it) into its group's packed super-block ``sb``. */
+static void pack_k(int type, const uint8_t *src, int j, uint8_t *sb)
+{
+    const int head = (int)k_header(type);
+    memcpy(sb + 2 * j, type == GQ6_K ? src + 208 : src, 2);
+    if (type != GQ6_K) memcpy(sb + 16 + 2 * j, src + 2, 2);
+    for (int s = 0; s < 8; s++) {
+        uint8_t v[32], nib[16];
+        float ws[8], min;
+        int o;
+        unpack(type, src, s, v, ws, &min, &o); /* the values only: the scales come from the file's bytes */
+        uint8_t *p = sb + head + s * k_unit(type);
+        for (int i = 0; i < 16; i++) nib[i] = (uint8_t)((v[i] & 0xF) | (v[i + 16] & 0xF) << 4);
+        for (int c = 0; c < 4; c++) memcpy(p + 32 * c + 4 * j, nib + 4 * c, 4);
+        if (type == GQ5_K) {
+            uint8_t word[4] = {0, 0, 0, 0};
+            for (int i = 0; i < 32; i++) word[i % 4] |= (uint8_t)(((v[i] >> 4) & 1) << (i / 4));
+            memcpy(p + 128 + 4 * j, word, 4);
+        } else if (type == GQ6_K) {
+            for (int h = 0; h < 2; h++)
+                for (int i = 0; i < 4; i++) {
+                    uint8_t byte = 0;
+                    for (int u = 0; u < 4; u++) byte |= (uint8_t)((v[4 * (4 * h + u) + i] >> 4) << (2 * u));
+                    p[128 + 32 * h + 4 * j + i] = byte;
+                }
+        }
+        if (type == GQ6_K) {
+            sb[16 + 16 * s + j] = src[192 + 2 * s];
+            sb[16 + 16 * s + 8 + j] = src[192 + 2 * s + 1];
+        } else {
+            int sc, m;
+            k4_scale(src + 4, s, &sc, &m);
+            sb[32 + 8 * s + j] = (uint8_t)sc;
+            sb[96 + 8 * s + j] = (uint8_t)m;
+        }
+    }
+}
+
+/* w [N, K / 32 blocks] as the file stores it -> ``out`` packed (N a multiple of 8;
+ * racer_quant_packed_size bytes). 0, or -1. */
 int racer_quant_pack(int type, const void *w, long N, long K, void *out)
 {
-    if (!packed_bytes(type) || N % 8 || K % 32) return -1;
+    if (racer_quant_packed_size(type, N, K) < 0) return -1;
+    if (is_k(type)) {
+        const long nsb = K / 256, row_bytes = nsb * block_bytes(type);
+        for (long n = 0; n < N; n++)
+            for (long B = 0; B < nsb; B++)
+                pack_k(type, (const uint8_t *)w + n * row_bytes + B * block_bytes(type), (int)(n % 8),
+                       (uint8_t *)out + (n / 8) * group_bytes(type, K) + B * packed_bytes(type));
+        return 0;
+    }
     const long nb = K / 32, bb = block_bytes(type), row_bytes = nb * bb, gbytes = packed_bytes(type);
     const int head = type == GQ8_0 ? 2 : file_qs(type);
     for (long n = 0; n < N; n++) {
@@ -627,11 +721,12 @@ int racer_quant_pack(int type, const void *w, long N, long K, void *out)
     return 0;
 }
 
-/* Rows of x quantized per 32 values, block-major: q [nb][M][32], d, s [nb][M] float32, sum [nb][M]. */
+/* Rows of x quantized per 32 values, block-major: q [nb][M][32], d, s [nb][M] float32, sum [nb][M],
+ * and half [nb][M] the sums of values 0-15 and 16-31 as two int16 (low, high: Q6_K's halves). */
 struct xp {
     int8_t *q;
     float *d, *s;
-    int32_t *sum;
+    int32_t *sum, *half;
     long nb, M;
 };
 
@@ -655,6 +750,9 @@ static void quantize_body(void *ctx, long lo, long hi, int tid)
             X->d[b * M + m] = db;
             X->s[b * M + m] = db * (float)sum;
             X->sum[b * M + m] = sum;
+            int lo = 0;
+            for (int i = 0; i < 16; i++) lo += X->q[(b * M + m) * 32 + i];
+            X->half[b * M + m] = (int32_t)((uint32_t)(uint16_t)lo | (uint32_t)(uint16_t)(sum - lo) << 16);
         }
 }
 
@@ -662,21 +760,82 @@ static int quantize_packed(const float *x, long M, long K, int threads, struct x
 {
     X->nb = K / 32;
     X->M = M;
-    *mem = malloc((size_t)M * K + (sizeof(float) * 2 + sizeof(int32_t)) * M * X->nb + 64);
+    *mem = malloc((size_t)M * K + (sizeof(float) * 2 + sizeof(int32_t) * 2) * M * X->nb + 64);
     if (!*mem) return -2;
     X->q = *mem;
     X->d = (float *)((char *)*mem + ((M * K + 31) & ~31L));
     X->s = X->d + M * X->nb;
     X->sum = (int32_t *)(X->s + M * X->nb);
+    X->half = X->sum + M * X->nb;
     struct quantize_call c = {x, K, X};
     const int nth = M * K >= 65536 && threads > 1 ? threads : 1;
     racer_pfor(M, (M + nth - 1) / nth, nth, quantize_body, &c);
     return 0;
 }
 
+/* Row j's 32 values of a packed K-quant sub-block ``p`` (unsigned: Q6_K's stand for v - 32). */
+static void k_values(int type, const uint8_t *p, int j, uint8_t v[32])
+{
+    for (int i = 0; i < 32; i++) {
+        const int t = i / 4, k = i % 4;
+        const uint8_t byte = p[32 * (t & 3) + 4 * j + k];
+        v[i] = t < 4 ? byte & 0xF : byte >> 4;
+        if (type == GQ5_K) v[i] |= (uint8_t)(((p[128 + 4 * j + k] >> t) & 1) << 4);
+        if (type == GQ6_K) v[i] |= (uint8_t)(((p[128 + 32 * (t >> 2) + 4 * j + k] >> (2 * (t & 3))) & 3) << 4);
+    }
+}
+
+/* Sub-block b of row j of a packed K-quant group ``g`` as ``unpack`` gives a file's block. */
+static void k_unpack(int type, const uint8_t *g, int j, long b, uint8_t v[32], float ws[8], float *min, int *offset)
+{
+    const uint8_t *h = header_at(type, g, b);
+    const int s = (int)(b % 8);
+    const float d = half_to_float((uint16_t)(h[2 * j] | h[2 * j + 1] << 8));
+    k_values(type, block_at(type, g, b), j, v);
+    if (type == GQ6_K) {
+        for (int l = 0; l < 8; l++) ws[l] = d * (float)(int8_t)h[16 + 16 * s + 8 * (l / 4) + j];
+        *min = 0.f;
+        *offset = 32;
+    } else {
+        const float dmin = half_to_float((uint16_t)(h[16 + 2 * j] | h[17 + 2 * j] << 8));
+        for (int l = 0; l < 8; l++) ws[l] = d * (float)h[32 + 8 * s + j];
+        *min = -(dmin * (float)h[96 + 8 * s + j]);
+        *offset = 0;
+    }
+}
+
+/* The C code of a packed K-quant's arithmetic (above): output (row j of group ``g``, x row m). */
+static float k_packed_ref(int type, const uint8_t *g, const struct xp *X, int j, long m, float bias)
+{
+    float acc = 0.f, msum = 0.f;
+    for (long b = 0; b < X->nb; b++) {
+        const uint8_t *h = header_at(type, g, b);
+        const int s = (int)(b % 8);
+        const long at = b * X->M + m;
+        const int8_t *q = X->q + at * 32;
+        uint8_t v[32];
+        k_values(type, block_at(type, g, b), j, v);
+        int dot[2] = {0, 0}, qs[2] = {0, 0};
+        for (int i = 0; i < 32; i++) dot[i / 16] += (int)v[i] * (int)q[i], qs[i / 16] += q[i];
+        int is;
+        if (type == GQ6_K)
+            is = (int)(int8_t)h[16 + 16 * s + j] * (dot[0] - 32 * qs[0]) + (int)(int8_t)h[24 + 16 * s + j] * (dot[1] - 32 * qs[1]);
+        else
+            is = (int)h[32 + 8 * s + j] * (dot[0] + dot[1]);
+        const float d = half_to_float((uint16_t)(h[2 * j] | h[2 * j + 1] << 8));
+        acc = fmaf(d * X->d[at], (float)is, acc);
+        if (has_min(type)) {
+            const float dmin = half_to_float((uint16_t)(h[16 + 2 * j] | h[17 + 2 * j] << 8));
+            msum = fmaf(-(dmin * (float)h[96 + 8 * s + j]), X->s[at], msum);
+        }
+    }
+    return (acc + msum) + bias;
+}
+
 /* The C code of the packed arithmetic: output (row j of group ``g``, x row m). */
 static float quant_packed_ref(int type, const uint8_t *g, const struct xp *X, int j, long m, float bias)
 {
+    if (is_k(type)) return k_packed_ref(type, g, X, j, m, bias);
     const long gbytes = packed_bytes(type);
     float acc = 0.f, msum = 0.f;
     for (long b = 0; b < X->nb; b++) {
@@ -727,12 +886,18 @@ static inline __attribute__((always_inline)) __m256i group_values(int type, cons
     if (type == GQ8_0) return _mm256_loadu_si256((const __m256i *)(p + 32 * t));
     const __m256i q = _mm256_loadu_si256((const __m256i *)(p + 32 * (t & 3)));
     __m256i v = _mm256_and_si256(t < 4 ? q : _mm256_srli_epi16(q, 4), _mm256_set1_epi8(0xF));
-    if (type == GQ5_0 || type == GQ5_1) {
+    if (type == GQ5_0 || type == GQ5_1 || type == GQ5_K) {
         /* the fifth bits: row j's word in lane j, bit t of its byte i value 4t + i's, shifted to bit 4
          * (within each byte: 16-bit shifts by at most 4 bring no bit across into bit 4) */
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + group_qh(type)));
         const __m256i at4 = t < 4 ? _mm256_slli_epi16(qh, 4 - t) : t > 4 ? _mm256_srli_epi16(qh, t - 4) : qh;
         v = _mm256_or_si256(v, _mm256_and_si256(at4, _mm256_set1_epi8(0x10)));
+    }
+    if (type == GQ6_K) { /* the top two bits, at bits 2u, 2u + 1 (u = t % 4) of run t / 4, to bits 4-5 */
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * (t >> 2)));
+        const int u = t & 3;
+        const __m256i at4 = u < 2 ? _mm256_slli_epi16(qh, 4 - 2 * u) : u > 2 ? _mm256_srli_epi16(qh, 2) : qh;
+        v = _mm256_or_si256(v, _mm256_and_si256(at4, _mm256_set1_epi8(0x30)));
     }
     return v;
 }
@@ -752,6 +917,19 @@ static inline __attribute__((always_inline)) __m256i bcast32(const int8_t *p)
     return _mm256_castps_si256(_mm256_broadcast_ss((const float *)p));
 }
 
+/* A K-quant sub-block's 8 scales (bytes at p: unsigned, or Q6_K's signed) in 32-bit lanes, and the
+ * same as the two int16 halves of each lane (a madd's multiplier: lane j sums both its halves' products
+ * times row j's scale). */
+static inline __attribute__((always_inline)) __m256i k_scales(int type, const uint8_t *p)
+{
+    const __m128i b = _mm_loadl_epi64((const __m128i *)p);
+    return type == GQ6_K ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+}
+static inline __attribute__((always_inline)) __m256i both_halves(__m256i lo, __m256i hi)
+{
+    return _mm256_blend_epi16(lo, _mm256_slli_epi32(hi, 16), 0xAA);
+}
+
 /* G consecutive groups (G <= 2; 8 weight rows each, group i at g + i * gstride) against x rows
  * m0 .. m0 + R - 1 (R <= PASS_ROWS; G and R constants where it is inlined): y[(m0 + r) * ys + 8 i ..].
  * Per x row and block, the integer sums of the G x 8 rows, one broadcast of 4 x values serving the
@@ -760,88 +938,118 @@ static inline __attribute__((always_inline)) void group_pass(int type, int G, in
                                                              const struct xp *X, long m0, float *y, long ys,
                                                              const __m256 *bias)
 {
-    const long gbytes = packed_bytes(type), M = X->M;
+    const long M = X->M;
     const __m256i ones = _mm256_set1_epi16(1);
     (void)ones; /* the 16-bit sums of AVX2 without VNNI only */
-    const long dat = type == GQ8_0 ? 256 : 128; /* the scales' offset in a group's block */
-    const int five = type == GQ5_0 || type == GQ5_1;
+    const long dat = type == GQ8_0 ? 256 : 128; /* the 32-value formats' scales in a group's block */
+    const int five = type == GQ5_0 || type == GQ5_1 || type == GQ5_K;
     (void)five;
+    const long unit = is_k(type) ? k_unit(type) : packed_bytes(type); /* a block's bytes (K-quants: a sub-block's) */
     __m256 acc[2][MAX_ROWS];
     for (int i = 0; i < G; i++)
         for (int r = 0; r < R; r++) acc[i][r] = _mm256_setzero_ps();
     for (long b = 0; b < X->nb; b++) {
         const int8_t *xq = X->q + (b * M + m0) * 32;
-        const uint8_t *p[2];
+        const uint8_t *p[2], *h[2];
+        /* K-quants: the rows' scales of this sub-block (sc: 32-bit lanes; sc16 / hi16: as int16 halves,
+         * Q6_K's two halves' apart; pair: Q6_K's (lo, hi) in each lane) */
+        __m256i sc[2], sc16[2], hi16[2], pair[2];
+        (void)sc, (void)sc16, (void)hi16, (void)pair;
         for (int i = 0; i < G; i++) {
-            p[i] = g + i * gstride + b * gbytes;
+            p[i] = block_at(type, g + i * gstride, b);
+            h[i] = header_at(type, g + i * gstride, b);
+            if (type == GQ6_K) {
+                const __m256i lo = k_scales(type, h[i] + 16 + 16 * (b % 8)), hi = k_scales(type, h[i] + 24 + 16 * (b % 8));
+                sc16[i] = both_halves(lo, lo);
+                hi16[i] = both_halves(hi, hi);
+                pair[i] = both_halves(lo, hi);
+            } else if (is_k(type)) {
+                sc[i] = k_scales(type, h[i] + 32 + 8 * (b % 8));
+                sc16[i] = both_halves(sc[i], sc[i]);
+            }
 #if PREFETCH_BLOCKS > 0
-            /* a block of a group: 144 to 192 bytes (Q4_0 .. Q5_1) or 272 (Q8_0); past a group's last
-             * block, the same block of the group after the pair (the next pass's); a prefetch never
-             * faults, past the weight's end included */
-            const char *ahead = (const char *)p[i] + PREFETCH_BLOCKS * gbytes + (b + PREFETCH_BLOCKS >= X->nb ? (G - 1) * gstride : 0);
-            for (long c = 0; c < gbytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+            /* a block of a group: 144 to 192 bytes (Q4_0 .. Q5_1, a K-quant's sub-block) or 272 (Q8_0);
+             * past a group's last block, the same block of the group after the pair (the next pass's); a
+             * prefetch never faults, past the weight's end included */
+            const char *ahead = (const char *)p[i] + PREFETCH_BLOCKS * unit + (b + PREFETCH_BLOCKS >= X->nb ? (G - 1) * gstride : 0);
+            for (long c = 0; c < unit; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
 #endif
         }
         __m256i isum[2][MAX_ROWS];
 #if defined(DPBUSD)
         /* dpbusd: 4 products summed into 32 bits, one instruction (integer sums: any order, the same
-         * bits). Q8_0's signed values: |w| times x with w's sign. */
+         * bits). Q8_0's signed values: |w| times x with w's sign. Q6_K's two scales a block take the
+         * 16-bit sums below. */
+        if (type != GQ6_K) {
 #pragma GCC unroll 8
-        for (int t = 0; t < 8; t++) {
-            __m256i v[2], u[2];
-            for (int i = 0; i < G; i++) {
-                v[i] = group_values(type, p[i], t);
-                u[i] = type == GQ8_0 ? _mm256_sign_epi8(v[i], v[i]) : v[i];
-            }
-            for (int r = 0; r < R; r++) {
-                const __m256i x = bcast32(xq + 32 * r + 4 * t);
+            for (int t = 0; t < 8; t++) {
+                __m256i v[2], u[2];
                 for (int i = 0; i < G; i++) {
-                    isum[i][r] = DPBUSD(t ? isum[i][r] : _mm256_setzero_si256(), u[i],
-                                        type == GQ8_0 ? _mm256_sign_epi8(x, v[i]) : x);
-                    KEEP(isum[i][r]);
+                    v[i] = group_values(type, p[i], t);
+                    u[i] = type == GQ8_0 ? _mm256_sign_epi8(v[i], v[i]) : v[i];
                 }
-            }
-        }
-#else
-        __m256i s16[2][MAX_ROWS];
-        (void)s16;
-#pragma GCC unroll 8
-        for (int t = 0; t < 8; t++) {
-            __m256i v[2], u[2];
-            for (int i = 0; i < G; i++) {
-                v[i] = group_values(type, p[i], t);
-                u[i] = type == GQ8_0 ? _mm256_sign_epi8(v[i], v[i]) : v[i];
-            }
-            for (int r = 0; r < R; r++) {
-                const __m256i x = bcast32(xq + 32 * r + 4 * t);
-                for (int i = 0; i < G; i++) {
-                    if (type == GQ8_0) {
-                        /* |w| times x with w's sign: a pair of products reaches 2 * 128 * 127, so each
-                         * pair sum goes to 32 bits at once */
-                        const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(u[i], _mm256_sign_epi8(x, v[i])), ones);
-                        isum[i][r] = t ? _mm256_add_epi32(isum[i][r], d) : d;
+                for (int r = 0; r < R; r++) {
+                    const __m256i x = bcast32(xq + 32 * r + 4 * t);
+                    for (int i = 0; i < G; i++) {
+                        isum[i][r] = DPBUSD(t ? isum[i][r] : _mm256_setzero_si256(), u[i],
+                                            type == GQ8_0 ? _mm256_sign_epi8(x, v[i]) : x);
                         KEEP(isum[i][r]);
-                        continue;
                     }
-                    /* 16-bit sums (exact): 4-bit values, 8 products of pairs each at most 2 * 15 * 127,
-                     * so any partial sum stays under 32768; 5-bit values (up to 2 * 31 * 127 a pair): 4
-                     * pairs in 16 bits, then two 32-bit sums */
-                    const __m256i prod = _mm256_maddubs_epi16(v[i], x);
-                    s16[i][r] = t == 0 || (five && t == 4) ? prod : _mm256_add_epi16(s16[i][r], prod);
-                    KEEP(s16[i][r]);
-                    if (five && t == 3) isum[i][r] = _mm256_madd_epi16(s16[i][r], ones);
-                    if (t == 7)
-                        isum[i][r] = five ? _mm256_add_epi32(isum[i][r], _mm256_madd_epi16(s16[i][r], ones))
-                                          : _mm256_madd_epi16(s16[i][r], ones);
+                }
+            }
+            if (is_k(type))
+                for (int i = 0; i < G; i++)
+                    for (int r = 0; r < R; r++) isum[i][r] = _mm256_mullo_epi32(isum[i][r], sc[i]);
+        } else
+#endif
+        {
+            __m256i s16[2][MAX_ROWS];
+            (void)s16;
+#pragma GCC unroll 8
+            for (int t = 0; t < 8; t++) {
+                __m256i v[2], u[2];
+                for (int i = 0; i < G; i++) {
+                    v[i] = group_values(type, p[i], t);
+                    u[i] = type == GQ8_0 ? _mm256_sign_epi8(v[i], v[i]) : v[i];
+                }
+                for (int r = 0; r < R; r++) {
+                    const __m256i x = bcast32(xq + 32 * r + 4 * t);
+                    for (int i = 0; i < G; i++) {
+                        if (type == GQ8_0 || type == GQ6_K) {
+                            /* Q8_0: |w| times x with w's sign; a pair of products reaches 2 * 128 * 127.
+                             * Q6_K: 6-bit values, a pair up to 2 * 63 * 127, times its half's scale
+                             * (|sc| <= 128) in the madd. Each pair sum goes to 32 bits at once. */
+                            const __m256i d =
+                                type == GQ8_0
+                                    ? _mm256_madd_epi16(_mm256_maddubs_epi16(u[i], _mm256_sign_epi8(x, v[i])), ones)
+                                    : _mm256_madd_epi16(_mm256_maddubs_epi16(v[i], x), t < 4 ? sc16[i] : hi16[i]);
+                            isum[i][r] = t ? _mm256_add_epi32(isum[i][r], d) : d;
+                            KEEP(isum[i][r]);
+                            continue;
+                        }
+                        /* 16-bit sums (exact): 4-bit values, 8 products of pairs each at most 2 * 15 * 127,
+                         * so any partial sum stays under 32768; 5-bit values (up to 2 * 31 * 127 a pair): 4
+                         * pairs in 16 bits, then two 32-bit sums. A K-quant's madd multiplies by its
+                         * sub-block's scale (<= 63: exact in 32 bits). */
+                        const __m256i k = is_k(type) ? sc16[i] : ones;
+                        const __m256i prod = _mm256_maddubs_epi16(v[i], x);
+                        s16[i][r] = t == 0 || (five && t == 4) ? prod : _mm256_add_epi16(s16[i][r], prod);
+                        KEEP(s16[i][r]);
+                        if (five && t == 3) isum[i][r] = _mm256_madd_epi16(s16[i][r], k);
+                        if (t == 7)
+                            isum[i][r] = five ? _mm256_add_epi32(isum[i][r], _mm256_madd_epi16(s16[i][r], k))
+                                              : _mm256_madd_epi16(s16[i][r], k);
+                    }
                 }
             }
         }
-#endif
         for (int i = 0; i < G; i++) {
-            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p[i] + dat)));
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(is_k(type) ? h[i] : p[i] + dat)));
             for (int r = 0; r < R; r++) {
                 __m256i is = isum[i][r];
-                if (value_offset(type))
+                if (type == GQ6_K) /* 32 (sc_lo sum_lo(q) + sc_hi sum_hi(q)) */
+                    is = _mm256_sub_epi32(is, _mm256_slli_epi32(_mm256_madd_epi16(pair[i], _mm256_set1_epi32(X->half[b * M + m0 + r])), 5));
+                else if (value_offset(type))
                     is = _mm256_sub_epi32(is, _mm256_set1_epi32(value_offset(type) * X->sum[b * M + m0 + r]));
 #if defined(RACER_FAULT_PACKED)
                 is = _mm256_sub_epi32(_mm256_setzero_si256(), is); /* a wrong sign, for the start-up check's test */
@@ -859,7 +1067,15 @@ static inline __attribute__((always_inline)) void group_pass(int type, int G, in
     if (has_min(type))
         for (long b = 0; b < X->nb; b++) /* G x R chains side by side: their FMAs' latency overlaps */
             for (int i = 0; i < G; i++) {
-                const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + i * gstride + b * gbytes + 144)));
+                __m256 mw;
+                if (is_k(type)) { /* -(dmin * m) */
+                    const uint8_t *h = header_at(type, g + i * gstride, b);
+                    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 16)));
+                    const __m256 m = _mm256_cvtepi32_ps(k_scales(type, h + 96 + 8 * (b % 8)));
+                    mw = _mm256_xor_ps(_mm256_mul_ps(dmin, m), _mm256_set1_ps(-0.f));
+                } else {
+                    mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + i * gstride + b * packed_bytes(type) + 144)));
+                }
                 for (int r = 0; r < R; r++)
                     msum[i][r] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(X->s + b * M + m0 + r), msum[i][r]);
             }
@@ -982,7 +1198,7 @@ static inline __attribute__((always_inline)) void group_rows(int type, int G, co
     const int step = G == 2 ? PAIR_ROWS : PASS_ROWS;
     long m = 0;
 #if defined(QUANT_512)
-    if (G == 2) {
+    if (G == 2 && !is_k(type)) { /* the K-quants take group_pass's 256-bit pairs */
         for (; m + PAIR_ROWS <= X->M; m += PAIR_ROWS) pair_pass512(type, PAIR_ROWS, g, gstride, X, m, y, ys, bias);
         switch (X->M - m) {
         case 3: pair_pass512(type, 3, g, gstride, X, m, y, ys, bias); break;
@@ -1016,6 +1232,9 @@ GROUP_ROWS(GQ4_1)
 GROUP_ROWS(GQ5_0)
 GROUP_ROWS(GQ5_1)
 GROUP_ROWS(GQ8_0)
+GROUP_ROWS(GQ4_K)
+GROUP_ROWS(GQ5_K)
+GROUP_ROWS(GQ6_K)
 #endif
 
 /* ``count`` groups (1 or 2) from ``g`` (rows n0 .. n0 + 8 count - 1 of a [M, N] output) against every
@@ -1023,7 +1242,7 @@ GROUP_ROWS(GQ8_0)
 static void group_all(int type, int count, const uint8_t *g, const struct xp *X, float *y, long N, long n0,
                       const float *bias, int simd)
 {
-    const long gstride = X->nb * packed_bytes(type);
+    const long gstride = group_bytes(type, 32 * X->nb);
 #if defined(QUANT_AVX2)
     if (simd) {
         __m256 bv[2];
@@ -1033,6 +1252,9 @@ static void group_all(int type, int count, const uint8_t *g, const struct xp *X,
         case GQ4_1: group_rows_GQ4_1(count, g, gstride, X, y + n0, N, bv); break;
         case GQ5_0: group_rows_GQ5_0(count, g, gstride, X, y + n0, N, bv); break;
         case GQ5_1: group_rows_GQ5_1(count, g, gstride, X, y + n0, N, bv); break;
+        case GQ4_K: group_rows_GQ4_K(count, g, gstride, X, y + n0, N, bv); break;
+        case GQ5_K: group_rows_GQ5_K(count, g, gstride, X, y + n0, N, bv); break;
+        case GQ6_K: group_rows_GQ6_K(count, g, gstride, X, y + n0, N, bv); break;
         default: group_rows_GQ8_0(count, g, gstride, X, y + n0, N, bv); break;
         }
         return;
@@ -1074,7 +1296,7 @@ static void packed_body(void *ctx, long lo, long hi, int tid)
         const int type = (int)c->types[j] - PACKED;
         /* two groups at once where the run and the projection hold both (group_rows) */
         const int count = c->X->M >= PAIR_MIN_ROWS && t + 1 < hi && g + 1 < c->N[j] / 8 ? 2 : 1;
-        group_all(type, count, (const uint8_t *)c->w[j] + g * c->X->nb * packed_bytes(type), c->X, c->y[j], c->N[j],
+        group_all(type, count, (const uint8_t *)c->w[j] + g * group_bytes(type, 32 * c->X->nb), c->X, c->y[j], c->N[j],
                   8 * g, c->bias ? c->bias[j] : NULL, c->simd);
         t += count;
     }
@@ -1103,7 +1325,7 @@ static int quant_packed_many(int count, const int64_t *types, const float *x, co
 {
     long groups = 0;
     for (int j = 0; j < count; j++) {
-        if (!packed_bytes((int)types[j] - PACKED) || N[j] % 8 || K % 32) return -1;
+        if (racer_quant_packed_size((int)types[j] - PACKED, N[j], K) < 0) return -1;
         groups += N[j] / 8;
     }
     struct xp X;

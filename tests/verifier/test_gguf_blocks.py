@@ -26,9 +26,9 @@ from verifier import gguf_blocks, native
 from verifier.llama import forward_segments
 
 FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
-PACKABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+PACKABLE = FORMATS
 QUANTIZED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # the formats gguf's own quantizer writes
-# each format as the file stores its rows, and the 32-value formats packed 8 rows a group too
+# each format as the file stores its rows, and packed 8 rows a group
 LAYOUTS = [(name, False) for name in FORMATS] + [(name, True) for name in PACKABLE]
 
 needs_kernel = pytest.mark.skipif(not native.quant_supported(3), reason=f"native kernels not built: {native.why()}")
@@ -118,7 +118,7 @@ def test_long_runs_and_runs_of_4_groups_give_the_same_bits(name):
     """How a call hands out its groups to the threads (``native.quant_stream_rows``) changes no value:
     a call of 1, 3 or 17 rows, 2 threads, by long runs and by runs of 4, equal bits."""
     rng = np.random.default_rng(11)
-    n, k = 8 * 37, 544  # 37 groups: neither handout divides them evenly
+    n, k = 8 * 37, 512 if "K" in name else 544  # 37 groups: neither handout divides them evenly
     raw = _blocks(name, n, k, rng)
     x = torch.randn((17, k), generator=torch.Generator().manual_seed(12))
     try:
@@ -167,7 +167,7 @@ def test_packed_groups_vector_code_gives_the_c_codes_bits(name):
     """The vector code (8 weight rows in a vector's lanes) does each output's float32 steps exactly
     as the C code does them: equal bits, a bias included, on any build."""
     rng = np.random.default_rng(7)
-    n, k = 24, 320
+    n, k = 24, 512 if "K" in name else 320
     raw = _blocks(name, n, k, rng)
     x = torch.randn((19, k), generator=torch.Generator().manual_seed(8))
     b = torch.randn(n, generator=torch.Generator().manual_seed(9))
@@ -184,7 +184,7 @@ def test_a_groups_bits_are_the_same_paired_with_its_neighbour_or_alone(name):
     same bits either way, as a weight of its 8 rows alone gives them, at 1 to 9 rows of x and on 1
     and 2 threads."""
     rng = np.random.default_rng(21)
-    n, k = 24, 320  # 3 groups: a pair and one left over
+    n, k = 24, 512 if "K" in name else 320  # 3 groups: a pair and one left over
     raw = _blocks(name, n, k, rng)
     x = torch.randn((9, k), generator=torch.Generator().manual_seed(22))
     for m in (1, 2, 3, 5, 9):
@@ -195,19 +195,29 @@ def test_a_groups_bits_are_the_same_paired_with_its_neighbour_or_alone(name):
                 assert torch.equal(alone, whole[:, 8 * g : 8 * g + 8]), (m, threads, g)
 
 
+EXTREME = ("Q5_0", "Q5_1", "Q5_K", "Q4_K", "Q6_K")  # the widest values, the K-quants' scales
+
+
 def _extreme_blocks(name: str, n: int, k: int) -> np.ndarray:
-    """A weight [n, k] in a 5-bit format whose rows hold its extreme values: row 0 every value 31 (all
-    four nibble bits and the fifth set; Q5_K's sub-block scales 63), row 1 every value 0, the others
-    alternating blocks of both. Scales 2^-7, Q5_1's minimum -2^-4, Q5_K's 2^-10: exact in float16."""
-    size, values = {"Q5_0": (22, 32), "Q5_1": (24, 32), "Q5_K": (176, 256)}[name]
-    head = {"Q5_0": 2, "Q5_1": 4, "Q5_K": 16}[name]  # d, (m or dmin, scales,) then the bits
+    """A weight [n, k] whose rows hold the format's extreme values: row 0 every value bit set (5-bit
+    31, Q4_K 15, Q6_K 63, standing for 31), row 1 every value 0 (Q6_K: -32), the others alternating
+    blocks of both. The K-quants' scales at their extremes too: Q4_K's and Q5_K's sub-block scales
+    and minimums 63, Q6_K's -128. Scales 2^-7 (Q6_K 2^-10), Q5_1's minimum -2^-4, the K-quants' dmin
+    2^-10: exact in float16."""
+    sizes = {"Q5_0": (22, 32), "Q5_1": (24, 32), "Q5_K": (176, 256), "Q4_K": (144, 256), "Q6_K": (210, 256)}
+    size, values = sizes[name]
+    head, tail = {"Q5_0": 2, "Q5_1": 4, "Q5_K": 16, "Q4_K": 16, "Q6_K": 0}[name], {"Q6_K": 192}.get(name, size)
     high = np.zeros(size, np.uint8)
-    high[head:] = 0xFF
+    high[head:tail] = 0xFF
     low = high.copy()
-    low[head:] = 0
-    if name == "Q5_K":  # sub-block scales and minimums 63, their 6-bit packing all ones
-        high[4:16] = low[4:16] = 0xFF
+    low[head:tail] = 0
     for blk in (high, low):
+        if name == "Q6_K":
+            blk[192:208] = 0x80  # int8 -128
+            blk[208:210] = np.frombuffer(np.float16(2.0**-10).tobytes(), np.uint8)
+            continue
+        if "K" in name:  # sub-block scales and minimums 63, their 6-bit packing all ones
+            blk[4:16] = 0xFF
         blk[0:2] = np.frombuffer(np.float16(2.0**-7).tobytes(), np.uint8)
         if name != "Q5_0":
             blk[2:4] = np.frombuffer(np.float16(-(2.0**-4) if name == "Q5_1" else 2.0**-10).tobytes(), np.uint8)
@@ -221,11 +231,12 @@ def _extreme_blocks(name: str, n: int, k: int) -> np.ndarray:
 
 
 @needs_kernel
-@pytest.mark.parametrize("name,packed", [(n, p) for n, p in LAYOUTS if n.startswith("Q5")])
-def test_five_bit_values_at_their_extremes_never_saturate_the_integer_sums(name, packed):
-    """The largest integer sums a 5-bit block makes: every value 31 against activations all +127 or
-    all -127 (x = +-1 quantizes exactly), 32 products of 31 x 127 = 125,984 a block, past what 16
-    bits hold (the vector code's pairwise sums must widen in time). The result is the exact product
+@pytest.mark.parametrize("name,packed", [(n, p) for n, p in LAYOUTS if n in EXTREME])
+def test_values_at_their_extremes_never_saturate_the_integer_sums(name, packed):
+    """The largest integer sums a block makes: every value at its widest against activations all +127
+    or all -127 (x = +-1 quantizes exactly): a 5-bit block's 32 products of 31 x 127 = 125,984, past
+    what 16 bits hold (the vector code's pairwise sums must widen in time); the K-quants' sums times
+    their sub-block scales (Q6_K: 32 x 32 x 127 x 128 a sub-block). The result is the exact product
     but for float32 rounding; on both paths, the C code's bits too."""
     n, k = 16, 512
     raw = _extreme_blocks(name, n, k)
@@ -243,17 +254,20 @@ def test_five_bit_values_at_their_extremes_never_saturate_the_integer_sums(name,
 @pytest.mark.parametrize("name", PACKABLE)
 def test_packing_moves_the_files_bytes_and_keeps_its_values(name):
     """A packed group holds its 8 rows' bytes, each once (moved, not widened; the 5-bit formats' fifth
-    bits reordered within each row's word: the words' bits counted); unpacked, its rows are the
+    bits reordered within each row's word: the words' bits counted; the K-quants' bits moved within
+    their super-block, and only their 6-bit scales widened to a byte); unpacked, its rows are the
     file's values bit for bit; and its kernel, which sums each block's products as one integer where
     the rows' kernel keeps 8 partial sums, agrees with the rows' kernel within float32 rounding."""
     rng = np.random.default_rng(14)
-    n, k = 24, 320
+    n, k = 24, 512 if "K" in name else 320
     raw = _blocks(name, n, k, rng)
     kind, packed = _weight(name, raw, n, k, packed=True)
-    assert packed.shape == (n // 8, 8 * raw.shape[1])
+    # a K-quant's 6-bit scales and minimums (12 bytes a row's super-block) take a byte each (16)
+    unpacked_scales = {"Q4_K": 4, "Q5_K": 4}.get(name, 0) * (k // 256)
+    assert packed.shape == (n // 8, 8 * (raw.shape[1] + unpacked_scales))
     size = raw.shape[1] // (k // 32)
     file_bits, group_bits = {"Q5_0": (2, 144), "Q5_1": (4, 160)}.get(name, (0, 0))  # where the words lie
-    for g in range(n // 8):
+    for g in range(n // 8 if "K" not in name else 0):
         rows = raw[8 * g : 8 * g + 8].reshape(8, k // 32, size)
         group = packed[g].numpy().reshape(k // 32, 8 * size)
         if file_bits:
