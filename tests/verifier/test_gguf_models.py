@@ -20,7 +20,7 @@ from verifier import gguf_blocks, native
 from verifier.layouts import layer_projections
 from verifier.model import gguf_source, load, resolve_dtype, resolve_model_dir
 
-pytestmark = pytest.mark.slow  # each file converts once: ~20 s, most of it the 49k-token vocabulary
+pytestmark = pytest.mark.slow  # each file is written and converted once
 
 needs_kernel = pytest.mark.skipif(not native.quant_supported(3), reason=f"native kernels not built: {native.why()}")
 

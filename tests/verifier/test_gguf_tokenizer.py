@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoTokenizer
 from tests.support.gguf_models import write
 from verifier.model import eos_token_ids, resolve_model_dir, tokenizer_dir
 
-pytestmark = pytest.mark.slow  # the 49k-token vocabulary is parsed twice: ~20 s
+pytestmark = pytest.mark.slow  # each file's vocabulary is parsed twice
 
 
 def test_a_gguf_tokenizer_is_read_without_converting_the_weights(tmp_path, monkeypatch):
