@@ -12,6 +12,11 @@
 # exactly, so every file made here quantizes those values, not the original model's: a Q8_0 file
 # holds Q4_1's values to 8 bits, no better. Each file's tensor formats are counted at the end.
 #
+# SHAPE=qwen3-0.6b makes them of another family instead: a random Qwen3 of Qwen3-0.6B's shape
+# (hidden size 1024, so every projection can be a K-quant; 28 layers, q/k norms, tied embedding) with
+# the bundled model's tokenizer (49,152 tokens), named Random-Qwen3-0.6B. Its text is noise; its
+# files cost what a real one's do to serve, which is what a benchmark of one measures.
+#
 #   TYPES="Q4_K_M Q5_K_M Q8_0"   llama-quantize's types to make
 #   LLAMA_CPP_DIR=...            scripts/build_llama_cpp.sh's directory (default ~/.cache/racer/llama.cpp)
 #   PYTHON=...                   the project's Python (default .venv/bin/python, else python3)
@@ -41,6 +46,34 @@ fi
 
 hf="$(cd "$root" && "$python" -c 'from verifier.model import resolve_model_dir; print(resolve_model_dir("default"))')"
 name="SmolLM2-135M-Instruct"
+if [ "${SHAPE:-}" = "qwen3-0.6b" ]; then
+  name="Random-Qwen3-0.6B"
+  src="$out/$name-hf"
+  if [ ! -f "$src/.complete" ]; then
+    "$python" - "$hf" "$src" >&2 <<'PY'
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+bundled, out = sys.argv[1], Path(sys.argv[2])
+tok = AutoTokenizer.from_pretrained(bundled)
+config = Qwen3Config(
+    vocab_size=len(tok), hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+    tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+)
+torch.manual_seed(0)
+Qwen3ForCausalLM(config).save_pretrained(out)
+tok.save_pretrained(out)
+shutil.copy(Path(bundled) / "generation_config.json", out / "generation_config.json")
+(out / ".complete").touch()
+PY
+  fi
+  hf="$src"
+fi
 f32="$out/$name.F32.gguf"
 if [ ! -f "$f32" ]; then
   PYTHONPATH="$deps" "$python" "$convert" "$hf" --outtype f32 --outfile "$f32.tmp" >&2

@@ -364,8 +364,8 @@ def _embed(b, tokens: torch.Tensor) -> torch.Tensor:
     return layouts.embedding(b.embed.weight, tokens)
 
 
-_FUSED_TYPES = {"llama", "mistral", "qwen2", "smollm3"}
-_FUSED_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "SmolLM3RMSNorm"}
+_FUSED_TYPES = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
+_FUSED_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "SmolLM3RMSNorm"}
 
 
 _DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (plan, moves, its decoder)
@@ -385,24 +385,31 @@ def _model_decoder(b) -> native.Decoder | None:
 def _fused_decoder(b) -> native.Decoder | None:
     """The native decoder for ``b``'s model, or None where it would not compute what the layers do
     op by op (then they run so on every call): reduced precision on the invariant path with native
-    attention (its vector path), plain RMSNorms of one epsilon, SiLU-gated MLPs, no per-head q/k
-    norms, a plain embedding, and every projection planned on a widening native tile, unchunked."""
+    attention (its vector path), plain RMSNorms of one epsilon (Qwen3's per-head q/k norms included),
+    SiLU-gated MLPs, a plain embedding, and every projection planned on a widening native tile, unchunked."""
     cfg, inner = b.model.config, b.model.model
     half = b.dtype in (torch.bfloat16, torch.float16)
     if not (b.invariant and b.native_attention and (half or kept(b.model) is not None)):
         return None
     if cfg.model_type not in _FUSED_TYPES or getattr(cfg, "hidden_act", "") not in ("silu", "swish"):
         return None
+    head_norms = all(hasattr(layer.self_attn, "q_norm") and hasattr(layer.self_attn, "k_norm") for layer in b.layers)
+    if not head_norms and any(hasattr(layer.self_attn, n) for layer in b.layers for n in ("q_norm", "k_norm")):
+        return None
     norms = [inner.norm] + [m for layer in b.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
+    if head_norms:
+        norms += [m for layer in b.layers for m in (layer.self_attn.q_norm, layer.self_attn.k_norm)]
     eps = {getattr(m, "variance_epsilon", None) for m in norms}
     if len(eps) != 1 or None in eps or any(type(m).__name__ not in _FUSED_NORMS for m in norms):
         return None
-    if type(b.embed) is not torch.nn.Embedding or any(hasattr(layer.self_attn, "q_norm") for layer in b.layers):
+    if type(b.embed) is not torch.nn.Embedding:
         return None
     if native.attention_path(b.kv_dtype, b.n_heads, b.n_kv, b.head_dim) != "vector":
         return None
     layers = [
-        (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, _projections(layer)) for layer in b.layers
+        (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, _projections(layer))
+        + ((layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight) if head_norms else ())
+        for layer in b.layers
     ]
     chosen = b.plan.source != "forced"  # a plan forced by RACER_KERNELS is run as forced
     tiles = {p: _decoder_tile(b.plan.shapes.get(tuple(m.weight.shape)), chosen) for p, m in layers[0][2].items()}

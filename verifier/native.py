@@ -794,6 +794,8 @@ class _Layer(ctypes.Structure):
         ("bias", ctypes.c_void_p * len(PROJECTIONS)),
         ("tile", (ctypes.c_int64 * 2) * len(PROJECTIONS)),
         ("qtype", ctypes.c_int64 * len(PROJECTIONS)),
+        ("qnorm", ctypes.c_void_p),
+        ("knorm", ctypes.c_void_p),
     ]
 
 
@@ -812,7 +814,8 @@ class Decoder:
     """Every decoder layer of a Llama-family model in one native call (``native_layer.c``).
 
     ``layers``: per layer ``(input norm weight, post-attention norm weight, {projection: module})``
-    with the modules of ``PROJECTIONS`` (a ``weight`` stored as rows, a ``bias`` or None);
+    with the modules of ``PROJECTIONS`` (a ``weight`` stored as rows, a ``bias`` or None), and
+    optionally the weights of per-head q and k RMSNorms taken before the rotation (Qwen3's);
     ``tiles``: per projection the native variant its shape runs (row-invariant, not ``PAIRS``), or
     ``PANEL`` for a weight stored as panels;
     ``final_norm``: the last norm's weight. Norms and biases are kept as float32 copies; the
@@ -826,8 +829,8 @@ class Decoder:
             raise TypeError(f"native decoder not available: {why()}")
         if any(_refused_any(kind) for kind in ("linear", "panel", "attention")):  # refused blocks: the reference's
             raise TypeError(f"native decoder: it calls kernels the start-up check refused ({why_refused('')})")
-        weights = [mods[p].weight for _, _, mods in layers for p in PROJECTIONS]
-        blocks = [getattr(mods[p], "racer_blocks", None) for _, _, mods in layers for p in PROJECTIONS]
+        weights = [spec[2][p].weight for spec in layers for p in PROJECTIONS]
+        blocks = [getattr(spec[2][p], "racer_blocks", None) for spec in layers for p in PROJECTIONS]
         dtype = weights[0].dtype
         if any(b is not None for b in blocks):
             weights = [w for w, b in zip(weights, blocks) if b is None] + [b.data for b in blocks if b is not None]
@@ -844,7 +847,7 @@ class Decoder:
         self.shape = _Shape(**dims, weight_type=WEIGHT_TYPES[dtype], cache_type=0, threads=1, eps=eps, scale=scale)
         self._keep = [final_norm, *weights]  # every tensor a pointer below refers to stays alive
         self._norm = self._held(_f32(final_norm))
-        self.layers = (_Layer * len(layers))(*[self._layer(*spec, tiles) for spec in layers])
+        self.layers = (_Layer * len(layers))(*[self._layer(*spec[:3], tiles, *spec[3:]) for spec in layers])
 
     def _held(self, t: torch.Tensor | None) -> int | None:
         if t is None:
@@ -852,8 +855,9 @@ class Decoder:
         self._keep.append(t)
         return t.data_ptr()
 
-    def _layer(self, norm1, norm2, mods, tiles) -> _Layer:
+    def _layer(self, norm1, norm2, mods, tiles, qnorm=None, knorm=None) -> _Layer:
         layer = _Layer(norm1=self._held(_f32(norm1)), norm2=self._held(_f32(norm2)))
+        layer.qnorm, layer.knorm = self._held(_f32(qnorm)), self._held(_f32(knorm))
         for j, p in enumerate(PROJECTIONS):
             layer.w[j] = mods[p].weight.data_ptr()
             layer.bias[j] = self._held(_f32(mods[p].bias))

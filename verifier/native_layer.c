@@ -43,7 +43,9 @@ int racer_attention(int type, const float *q, const void *k, const void *v, floa
 /* One layer's weights, as native.py lays them out (int64 words): norms and biases float32 (NULL for
  * no bias), projection weights at the weight type, and each projection's tile shape over a weight
  * stored as rows, or 0 x 0 for one stored as panels (native_panel.c); ``qtype``: 0, or the GGML type
- * of a weight kept as the GGUF file's blocks (native_quant.c; its tile is then unused). */
+ * of a weight kept as the GGUF file's blocks (native_quant.c; its tile is then unused); ``qnorm``,
+ * ``knorm``: NULL, or the weights [head_dim] of an RMSNorm of each q and k head before the rotation
+ * (Qwen3's). */
 enum { Q, K, V, O, GATE, UP, DOWN, PROJECTIONS };
 struct layer {
     const float *norm1, *norm2;
@@ -51,6 +53,7 @@ struct layer {
     const float *bias[PROJECTIONS];
     int64_t tile[PROJECTIONS][2]; /* nr, mr */
     int64_t qtype[PROJECTIONS];
+    const float *qnorm, *knorm;
 };
 
 /* One session's rows of the call [r0, r1) and its cache: layer 0's K at ``cache``, V after it;
@@ -69,7 +72,7 @@ struct shape {
     float eps, scale;
 };
 
-/* y = w * (x / sqrt(mean(x^2) + eps)), one row of ``d`` values. */
+/* y = w * (x / sqrt(mean(x^2) + eps)), one row of ``d`` values (y may be x). */
 static void rms_norm(const float *x, const float *w, float *y, long d, float eps)
 {
     float ss = 0.f;
@@ -139,8 +142,8 @@ static int project(const struct shape *s, const struct layer *l, int first, int 
 
 /* Attention of layer ``i``: the rows' rotated q/k, their K/V rows written into each segment's cache,
  * then each segment's rows over its own cache. q [n, heads*D], k/v [n, kv_heads*D]; out [n, heads*D]. */
-static int attend(const struct shape *s, long i, const struct segment *seg, long segments, float *q, float *k,
-                  const float *v, const float *cos, const float *sin, float *out)
+static int attend(const struct shape *s, long i, const struct layer *l, const struct segment *seg, long segments,
+                  float *q, float *k, const float *v, const float *cos, const float *sin, float *out)
 {
     const long D = s->head_dim, Hq = s->heads, Hk = s->kv_heads, es = s->cache_type == F32 ? 4 : 2;
     for (long g = 0; g < segments; g++) {
@@ -148,6 +151,10 @@ static int attend(const struct shape *s, long i, const struct segment *seg, long
         const long plane = Hk * sg->capacity * D * es; /* K or V of one layer */
         char *kc = (char *)sg->cache + 2 * i * plane, *vc = kc + plane;
         for (long r = sg->r0; r < sg->r1; r++) {
+            if (l->qnorm)
+                for (long h = 0; h < Hq; h++) rms_norm(q + (r * Hq + h) * D, l->qnorm, q + (r * Hq + h) * D, D, s->eps);
+            if (l->knorm)
+                for (long h = 0; h < Hk; h++) rms_norm(k + (r * Hk + h) * D, l->knorm, k + (r * Hk + h) * D, D, s->eps);
             rotate(q + r * Hq * D, cos + r * D, sin + r * D, Hq, D);
             rotate(k + r * Hk * D, cos + r * D, sin + r * D, Hk, D);
             const long row = sg->past + r - sg->r0;
@@ -177,7 +184,7 @@ static int layer_forward(const struct shape *s, long i, const struct layer *l, c
     const int64_t qkv[3] = {Hq, Hk, Hk}, wide[2] = {I, I}, narrow[1] = {E};
     for (long r = 0; r < n; r++) rms_norm(x + r * E, l->norm1, w->h + r * E, E, s->eps);
     if ((rc = project(s, l, Q, 3, w->h, (float *const[]){w->q, w->k, w->v}, qkv, n, E))) return rc;
-    if ((rc = attend(s, i, seg, segments, w->q, w->k, w->v, cos, sin, w->a))) return rc;
+    if ((rc = attend(s, i, l, seg, segments, w->q, w->k, w->v, cos, sin, w->a))) return rc;
     if ((rc = project(s, l, O, 1, w->a, &w->y, narrow, n, Hq))) return rc;
     for (long j = 0; j < n * E; j++) x[j] += w->y[j];
     for (long r = 0; r < n; r++) rms_norm(x + r * E, l->norm2, w->h + r * E, E, s->eps);
