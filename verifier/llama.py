@@ -244,6 +244,12 @@ class LlamaBackend:
         """
         return forward_segments([(self, tokens, positions, mask)], rows_exact)[0]
 
+    @property
+    def head_rows_exact(self) -> bool:
+        """Whether a row of ``logits`` has the same bits whatever rows share its call: the block
+        kernel's (row invariant by construction), or an invariant plan's."""
+        return getattr(self.model.lm_head, "racer_blocks", None) is not None or self.invariant
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, V] (an output layer kept as GGUF blocks: the block kernel),
