@@ -354,9 +354,13 @@ def _fused_forward(b0, tokens: torch.Tensor, positions: torch.Tensor, spans) -> 
     """Every layer and the final norm in one native call (``native.Decoder``): [n, hidden] in the
     model's dtype. Every call attends exactly (a prompt's rows too): one computation for every row."""
     x = _embed(b0, tokens).float().contiguous()
-    cos, sin = b0.rope(positions, torch.float32)
-    segments = [(s, e, b.cache, past, *hows[None]) for b, s, e, past, hows in spans]
-    return b0.fused(x, cos[0].contiguous(), sin[0].contiguous(), segments).to(b0.dtype)
+    kinds = list(dict.fromkeys(b0.rope_kinds))  # one rotary table, or Gemma 3's two
+    tables = [b0.rope(positions, torch.float32, kind=kind) for kind in kinds]
+    (cos, sin), (cos2, sin2) = tables[0], tables[-1]
+    window = next((w for w in b0.windows if w is not None), None)
+    segments = [(s, e, b.cache, past, *hows[None], *(hows[window] if window else ())) for b, s, e, past, hows in spans]
+    cos2, sin2 = cos2[0].contiguous(), sin2[0].contiguous()
+    return b0.fused(x, cos[0].contiguous(), sin[0].contiguous(), segments, cos2, sin2).to(b0.dtype)
 
 
 def _embed(b, tokens: torch.Tensor) -> torch.Tensor:
@@ -370,8 +374,8 @@ def _embed(b, tokens: torch.Tensor) -> torch.Tensor:
     return layouts.embedding(b.embed.weight, tokens)
 
 
-_FUSED_TYPES = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
-_FUSED_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "SmolLM3RMSNorm"}
+_FUSED_TYPES = {"llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text"}
+_FUSED_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "SmolLM3RMSNorm", "Gemma3RMSNorm"}
 
 
 _DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (plan, moves, its decoder)
@@ -391,32 +395,39 @@ def _model_decoder(b) -> native.Decoder | None:
 def _fused_decoder(b) -> native.Decoder | None:
     """The native decoder for ``b``'s model, or None where it would not compute what the layers do
     op by op (then they run so on every call): reduced precision on the invariant path with native
-    attention (its vector path), plain RMSNorms of one epsilon (Qwen3's per-head q/k norms included),
-    SiLU-gated MLPs, a plain embedding, and every projection planned on a widening native tile, unchunked."""
+    attention (its vector path), RMSNorms of one epsilon (Qwen3's and Gemma 3's per-head q/k norms,
+    Gemma 3's norms of the attention's and the MLP's outputs included), SiLU- or GELU-gated MLPs, a
+    lookup embedding (Gemma's scaled one included), at most one sliding window and two rotary tables
+    (Gemma 3's local and global layers), no soft-capped attention, and every projection planned on a
+    widening native tile, unchunked."""
     cfg, inner = b.model.config, b.model.model
     half = b.dtype in (torch.bfloat16, torch.float16)
     if not (b.invariant and b.native_attention and (half or kept(b.model) is not None)):
         return None
-    if cfg.model_type not in _FUSED_TYPES or getattr(cfg, "hidden_act", "") not in ("silu", "swish"):
+    act = _ACTIVATIONS.get(getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", ""))
+    if cfg.model_type not in _FUSED_TYPES or act is None or any(b.softcaps):
+        return None
+    if len(set(b.windows) - {None}) > 1 or len(set(b.rope_kinds)) > 2 or b.partial_rotary:
         return None
     head_norms = all(hasattr(layer.self_attn, "q_norm") and hasattr(layer.self_attn, "k_norm") for layer in b.layers)
     if not head_norms and any(hasattr(layer.self_attn, n) for layer in b.layers for n in ("q_norm", "k_norm")):
         return None
-    norms = [inner.norm] + [m for layer in b.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
-    if head_norms:
-        norms += [m for layer in b.layers for m in (layer.self_attn.q_norm, layer.self_attn.k_norm)]
-    eps = {getattr(m, "variance_epsilon", None) for m in norms}
+    sandwich = all(hasattr(layer, "pre_feedforward_layernorm") for layer in b.layers)  # Gemma 3's
+    norms = [inner.norm] + [m for layer in b.layers for m in _layer_norms(layer, head_norms, sandwich).values()]
+    eps = {getattr(m, "variance_epsilon", getattr(m, "eps", None)) for m in norms}
     if len(eps) != 1 or None in eps or any(type(m).__name__ not in _FUSED_NORMS for m in norms):
         return None
-    if type(b.embed) is not torch.nn.Embedding:
+    if not isinstance(b.embed, torch.nn.Embedding):
         return None
     if native.attention_path(b.kv_dtype, b.n_heads, b.n_kv, b.head_dim) != "vector":
         return None
-    layers = [
-        (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, _projections(layer))
-        + ((layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight) if head_norms else ())
-        for layer in b.layers
-    ]
+    kinds = list(dict.fromkeys(b.rope_kinds))
+    layers = []
+    for i, layer in enumerate(b.layers):
+        w = {k: _norm_weight(m) for k, m in _layer_norms(layer, head_norms, sandwich).items()}
+        extra = {k: w[k] for k in ("qnorm", "knorm", "post_attn", "post_ffn") if k in w}
+        extra.update(windowed=int(b.windows[i] is not None), rope=kinds.index(b.rope_kinds[i]))
+        layers.append((w["norm1"], w["norm2"], _projections(layer), extra))
     chosen = b.plan.source != "forced"  # a plan forced by RACER_KERNELS is run as forced
     tiles = {p: _decoder_tile(b.plan.shapes.get(tuple(m.weight.shape)), chosen) for p, m in layers[0][2].items()}
     if None in tiles.values():
@@ -432,9 +443,40 @@ def _fused_decoder(b) -> native.Decoder | None:
         "inter": layers[0][2]["gate_proj"].weight.shape[0],
     }
     try:
-        return native.Decoder(layers, tiles, inner.norm.weight, dims, eps.pop(), scales.pop())
+        return native.Decoder(layers, tiles, _norm_weight(inner.norm), dims, eps.pop(), scales.pop(), act)
     except TypeError:
         return None
+
+
+# The MLP activations the native decoder computes: 0 SiLU, 1 GELU's tanh approximation.
+_ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1}
+# RMSNorms that scale by 1 + weight (Gemma's) rather than by the weight.
+_PLUS_ONE_NORMS = {"Gemma3RMSNorm"}
+
+
+def _layer_norms(layer, head_norms: bool, sandwich: bool) -> dict:
+    """A layer's RMSNorm modules by their place in the native decoder: ``norm1`` before attention,
+    ``norm2`` before the MLP; ``qnorm``/``knorm`` per head; with ``sandwich`` (Gemma 3) the MLP's input
+    norm is ``pre_feedforward_layernorm`` and ``post_attn``/``post_ffn`` norm the two outputs."""
+    out = {"norm1": layer.input_layernorm}
+    if sandwich:
+        out.update(
+            norm2=layer.pre_feedforward_layernorm,
+            post_attn=layer.post_attention_layernorm,
+            post_ffn=layer.post_feedforward_layernorm,
+        )
+    else:
+        out["norm2"] = layer.post_attention_layernorm
+    if head_norms:
+        out.update(qnorm=layer.self_attn.q_norm, knorm=layer.self_attn.k_norm)
+    return out
+
+
+def _norm_weight(m) -> torch.Tensor:
+    """What an RMSNorm multiplies the normed row by, float32: its weight, or 1 + its weight (Gemma's,
+    as it computes it)."""
+    w = m.weight.detach().float()
+    return 1.0 + w if type(m).__name__ in _PLUS_ONE_NORMS else w
 
 
 def _decoder_tile(sp, chosen: bool) -> str | None:

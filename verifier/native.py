@@ -229,7 +229,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.racer_decoder_quant_from.argtypes = [ctypes.c_void_p]
     lib.racer_decoder.restype = ctypes.c_int
     lib.racer_decoder.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_long]
-    lib.racer_decoder.argtypes += [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 4
+    lib.racer_decoder.argtypes += [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 6
 
 
 def _declare_quant(lib: ctypes.CDLL) -> None:
@@ -783,7 +783,7 @@ class _Shape(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_int64)
         for name in ("hidden", "heads", "kv_heads", "head_dim", "inter", "weight_type", "cache_type", "threads")
-    ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+    ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("act", ctypes.c_int64)]
 
 
 class _Layer(ctypes.Structure):
@@ -796,13 +796,21 @@ class _Layer(ctypes.Structure):
         ("qtype", ctypes.c_int64 * len(PROJECTIONS)),
         ("qnorm", ctypes.c_void_p),
         ("knorm", ctypes.c_void_p),
+        ("post_attn", ctypes.c_void_p),
+        ("post_ffn", ctypes.c_void_p),
+        ("windowed", ctypes.c_int64),
+        ("rope", ctypes.c_int64),
     ]
 
 
 class _Segment(ctypes.Structure):
     _fields_ = [
-        (name, ctypes.c_void_p if name == "cache" or name in ("counts", "inplace", "tail") else ctypes.c_int64)
+        (
+            name,
+            ctypes.c_int64 if name in ("r0", "r1", "capacity", "past") or name.endswith("width") else ctypes.c_void_p,
+        )
         for name in ("r0", "r1", "cache", "capacity", "past", "counts", "inplace", "tail", "tail_width")
+        + ("wcounts", "winplace", "wtail", "wtail_width")
     ]
 
 
@@ -815,7 +823,11 @@ class Decoder:
 
     ``layers``: per layer ``(input norm weight, post-attention norm weight, {projection: module})``
     with the modules of ``PROJECTIONS`` (a ``weight`` stored as rows, a ``bias`` or None), and
-    optionally the weights of per-head q and k RMSNorms taken before the rotation (Qwen3's);
+    optionally a dict of: ``qnorm``, ``knorm`` the weights of per-head q and k RMSNorms taken before the
+    rotation (Qwen3's, Gemma 3's); ``post_attn``, ``post_ffn`` those of RMSNorms of the attention's and
+    the MLP's outputs (Gemma 3's; its MLP's input norm is then the second weight); ``windowed`` 1 for a
+    layer attending over its segments' sliding-window keys; ``rope`` 1 for one taking the second
+    rotary table; ``act``: the MLP's activation, 0 SiLU, 1 GELU's tanh approximation;
     ``tiles``: per projection the native variant its shape runs (row-invariant, not ``PAIRS``), or
     ``PANEL`` for a weight stored as panels;
     ``final_norm``: the last norm's weight. Norms and biases are kept as float32 copies; the
@@ -823,7 +835,7 @@ class Decoder:
     (a GGUF file's blocks, ``verifier/gguf_blocks.py``) is read from them by the block kernel; the
     others of such a model are float32, on their native tile."""
 
-    def __init__(self, layers, tiles: dict[str, str], final_norm, dims: dict, eps: float, scale: float):
+    def __init__(self, layers, tiles: dict[str, str], final_norm, dims: dict, eps: float, scale: float, act: int = 0):
         lib = library()
         if lib is None:
             raise TypeError(f"native decoder not available: {why()}")
@@ -844,10 +856,14 @@ class Decoder:
         if any(tiles[p] != PANEL and (tiles[p] not in VARIANTS or tiles[p] in PAIRS) for p in PROJECTIONS):
             raise TypeError(f"native decoder: no widening native tile among {tiles}")
         self.lib, self.dtype = lib, dtype
-        self.shape = _Shape(**dims, weight_type=WEIGHT_TYPES[dtype], cache_type=0, threads=1, eps=eps, scale=scale)
+        self.shape = _Shape(
+            **dims, weight_type=WEIGHT_TYPES[dtype], cache_type=0, threads=1, eps=eps, scale=scale, act=act
+        )
         self._keep = [final_norm, *weights]  # every tensor a pointer below refers to stays alive
         self._norm = self._held(_f32(final_norm))
-        self.layers = (_Layer * len(layers))(*[self._layer(*spec[:3], tiles, *spec[3:]) for spec in layers])
+        self.layers = (_Layer * len(layers))(
+            *[self._layer(*spec[:3], tiles, **(spec[3] if len(spec) > 3 else {})) for spec in layers]
+        )
 
     def _held(self, t: torch.Tensor | None) -> int | None:
         if t is None:
@@ -855,9 +871,12 @@ class Decoder:
         self._keep.append(t)
         return t.data_ptr()
 
-    def _layer(self, norm1, norm2, mods, tiles, qnorm=None, knorm=None) -> _Layer:
-        layer = _Layer(norm1=self._held(_f32(norm1)), norm2=self._held(_f32(norm2)))
+    def _layer(
+        self, norm1, norm2, mods, tiles, qnorm=None, knorm=None, post_attn=None, post_ffn=None, windowed=0, rope=0
+    ) -> _Layer:
+        layer = _Layer(norm1=self._held(_f32(norm1)), norm2=self._held(_f32(norm2)), windowed=windowed, rope=rope)
         layer.qnorm, layer.knorm = self._held(_f32(qnorm)), self._held(_f32(knorm))
+        layer.post_attn, layer.post_ffn = self._held(_f32(post_attn)), self._held(_f32(post_ffn))
         for j, p in enumerate(PROJECTIONS):
             layer.w[j] = mods[p].weight.data_ptr()
             layer.bias[j] = self._held(_f32(mods[p].bias))
@@ -868,27 +887,35 @@ class Decoder:
                 layer.qtype[j] = blocks.kind
         return layer
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments, cos2=None, sin2=None
+    ) -> torch.Tensor:
         """x [n, hidden] float32 (the embedded rows; overwritten with the residual stream), cos/sin
         [n, head_dim] float32; ``segments``: per session ``(first row, end row, cache [layers, 2,
         kv_heads, capacity, head_dim] contiguous, past length, counts, inplace, tail)`` (``attention``'s
-        row keys). Writes each segment's new K/V rows at [past, past + rows) of every layer. Returns
+        row keys), then optionally the keys its rows see in a sliding-window layer (the same three);
+        cos2/sin2 the second rotary table's rows. Writes each segment's new K/V rows at [past, past +
+        rows) of every layer. Returns
         the final-normed hidden states [n, hidden] float32."""
         segs = (_Segment * len(segments))()
         shape = _Shape.from_buffer_copy(self.shape)  # this call's: one decoder serves every session, any thread
-        for seg, (r0, r1, cache, past, counts, inplace, tail) in zip(segs, segments):
+        for seg, (r0, r1, cache, past, counts, inplace, tail, *window) in zip(segs, segments):
             if cache.dtype not in _ATTENTION_TYPES or not cache.is_contiguous():
                 raise TypeError("native decoder: a contiguous float32, bfloat16 or float16 cache only")
             shape.cache_type = _ATTENTION_TYPES[cache.dtype]
             seg.r0, seg.r1, seg.cache, seg.capacity, seg.past = r0, r1, cache.data_ptr(), cache.shape[3], past
             seg.counts, seg.inplace, seg.tail = counts.data_ptr(), inplace.data_ptr(), tail.data_ptr()
             seg.tail_width = tail.shape[1]
+            wcounts, winplace, wtail = window or (counts, inplace, tail)  # a layer's sliding-window keys
+            seg.wcounts, seg.winplace, seg.wtail = wcounts.data_ptr(), winplace.data_ptr(), wtail.data_ptr()
+            seg.wtail_width = wtail.shape[1]
         n = x.shape[0]
         shape.threads = threads(n)
         out = torch.empty_like(x)
         rc = self.lib.racer_decoder(
             ctypes.byref(shape), self.layers, len(self.layers), segs, len(segs), x.data_ptr(), n,
             cos.data_ptr(), sin.data_ptr(), self._norm, out.data_ptr(),
+            (cos if cos2 is None else cos2).data_ptr(), (sin if sin2 is None else sin2).data_ptr(),
         )  # fmt: skip
         if rc:
             raise RuntimeError(f"native decoder failed ({rc})")

@@ -1,7 +1,9 @@
 /* A Llama-family decoder, every layer of it, in one call: for n rows, per layer, RMSNorm, the q/k/v
  * projections, rotary embeddings, the new K/V rows written into each segment's cache, invariant
  * attention over it (racer_attention), the o projection and the residual, RMSNorm, the gate and up
- * projections, silu(gate) * up, the down projection and the residual.
+ * projections, silu(gate) * up, the down projection and the residual. Gemma 3's layers add an RMSNorm
+ * of each q and k head, of the attention's output and of the MLP's before their residuals, GELU for
+ * SiLU, and sliding-window layers with their own rotary table.
  *
  * The residual stream and every activation stay float32; only the weights and the KV cache are half
  * width (a K/V row is rounded to the cache's type once, when it is written). Each step is rowwise:
@@ -45,7 +47,7 @@ int racer_attention(int type, const float *q, const void *k, const void *v, floa
  * stored as rows, or 0 x 0 for one stored as panels (native_panel.c); ``qtype``: 0, or the GGML type
  * of a weight kept as the GGUF file's blocks (native_quant.c; its tile is then unused); ``qnorm``,
  * ``knorm``: NULL, or the weights [head_dim] of an RMSNorm of each q and k head before the rotation
- * (Qwen3's). */
+ * (Qwen3's and Gemma 3's). */
 enum { Q, K, V, O, GATE, UP, DOWN, PROJECTIONS };
 struct layer {
     const float *norm1, *norm2;
@@ -54,6 +56,9 @@ struct layer {
     int64_t tile[PROJECTIONS][2]; /* nr, mr */
     int64_t qtype[PROJECTIONS];
     const float *qnorm, *knorm;
+    const float *post_attn, *post_ffn; /* NULL, or RMSNorms of the attention's and the MLP's outputs (Gemma 3's) */
+    int64_t windowed;                  /* 1: the layer attends over the segments' sliding-window keys */
+    int64_t rope;                      /* its rotary values: 0 the call's first table, 1 its second */
 };
 
 /* One session's rows of the call [r0, r1) and its cache: layer 0's K at ``cache``, V after it;
@@ -64,12 +69,15 @@ struct segment {
     int64_t capacity, past;
     const int64_t *counts, *inplace, *tail;
     int64_t tail_width;
+    const int64_t *wcounts, *winplace, *wtail; /* the keys each row sees in a sliding-window layer */
+    int64_t wtail_width;
 };
 
-/* The model's shape and the call's constants. */
+/* The model's shape and the call's constants; ``act`` the MLP's activation: 0 SiLU, 1 GELU (tanh). */
 struct shape {
     int64_t hidden, heads, kv_heads, head_dim, inter, weight_type, cache_type, threads;
     float eps, scale;
+    int64_t act;
 };
 
 /* y = w * (x / sqrt(mean(x^2) + eps)), one row of ``d`` values (y may be x). */
@@ -163,9 +171,11 @@ static int attend(const struct shape *s, long i, const struct layer *l, const st
                 store(vc + (h * sg->capacity + row) * D * es, v + (r * Hk + h) * D, D, (int)s->cache_type);
             }
         }
+        const int win = l->windowed != 0;
         int rc = racer_attention((int)s->cache_type, q + sg->r0 * Hq * D, kc, vc, out + sg->r0 * Hq * D,
-                                 sg->r1 - sg->r0, Hq, Hk, D, sg->capacity, sg->counts, sg->inplace, sg->tail,
-                                 sg->tail_width, s->scale, (int)s->threads);
+                                 sg->r1 - sg->r0, Hq, Hk, D, sg->capacity, win ? sg->wcounts : sg->counts,
+                                 win ? sg->winplace : sg->inplace, win ? sg->wtail : sg->tail,
+                                 win ? sg->wtail_width : sg->tail_width, s->scale, (int)s->threads);
         if (rc) return rc;
     }
     return 0;
@@ -176,32 +186,52 @@ struct work {
     float *h, *q, *k, *v, *a, *g, *u, *y;
 };
 
+/* silu(g) * u, or gelu(g) * u with GELU's tanh approximation (``act`` 1), in place in g. */
+static void gate(float *g, const float *u, long count, int64_t act)
+{
+    if (act == 1)
+        for (long j = 0; j < count; j++) {
+            const float v = g[j];
+            g[j] = 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v))) * u[j];
+        }
+    else
+        for (long j = 0; j < count; j++) g[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+}
+
 static int layer_forward(const struct shape *s, long i, const struct layer *l, const struct segment *seg,
-                         long segments, float *x, long n, const float *cos, const float *sin, struct work *w)
+                         long segments, float *x, long n, const float *const *cos, const float *const *sin,
+                         struct work *w)
 {
     const long E = s->hidden, D = s->head_dim, Hq = s->heads * D, Hk = s->kv_heads * D, I = s->inter;
     int rc = 0;
     const int64_t qkv[3] = {Hq, Hk, Hk}, wide[2] = {I, I}, narrow[1] = {E};
     for (long r = 0; r < n; r++) rms_norm(x + r * E, l->norm1, w->h + r * E, E, s->eps);
     if ((rc = project(s, l, Q, 3, w->h, (float *const[]){w->q, w->k, w->v}, qkv, n, E))) return rc;
-    if ((rc = attend(s, i, l, seg, segments, w->q, w->k, w->v, cos, sin, w->a))) return rc;
+    if ((rc = attend(s, i, l, seg, segments, w->q, w->k, w->v, cos[l->rope != 0], sin[l->rope != 0], w->a))) return rc;
     if ((rc = project(s, l, O, 1, w->a, &w->y, narrow, n, Hq))) return rc;
+    if (l->post_attn)
+        for (long r = 0; r < n; r++) rms_norm(w->y + r * E, l->post_attn, w->y + r * E, E, s->eps);
     for (long j = 0; j < n * E; j++) x[j] += w->y[j];
     for (long r = 0; r < n; r++) rms_norm(x + r * E, l->norm2, w->h + r * E, E, s->eps);
     if ((rc = project(s, l, GATE, 2, w->h, (float *const[]){w->g, w->u}, wide, n, E))) return rc;
-    for (long j = 0; j < n * I; j++) w->g[j] = w->g[j] / (1.0f + expf(-w->g[j])) * w->u[j];
+    gate(w->g, w->u, n * I, s->act);
     if ((rc = project(s, l, DOWN, 1, w->g, &w->y, narrow, n, I))) return rc;
+    if (l->post_ffn)
+        for (long r = 0; r < n; r++) rms_norm(w->y + r * E, l->post_ffn, w->y + r * E, E, s->eps);
     for (long j = 0; j < n * E; j++) x[j] += w->y[j];
     return 0;
 }
 
 /* Every layer over x [n, hidden] (float32, updated in place: the residual stream after the last
  * layer), then the final RMSNorm (weight ``norm``) into ``out`` [n, hidden] float32. cos/sin
- * [n, head_dim] float32: each row's rotary values. 0, -1 for a tile this build does not have or a
- * head shape attention does not take, -2 out of memory. */
+ * [n, head_dim] float32: each row's rotary values; cos2/sin2 those of a second table (Gemma 3's
+ * local layers: ``rope`` 1), or the same. 0, -1 for a tile this build does not have or a head shape
+ * attention does not take, -2 out of memory. */
 int racer_decoder(const struct shape *s, const struct layer *layers, long n_layers, const struct segment *seg,
-                  long segments, float *x, long n, const float *cos, const float *sin, const float *norm, float *out)
+                  long segments, float *x, long n, const float *cos, const float *sin, const float *norm, float *out,
+                  const float *cos2, const float *sin2)
 {
+    const float *const coss[2] = {cos, cos2}, *const sins[2] = {sin, sin2};
     const long E = s->hidden, Hq = s->heads * s->head_dim, Hk = s->kv_heads * s->head_dim, I = s->inter;
     const long widest = E > I ? E : I;
     float *all = malloc(sizeof(float) * n * (E + 2 * Hq + 2 * Hk + 2 * I + widest));
@@ -211,7 +241,7 @@ int racer_decoder(const struct shape *s, const struct layer *layers, long n_laye
     w.g = w.a + n * Hq, w.u = w.g + n * I, w.y = w.u + n * I;
     int rc = 0;
     racer_pool_hold(1); /* the pool's workers spin between this forward's loops, and sleep after it */
-    for (long i = 0; i < n_layers && !rc; i++) rc = layer_forward(s, i, &layers[i], seg, segments, x, n, cos, sin, &w);
+    for (long i = 0; i < n_layers && !rc; i++) rc = layer_forward(s, i, &layers[i], seg, segments, x, n, coss, sins, &w);
     racer_pool_hold(0);
     free(all);
     for (long r = 0; r < n && !rc; r++) rms_norm(x + r * E, norm, out + r * E, E, s->eps);

@@ -210,3 +210,40 @@ def test_what_the_llama_backend_does_not_implement_goes_to_hf_with_the_reason(bu
         VerifierSession(m, backend="llama")
     m.save_pretrained(tmp_path)
     assert _serving(str(tmp_path), "auto") == ("hf", why)
+
+
+def test_gemma3_in_the_native_decoder_is_the_models_forward_past_the_window(monkeypatch, tmp_path):
+    """Every Gemma 3 layer in one native call (bfloat16, a widening native tile): its sandwich norms
+    (1 + weight), per-head q/k norms, GELU, and local layers over their window with their own rotary
+    table. Each node of a tree deeper than the window gets the float32 model's own logits over its
+    path, within bfloat16's rounding; its rows are its one-token steps'."""
+    from tests.verifier.test_native_decoder import _widening_native
+
+    tile = _widening_native()
+    if tile is None or not native.attention_usable(torch.bfloat16, torch.device("cpu"), 64):
+        pytest.skip(f"native kernels not built here: {native.why()}")
+    monkeypatch.setenv("RACER_KERNELS", tile)
+    monkeypatch.setenv("RACER_CACHE", str(tmp_path))
+    ref = _model("gemma3_text", **WIDE)
+    m = _model("gemma3_text", **WIDE).to(torch.bfloat16)
+    assert len(set(LlamaBackend(m).rope_kinds)) == 2 and WINDOW in LlamaBackend(m).windows
+    rng = random.Random(5)
+    context = [rng.randrange(3, VOCAB) for _ in range(5)]
+    parents = _deep_tree(rng, 24)
+    tokens = [rng.randrange(3, VOCAB) for _ in parents]
+    s = _session(m, context)
+    assert s.backend.fused is not None
+    tree = s.backend.forward(*s._inputs(tokens, parents))
+    logits = s.backend.logits(tree).float()
+    with torch.inference_mode():
+        for i in range(0, 24, 2):
+            path = _path(parents, i)
+            want = ref(torch.tensor([context + [tokens[j] for j in path]])).logits[0, -1]
+            err = ((logits[i] - want).abs().max() / want.abs().max()).item()
+            assert err < 0.02, (i, len(path), err)
+    deep = max(range(24), key=lambda i: len(_path(parents, i)))
+    step = _session(m, context)
+    for j in _path(parents, deep):
+        hidden = step.backend.forward(*step._inputs([tokens[j]], [-1]))
+        step.backend.commit(None, 1)
+    assert torch.equal(hidden[0], tree[deep])
