@@ -12,10 +12,13 @@
 # exactly, so every file made here quantizes those values, not the original model's: a Q8_0 file
 # holds Q4_1's values to 8 bits, no better. Each file's tensor formats are counted at the end.
 #
-# SHAPE=qwen3-0.6b makes them of another family instead: a random Qwen3 of Qwen3-0.6B's shape
-# (hidden size 1024, so every projection can be a K-quant; 28 layers, q/k norms, tied embedding) with
-# the bundled model's tokenizer (49,152 tokens), named Random-Qwen3-0.6B. Its text is noise; its
-# files cost what a real one's do to serve, which is what a benchmark of one measures.
+# SHAPE makes them of another family instead, a random model with the bundled model's tokenizer
+# (49,152 tokens): its text is noise, but its files cost what a real one's do to serve, which is what
+# a benchmark of one measures.
+#   SHAPE=qwen3-0.6b    Random-Qwen3-0.6B: Qwen3-0.6B's shape (hidden size 1024, so every projection
+#                       can be a K-quant; 28 layers, q/k norms, tied embedding)
+#   SHAPE=gemma3-270m   Random-Gemma3-270M: Gemma 3 270M's (hidden size 640, 18 layers, 4 heads of
+#                       256, local layers of a 512-token window five in six, sandwich norms, GELU)
 #
 #   TYPES="Q4_K_M Q5_K_M Q8_0"   llama-quantize's types to make
 #   LLAMA_CPP_DIR=...            scripts/build_llama_cpp.sh's directory (default ~/.cache/racer/llama.cpp)
@@ -46,27 +49,39 @@ fi
 
 hf="$(cd "$root" && "$python" -c 'from verifier.model import resolve_model_dir; print(resolve_model_dir("default"))')"
 name="SmolLM2-135M-Instruct"
-if [ "${SHAPE:-}" = "qwen3-0.6b" ]; then
-  name="Random-Qwen3-0.6B"
+if [ -n "${SHAPE:-}" ]; then
+  case "$SHAPE" in
+    qwen3-0.6b) name="Random-Qwen3-0.6B" ;;
+    gemma3-270m) name="Random-Gemma3-270M" ;;
+    *) echo "SHAPE: qwen3-0.6b or gemma3-270m, not $SHAPE" >&2; exit 2 ;;
+  esac
   src="$out/$name-hf"
   if [ ! -f "$src/.complete" ]; then
-    "$python" - "$hf" "$src" >&2 <<'PY'
+    "$python" - "$SHAPE" "$hf" "$src" >&2 <<'PY'
 import shutil
 import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-bundled, out = sys.argv[1], Path(sys.argv[2])
+shape, bundled, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 tok = AutoTokenizer.from_pretrained(bundled)
-config = Qwen3Config(
-    vocab_size=len(tok), hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-    num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
-    tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-)
+ids = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=0)
+if shape == "qwen3-0.6b":
+    config = AutoConfig.for_model(
+        "qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=8192, tie_word_embeddings=True, **ids,
+    )
+else:
+    config = AutoConfig.for_model(
+        "gemma3_text", hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)],
+        max_position_embeddings=32768, tie_word_embeddings=True, **ids,
+    )
 torch.manual_seed(0)
-Qwen3ForCausalLM(config).save_pretrained(out)
+AutoModelForCausalLM.from_config(config).save_pretrained(out)
 tok.save_pretrained(out)
 shutil.copy(Path(bundled) / "generation_config.json", out / "generation_config.json")
 (out / ".complete").touch()

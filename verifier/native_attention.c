@@ -31,38 +31,6 @@
 #define BLOCK 64
 #define MAXD 256
 
-/* exp(x) for x <= 0 (softmax terms): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6
- * polynomial (relative error ~2e-7); below -87 it is 0. The same operations for every lane. */
-static inline vf vexp(vf x)
-{
-    const vf lo = (vf){0} - 87.0f;
-    vi under = x < lo, xb, lb;
-    memcpy(&xb, &x, sizeof xb);
-    memcpy(&lb, &lo, sizeof lb);
-    xb = (xb & ~under) | (lb & under);
-    memcpy(&x, &xb, sizeof x);
-    const vf magic = (vf){0} + 12582912.0f; /* 1.5 * 2^23: adding and subtracting it rounds to nearest */
-    vf n = (x * 1.44269504088896341f + magic) - magic;
-    vf r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    vf p = (vf){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-    vf sc;
-    memcpy(&sc, &e, sizeof sc);
-    vf out = p * sc;
-    vi bits;
-    memcpy(&bits, &out, sizeof bits);
-    bits &= ~under;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-}
-
 /* One block of a KV head converted to float32: kt[d][j] = K[key j][d] (keys along the vector lanes,
  * so scores need no horizontal sums) and v[j][d] = V[key j][d]: ``vb``, or a float32 cache's own
  * rows where the block's keys are consecutive cache rows (read in place, the same values). Only keys

@@ -186,16 +186,44 @@ struct work {
     float *h, *q, *k, *v, *a, *g, *u, *y;
 };
 
-/* silu(g) * u, or gelu(g) * u with GELU's tanh approximation (``act`` 1), in place in g. */
-static void gate(float *g, const float *u, long count, int64_t act)
+/* silu(g) * u, or gelu(g) * u with GELU's tanh approximation (``act`` 1), over one row of ``count``
+ * values, in place in g. Both are g * sigmoid(z): z = g for SiLU, z = 2 * 0.79788456 * (g + 0.044715
+ * g^3) for GELU (0.5 * (1 + tanh(z / 2)) = sigmoid(z)); sigmoid(z) = 1 / (1 + e) for z >= 0, e / (1 + e)
+ * below, with e = exp(-|z|) (``vexp``: a fixed polynomial, the same operations in every lane). A row's
+ * last values are one vector padded with zeros, so every value takes the same operations wherever it
+ * stands and however many rows share the call. */
+static void gate_row(float *g, const float *u, long count, int64_t act)
 {
-    if (act == 1)
-        for (long j = 0; j < count; j++) {
-            const float v = g[j];
-            g[j] = 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v))) * u[j];
+    for (long c = 0; c < count; c += VL) {
+        const long m = count - c < VL ? count - c : VL;
+        vf x = {0}, y = {0};
+        if (m == VL) {
+            x = load_f32(g + c);
+            y = load_f32(u + c);
+        } else {
+            memcpy(&x, g + c, sizeof(float) * m);
+            memcpy(&y, u + c, sizeof(float) * m);
         }
-    else
-        for (long j = 0; j < count; j++) g[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+        const vf z = act == 1 ? 1.5957691216057308f * (x + 0.044715f * x * x * x) : x;
+        const vi neg = z < 0;
+        vf a = z;
+        vi bits;
+        memcpy(&bits, &a, sizeof bits);
+        bits &= 0x7fffffff;
+        memcpy(&a, &bits, sizeof a);
+        const vf e = vexp((vf){0} - a), one = (vf){0} + 1.0f;
+        vi eb, ob;
+        memcpy(&eb, &e, sizeof eb);
+        memcpy(&ob, &one, sizeof ob);
+        eb = (eb & neg) | (ob & ~neg); /* the numerator: e where z < 0, else 1 */
+        vf num;
+        memcpy(&num, &eb, sizeof num);
+        const vf out = x * (num / (1.0f + e)) * y;
+        if (m == VL)
+            *(vfu *)(g + c) = out;
+        else
+            memcpy(g + c, &out, sizeof(float) * m);
+    }
 }
 
 static int layer_forward(const struct shape *s, long i, const struct layer *l, const struct segment *seg,
@@ -214,7 +242,7 @@ static int layer_forward(const struct shape *s, long i, const struct layer *l, c
     for (long j = 0; j < n * E; j++) x[j] += w->y[j];
     for (long r = 0; r < n; r++) rms_norm(x + r * E, l->norm2, w->h + r * E, E, s->eps);
     if ((rc = project(s, l, GATE, 2, w->h, (float *const[]){w->g, w->u}, wide, n, E))) return rc;
-    gate(w->g, w->u, n * I, s->act);
+    for (long r = 0; r < n; r++) gate_row(w->g + r * I, w->u + r * I, I, s->act);
     if ((rc = project(s, l, DOWN, 1, w->g, &w->y, narrow, n, I))) return rc;
     if (l->post_ffn)
         for (long r = 0; r < n; r++) rms_norm(w->y + r * E, l->post_ffn, w->y + r * E, E, s->eps);
