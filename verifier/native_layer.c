@@ -148,6 +148,43 @@ static int project(const struct shape *s, const struct layer *l, int first, int 
     return 0;
 }
 
+/* Threads a rowwise step of ``rows`` rows takes: the call's where the rows are enough to share. Each
+ * row's values are computed by one thread, the same steps on any, so the count changes no bits. */
+static int threads_for(const struct shape *s, long rows) { return rows >= 8 && s->threads > 1 ? (int)s->threads : 1; }
+
+/* One segment's rows of q and k normed per head (where the layer does) and rotated, and their K/V
+ * rows written into its cache (kc, vc: this layer's planes). */
+struct kv_rows {
+    const struct shape *s;
+    const struct layer *l;
+    const struct segment *sg;
+    float *q, *k;
+    const float *v, *cos, *sin;
+    char *kc, *vc;
+};
+
+static void kv_body(void *ctx, long lo, long hi, int tid)
+{
+    const struct kv_rows *c = ctx;
+    const struct shape *s = c->s;
+    const long D = s->head_dim, Hq = s->heads, Hk = s->kv_heads, es = s->cache_type == F32 ? 4 : 2;
+    float *q = c->q, *k = c->k;
+    (void)tid;
+    for (long r = c->sg->r0 + lo; r < c->sg->r0 + hi; r++) {
+        if (c->l->qnorm)
+            for (long h = 0; h < Hq; h++) rms_norm(q + (r * Hq + h) * D, c->l->qnorm, q + (r * Hq + h) * D, D, s->eps);
+        if (c->l->knorm)
+            for (long h = 0; h < Hk; h++) rms_norm(k + (r * Hk + h) * D, c->l->knorm, k + (r * Hk + h) * D, D, s->eps);
+        rotate(q + r * Hq * D, c->cos + r * D, c->sin + r * D, Hq, D);
+        rotate(k + r * Hk * D, c->cos + r * D, c->sin + r * D, Hk, D);
+        const long row = c->sg->past + r - c->sg->r0;
+        for (long h = 0; h < Hk; h++) {
+            store(c->kc + (h * c->sg->capacity + row) * D * es, k + (r * Hk + h) * D, D, (int)s->cache_type);
+            store(c->vc + (h * c->sg->capacity + row) * D * es, c->v + (r * Hk + h) * D, D, (int)s->cache_type);
+        }
+    }
+}
+
 /* Attention of layer ``i``: the rows' rotated q/k, their K/V rows written into each segment's cache,
  * then each segment's rows over its own cache. q [n, heads*D], k/v [n, kv_heads*D]; out [n, heads*D]. */
 static int attend(const struct shape *s, long i, const struct layer *l, const struct segment *seg, long segments,
@@ -158,19 +195,10 @@ static int attend(const struct shape *s, long i, const struct layer *l, const st
         const struct segment *sg = &seg[g];
         const long plane = Hk * sg->capacity * D * es; /* K or V of one layer */
         char *kc = (char *)sg->cache + 2 * i * plane, *vc = kc + plane;
-        for (long r = sg->r0; r < sg->r1; r++) {
-            if (l->qnorm)
-                for (long h = 0; h < Hq; h++) rms_norm(q + (r * Hq + h) * D, l->qnorm, q + (r * Hq + h) * D, D, s->eps);
-            if (l->knorm)
-                for (long h = 0; h < Hk; h++) rms_norm(k + (r * Hk + h) * D, l->knorm, k + (r * Hk + h) * D, D, s->eps);
-            rotate(q + r * Hq * D, cos + r * D, sin + r * D, Hq, D);
-            rotate(k + r * Hk * D, cos + r * D, sin + r * D, Hk, D);
-            const long row = sg->past + r - sg->r0;
-            for (long h = 0; h < Hk; h++) {
-                store(kc + (h * sg->capacity + row) * D * es, k + (r * Hk + h) * D, D, (int)s->cache_type);
-                store(vc + (h * sg->capacity + row) * D * es, v + (r * Hk + h) * D, D, (int)s->cache_type);
-            }
-        }
+        struct kv_rows c = {s, l, sg, q, k, v, cos, sin, kc, vc};
+        const long rows = sg->r1 - sg->r0;
+        const int nth = threads_for(s, rows);
+        racer_pfor(rows, (rows + 2 * nth - 1) / (2 * nth), nth, kv_body, &c);
         const int win = l->windowed != 0;
         int rc = racer_attention((int)s->cache_type, q + sg->r0 * Hq * D, kc, vc, out + sg->r0 * Hq * D,
                                  sg->r1 - sg->r0, Hq, Hk, D, sg->capacity, win ? sg->wcounts : sg->counts,
@@ -226,6 +254,46 @@ static void gate_row(float *g, const float *u, long count, int64_t act)
     }
 }
 
+/* The rowwise steps between a layer's products, each over rows [lo, hi) (``rows``). */
+enum { NORM1, ADD_ATTN, NORM2, GATE_UP, ADD_MLP };
+struct row_step {
+    const struct shape *s;
+    const struct layer *l;
+    float *x;
+    struct work *w;
+    int step;
+};
+
+static void row_body(void *ctx, long lo, long hi, int tid)
+{
+    const struct row_step *c = ctx;
+    const struct shape *s = c->s;
+    const struct layer *l = c->l;
+    const long E = s->hidden, I = s->inter;
+    struct work *w = c->w;
+    (void)tid;
+    for (long r = lo; r < hi; r++) {
+        float *x = c->x + r * E, *y = w->y + r * E;
+        switch (c->step) {
+        case NORM1: rms_norm(x, l->norm1, w->h + r * E, E, s->eps); break;
+        case NORM2: rms_norm(x, l->norm2, w->h + r * E, E, s->eps); break;
+        case GATE_UP: gate_row(w->g + r * I, w->u + r * I, I, s->act); break;
+        default: { /* the attention's or the MLP's output (normed where the layer norms it) into the residual */
+            const float *post = c->step == ADD_ATTN ? l->post_attn : l->post_ffn;
+            if (post) rms_norm(y, post, y, E, s->eps);
+            for (long j = 0; j < E; j++) x[j] += y[j];
+        }
+        }
+    }
+}
+
+static void rows(const struct shape *s, const struct layer *l, float *x, struct work *w, long n, int step)
+{
+    struct row_step c = {s, l, x, w, step};
+    const int nth = threads_for(s, n);
+    racer_pfor(n, (n + 2 * nth - 1) / (2 * nth), nth, row_body, &c);
+}
+
 static int layer_forward(const struct shape *s, long i, const struct layer *l, const struct segment *seg,
                          long segments, float *x, long n, const float *const *cos, const float *const *sin,
                          struct work *w)
@@ -233,20 +301,16 @@ static int layer_forward(const struct shape *s, long i, const struct layer *l, c
     const long E = s->hidden, D = s->head_dim, Hq = s->heads * D, Hk = s->kv_heads * D, I = s->inter;
     int rc = 0;
     const int64_t qkv[3] = {Hq, Hk, Hk}, wide[2] = {I, I}, narrow[1] = {E};
-    for (long r = 0; r < n; r++) rms_norm(x + r * E, l->norm1, w->h + r * E, E, s->eps);
+    rows(s, l, x, w, n, NORM1);
     if ((rc = project(s, l, Q, 3, w->h, (float *const[]){w->q, w->k, w->v}, qkv, n, E))) return rc;
     if ((rc = attend(s, i, l, seg, segments, w->q, w->k, w->v, cos[l->rope != 0], sin[l->rope != 0], w->a))) return rc;
     if ((rc = project(s, l, O, 1, w->a, &w->y, narrow, n, Hq))) return rc;
-    if (l->post_attn)
-        for (long r = 0; r < n; r++) rms_norm(w->y + r * E, l->post_attn, w->y + r * E, E, s->eps);
-    for (long j = 0; j < n * E; j++) x[j] += w->y[j];
-    for (long r = 0; r < n; r++) rms_norm(x + r * E, l->norm2, w->h + r * E, E, s->eps);
+    rows(s, l, x, w, n, ADD_ATTN);
+    rows(s, l, x, w, n, NORM2);
     if ((rc = project(s, l, GATE, 2, w->h, (float *const[]){w->g, w->u}, wide, n, E))) return rc;
-    for (long r = 0; r < n; r++) gate_row(w->g + r * I, w->u + r * I, I, s->act);
+    rows(s, l, x, w, n, GATE_UP);
     if ((rc = project(s, l, DOWN, 1, w->g, &w->y, narrow, n, I))) return rc;
-    if (l->post_ffn)
-        for (long r = 0; r < n; r++) rms_norm(w->y + r * E, l->post_ffn, w->y + r * E, E, s->eps);
-    for (long j = 0; j < n * E; j++) x[j] += w->y[j];
+    rows(s, l, x, w, n, ADD_MLP);
     return 0;
 }
 
