@@ -75,6 +75,13 @@ class Blocks:
         """The file's values of rows ``ids``, float32 [len(ids), k]."""
         return native.quant_rows(self.kind, self.data, ids, self.k)
 
+    def row_range(self, a: int, b: int) -> "Blocks | None":
+        """Rows [a, b) as a weight of their own, sharing the bytes (a fused weight's parts: Phi-3's
+        q, k and v in one); None where a packed group would be cut."""
+        if self.kind > native.PACKED:
+            return None if a % 8 or b % 8 else Blocks(self.data[a // 8 : b // 8], self.kind, self.name, b - a, self.k)
+        return Blocks(self.data[a:b], self.kind, self.name, b - a, self.k)
+
 
 # The architectures (``general.architecture``) whose q and k rows llama.cpp's converter permutes:
 # Llama's, which Mistral models are written as too. Every other family's rows are stored in the

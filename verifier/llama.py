@@ -21,6 +21,7 @@ implement go to the "hf" backend (``verifier/hf.py``).
 
 from __future__ import annotations
 
+import types
 import weakref
 
 import torch
@@ -374,8 +375,16 @@ def _embed(b, tokens: torch.Tensor) -> torch.Tensor:
     return layouts.embedding(b.embed.weight, tokens)
 
 
-_FUSED_TYPES = {"llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text"}
-_FUSED_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "SmolLM3RMSNorm", "Gemma3RMSNorm"}
+_FUSED_TYPES = {"llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "phi3"}
+_FUSED_NORMS = {
+    "LlamaRMSNorm",
+    "MistralRMSNorm",
+    "Qwen2RMSNorm",
+    "Qwen3RMSNorm",
+    "SmolLM3RMSNorm",
+    "Gemma3RMSNorm",
+    "Phi3RMSNorm",
+}
 
 
 _DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (plan, moves, its decoder)
@@ -407,8 +416,10 @@ def _fused_decoder(b) -> native.Decoder | None:
     act = _ACTIVATIONS.get(getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", ""))
     if cfg.model_type not in _FUSED_TYPES or act is None or any(b.softcaps):
         return None
-    if len(set(b.windows) - {None}) > 1 or len(set(b.rope_kinds)) > 2 or b.partial_rotary:
+    if len(set(b.windows) - {None}) > 1 or len(set(b.rope_kinds)) > 2:
         return None
+    if b.partial_rotary and b.rope(torch.zeros(1, dtype=torch.long), torch.float32)[0].shape[-1] != b.head_dim:
+        return None  # rotary over part of each head (Phi-3's partial_rotary_factor below 1)
     head_norms = all(hasattr(layer.self_attn, "q_norm") and hasattr(layer.self_attn, "k_norm") for layer in b.layers)
     if not head_norms and any(hasattr(layer.self_attn, n) for layer in b.layers for n in ("q_norm", "k_norm")):
         return None
@@ -427,9 +438,15 @@ def _fused_decoder(b) -> native.Decoder | None:
         w = {k: _norm_weight(m) for k, m in _layer_norms(layer, head_norms, sandwich).items()}
         extra = {k: w[k] for k in ("qnorm", "knorm", "post_attn", "post_ffn") if k in w}
         extra.update(windowed=int(b.windows[i] is not None), rope=kinds.index(b.rope_kinds[i]))
-        layers.append((w["norm1"], w["norm2"], _projections(layer), extra))
+        projections = _projections(layer, b)
+        if projections is None:
+            return None
+        layers.append((w["norm1"], w["norm2"], projections, extra))
     chosen = b.plan.source != "forced"  # a plan forced by RACER_KERNELS is run as forced
-    tiles = {p: _decoder_tile(b.plan.shapes.get(tuple(m.weight.shape)), chosen) for p, m in layers[0][2].items()}
+    tiles = {  # a fused weight's parts run the tile of its shape
+        p: _decoder_tile(b.plan.shapes.get(getattr(m, "full_shape", tuple(m.weight.shape))), chosen)
+        for p, m in layers[0][2].items()
+    }
     if None in tiles.values():
         return None
     scales = {float(layer.self_attn.scaling) for layer in b.layers}
@@ -495,9 +512,39 @@ def _decoder_tile(sp, chosen: bool) -> str | None:
     return min(timed, key=timed.get) if timed else (usable[0] if usable else None)
 
 
-def _projections(layer) -> dict:
+_ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _projections(layer, b=None) -> dict | None:
+    """A layer's projections by ``native.PROJECTIONS`` name. Phi-3's fused ``qkv_proj`` and
+    ``gate_up_proj`` give theirs as row ranges of the one weight (its GGUF blocks' too, sharing the
+    bytes; ``b``, the backend, has the head counts); None where a range cannot be cut (a packed group,
+    or a weight stored other than as rows)."""
     attn, mlp = layer.self_attn, layer.mlp
-    return {p: getattr(attn if p in ("q_proj", "k_proj", "v_proj", "o_proj") else mlp, p) for p in native.PROJECTIONS}
+    if not (hasattr(attn, "qkv_proj") or hasattr(mlp, "gate_up_proj")):
+        return {p: getattr(attn if p in _ATTENTION_PROJECTIONS else mlp, p) for p in native.PROJECTIONS}
+    dq, dkv = b.n_heads * b.head_dim, b.n_kv * b.head_dim
+    inter = mlp.gate_up_proj.weight.shape[0] // 2
+    parts = {
+        "q_proj": (attn.qkv_proj, 0, dq),
+        "k_proj": (attn.qkv_proj, dq, dq + dkv),
+        "v_proj": (attn.qkv_proj, dq + dkv, dq + 2 * dkv),
+        "gate_proj": (mlp.gate_up_proj, 0, inter),  # the first half of its outputs the gate, as _mlp reads them
+        "up_proj": (mlp.gate_up_proj, inter, 2 * inter),
+    }
+    out = {"o_proj": attn.o_proj, "down_proj": mlp.down_proj}
+    for name, (mod, lo, hi) in parts.items():
+        if getattr(mod, "racer_blocks", None) is None and layouts.stored_as(mod.weight) != "row":
+            return None  # rows of a weight stored as panels or transposed are no range of it
+        bias = None if mod.bias is None else mod.bias[lo:hi]
+        part = types.SimpleNamespace(weight=mod.weight[lo:hi], bias=bias, full_shape=tuple(mod.weight.shape))
+        blocks = getattr(mod, "racer_blocks", None)
+        if blocks is not None:
+            part.racer_blocks = blocks.row_range(lo, hi)
+            if part.racer_blocks is None:
+                return None
+        out[name] = part
+    return out
 
 
 def _spans(segments, sizes: list[int], exact: bool) -> list[tuple]:

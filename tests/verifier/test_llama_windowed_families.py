@@ -212,11 +212,13 @@ def test_what_the_llama_backend_does_not_implement_goes_to_hf_with_the_reason(bu
     assert _serving(str(tmp_path), "auto") == ("hf", why)
 
 
-def test_gemma3_in_the_native_decoder_is_the_models_forward_past_the_window(monkeypatch, tmp_path):
-    """Every Gemma 3 layer in one native call (bfloat16, a widening native tile): its sandwich norms
+@pytest.mark.parametrize("name", ["gemma3_text", "phi3-swa"])
+def test_the_native_decoder_is_the_models_forward_past_the_window(monkeypatch, tmp_path, name):
+    """Every layer in one native call (bfloat16, a widening native tile): Gemma 3's sandwich norms
     (1 + weight), per-head q/k norms, GELU, and local layers over their window with their own rotary
-    table. Each node of a tree deeper than the window gets the float32 model's own logits over its
-    path, within bfloat16's rounding; its rows are its one-token steps'."""
+    table; Phi-3's fused q/k/v and gate/up weights as row ranges, every layer over its window. Each
+    node of a tree deeper than the window gets the float32 model's own logits over its path, within
+    bfloat16's rounding; its rows are its one-token steps'."""
     from tests.verifier.test_native_decoder import _widening_native
 
     tile = _widening_native()
@@ -224,9 +226,10 @@ def test_gemma3_in_the_native_decoder_is_the_models_forward_past_the_window(monk
         pytest.skip(f"native kernels not built here: {native.why()}")
     monkeypatch.setenv("RACER_KERNELS", tile)
     monkeypatch.setenv("RACER_CACHE", str(tmp_path))
-    ref = _model("gemma3_text", **WIDE)
-    m = _model("gemma3_text", **WIDE).to(torch.bfloat16)
-    assert len(set(LlamaBackend(m).rope_kinds)) == 2 and WINDOW in LlamaBackend(m).windows
+    ref = _model(name, **WIDE)
+    m = _model(name, **WIDE).to(torch.bfloat16)
+    assert len(set(LlamaBackend(m).rope_kinds)) == (2 if name == "gemma3_text" else 1)
+    assert WINDOW in LlamaBackend(m).windows
     rng = random.Random(5)
     context = [rng.randrange(3, VOCAB) for _ in range(5)]
     parents = _deep_tree(rng, 24)
