@@ -380,18 +380,6 @@ class _Need(Exception):
         self.node = node
 
 
-def _first_path(parents: list[int], node: int) -> list[int]:
-    """``node``, its first (lowest-index) child, that one's first child, and so on."""
-    first: dict[int, int] = {}
-    for i, p in enumerate(parents):
-        if p >= 0 and p not in first:
-            first[p] = i
-    out = [node]
-    while out[-1] in first:
-        out.append(first[out[-1]])
-    return out
-
-
 class _PathHead:
     """A greedy tree's acceptance with the output layer run on the rows it reads.
 
@@ -410,7 +398,7 @@ class _PathHead:
         self.rows: dict[int, torch.Tensor] = {}  # node -> its logits row
         self.top: dict[int, list[int]] = {}
         self.choice: dict[int, int] = {}
-        self.need = _first_path(parents, 0)  # the rows the next run of the layer computes
+        self.need = chain_of(parents)  # the rows the next run of the layer computes
         self.done: tuple[list[int], int] | None = None
 
     def _choose(self, node: int) -> int:
@@ -426,7 +414,7 @@ class _PathHead:
         try:
             self.done, self.need = accept(self.tokens, self.parents, self._choose), []
         except _Need as e:
-            self.need = [n for n in _first_path(self.parents, e.node) if n not in self.rows]
+            self.need = [n for n in chain_of(self.parents, e.node) if n not in self.rows]
 
     def result(self) -> VerifyResult:
         path, bonus = self.done

@@ -349,13 +349,14 @@ def _prefill(b: HFBackend, ctx: list[int]) -> None:
     b.commit(None, n)
 
 
-def chain_of(parents: list[int]) -> list[int]:
-    """The tree's first path: from the root, always the first (lowest-index) child. Node indices."""
+def chain_of(parents: list[int], node: int = 0) -> list[int]:
+    """The tree's first path from ``node`` (the root by default): always the first (lowest-index)
+    child. Node indices."""
     first: dict[int, int] = {}
     for i, p in enumerate(parents):
         if p >= 0 and p not in first:
             first[p] = i
-    path = [0]
+    path = [node]
     while path[-1] in first:
         path.append(first[path[-1]])
     return path

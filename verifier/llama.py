@@ -414,12 +414,8 @@ def _fused_decoder(b) -> native.Decoder | None:
     if not (b.invariant and b.native_attention and (half or kept(b.model) is not None)):
         return None
     act = _ACTIVATIONS.get(getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", ""))
-    if cfg.model_type not in _FUSED_TYPES or act is None or any(b.softcaps):
+    if cfg.model_type not in _FUSED_TYPES or act is None or not _attends_natively(b):
         return None
-    if len(set(b.windows) - {None}) > 1 or len(set(b.rope_kinds)) > 2:
-        return None
-    if b.partial_rotary and b.rope(torch.zeros(1, dtype=torch.long), torch.float32)[0].shape[-1] != b.head_dim:
-        return None  # rotary over part of each head (Phi-3's partial_rotary_factor below 1)
     head_norms = all(hasattr(layer.self_attn, "q_norm") and hasattr(layer.self_attn, "k_norm") for layer in b.layers)
     if not head_norms and any(hasattr(layer.self_attn, n) for layer in b.layers for n in ("q_norm", "k_norm")):
         return None
@@ -432,16 +428,9 @@ def _fused_decoder(b) -> native.Decoder | None:
         return None
     if native.attention_path(b.kv_dtype, b.n_heads, b.n_kv, b.head_dim) != "vector":
         return None
-    kinds = list(dict.fromkeys(b.rope_kinds))
-    layers = []
-    for i, layer in enumerate(b.layers):
-        w = {k: _norm_weight(m) for k, m in _layer_norms(layer, head_norms, sandwich).items()}
-        extra = {k: w[k] for k in ("qnorm", "knorm", "post_attn", "post_ffn") if k in w}
-        extra.update(windowed=int(b.windows[i] is not None), rope=kinds.index(b.rope_kinds[i]))
-        projections = _projections(layer, b)
-        if projections is None:
-            return None
-        layers.append((w["norm1"], w["norm2"], projections, extra))
+    layers = _decoder_layers(b, head_norms, sandwich)
+    if layers is None:
+        return None
     chosen = b.plan.source != "forced"  # a plan forced by RACER_KERNELS is run as forced
     tiles = {  # a fused weight's parts run the tile of its shape
         p: _decoder_tile(b.plan.shapes.get(getattr(m, "full_shape", tuple(m.weight.shape))), chosen)
@@ -463,6 +452,31 @@ def _fused_decoder(b) -> native.Decoder | None:
         return native.Decoder(layers, tiles, _norm_weight(inner.norm), dims, eps.pop(), scales.pop(), act)
     except TypeError:
         return None
+
+
+def _attends_natively(b) -> bool:
+    """Whether the native decoder's attention is the layers': no soft-capped scores, at most one
+    sliding window and two rotary tables, rotary over whole heads."""
+    if any(b.softcaps) or len(set(b.windows) - {None}) > 1 or len(set(b.rope_kinds)) > 2:
+        return False
+    # rotary over part of each head (Phi-3's partial_rotary_factor below 1) is not taken
+    return not b.partial_rotary or b.rope(torch.zeros(1, dtype=torch.long), torch.float32)[0].shape[-1] == b.head_dim
+
+
+def _decoder_layers(b, head_norms: bool, sandwich: bool) -> list | None:
+    """Per layer the native decoder's ``(norm1, norm2, projections, extra)`` (``native.Decoder``);
+    None where a layer's projections cannot be given (``_projections``)."""
+    kinds = list(dict.fromkeys(b.rope_kinds))
+    layers = []
+    for i, layer in enumerate(b.layers):
+        w = {k: _norm_weight(m) for k, m in _layer_norms(layer, head_norms, sandwich).items()}
+        extra = {k: w[k] for k in ("qnorm", "knorm", "post_attn", "post_ffn") if k in w}
+        extra.update(windowed=int(b.windows[i] is not None), rope=kinds.index(b.rope_kinds[i]))
+        projections = _projections(layer, b)
+        if projections is None:
+            return None
+        layers.append((w["norm1"], w["norm2"], projections, extra))
+    return layers
 
 
 # The MLP activations the native decoder computes: 0 SiLU, 1 GELU's tanh approximation.

@@ -122,19 +122,8 @@ def _convert(gguf: Path, target: Path) -> None:
     model_obj.is_quantized = False
     if hasattr(model_obj.config, "quantization_config"):
         del model_obj.config.quantization_config
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    log.info("%s: writing %s", gguf.name, tmp)
-    model_obj.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / ".complete").touch()
-    try:
-        tmp.rename(target)
-    except OSError:  # a concurrent conversion won; keep theirs
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (target / ".complete").exists():
-            raise
+    log.info("%s: writing %s", gguf.name, target)
+    _publish(target, model_obj, tokenizer)
     size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
     log.info("%s: converted in %.1f s; cached at %s (%.0f MiB)", gguf.name, time.monotonic() - t0, target, size / 2**20)
 
@@ -171,20 +160,25 @@ def _write_tokenizer(gguf: Path, target: Path) -> None:
     except (ValueError, NotImplementedError) as e:
         raise ValueError(f"{gguf}: transformers cannot read this GGUF file's tokenizer ({e})") from e
     tokenizer.chat_template = metadata(gguf, ("tokenizer.chat_template",)).get("tokenizer.chat_template")
+    _publish(target, tokenizer, config, GenerationConfig.from_model_config(config))
+    log.info("%s: tokenizer and config read in %.1f s; cached at %s", gguf.name, time.monotonic() - t0, target)
+
+
+def _publish(target: Path, *parts) -> None:
+    """Each of ``parts`` saved (``save_pretrained``) into a directory beside ``target``, marked
+    complete and renamed into place: a concurrent writer that finishes first is kept."""
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    tokenizer.save_pretrained(tmp)
-    config.save_pretrained(tmp)
-    GenerationConfig.from_model_config(config).save_pretrained(tmp)
+    for part in parts:
+        part.save_pretrained(tmp)
     (tmp / ".complete").touch()
     try:
         tmp.rename(target)
-    except OSError:  # a concurrent reader won; keep theirs
+    except OSError:  # a concurrent writer won; keep theirs
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
         if not (target / ".complete").exists():
             raise
-    log.info("%s: tokenizer and config read in %.1f s; cached at %s", gguf.name, time.monotonic() - t0, target)
 
 
 @contextmanager

@@ -902,6 +902,17 @@ static inline __attribute__((always_inline)) __m256i group_values(int type, cons
     return v;
 }
 
+/* Values 4t .. 4t + 3 of G groups' blocks p[i] (group_values) in v, and as the unsigned operand of
+ * the products in u: the values, or Q8_0's |w| (its sign goes onto x). */
+static inline __attribute__((always_inline)) void pass_values(int type, int G, const uint8_t *const *p, int t,
+                                                              __m256i *v, __m256i *u)
+{
+    for (int i = 0; i < G; i++) {
+        v[i] = group_values(type, p[i], t);
+        u[i] = type == GQ8_0 ? _mm256_sign_epi8(v[i], v[i]) : v[i];
+    }
+}
+
 /* A value the compiler must take as it is at this point: it keeps a running sum's steps in the written
  * order, one step per product as it comes, where GCC 12 otherwise regrouped the sums and kept every
  * product of a block live at once (spilled to the stack). Changes no value. */
@@ -984,10 +995,7 @@ static inline __attribute__((always_inline)) void group_pass(int type, int G, in
 #pragma GCC unroll 8
             for (int t = 0; t < 8; t++) {
                 __m256i v[2], u[2];
-                for (int i = 0; i < G; i++) {
-                    v[i] = group_values(type, p[i], t);
-                    u[i] = type == GQ8_0 ? _mm256_sign_epi8(v[i], v[i]) : v[i];
-                }
+                pass_values(type, G, p, t, v, u);
                 for (int r = 0; r < R; r++) {
                     const __m256i x = bcast32(xq + 32 * r + 4 * t);
                     for (int i = 0; i < G; i++) {
@@ -1008,10 +1016,7 @@ static inline __attribute__((always_inline)) void group_pass(int type, int G, in
 #pragma GCC unroll 8
             for (int t = 0; t < 8; t++) {
                 __m256i v[2], u[2];
-                for (int i = 0; i < G; i++) {
-                    v[i] = group_values(type, p[i], t);
-                    u[i] = type == GQ8_0 ? _mm256_sign_epi8(v[i], v[i]) : v[i];
-                }
+                pass_values(type, G, p, t, v, u);
                 for (int r = 0; r < R; r++) {
                     const __m256i x = bcast32(xq + 32 * r + 4 * t);
                     for (int i = 0; i < G; i++) {
