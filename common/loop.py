@@ -20,6 +20,7 @@ class DraftPort(Protocol):
     def extend(self, tokens, topk_rows=None) -> None: ...
     def observe_tree(self, tree_tokens, tree_topk, accepted) -> None: ...
     def draft(self, root: int, budget: int, mode: str): ...  # -> .tokens, .parents
+    def catch_up(self, tokens, topk_rows, mode: str) -> None: ...  # tokens verified without a tree
 
 
 class VerifyPort(Protocol):
@@ -111,7 +112,11 @@ def generate(
 ) -> Iterator[list[int]]:
     """Yields the new token ids as they are verified (a list per round). Fills ``stats``.
     ``prompt_topk``: the prompt positions, the last ones, whose top-k the drafter's copy-logit table
-    gets (None: every position; an ``off`` turn, which drafts nothing, asks for none)."""
+    gets (None: every position; an ``off`` turn, which drafts nothing, asks for none).
+
+    With the adaptive budget, a drafter whose last choice was to rest (``rest``: rounds to verify
+    without a tree, as the gateway does) is not asked again until those rounds are done; their
+    tokens reach it in one ``catch_up``, as the gateway's next step carries them."""
     rounds = Rounds(prompt_ids, params, stats)
     stats = rounds.stats
     t0 = time.perf_counter()
@@ -121,6 +126,7 @@ def generate(
     drafter.extend(prompt_ids, pre.topk)
     stats.draft_s += time.perf_counter() - t
     out, done = rounds.start(pre.next_token)
+    rest, plain, plain_topk = 0, [], []  # rounds left to verify without a tree, and what they committed
     while True:
         rounds.emitted(out)
         stats.total_s = time.perf_counter() - t0
@@ -128,8 +134,21 @@ def generate(
             yield out
         if done:
             return
+        if rest:
+            rest -= 1
+            t = time.perf_counter()
+            res = verifier.verify([rounds.root], [-1])
+            stats.verify_s += time.perf_counter() - t
+            out, fed, done = rounds.settle([rounds.root], res.accepted, res.bonus)
+            plain.extend(fed)
+            plain_topk.extend(res.topk[: len(fed)])
+            continue
         t = time.perf_counter()
+        if plain:
+            drafter.catch_up(plain, plain_topk, rounds.mode)
+            plain, plain_topk = [], []
         tree = drafter.draft(rounds.root, rounds.budget, rounds.mode)
+        rest = getattr(drafter, "rest", 0) if rounds.budget == 0 else 0
         t_draft = time.perf_counter() - t
         if not rounds.check_tree(tree.tokens):
             raise ValueError(f"drafter returned a tree rooted at {tree.tokens[:1]}, expected root {rounds.root}")

@@ -10,6 +10,9 @@ after a round are known, walking them down the big tree tells the accepted lengt
 What was actually sent does not matter: "no speculation" keeps learning what speculation would do.
 
 Each round then sends the prefix of size ``argmax_C (1 + E[accepted | C]) / (cost(C) + overhead)``.
+The curve holds for the context it was measured over; a tree's rows each attend over the whole
+session, so with the verifier's slope (``common.costs.ContextSlope``) ``cost(C)`` is priced at the
+session's own length: a long session's trees cost more beside a one-token step than a short one's.
 
 A round needs no drafter at all when no tree pays: ``plain_overhead`` (what a round costs beyond
 the forward when the gateway goes to the verifier alone, without the drafter's hop) prices that
@@ -31,6 +34,8 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from common.costs import ContextSlope
+
 from .tree import DraftTree
 
 # Rounds without the drafter between two drafted rounds, at most. The gateway asks a rest's rounds of
@@ -51,6 +56,7 @@ class BudgetChooser:
         window: int = 32,
         prior_rounds: float = 2.0,
         plain_overhead_ms: float | None = None,
+        slope: ContextSlope | None = None,
     ):
         if not cost_ms or any(n < 1 or not (c > 0 and math.isfinite(c)) for n, c in cost_ms.items()):
             raise ValueError("cost_ms: need positive finite costs for sizes >= 1")
@@ -58,6 +64,7 @@ class BudgetChooser:
             raise ValueError(f"plain_overhead_ms: {plain_overhead_ms}, expected a finite value >= 0")
         self.sizes = sorted(cost_ms)
         self.cost = dict(cost_ms)
+        self.slope = slope  # what the session's context adds to the curve (None: the curve as it is)
         # A non-decreasing envelope of the curve, for marginal costs (kernel choice makes it jagged).
         self._env_y = []
         for n in self.sizes:
@@ -100,8 +107,9 @@ class BudgetChooser:
         slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else ys[-1] / xs[-1]
         return ys[-1] + slope * (rows - xs[-1])
 
-    def choose(self, other_rows: int = 0) -> int:
-        """The best size now; ``other_rows``: rows of other sessions sharing the verifier's forward."""
+    def choose(self, other_rows: int = 0, length: int | None = None) -> int:
+        """The best size now; ``other_rows``: rows of other sessions sharing the verifier's forward;
+        ``length``: tokens in the session's context (with a slope, the costs are priced there)."""
         acc = self.expected_accepted()
         base = floor = 0.0
         if other_rows > 0:
@@ -110,12 +118,16 @@ class BudgetChooser:
             costs = [max(floor, self.forward_ms(other_rows + c) - base) for c in self.sizes]
         else:
             costs = [self.cost[c] for c in self.sizes]
+        one = max(floor, self.forward_ms(other_rows + 1) - base) if other_rows > 0 else self.forward_ms(1)
+        if self.slope is not None and length is not None:
+            # each size's own rows over this context; never below a tenth of the curve's cost
+            costs = [max(0.1 * c, c + self.slope.ms(n, length)) for n, c in zip(self.sizes, costs)]
+            one = max(0.1 * one, one + self.slope.ms(1, length))
         rates = [(1 + a) / (c + self.overhead_ms) for a, c in zip(acc, costs)]
         best = max(range(len(rates)), key=rates.__getitem__)
         self.last_choice = self.sizes[best]
         self.rest = 0
         if self.plain_overhead_ms is not None:
-            one = max(floor, self.forward_ms(other_rows + 1) - base) if other_rows > 0 else self.forward_ms(1)
             if 1 / (one + self.plain_overhead_ms) >= rates[best]:
                 self._rests += 1
                 self.rest = min(MAX_REST, 2 ** (self._rests - 1))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from common.costs import ContextSlope
 from common.errors import Abort, Status
 from common.errors import check as _check
 from common.logs import Throttled
@@ -75,6 +76,7 @@ class Open:
     history_topk: list[int]  # [rows * topk] flattened: top-k of the last ``rows`` history positions
     topk: int = 0  # 0: this drafter's
     cost: dict[int, float] | None = None  # the verifier's ms by tree size (adaptive budget)
+    slope: ContextSlope | None = None  # what the context adds to ``cost`` (None: not measured)
     overhead_ms: float = 0.0
     plain_overhead_ms: float | None = None  # a round without the drafter (None: the gateway drafts every round)
     share: bool = True  # this turn's response goes into the tenant corpus
@@ -157,7 +159,7 @@ class Drafter(Holder):
         M.RESTORES.labels(source).inc()
         if req.cost:
             try:
-                entry.session.set_costs(req.cost, req.overhead_ms, req.plain_overhead_ms)
+                entry.session.set_costs(req.cost, req.overhead_ms, req.plain_overhead_ms, req.slope)
             except ValueError as e:
                 raise Abort(Status.INVALID_ARGUMENT, f"open.cost: {e}") from None
         entry.touch()
@@ -233,7 +235,7 @@ class Drafter(Holder):
         s.corpus = self.corpora.current(entry.tenant) if entry.corpus_on else None
         tree = s.draft(st.root, st.budget, mode, st.batch_rows)
         # a grammar's forced path is worth a drafted round: no rest then
-        entry.rest = s.chooser.rest if st.budget == AUTO and s.chooser is not None and not st.forced else 0
+        entry.rest = s.rest if st.budget == AUTO and not st.forced else 0
         n_corpus = len(tree.corpus_nodes)
         if n_corpus:
             M.DRAFT_NODES.labels("corpus").inc(n_corpus)

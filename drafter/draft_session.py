@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass
 
 from common import settings
+from common.costs import ContextSlope
 from common.params import MODES
 
 from .adaptive import BudgetChooser
@@ -110,12 +111,22 @@ class DraftSession:
         return min(self.config.window - 1, len(self.prefix)) if self.prefix is not None else 0
 
     def set_costs(
-        self, cost_ms: dict[int, float], overhead_ms: float = 1.0, plain_overhead_ms: float | None = None
+        self,
+        cost_ms: dict[int, float],
+        overhead_ms: float = 1.0,
+        plain_overhead_ms: float | None = None,
+        slope: ContextSlope | None = None,
     ) -> None:
         """The verifier's cost curve (ms per forward by tree size): enables ``budget=AUTO``.
         ``plain_overhead_ms``: a round without the drafter costs that beyond its forward, which lets
-        the budget choose to rest (``BudgetChooser``); None: every round is drafted."""
-        self.chooser = BudgetChooser(cost_ms, overhead_ms, plain_overhead_ms=plain_overhead_ms)
+        the budget choose to rest (``BudgetChooser``); None: every round is drafted. ``slope``: what
+        the context adds to the curve (each round priced at the session's length)."""
+        self.chooser = BudgetChooser(cost_ms, overhead_ms, plain_overhead_ms=plain_overhead_ms, slope=slope)
+
+    @property
+    def rest(self) -> int:
+        """Rounds the adaptive budget's last choice left to verify without a tree (0: draft the next)."""
+        return self.chooser.rest if self.chooser is not None else 0
 
     # -- learning ---------------------------------------------------------------------------------
     def extend(self, tokens, topk_rows=None) -> None:
@@ -221,7 +232,7 @@ class DraftSession:
                 raise ValueError("budget=0 (adaptive) needs the verifier's cost curve (set_costs)")
             full = self._draft(root, self.chooser.largest, mode, 0)
             self.chooser.drafted(len(self.history), full)
-            return full.prefix(self.chooser.choose(batch_rows))
+            return full.prefix(self.chooser.choose(batch_rows, len(self.history)))
         if budget < 0:  # (0 reaches here only with mode "off", which drafts nothing)
             raise ValueError("budget must be >= 1 (or 0: adaptive)")
         cfg = self.config

@@ -8,7 +8,8 @@ from dataclasses import asdict
 
 from opentelemetry import trace
 
-from common.errors import Status
+from common.costs import ContextSlope
+from common.errors import Abort, Status
 from common.errors import check as _check
 from common.session_stream import SessionStream
 from common.v1 import drafter_pb2 as pb
@@ -114,12 +115,22 @@ def _step(st: pb.DraftStep) -> Step:
 
 
 def _open(op: pb.DrafterOpen) -> Open:
-    cost = None
+    cost = slope = None
     if op.cost.sizes:
         _check(
             len(op.cost.sizes) == len(op.cost.ms), Status.INVALID_ARGUMENT, "open.cost: sizes and ms differ in length"
         )
         cost = dict(zip(op.cost.sizes, op.cost.ms))
+        if op.cost.ms_per_token:
+            _check(
+                len(op.cost.ms_per_token) == len(op.cost.sizes),
+                Status.INVALID_ARGUMENT,
+                "open.cost: sizes and ms_per_token differ in length",
+            )
+            try:
+                slope = ContextSlope(op.cost.context, dict(zip(op.cost.sizes, op.cost.ms_per_token)))
+            except ValueError as e:
+                raise Abort(Status.INVALID_ARGUMENT, f"open.cost: {e}") from None
     return Open(
         tenant=op.tenant,
         session_id=op.session_id,
@@ -127,6 +138,7 @@ def _open(op: pb.DrafterOpen) -> Open:
         history_topk=list(op.history_topk),
         topk=op.topk,
         cost=cost,
+        slope=slope,
         overhead_ms=op.overhead_ms,
         plain_overhead_ms=op.plain_overhead_ms if op.HasField("plain_overhead_ms") else None,
         share=not op.no_share,

@@ -11,7 +11,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import grpc
 
@@ -42,7 +42,13 @@ _CALLER_ERRORS = {
 # deployment is misconfigured, not the caller's request, and every replica would refuse the same.
 _REFUSED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 
-Cost = tuple[tuple[int, ...], tuple[float, ...]]  # a verifier's cost curve: tree sizes, forward ms at each
+class Cost(NamedTuple):
+    """A verifier's cost curve as its open sent it, passed on to the drafter as it came."""
+
+    sizes: tuple[int, ...]  # tree sizes
+    ms: tuple[float, ...]  # forward ms at each, over ``context`` tokens
+    context: int = 0
+    ms_per_token: tuple[float, ...] = ()  # what each token of context adds, per size (empty: not measured)
 
 
 class Lost(Exception):
@@ -231,7 +237,7 @@ class DrafterLink(_Link):
                     history=history,
                     history_topk=history_topk,
                     topk=topk_width,
-                    cost=cpb.CostCurve(sizes=cost[0], ms=cost[1]) if cost is not None else None,
+                    cost=cpb.CostCurve(**cost._asdict()) if cost is not None else None,
                     overhead_ms=overhead_ms,
                     no_share=not share,
                     no_corpus=not corpus,
@@ -322,7 +328,8 @@ class VerifierLink(_Link):
             address, blocks, handover = prefix_source
             op.prefix_source.CopyFrom(vpb.PrefixSource(address=address, blocks=blocks, session_id=handover))
         resp = await self.ask(vpb.VerifyRequest(open=op))
-        cost = (tuple(resp.cost.sizes), tuple(resp.cost.ms)) if resp.cost.sizes else None
+        c = resp.cost
+        cost = Cost(tuple(c.sizes), tuple(c.ms), c.context, tuple(c.ms_per_token)) if c.sizes else None
         return Opened(
             resp.next_token,
             list(resp.topk),

@@ -5,6 +5,7 @@ run on it."""
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -29,7 +30,15 @@ class InProcessStack:
     backend: str = settings.default("verifier", "--backend")
     prior: object = None  # [vocab, k] copy-logit prior shared by all sessions (verifier/prior.py)
     costs: dict | None = None  # verifier cost curve (ms by tree size) for the adaptive budget
-    overhead_ms: float = 1.0  # per round outside the forward, as the adaptive budget counts it
+    slope: object = None  # what the context adds to it (common.costs.ContextSlope), None: not measured
+    # the prompt rows whose top-k the drafter gets, as a verifier service's default sends (None:
+    # all); with the cost curve measured, at most as many as cost one one-token step, as the service's
+    prompt_topk: int | None = PROMPT_TOPK
+    # What a round costs outside the forward, as the adaptive budget counts it: a drafted round's
+    # drafter step (the median of the last stream's, once one ran), and a round verified without a
+    # tree (bookkeeping only, in one process).
+    overhead_ms: float = 1.0
+    plain_overhead_ms: float = 0.0
 
     @classmethod
     def load(
@@ -78,14 +87,19 @@ class InProcessStack:
     def new_drafter(self) -> DraftSession:
         session = DraftSession(self.drafter_config, self.prior)
         if self.costs is not None:
-            session.set_costs(self.costs, self.overhead_ms)
+            session.set_costs(self.costs, self.overhead_ms, self.plain_overhead_ms, self.slope)
         return session
 
     def measure_costs(self) -> dict[int, float]:
-        """Measures the verifier's cost curve (a few seconds); drafters made afterwards can use budget 0."""
-        from verifier.engine import measure_cost
+        """Measures the verifier's cost curve and its slope against the context (a few seconds);
+        drafters made afterwards can use budget 0."""
+        from verifier.engine import measure_cost_slope, measure_prompt_rows
 
-        self.costs = measure_cost(self.loaded.model, backend=self.backend, topk=self.drafter_config.topk)
+        model, topk = self.loaded.model, self.drafter_config.topk
+        self.costs, self.slope = measure_cost_slope(model, backend=self.backend, topk=topk)
+        if self.prompt_topk:
+            bound = measure_prompt_rows(model, self.costs[min(self.costs)], backend=self.backend, topk=topk)
+            self.prompt_topk = self.prompt_topk if bound is None else min(self.prompt_topk, bound)
         return self.costs
 
     @property
@@ -111,7 +125,10 @@ class InProcessStack:
     ) -> Iterator[list[int]]:
         drafter = drafter or self.new_drafter()
         verifier = VerifierSession(self.loaded.model, self.drafter_config.topk, self.backend, sampling)
-        return generate(drafter, verifier, prompt_ids, params, stats, prompt_topk=PROMPT_TOPK)
+        stats = stats if stats is not None else Stats()
+        yield from generate(drafter, verifier, prompt_ids, params, stats, prompt_topk=self.prompt_topk)
+        if stats.draft_step_s:
+            self.overhead_ms = statistics.median(stats.draft_step_s) * 1e3
 
     def default_params(self, **kw) -> GenerationParams:
         kw.setdefault("stop_token_ids", self.loaded.eos_token_ids)

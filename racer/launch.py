@@ -185,12 +185,12 @@ async def load_model(args):
     return model if device == "cpu" else model.to(device)
 
 
-async def _measure(model, args) -> tuple[dict[int, float] | None, int | None]:
+async def _measure(model, args) -> tuple[dict[int, float] | None, object, int | None]:
     """Before serving: the llama backend's kernels (measured, or read from the cache) and, with
     ``--measure-cost``, the cost curve the adaptive budget reads; and the prompt rows an open sends
     the top-k of: ``--prompt-topk``'s last positions, with ``--measure-cost`` at most as many as cost
     one one-token step (``measure_prompt_rows``)."""
-    from verifier.engine import measure_cost, measure_prompt_rows
+    from verifier.engine import measure_cost_slope, measure_prompt_rows
     from verifier.llama import LlamaBackend
     from verifier.tuning import kernel_plan
 
@@ -199,15 +199,22 @@ async def _measure(model, args) -> tuple[dict[int, float] | None, int | None]:
         log.info("kernels", extra={"dtype": str(model.dtype), "choice": plan.describe()})
     rows = settings.prompt_topk(args.prompt_topk)
     if not args.measure_cost:
-        return None, rows
-    cost = await asyncio.to_thread(measure_cost, model, backend=args.backend, topk=args.topk)
-    log.info("cost curve", extra={"ms_by_size": {n: round(c, 2) for n, c in cost.items()}})
+        return None, None, rows
+    cost, slope = await asyncio.to_thread(measure_cost_slope, model, backend=args.backend, topk=args.topk)
+    log.info(
+        "cost curve",
+        extra={
+            "ms_by_size": {n: round(c, 2) for n, c in cost.items()},
+            "context": slope.context if slope else None,
+            "us_per_context_token": {n: round(v * 1e3, 3) for n, v in slope.per_token.items()} if slope else None,
+        },
+    )
     if rows:  # 0 needs no bound, and None (every position) asks for none
         step_ms = cost[min(cost)]
         bound = await asyncio.to_thread(measure_prompt_rows, model, step_ms, backend=args.backend, topk=args.topk)
         rows = rows if bound is None else min(rows, bound)
         log.info("prompt top-k rows", extra={"setting": args.prompt_topk, "within_one_step": bound, "rows": rows})
-    return cost, rows
+    return cost, slope, rows
 
 
 async def start_verifier(args, model=None) -> tuple[Server, object]:
@@ -226,7 +233,7 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
         log.warning("this verifier requires client certificates but presents none to other verifiers")
     model = model if model is not None else await load_model(args)
     backend_for(model, args.backend)  # a backend that refuses the model or its dtype: refused now, not per session
-    cost, prompt_rows = await _measure(model, args)
+    cost, slope, prompt_rows = await _measure(model, args)
     core = Verifier(
         model=model,
         topk=args.topk,
@@ -235,6 +242,7 @@ async def start_verifier(args, model=None) -> tuple[Server, object]:
         max_cache_tokens=args.max_cache_tokens,
         ttl=args.session_ttl,
         cost=cost,
+        slope=slope,
         max_batch=args.max_batch,
         max_wait_ms=args.max_wait_ms,
         kv_memory_bytes=args.kv_memory_bytes,

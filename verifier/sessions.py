@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common import settings
+from common.costs import ContextSlope
 from common.errors import Abort, Status
 from common.params import SamplingParams
 from common.prefix import child_key
@@ -140,7 +141,7 @@ class Verifier(Holder):
     """The verifier's core. Every setting but the model is a keyword (its flag in
     ``common/settings.py``): ``topk`` ids per position sent back, ``backend`` (auto, llama, hf),
     ``max_sessions`` caches held, ``max_cache_tokens`` (KV memory without ``kv_memory_bytes`` or a
-    memory limit), ``ttl`` of an idle cache in seconds, ``cost`` (ms by tree size), ``max_batch``
+    memory limit), ``ttl`` of an idle cache in seconds, ``cost`` (ms by tree size) and its ``slope`` against the context, ``max_batch``
     trees and ``max_wait_ms`` per batch, ``headroom`` rows, ``prefill_chunk`` tokens per prefill
     job, ``max_waiting`` opens for at most ``wait_seconds`` in KV memory's queue, ``stall_seconds``
     before the model thread counts as stalled, ``prefill_batch`` prompts per forward, ``prompt_topk``
@@ -162,6 +163,7 @@ class Verifier(Holder):
         max_cache_tokens: int = 262_144,
         ttl: float = 1800.0,
         cost: dict[int, float] | None = None,
+        slope: ContextSlope | None = None,
         max_batch: int = 16,
         max_wait_ms: float = 20.0,
         kv_memory_bytes: int = 0,
@@ -197,6 +199,7 @@ class Verifier(Holder):
         self.epoch = secrets.randbits(64)  # reported to gateways: a restarted verifier's cache is known cold
         # ms per verification by tree size: measured at start-up, kept current by unbatched verifications
         self.cost: dict[int, float] = dict(cost or {})
+        self.slope = slope  # what each token of a session's context adds to ``cost`` (None: not measured)
         # OpenMP thread settings are per thread: the worker takes the creating thread's count.
         self.model_thread = ModelThread(self.prefill_chunk, torch.get_num_threads(), lead=prefill_lead)
         self.batcher = Batcher(self.model_thread, self.streaming, max_batch, max_wait_ms)
@@ -980,10 +983,12 @@ class Verifier(Holder):
             raise
         if isinstance(res, ValueError):  # validated before the forward: the cache is untouched
             raise Abort(Status.INVALID_ARGUMENT, f"tree: {res}")
+        n, length = len(tokens), len(entry.tokens)
         entry.tokens.extend(tokens[i] for i in res.accepted)
-        n = len(tokens)
-        if n in self.cost and others == 0:  # an exponential average follows drift (load, context length)
-            self.cost[n] += 0.05 * (forward_ms - self.cost[n])
+        if n in self.cost and others == 0:  # an exponential average follows drift (load; the context's
+            # part taken out where the slope is known, else the average follows the lengths too)
+            at_curve = forward_ms - (self.slope.ms(n, length) if self.slope is not None else 0.0)
+            self.cost[n] = max(0.1 * self.cost[n], self.cost[n] + 0.05 * (at_curve - self.cost[n]))
         entry.touch()
         elapsed = (time.perf_counter() - t0) * 1e3
         M.VERIFY_SECONDS.observe(elapsed / 1e3)

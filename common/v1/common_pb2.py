@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15racer/v1/common.proto\x12\x08racer.v1\"&\n\tCostCurve\x12\r\n\x05sizes\x18\x01 \x03(\x05\x12\n\n\x02ms\x18\x02 \x03(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15racer/v1/common.proto\x12\x08racer.v1\"M\n\tCostCurve\x12\r\n\x05sizes\x18\x01 \x03(\x05\x12\n\n\x02ms\x18\x02 \x03(\x01\x12\x0f\n\x07\x63ontext\x18\x03 \x01(\x05\x12\x14\n\x0cms_per_token\x18\x04 \x03(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,5 +32,5 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'racer.v1.common_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_COSTCURVE']._serialized_start=35
-  _globals['_COSTCURVE']._serialized_end=73
+  _globals['_COSTCURVE']._serialized_end=112
 # @@protoc_insertion_point(module_scope)

@@ -7,9 +7,13 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CostCurve(_message.Message):
-    __slots__ = ("sizes", "ms")
+    __slots__ = ("sizes", "ms", "context", "ms_per_token")
     SIZES_FIELD_NUMBER: _ClassVar[int]
     MS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     sizes: _containers.RepeatedScalarFieldContainer[int]
     ms: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, sizes: _Optional[_Iterable[int]] = ..., ms: _Optional[_Iterable[float]] = ...) -> None: ...
+    context: int
+    ms_per_token: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, sizes: _Optional[_Iterable[int]] = ..., ms: _Optional[_Iterable[float]] = ..., context: _Optional[int] = ..., ms_per_token: _Optional[_Iterable[float]] = ...) -> None: ...

@@ -127,6 +127,12 @@ def run(
             "verifier cost curve (ms by tree size): " + ", ".join(f"{n}: {c:.1f}" for n, c in costs.items()),
             file=sys.stderr,
         )
+        if engine.slope is not None:
+            print(
+                f"each context token beyond {engine.slope.context} adds (us by tree size): "
+                + ", ".join(f"{n}: {v * 1e3:.2f}" for n, v in engine.slope.per_token.items()),
+                file=sys.stderr,
+            )
     records: list[Record] = []
     bar = tqdm(total=len(prompts) * len(runs), disable=not progress, file=sys.stderr, unit="run")
     # Warm-up: the first forward of a process pays for allocation and kernel selection.

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.costs import ContextSlope, slope_from
 from drafter.adaptive import BudgetChooser
 from drafter.draft_session import AUTO, DrafterConfig, DraftSession
 
@@ -199,3 +200,36 @@ def test_a_rest_ends_when_the_text_turns_predictable():
         s.extend([tail[at]], [[tail[at + 1], 0]])
         at += 1
     assert s.chooser.rest == 0 and len(tree.tokens) > 1
+
+
+def test_a_long_session_prices_its_trees_at_its_own_length():
+    # the curve at 256 tokens: a 4-node tree 1.2x a step; each token beyond adds 2 us a row
+    costs = {1: 5.0, 2: 5.5, 4: 6.0, 8: 8.0}
+    slope = ContextSlope(256, {1: 0.002, 2: 0.004, 4: 0.008, 8: 0.016})
+    c = BudgetChooser(costs, overhead_ms=0.5, prior_rounds=0.0, plain_overhead_ms=0.0, slope=slope)
+    c.history.extend([[0, 0.3, 0.45, 0.5]] * 8)  # what a chat turn's trees get accepted
+    assert c.choose(0, 256) == 4  # 1.45 tokens for 6.5 ms beats 1 for 5 ms
+    assert c.choose(0, 100) == 4 and c.rest == 0  # shorter: cheaper still
+    # 2,000 tokens later the 4-node tree costs 22 ms against a step's 9: no tree pays, the budget rests
+    assert c.choose(0, 2256) == 1 and c.rest == 1
+    assert c.choose(0) == 4  # a length not given: the curve as measured
+    flat = BudgetChooser(costs, overhead_ms=0.5, prior_rounds=0.0, plain_overhead_ms=0.0)
+    flat.history.extend([[0, 0.3, 0.45, 0.5]] * 8)
+    assert flat.choose(0, 2256) == 4  # without the slope the length changes nothing
+
+
+def test_a_context_slope_interpolates_between_sizes_and_refuses_bad_values():
+    s = ContextSlope(256, {1: 0.002, 4: 0.008, 16: 0.02})
+    assert s.ms(1, 1256) == pytest.approx(2.0)
+    assert s.ms(2, 1256) == pytest.approx(4.0)  # linear between 1 and 4
+    assert s.ms(32, 1256) == pytest.approx(40.0)  # past the last size: in proportion to the rows
+    assert s.ms(4, 128) == pytest.approx(-1.024)  # shorter than measured: cheaper
+    measured = slope_from({1: 5.0, 4: 7.0}, {1: 7.0, 4: 6.5}, 256, 1256)
+    assert measured.per_token == {1: pytest.approx(0.002), 4: 0.0}  # a size that only drifted adds nothing
+    for bad in ({}, {0: 0.1}, {1: -0.1}, {1: float("inf")}):
+        with pytest.raises(ValueError):
+            ContextSlope(256, bad)
+    with pytest.raises(ValueError):
+        ContextSlope(-1, {1: 0.1})
+    with pytest.raises(ValueError):
+        slope_from({1: 5.0}, {1: 6.0}, 256, 256)

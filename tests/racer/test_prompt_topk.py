@@ -79,7 +79,7 @@ def test_with_a_cost_curve_the_rows_are_at_most_what_costs_one_step(
         asked.append(step_ms)
         return measured
 
-    monkeypatch.setattr(engine, "measure_cost", lambda model, **kw: {1: 7.0, 2: 9.0})
+    monkeypatch.setattr(engine, "measure_cost_slope", lambda model, **kw: ({1: 7.0, 2: 9.0}, None))
     monkeypatch.setattr(engine, "measure_prompt_rows", bound)
     args = launch.defaults("verifier", host="127.0.0.1", port=0, internal_token=INTERNAL_TOKEN, prompt_topk=value)
     srv, core = loop_thread.run(launch.start_verifier(args, model=tiny_llama))

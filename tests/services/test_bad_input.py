@@ -550,6 +550,8 @@ DRAFTER_OPENS = st.sampled_from(
         "rows",
         "rows-neg",
         "too-many-rows",
+        "slope-size",
+        "slope-neg",
         "huge",
         "step-first",
         "end-first",
@@ -576,6 +578,10 @@ def _drafter_first(op, kind: str, k: int):
     elif kind == "too-many-rows":
         op.history_topk.extend([7] * (k * 10))
         want = (IA, "open.history_topk")
+    elif kind in ("slope-size", "slope-neg"):  # a cost curve whose context slope is malformed
+        op.cost.sizes[:], op.cost.ms[:], op.cost.context = [1, 4], [5.0, 6.0], 256
+        op.cost.ms_per_token[:] = [0.002] if kind == "slope-size" else [0.002, -0.001]
+        want = (IA, "open.cost")
     elif kind == "huge":
         op.history.extend([7] * 65_536)
         want = (RE, "open.history")
@@ -653,6 +659,8 @@ def test_drafter_stream_fuzz(env):
         st.booleans(),
     )
     @example("huge", ["ok"], False)  # the statuses asserted below must not hang on what the draws happen to be
+    @example("slope-size", ["ok"], False)
+    @example("slope-neg", ["ok"], False)
     def check(open_kind, plan, twice):
         n_case[0] += 1
         s = _Stream(stub.Session)

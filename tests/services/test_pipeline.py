@@ -657,3 +657,47 @@ def test_a_bad_run_is_refused_with_invalid_argument(stack, tree, why):
         with pytest.raises(grpc.RpcError) as e:
             list(vgrpc.VerifierStub(ch).Session(iter(reqs), timeout=60))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in e.value.details()
+
+
+def test_the_verifiers_context_slope_reaches_the_drafter_and_prices_each_round_at_its_length(
+    stack, tiny_llama, monkeypatch
+):
+    """The verifier measures its cost curve at two cache lengths; the gateway opens the drafter with
+    the curve and what each token of context adds, and every adaptive round is priced at the
+    session's length (the prompt, then every committed token)."""
+    from drafter.adaptive import BudgetChooser
+    from verifier.engine import COST_CONTEXTS
+
+    core = stack.verifiers[0][1]
+    assert core.slope is not None and core.slope.context == COST_CONTEXTS[0]
+    seen = []
+    real = BudgetChooser.choose
+
+    def choose(self, other_rows=0, length=None):
+        seen.append((self.slope, length))
+        return real(self, other_rows, length)
+
+    monkeypatch.setattr(BudgetChooser, "choose", choose)
+    p = prompt(95)
+    with Client(stack.gateway, timeout=60) as c:
+        ids, _, _ = c.complete(p, max_new_tokens=24, budget=0)
+    assert ids == hf_greedy(tiny_llama, p, 24)
+    assert seen
+    slope, first = seen[0]
+    assert slope.context == core.slope.context
+    assert slope.per_token == pytest.approx({n: core.slope.per_token[n] for n in core.cost})
+    lengths = [n for _, n in seen]
+    assert first == len(p) and lengths == sorted(set(lengths)) and lengths[-1] < len(p) + 24
+    # The curve's running average takes each forward back to the curve's length: a slope as if the
+    # curve had been measured a million tokens in makes this short session's forwards count ~1 s dearer.
+    from common.costs import ContextSlope
+
+    kept, before = core.slope, dict(core.cost)
+    core.slope = ContextSlope(10**6, {n: 1e-3 for n in core.cost})
+    try:
+        with Client(stack.gateway, timeout=60) as c:
+            c.complete(prompt(96), max_new_tokens=12, budget=4)
+        assert core.cost[4] > before[4] + 40  # at least one forward of 4 nodes, 5% of ~1 s
+    finally:
+        core.slope = kept
+        core.cost.update(before)  # the later tests' curve as it was

@@ -1,0 +1,52 @@
+"""What the context adds to a verifier's cost curve.
+
+The curve (ms of one verification by tree size) is measured over one context length; a tree's
+attention reads every key of its session's cache for each of its rows, so on a CPU a 4-node tree
+over 1,000 tokens costs far more beside a one-token step than it does over 256 (the default model's
+GGUF blocks, AMD EPYC Zen 3: 1.8x one step against 1.4x). The verifier measures the curve at a
+second length too, and ``ContextSlope`` carries the difference per token: the adaptive budget
+prices each round at its session's own length.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ContextSlope:
+    context: int  # tokens of cache the curve's ms hold for
+    per_token: dict[int, float]  # tree size -> ms each token of context beyond ``context`` adds
+
+    def __post_init__(self):
+        if self.context < 0:
+            raise ValueError(f"context: {self.context}, expected >= 0")
+        if not self.per_token or any(n < 1 or not (0 <= v < math.inf) for n, v in self.per_token.items()):
+            raise ValueError("per_token: need finite values >= 0 for sizes >= 1")
+
+    def ms(self, rows: float, length: int) -> float:
+        """What ``length`` tokens of context add to (or, below ``context``, take from) a forward of
+        ``rows`` rows: the per-token cost linear between the measured sizes, flat beyond them."""
+        sizes = sorted(self.per_token)
+        if rows <= sizes[0]:
+            slope = self.per_token[sizes[0]] * rows / sizes[0]
+        elif rows >= sizes[-1]:
+            slope = self.per_token[sizes[-1]] * rows / sizes[-1]
+        else:
+            for x0, x1 in zip(sizes, sizes[1:]):
+                if rows <= x1:
+                    y0, y1 = self.per_token[x0], self.per_token[x1]
+                    slope = y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
+                    break
+        return slope * (length - self.context)
+
+
+def slope_from(short: dict[int, float], long: dict[int, float], context: int, long_context: int) -> ContextSlope:
+    """The slope between two curves measured at ``context`` and ``long_context`` tokens (each
+    size's difference per token, none below 0: a size measured faster at the longer context only
+    drifted)."""
+    if long_context <= context:
+        raise ValueError(f"long_context {long_context} must exceed context {context}")
+    span = long_context - context
+    return ContextSlope(context, {n: max(0.0, (long[n] - short[n]) / span) for n in short if n in long})
