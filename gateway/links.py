@@ -42,6 +42,7 @@ _CALLER_ERRORS = {
 # deployment is misconfigured, not the caller's request, and every replica would refuse the same.
 _REFUSED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 
+
 class Cost(NamedTuple):
     """A verifier's cost curve as its open sent it, passed on to the drafter as it came."""
 

@@ -68,13 +68,16 @@ class LlamaBackend:
         self.dtype = self.lm_head_w.dtype
         self.kv_dtype = cache_dtype(model)  # float16 for GGUF blocks, else the model's
         self.device = self.lm_head_w.device
-        # Invariant attention over the cache in place (native_attention.c) where it is built and the
-        # scores are plain (no soft cap; a window is a row's keys named by index); else each row's
-        # keys gathered and padded to whole blocks (any device).
+        # Invariant attention over the cache in place (native_attention.c) where it is built (a window
+        # is a row's keys named by index; soft-capped scores on its vector path); else each row's keys
+        # gathered and padded to whole blocks (any device).
         self.native_attention = (
             self.invariant
-            and not any(self.softcaps)
             and native.attention_usable(self.kv_dtype, self.device, self.head_dim)
+            and (
+                not any(self.softcaps)
+                or native.attention_path(self.kv_dtype, self.n_heads, self.n_kv, self.head_dim) == "vector"
+            )
         )
         # Zeroed: invariant attention reads masked keys past a row's own, which must be finite.
         self.cache = torch.zeros(
@@ -324,8 +327,8 @@ def forward_segments(segments, rows_exact: bool = True) -> list[torch.Tensor]:
     context read in place by every row and only a row's ancestors named by index (``_row_keys``);
     elsewhere each row is one query over its keys gathered (``_row_groups``). A sliding-window layer's
     row sees the keys of its own path within the window (``_windowed``), the same keys a one-token
-    step at its position sees; soft-capped scores (Gemma 2) are computed by torch, each row of an
-    exact call alone (``_capped_rows``).
+    step at its position sees; soft-capped scores (Gemma 2) take the native attention's vector path
+    where it runs, else torch computes them, each row of an exact call alone (``_capped_rows``).
     """
     b0 = segments[0][0]
     fused = b0.fused is not None and b0.invariant and b0.native_attention
@@ -375,13 +378,14 @@ def _embed(b, tokens: torch.Tensor) -> torch.Tensor:
     return layouts.embedding(b.embed.weight, tokens)
 
 
-_FUSED_TYPES = {"llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "phi3"}
+_FUSED_TYPES = {"llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma2", "gemma3_text", "phi3"}
 _FUSED_NORMS = {
     "LlamaRMSNorm",
     "MistralRMSNorm",
     "Qwen2RMSNorm",
     "Qwen3RMSNorm",
     "SmolLM3RMSNorm",
+    "Gemma2RMSNorm",
     "Gemma3RMSNorm",
     "Phi3RMSNorm",
 }
@@ -407,8 +411,8 @@ def _fused_decoder(b) -> native.Decoder | None:
     attention (its vector path), RMSNorms of one epsilon (Qwen3's and Gemma 3's per-head q/k norms,
     Gemma 3's norms of the attention's and the MLP's outputs included), SiLU- or GELU-gated MLPs, a
     lookup embedding (Gemma's scaled one included), at most one sliding window and two rotary tables
-    (Gemma 3's local and global layers), no soft-capped attention, and every projection planned on a
-    widening native tile, unchunked."""
+    (Gemma 3's local and global layers), one soft cap of the attention scores or none (Gemma 2's), and
+    every projection planned on a widening native tile, unchunked."""
     cfg, inner = b.model.config, b.model.model
     half = b.dtype in (torch.bfloat16, torch.float16)
     if not (b.invariant and b.native_attention and (half or kept(b.model) is not None)):
@@ -449,15 +453,17 @@ def _fused_decoder(b) -> native.Decoder | None:
         "inter": layers[0][2]["gate_proj"].weight.shape[0],
     }
     try:
-        return native.Decoder(layers, tiles, _norm_weight(inner.norm), dims, eps.pop(), scales.pop(), act)
+        return native.Decoder(
+            layers, tiles, _norm_weight(inner.norm), dims, eps.pop(), scales.pop(), act, softcap=b.softcaps[0]
+        )
     except TypeError:
         return None
 
 
 def _attends_natively(b) -> bool:
-    """Whether the native decoder's attention is the layers': no soft-capped scores, at most one
-    sliding window and two rotary tables, rotary over whole heads."""
-    if any(b.softcaps) or len(set(b.windows) - {None}) > 1 or len(set(b.rope_kinds)) > 2:
+    """Whether the native decoder's attention is the layers': one soft cap of the scores for every
+    layer or none, at most one sliding window and two rotary tables, rotary over whole heads."""
+    if len(set(b.softcaps)) > 1 or len(set(b.windows) - {None}) > 1 or len(set(b.rope_kinds)) > 2:
         return False
     # rotary over part of each head (Phi-3's partial_rotary_factor below 1) is not taken
     return not b.partial_rotary or b.rope(torch.zeros(1, dtype=torch.long), torch.float32)[0].shape[-1] == b.head_dim
@@ -482,7 +488,7 @@ def _decoder_layers(b, head_norms: bool, sandwich: bool) -> list | None:
 # The MLP activations the native decoder computes: 0 SiLU, 1 GELU's tanh approximation.
 _ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1}
 # RMSNorms that scale by 1 + weight (Gemma's) rather than by the weight.
-_PLUS_ONE_NORMS = {"Gemma3RMSNorm"}
+_PLUS_ONE_NORMS = {"Gemma2RMSNorm", "Gemma3RMSNorm"}
 
 
 def _layer_norms(layer, head_norms: bool, sandwich: bool) -> dict:
@@ -669,7 +675,7 @@ def _segment_attention(
     kv[0, :, past:total] = k[0, :, s:e]
     kv[1, :, past:total] = v[0, :, s:e]
     if exact and b.native_attention:
-        o = native.attention(q[0, :, s:e].transpose(0, 1), kv, *how, scale)  # [n, H, D]
+        o = native.attention(q[0, :, s:e].transpose(0, 1), kv, *how, scale, softcap=cap)  # [n, H, D]
         return o.transpose(0, 1)[None]
     kv = kv.to(q.dtype)  # a cache kept narrower than the model (GGUF blocks: float16), widened exactly
     if exact:

@@ -211,6 +211,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.racer_attention.restype = ctypes.c_int
     lib.racer_attention.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5
     lib.racer_attention.argtypes += [ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_float, ctypes.c_int]
+    lib.racer_attention_capped.restype = ctypes.c_int
+    lib.racer_attention_capped.argtypes = lib.racer_attention.argtypes[:-1] + [ctypes.c_float, ctypes.c_int]
     lib.racer_attention_amx.restype = ctypes.c_int
     lib.racer_attention_tiles.restype = ctypes.c_int
     lib.racer_attention_tiles.argtypes = lib.racer_attention.argtypes[1:]
@@ -732,13 +734,15 @@ def attention(
     tail: torch.Tensor,
     scale: float,
     path: str | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Invariant attention (``native_attention.c``) of query rows over one layer's cache, in place.
 
     q [n, H, D]; kv [2, kv_heads, capacity, D] (contiguous); counts, inplace [n] int64: keys row r
     sees, and how many of them are cache rows 0, 1, ...; tail [n, T] int64: the cache rows of its
     other keys in position order. ``path``: "amx" or "vector"; None: this process's choice
-    (``attention_path``). Returns [n, H, D] in q's dtype."""
+    (``attention_path``). ``softcap``: each scaled score s taken as softcap * tanh(s / softcap)
+    (Gemma 2's; the vector path only). Returns [n, H, D] in q's dtype."""
     lib = library()
     if lib is None:
         raise TypeError(f"native attention not available: {why()}")
@@ -748,6 +752,8 @@ def attention(
     path = path or attention_path(kv.dtype, h, kv.shape[1], d)
     if path not in attention_paths(kv.dtype, h, kv.shape[1], d):
         raise TypeError(f"native attention: no {path} path here for {kv.dtype}, {h} heads over {kv.shape[1]} of {d}")
+    if softcap and path != "vector":
+        raise TypeError(f"native attention: soft-capped scores on the vector path only, not {path}")
     out = torch.empty((n, h, d), dtype=torch.float32)
     rest = (
         out.data_ptr(),
@@ -768,7 +774,11 @@ def attention(
         rc = lib.racer_attention_tiles(qb.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(), *rest)
     else:
         q32 = q.float().contiguous()
-        rc = lib.racer_attention(_ATTENTION_TYPES[kv.dtype], q32.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(), *rest)
+        args = (_ATTENTION_TYPES[kv.dtype], q32.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(), *rest)
+        if softcap:
+            rc = lib.racer_attention_capped(*args[:-1], softcap, args[-1])
+        else:
+            rc = lib.racer_attention(*args)
     if rc:
         raise RuntimeError(f"native attention ({path}): {h} heads over {kv.shape[1]} kv heads of {d} not supported")
     return out.to(q.dtype)
@@ -783,7 +793,7 @@ class _Shape(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_int64)
         for name in ("hidden", "heads", "kv_heads", "head_dim", "inter", "weight_type", "cache_type", "threads")
-    ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("act", ctypes.c_int64)]
+    ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("act", ctypes.c_int64), ("softcap", ctypes.c_float)]
 
 
 class _Layer(ctypes.Structure):
@@ -827,7 +837,8 @@ class Decoder:
     rotation (Qwen3's, Gemma 3's); ``post_attn``, ``post_ffn`` those of RMSNorms of the attention's and
     the MLP's outputs (Gemma 3's; its MLP's input norm is then the second weight); ``windowed`` 1 for a
     layer attending over its segments' sliding-window keys; ``rope`` 1 for one taking the second
-    rotary table; ``act``: the MLP's activation, 0 SiLU, 1 GELU's tanh approximation;
+    rotary table; ``act``: the MLP's activation, 0 SiLU, 1 GELU's tanh approximation; ``softcap``: the
+    attention scores' soft cap (Gemma 2's; None: none);
     ``tiles``: per projection the native variant its shape runs (row-invariant, not ``PAIRS``), or
     ``PANEL`` for a weight stored as panels;
     ``final_norm``: the last norm's weight. Norms and biases are kept as float32 copies; the
@@ -835,7 +846,17 @@ class Decoder:
     (a GGUF file's blocks, ``verifier/gguf_blocks.py``) is read from them by the block kernel; the
     others of such a model are float32, on their native tile."""
 
-    def __init__(self, layers, tiles: dict[str, str], final_norm, dims: dict, eps: float, scale: float, act: int = 0):
+    def __init__(
+        self,
+        layers,
+        tiles: dict[str, str],
+        final_norm,
+        dims: dict,
+        eps: float,
+        scale: float,
+        act: int = 0,
+        softcap: float | None = None,
+    ):
         lib = library()
         if lib is None:
             raise TypeError(f"native decoder not available: {why()}")
@@ -857,7 +878,14 @@ class Decoder:
             raise TypeError(f"native decoder: no widening native tile among {tiles}")
         self.lib, self.dtype = lib, dtype
         self.shape = _Shape(
-            **dims, weight_type=WEIGHT_TYPES[dtype], cache_type=0, threads=1, eps=eps, scale=scale, act=act
+            **dims,
+            weight_type=WEIGHT_TYPES[dtype],
+            cache_type=0,
+            threads=1,
+            eps=eps,
+            scale=scale,
+            act=act,
+            softcap=softcap or 0.0,
         )
         self._keep = [final_norm, *weights]  # every tensor a pointer below refers to stays alive
         self._norm = self._held(_f32(final_norm))

@@ -121,6 +121,7 @@ struct state {
 struct work {
     float s[RB * BLOCK] __attribute__((aligned(64)));
     float o[RB * MAXD] __attribute__((aligned(64)));
+    float softcap; /* the call's: > 0 caps each scaled score s to softcap * tanh(s / softcap) */
 };
 
 /* x in every lane (x - 0 is x for every x: a plain broadcast). */
@@ -235,6 +236,9 @@ static inline __attribute__((always_inline)) void attend_rows(int R, struct work
 {
     float mb[RB], lb[RB];
     block_scores(R, w->s, q, blk, D, scale);
+    if (w->softcap > 0) /* Gemma 2's soft cap, as its attention takes it: (s / cap), tanh, times cap */
+        for (int i = 0; i < R * BLOCK; i += VL)
+            *(vf *)(w->s + i) = vtanh(*(const vf *)(w->s + i) / w->softcap) * w->softcap;
     for (int r = 0; r < R; r++) mb[r] = block_weights(w->s + r * BLOCK, nb, &lb[r]);
     block_values(R, w->o, w->s, blk, nb, D);
     for (int r = 0; r < R; r++) merge(st[r], w->o + r * MAXD, mb[r], lb[r], D);
@@ -434,7 +438,7 @@ struct attention_call {
     long n, H, Hkv, D, cap;
     const int64_t *counts, *inplace, *tail;
     long T;
-    float scale;
+    float scale, softcap;
     int type;
     long esize, group, ps, chunks, runs, span;
 };
@@ -450,6 +454,7 @@ static void attention_items(void *ctx, long lo, long hi, int tid)
         atomic_store(&c->failed, 1);
         return;
     }
+    it->w->softcap = c->softcap;
     for (long x = lo; x < hi; x++) {
         const long kh = x / (c->chunks * c->runs), cu = x % (c->chunks * c->runs), ch = cu / c->runs, u = cu % c->runs;
         long r0 = u * span, r1 = r0 + span < n ? r0 + span : n, top = 0, lo_key = ch * CHUNK;
@@ -491,9 +496,21 @@ static void attention_merges(void *ctx, long lo, long hi, int tid)
  * merged in order, then the chunks' states in order. A work item is one KV head, one chunk and a run
  * of rows: every block read in place is converted once for all the rows of its item, and the items
  * (about twice the threads, or more) keep every thread busy even for one token. */
+int racer_attention_capped(int type, const float *q, const void *k, const void *v, float *out, long n, long H,
+                           long Hkv, long D, long cap, const int64_t *counts, const int64_t *inplace,
+                           const int64_t *tail, long T, float scale, float softcap, int threads);
 int racer_attention(int type, const float *q, const void *k, const void *v, float *out, long n, long H, long Hkv,
                     long D, long cap, const int64_t *counts, const int64_t *inplace, const int64_t *tail, long T,
                     float scale, int threads)
+{
+    return racer_attention_capped(type, q, k, v, out, n, H, Hkv, D, cap, counts, inplace, tail, T, scale, 0.f, threads);
+}
+
+/* racer_attention with each scaled score s soft-capped to softcap * tanh(s / softcap) (Gemma 2's
+ * attn_logit_softcapping; 0: none), before the softmax. */
+int racer_attention_capped(int type, const float *q, const void *k, const void *v, float *out, long n, long H,
+                           long Hkv, long D, long cap, const int64_t *counts, const int64_t *inplace,
+                           const int64_t *tail, long T, float scale, float softcap, int threads)
 {
     if (D > MAXD || D % VL || D % 8 || H % Hkv || type < F32 || type > F16) return -1;
     const long esize = type == F32 ? 4 : 2, group = H / Hkv, ps = D + VL; /* a chunk state: m, l | acc */
@@ -510,7 +527,7 @@ int racer_attention(int type, const float *q, const void *k, const void *v, floa
     const int nth = threads > 0 ? threads : 1;
     float *part = aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
     if (!part) return -2;
-    struct attention_call c = {0, part, q, k, v, out, n, H, Hkv, D, cap, counts, inplace, tail, T, scale,
+    struct attention_call c = {0, part, q, k, v, out, n, H, Hkv, D, cap, counts, inplace, tail, T, scale, softcap,
                                type, esize, group, ps, chunks, runs, span};
     racer_pfor(Hkv * chunks * runs, 1, nth, attention_items, &c);
     const int ok = !atomic_load(&c.failed);

@@ -38,9 +38,9 @@ typedef int (*quant_many_fn)(int count, const int64_t *types, const float *x, co
 static quant_many_fn quant_many = racer_quant_many;
 void racer_decoder_quant_from(quant_many_fn fn) { quant_many = fn ? fn : racer_quant_many; }
 
-int racer_attention(int type, const float *q, const void *k, const void *v, float *out, long n, long H, long Hkv,
-                    long D, long cap, const int64_t *counts, const int64_t *inplace, const int64_t *tail, long T,
-                    float scale, int threads);
+int racer_attention_capped(int type, const float *q, const void *k, const void *v, float *out, long n, long H,
+                           long Hkv, long D, long cap, const int64_t *counts, const int64_t *inplace,
+                           const int64_t *tail, long T, float scale, float softcap, int threads);
 
 /* One layer's weights, as native.py lays them out (int64 words): norms and biases float32 (NULL for
  * no bias), projection weights at the weight type, and each projection's tile shape over a weight
@@ -73,11 +73,13 @@ struct segment {
     int64_t wtail_width;
 };
 
-/* The model's shape and the call's constants; ``act`` the MLP's activation: 0 SiLU, 1 GELU (tanh). */
+/* The model's shape and the call's constants; ``act`` the MLP's activation: 0 SiLU, 1 GELU (tanh);
+ * ``softcap`` the attention scores' soft cap (Gemma 2's; 0: none). */
 struct shape {
     int64_t hidden, heads, kv_heads, head_dim, inter, weight_type, cache_type, threads;
     float eps, scale;
     int64_t act;
+    float softcap;
 };
 
 /* y = w * (x / sqrt(mean(x^2) + eps)), one row of ``d`` values (y may be x). */
@@ -200,10 +202,11 @@ static int attend(const struct shape *s, long i, const struct layer *l, const st
         const int nth = threads_for(s, rows);
         racer_pfor(rows, (rows + 2 * nth - 1) / (2 * nth), nth, kv_body, &c);
         const int win = l->windowed != 0;
-        int rc = racer_attention((int)s->cache_type, q + sg->r0 * Hq * D, kc, vc, out + sg->r0 * Hq * D,
-                                 sg->r1 - sg->r0, Hq, Hk, D, sg->capacity, win ? sg->wcounts : sg->counts,
-                                 win ? sg->winplace : sg->inplace, win ? sg->wtail : sg->tail,
-                                 win ? sg->wtail_width : sg->tail_width, s->scale, (int)s->threads);
+        int rc = racer_attention_capped((int)s->cache_type, q + sg->r0 * Hq * D, kc, vc, out + sg->r0 * Hq * D,
+                                        sg->r1 - sg->r0, Hq, Hk, D, sg->capacity, win ? sg->wcounts : sg->counts,
+                                        win ? sg->winplace : sg->inplace, win ? sg->wtail : sg->tail,
+                                        win ? sg->wtail_width : sg->tail_width, s->scale, s->softcap,
+                                        (int)s->threads);
         if (rc) return rc;
     }
     return 0;

@@ -115,4 +115,22 @@ static inline vf vexp(vf x)
     return out;
 }
 
+/* tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2|x|) (within vexp's domain for every x): Gemma 2's
+ * soft-capped attention scores. The same operations for every lane. */
+static inline vf vtanh(vf x)
+{
+    vi bits, mag;
+    memcpy(&bits, &x, sizeof bits);
+    mag = bits & 0x7fffffff;
+    vf a, t;
+    memcpy(&a, &mag, sizeof a);
+    const vf e = vexp(a * -2.0f);
+    t = (1.0f - e) / (1.0f + e);
+    vi tb;
+    memcpy(&tb, &t, sizeof tb);
+    tb |= bits & (int)0x80000000u;
+    memcpy(&t, &tb, sizeof t);
+    return t;
+}
+
 #endif

@@ -141,17 +141,18 @@ class Verifier(Holder):
     """The verifier's core. Every setting but the model is a keyword (its flag in
     ``common/settings.py``): ``topk`` ids per position sent back, ``backend`` (auto, llama, hf),
     ``max_sessions`` caches held, ``max_cache_tokens`` (KV memory without ``kv_memory_bytes`` or a
-    memory limit), ``ttl`` of an idle cache in seconds, ``cost`` (ms by tree size) and its ``slope`` against the context, ``max_batch``
-    trees and ``max_wait_ms`` per batch, ``headroom`` rows, ``prefill_chunk`` tokens per prefill
-    job, ``max_waiting`` opens for at most ``wait_seconds`` in KV memory's queue, ``stall_seconds``
-    before the model thread counts as stalled, ``prefill_batch`` prompts per forward, ``prompt_topk``
-    the prompt's last positions whose top-k an open sends back (None: every position),
-    ``prefix_cache`` on or off and its ``prefix_block`` (tokens per block, ``prefix_cache.py``);
-    ``prefix_fetch`` (auto: by the measured rule, always, off) the blocks another verifier holds, within
-    ``prefix_fetch_seconds`` and ``prefix_fetch_bytes`` a transfer (``prefix_fetch.py``; ``fetcher``,
-    the transport, is the service's); a session moving off a draining verifier fetches its own rows
-    the same way (a hand-over), and a joining verifier fills at most ``prefix_warm_share`` of its KV
-    memory with a holder's hottest blocks (``warm``)."""
+    memory limit), ``ttl`` of an idle cache in seconds, ``cost`` (ms by tree size) and its ``slope``
+    against the context, ``max_batch`` trees and ``max_wait_ms`` per batch, ``headroom`` rows,
+    ``prefill_chunk`` tokens per prefill job, ``max_waiting`` opens for at most ``wait_seconds`` in
+    KV memory's queue, ``stall_seconds`` before the model thread counts as stalled,
+    ``prefill_batch`` prompts per forward, ``prompt_topk`` the prompt's last positions whose top-k
+    an open sends back (None: every position), ``prefix_cache`` on or off and its ``prefix_block``
+    (tokens per block, ``prefix_cache.py``); ``prefix_fetch`` (auto: by the measured rule, always,
+    off) the blocks another verifier holds, within ``prefix_fetch_seconds`` and
+    ``prefix_fetch_bytes`` a transfer (``prefix_fetch.py``; ``fetcher``, the transport, is the
+    service's); a session moving off a draining verifier fetches its own rows the same way (a
+    hand-over), and a joining verifier fills at most ``prefix_warm_share`` of its KV memory with a
+    holder's hottest blocks (``warm``)."""
 
     def __init__(
         self,

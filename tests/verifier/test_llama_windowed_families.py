@@ -137,9 +137,11 @@ def test_reduced_precision_tree_rows_are_their_one_token_steps_past_the_window(f
     m = _model(name, **WIDE).to(dtype)
     b = VerifierSession(m, backend="llama").backend
     assert b.invariant
-    # soft-capped scores: torch's attention, each row alone; else the native kernel where it is built
+    # the native kernel where it is built (soft-capped scores on its vector path); else torch's, each row alone
     capped = name.startswith("gemma2")
-    assert b.native_attention == (not capped and native.attention_usable(dtype, torch.device("cpu"), 64))
+    usable = native.attention_usable(dtype, torch.device("cpu"), 64)
+    vector = usable and native.attention_path(dtype, b.n_heads, b.n_kv, b.head_dim) == "vector"
+    assert b.native_attention == (usable and (vector or not capped))
     rng = random.Random(0)
     prompt = [rng.randrange(3, VOCAB) for _ in range(12)]
     parents = _deep_tree(rng, 24)
@@ -212,11 +214,13 @@ def test_what_the_llama_backend_does_not_implement_goes_to_hf_with_the_reason(bu
     assert _serving(str(tmp_path), "auto") == ("hf", why)
 
 
-@pytest.mark.parametrize("name", ["gemma3_text", "phi3-swa"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma2-capped", "gemma3_text", "phi3-swa"])
 def test_the_native_decoder_is_the_models_forward_past_the_window(monkeypatch, tmp_path, name):
-    """Every layer in one native call (bfloat16, a widening native tile): Gemma 3's sandwich norms
-    (1 + weight), per-head q/k norms, GELU, and local layers over their window with their own rotary
-    table; Phi-3's fused q/k/v and gate/up weights as row ranges, every layer over its window. Each
+    """Every layer in one native call (bfloat16, a widening native tile): Gemma 2's soft-capped
+    attention scores (the model's default cap, and one so tight that every score is bent), sandwich
+    norms and alternating local and global layers; Gemma 3's sandwich norms (1 + weight), per-head q/k
+    norms, GELU, and local layers over their window with their own rotary table; Phi-3's fused q/k/v
+    and gate/up weights as row ranges, every layer over its window. Each
     node of a tree deeper than the window gets the float32 model's own logits over its path, within
     bfloat16's rounding; its rows are its one-token steps'."""
     from tests.verifier.test_native_decoder import _widening_native
