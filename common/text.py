@@ -25,6 +25,14 @@ def chat_ids(tokenizer, user: str, system: str | None = DEFAULT_SYSTEM) -> list[
     return messages_ids(tokenizer, messages)
 
 
+def prompt_ids(tokenizer, prompt: str, system: str | None = DEFAULT_SYSTEM) -> list[int]:
+    """A one-turn chat (``chat_ids``) where the model has a chat template; else, for a base model,
+    the prompt as plain text to continue (``system`` unused), as the stack serves such a model."""
+    if has_chat_template(tokenizer):
+        return chat_ids(tokenizer, prompt, system)
+    return text_ids(tokenizer, prompt)
+
+
 def messages_ids(tokenizer, messages: list[dict], **template) -> list[int]:
     """``template``: ``apply_chat_template``'s own keywords (``tools``, ``chat_template``)."""
     return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **template))

@@ -138,7 +138,7 @@ def stack_flags(parser, port_base: int = 0, metrics_base: int = PORTS["gateway"]
 def cmd_generate(args) -> int:
     from common.loop import Stats
     from common.params import SamplingParams
-    from common.text import Detokenizer, chat_ids
+    from common.text import Detokenizer, has_chat_template, prompt_ids
 
     from .inprocess import InProcessStack
 
@@ -147,7 +147,9 @@ def cmd_generate(args) -> int:
     )
     if args.budget == 0:
         engine.measure_costs()
-    ids = chat_ids(engine.tokenizer, args.prompt, args.system or None)
+    if not has_chat_template(engine.tokenizer):
+        print(f"racer: {args.model} has no chat template, so the prompt is continued as text", file=sys.stderr)
+    ids = prompt_ids(engine.tokenizer, args.prompt, args.system or None)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     params = engine.default_params(max_new_tokens=args.max_new_tokens, mode=args.mode, budget=args.budget)
     stats = Stats()

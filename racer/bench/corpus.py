@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 
 from common.loop import Stats
-from common.text import chat_ids
+from common.text import prompt_ids
 from drafter.corpus import Corpus, CorpusConfig
 
 from ..inprocess import InProcessStack
@@ -86,14 +86,14 @@ def run_sessions(
     results: list[Result] = []
     total = sum(len(ps) for _, ps in groups) * len(budgets) * 2
     bar = tqdm(total=total, disable=not progress, file=sys.stderr, unit="session")
-    warm = chat_ids(engine.tokenizer, "Hello", system)
+    warm = prompt_ids(engine.tokenizer, "Hello", system)
     run_one(engine, warm, max(budgets), 4, None)
     corpora = {b: Corpus(CorpusConfig(max_tokens=corpus_tokens)) for b in budgets}
     for name, prompts in groups:
         if fresh_corpus_per_group:
             corpora = {b: Corpus(CorpusConfig(max_tokens=corpus_tokens)) for b in budgets}
         for p in prompts:
-            ids = chat_ids(engine.tokenizer, p.text, system)
+            ids = prompt_ids(engine.tokenizer, p.text, system)
             ref = run_hf(engine, ids, max_new_tokens)[0] if hf else None
             for b in budgets:
                 off = None

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 from common.loop import Stats
 from common.params import MODES
-from common.text import chat_ids
+from common.text import prompt_ids
 
 from ..inprocess import InProcessStack
 from ..prompts import Prompt
@@ -136,11 +136,11 @@ def run(
     records: list[Record] = []
     bar = tqdm(total=len(prompts) * len(runs), disable=not progress, file=sys.stderr, unit="run")
     # Warm-up: the first forward of a process pays for allocation and kernel selection.
-    warm = chat_ids(engine.tokenizer, "Hello", system)
+    warm = prompt_ids(engine.tokenizer, "Hello", system)
     run_hf(engine, warm, 4)
     run_engine(engine, warm, "racer", max(budgets), 4)
     for p in prompts:
-        ids = chat_ids(engine.tokenizer, p.text, system)
+        ids = prompt_ids(engine.tokenizer, p.text, system)
         mine = []
         for mode, budget in runs:
             bar.set_description(f"{p.category[:12]} {mode}{'' if mode in HF_MODES else '@' + budget_name(budget)}")

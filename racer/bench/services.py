@@ -109,7 +109,7 @@ def bench_stack(args) -> int:
     from tqdm import tqdm
 
     from common import cpus
-    from common.text import chat_ids
+    from common.text import prompt_ids
     from common.v1 import verifier_pb2 as vpb
     from common.v1 import verifier_pb2_grpc as vpb_grpc
     from gateway.turn_links import ROUND_OVERHEAD_MS
@@ -142,12 +142,12 @@ def bench_stack(args) -> int:
         # what is left (torch counted every CPU when it was imported, before the pinning).
         engine_threads = len(cpus.available())
         torch.set_num_threads(engine_threads)
-        warm = chat_ids(engine.tokenizer, "Hello", args.system)
+        warm = prompt_ids(engine.tokenizer, "Hello", args.system)
         same_costs(verifier)
         run_engine(engine, warm, args.mode, args.budget, 4)
         c.complete(warm, max_new_tokens=4, mode=args.mode, budget=args.budget)
         for p in tqdm(prompts, file=sys.stderr, unit="prompt"):
-            ids = chat_ids(engine.tokenizer, p.text, args.system)
+            ids = prompt_ids(engine.tokenizer, p.text, args.system)
             same_costs(verifier)
             if len(rows) % 2 == 0:  # interleaved: each side goes first every other prompt
                 local, through = _in_process(engine, ids, args), _through_gateway(c, ids, args)

@@ -149,3 +149,22 @@ def test_the_stack_sends_text_only_for_a_model_without_a_template(tmp_path, tok,
     assert text_prompt(str(base), PROMPT) == text_ids(tok, PROMPT)
     assert text_prompt(str(base), PROMPT, chat_template="chatml.jinja") is None  # the operator's
     assert text_prompt(str(chat), PROMPT) is None
+
+
+def test_racer_generate_continues_a_base_models_prompt_as_text(tmp_path, tok, tiny_llama):
+    """In one process too: no chat template applied to a base model's prompt, and said once."""
+    model = tmp_path / "base-model"
+    tiny_llama.save_pretrained(model)
+    tok.save_pretrained(model)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RACER_")}
+    env.update(RACER_THREADS="1", OMP_NUM_THREADS="1")
+    argv = ["generate", PROMPT, "--model", str(model), "--max-new-tokens", str(N), "--budget", "4", "--no-prior"]
+    argv += ["--dtype", "float32"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "racer.cli", *argv], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref = hf_greedy(tiny_llama, text_ids(tok, PROMPT), N, eos=(tiny_llama.config.eos_token_id,))
+    assert proc.stdout == tok.decode(ref, skip_special_tokens=True) + "\n"
+    said = [line for line in proc.stderr.splitlines() if "no chat template" in line]
+    assert said == [f"racer: {model} has no chat template, so the prompt is continued as text"]
