@@ -411,8 +411,9 @@ def _fused_decoder(b) -> native.Decoder | None:
     attention (its vector path), RMSNorms of one epsilon (Qwen3's and Gemma 3's per-head q/k norms,
     Gemma 3's norms of the attention's and the MLP's outputs included), SiLU- or GELU-gated MLPs, a
     lookup embedding (Gemma's scaled one included), at most one sliding window and two rotary tables
-    (Gemma 3's local and global layers), one soft cap of the attention scores or none (Gemma 2's), and
-    every projection planned on a widening native tile, unchunked."""
+    (Gemma 3's local and global layers), one soft cap of the attention scores or none (Gemma 2's),
+    rotary over whole heads or their first dims (Phi-3's partial rotary factor), and every projection
+    planned on a widening native tile, unchunked."""
     cfg, inner = b.model.config, b.model.model
     half = b.dtype in (torch.bfloat16, torch.float16)
     if not (b.invariant and b.native_attention and (half or kept(b.model) is not None)):
@@ -454,7 +455,15 @@ def _fused_decoder(b) -> native.Decoder | None:
     }
     try:
         return native.Decoder(
-            layers, tiles, _norm_weight(inner.norm), dims, eps.pop(), scales.pop(), act, softcap=b.softcaps[0]
+            layers,
+            tiles,
+            _norm_weight(inner.norm),
+            dims,
+            eps.pop(),
+            scales.pop(),
+            act,
+            softcap=b.softcaps[0],
+            rot_dim=_rot_dim(b),
         )
     except TypeError:
         return None
@@ -462,11 +471,17 @@ def _fused_decoder(b) -> native.Decoder | None:
 
 def _attends_natively(b) -> bool:
     """Whether the native decoder's attention is the layers': one soft cap of the scores for every
-    layer or none, at most one sliding window and two rotary tables, rotary over whole heads."""
+    layer or none, at most one sliding window and two rotary tables, over an even number of each
+    head's dims (all, or Phi-3's partial rotary factor's first ones)."""
     if len(set(b.softcaps)) > 1 or len(set(b.windows) - {None}) > 1 or len(set(b.rope_kinds)) > 2:
         return False
-    # rotary over part of each head (Phi-3's partial_rotary_factor below 1) is not taken
-    return not b.partial_rotary or b.rope(torch.zeros(1, dtype=torch.long), torch.float32)[0].shape[-1] == b.head_dim
+    rot = _rot_dim(b)
+    return rot % 2 == 0 and 2 <= rot <= b.head_dim and (rot == b.head_dim or b.partial_rotary)
+
+
+def _rot_dim(b) -> int:
+    """The dims of each head the rotary embedding turns: the width of its tables."""
+    return b.rope(torch.zeros(1, dtype=torch.long), torch.float32, kind=b.rope_kinds[0])[0].shape[-1]
 
 
 def _decoder_layers(b, head_norms: bool, sandwich: bool) -> list | None:

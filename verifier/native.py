@@ -793,7 +793,13 @@ class _Shape(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_int64)
         for name in ("hidden", "heads", "kv_heads", "head_dim", "inter", "weight_type", "cache_type", "threads")
-    ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("act", ctypes.c_int64), ("softcap", ctypes.c_float)]
+    ] + [
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("act", ctypes.c_int64),
+        ("softcap", ctypes.c_float),
+        ("rot_dim", ctypes.c_int64),
+    ]
 
 
 class _Layer(ctypes.Structure):
@@ -838,7 +844,8 @@ class Decoder:
     the MLP's outputs (Gemma 3's; its MLP's input norm is then the second weight); ``windowed`` 1 for a
     layer attending over its segments' sliding-window keys; ``rope`` 1 for one taking the second
     rotary table; ``act``: the MLP's activation, 0 SiLU, 1 GELU's tanh approximation; ``softcap``: the
-    attention scores' soft cap (Gemma 2's; None: none);
+    attention scores' soft cap (Gemma 2's; None: none); ``rot_dim``: the rotated dims of each head
+    (None: all; fewer for Phi-3's partial rotary factor, the call's rotary tables that wide);
     ``tiles``: per projection the native variant its shape runs (row-invariant, not ``PAIRS``), or
     ``PANEL`` for a weight stored as panels;
     ``final_norm``: the last norm's weight. Norms and biases are kept as float32 copies; the
@@ -856,6 +863,7 @@ class Decoder:
         scale: float,
         act: int = 0,
         softcap: float | None = None,
+        rot_dim: int | None = None,
     ):
         lib = library()
         if lib is None:
@@ -886,6 +894,7 @@ class Decoder:
             scale=scale,
             act=act,
             softcap=softcap or 0.0,
+            rot_dim=rot_dim or dims["head_dim"],
         )
         self._keep = [final_norm, *weights]  # every tensor a pointer below refers to stays alive
         self._norm = self._held(_f32(final_norm))
@@ -919,7 +928,7 @@ class Decoder:
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments, cos2=None, sin2=None
     ) -> torch.Tensor:
         """x [n, hidden] float32 (the embedded rows; overwritten with the residual stream), cos/sin
-        [n, head_dim] float32; ``segments``: per session ``(first row, end row, cache [layers, 2,
+        [n, rot_dim] float32 (contiguous); ``segments``: per session ``(first row, end row, cache [layers, 2,
         kv_heads, capacity, head_dim] contiguous, past length, counts, inplace, tail)`` (``attention``'s
         row keys), then optionally the keys its rows see in a sliding-window layer (the same three);
         cos2/sin2 the second rotary table's rows. Writes each segment's new K/V rows at [past, past +
@@ -938,6 +947,10 @@ class Decoder:
             seg.wcounts, seg.winplace, seg.wtail = wcounts.data_ptr(), winplace.data_ptr(), wtail.data_ptr()
             seg.wtail_width = wtail.shape[1]
         n = x.shape[0]
+        for t in (cos, sin, cos2, sin2):
+            if t is not None and (tuple(t.shape) != (n, shape.rot_dim) or t.dtype != torch.float32):
+                want = f"({n}, {shape.rot_dim}) float32"
+                raise TypeError(f"native decoder: rotary values {tuple(t.shape)} {t.dtype}, expected {want}")
         shape.threads = threads(n)
         out = torch.empty_like(x)
         rc = self.lib.racer_decoder(

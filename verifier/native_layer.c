@@ -80,6 +80,7 @@ struct shape {
     float eps, scale;
     int64_t act;
     float softcap;
+    int64_t rot_dim; /* the rotated dims of each head (head_dim, or fewer: Phi-3's partial rotary) */
 };
 
 /* y = w * (x / sqrt(mean(x^2) + eps)), one row of ``d`` values (y may be x). */
@@ -91,10 +92,11 @@ static void rms_norm(const float *x, const float *w, float *y, long d, float eps
     for (long i = 0; i < d; i++) y[i] = w[i] * (x[i] * r);
 }
 
-/* Rotary embedding of ``heads`` heads of one row in place: x*cos + rotate_half(x)*sin. */
-static void rotate(float *x, const float *cos, const float *sin, long heads, long d)
+/* Rotary embedding of ``heads`` heads of one row in place: x*cos + rotate_half(x)*sin over each
+ * head's first ``rot`` dims (cos, sin [rot]; Phi-3's partial rotary factor), the others as they are. */
+static void rotate(float *x, const float *cos, const float *sin, long heads, long d, long rot)
 {
-    const long half = d / 2;
+    const long half = rot / 2;
     for (long h = 0; h < heads; h++, x += d)
         for (long i = 0; i < half; i++) {
             const float a = x[i], b = x[i + half];
@@ -177,8 +179,9 @@ static void kv_body(void *ctx, long lo, long hi, int tid)
             for (long h = 0; h < Hq; h++) rms_norm(q + (r * Hq + h) * D, c->l->qnorm, q + (r * Hq + h) * D, D, s->eps);
         if (c->l->knorm)
             for (long h = 0; h < Hk; h++) rms_norm(k + (r * Hk + h) * D, c->l->knorm, k + (r * Hk + h) * D, D, s->eps);
-        rotate(q + r * Hq * D, c->cos + r * D, c->sin + r * D, Hq, D);
-        rotate(k + r * Hk * D, c->cos + r * D, c->sin + r * D, Hk, D);
+        const long R = s->rot_dim;
+        rotate(q + r * Hq * D, c->cos + r * R, c->sin + r * R, Hq, D, R);
+        rotate(k + r * Hk * D, c->cos + r * R, c->sin + r * R, Hk, D, R);
         const long row = c->sg->past + r - c->sg->r0;
         for (long h = 0; h < Hk; h++) {
             store(c->kc + (h * c->sg->capacity + row) * D * es, k + (r * Hk + h) * D, D, (int)s->cache_type);
@@ -319,7 +322,7 @@ static int layer_forward(const struct shape *s, long i, const struct layer *l, c
 
 /* Every layer over x [n, hidden] (float32, updated in place: the residual stream after the last
  * layer), then the final RMSNorm (weight ``norm``) into ``out`` [n, hidden] float32. cos/sin
- * [n, head_dim] float32: each row's rotary values; cos2/sin2 those of a second table (Gemma 3's
+ * [n, rot_dim] float32: each row's rotary values; cos2/sin2 those of a second table (Gemma 3's
  * local layers: ``rope`` 1), or the same. 0, -1 for a tile this build does not have or a head shape
  * attention does not take, -2 out of memory. */
 int racer_decoder(const struct shape *s, const struct layer *layers, long n_layers, const struct segment *seg,
@@ -327,6 +330,7 @@ int racer_decoder(const struct shape *s, const struct layer *layers, long n_laye
                   const float *cos2, const float *sin2)
 {
     const float *const coss[2] = {cos, cos2}, *const sins[2] = {sin, sin2};
+    if (s->rot_dim < 2 || s->rot_dim > s->head_dim || s->rot_dim % 2) return -1;
     const long E = s->hidden, Hq = s->heads * s->head_dim, Hk = s->kv_heads * s->head_dim, I = s->inter;
     const long widest = E > I ? E : I;
     float *all = malloc(sizeof(float) * n * (E + 2 * Hq + 2 * Hk + 2 * I + widest));

@@ -214,13 +214,14 @@ def test_what_the_llama_backend_does_not_implement_goes_to_hf_with_the_reason(bu
     assert _serving(str(tmp_path), "auto") == ("hf", why)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma2-capped", "gemma3_text", "phi3-swa"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma2-capped", "gemma3_text", "phi3-swa", "phi3-partial"])
 def test_the_native_decoder_is_the_models_forward_past_the_window(monkeypatch, tmp_path, name):
     """Every layer in one native call (bfloat16, a widening native tile): Gemma 2's soft-capped
     attention scores (the model's default cap, and one so tight that every score is bent), sandwich
     norms and alternating local and global layers; Gemma 3's sandwich norms (1 + weight), per-head q/k
     norms, GELU, and local layers over their window with their own rotary table; Phi-3's fused q/k/v
-    and gate/up weights as row ranges, every layer over its window. Each
+    and gate/up weights as row ranges, every layer over its window, rotary over whole heads or (a
+    partial rotary factor) over their first half. Each
     node of a tree deeper than the window gets the float32 model's own logits over its path, within
     bfloat16's rounding; its rows are its one-token steps'."""
     from tests.verifier.test_native_decoder import _widening_native
