@@ -630,8 +630,9 @@ def _share_prefixes(group, items) -> dict[int, torch.Tensor]:
 
 COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # The two cache lengths the curve is measured over: the curve itself at the first, its slope against
-# the context (``common.costs.ContextSlope``) from the second.
+# the context (``common.costs.ContextSlope``) from the second, at a few sizes (linear between them).
 COST_CONTEXTS = (256, 1280)
+SLOPE_SIZES = (1, 4, 16, 64)
 
 
 def measure_cost(
@@ -639,48 +640,55 @@ def measure_cost(
 ) -> dict[int, float]:
     """Median milliseconds of one verification (forward, logits, top-k, acceptance) by tree size,
     over a ``context``-token cache: the curve the adaptive budget weighs acceptance against."""
-    return _measure_curves(model, sizes, (context,), reps, backend, topk)[0]
+    return _measure_curves(model, [(context, sizes)], reps, backend, topk)[0]
 
 
 def measure_cost_slope(
     model, sizes=COST_SIZES, contexts=COST_CONTEXTS, reps: int = 5, backend: str = "auto", topk: int = TOPK
 ) -> tuple[dict[int, float], ContextSlope | None]:
     """``measure_cost``'s curve at ``contexts[0]`` tokens, and what each token of context adds to it,
-    from the same curve at ``contexts[1]`` (measured side by side). The second length is cut to what
-    the model's positions hold; None where that leaves none longer than the first."""
+    from the ``SLOPE_SIZES`` among ``sizes`` at ``contexts[1]`` (measured side by side). The second
+    length is cut to what the model's positions hold; None where that leaves none longer than the
+    first."""
     short, long = contexts
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None:
         long = min(long, limit - max(sizes) - 1)
+    few = [n for n in sizes if n in SLOPE_SIZES] or [min(sizes), max(sizes)]
     if long <= short:
         return measure_cost(model, sizes, short, reps, backend, topk), None
-    curves = _measure_curves(model, sizes, (short, long), reps, backend, topk)
+    curves = _measure_curves(model, [(short, sizes), (long, few)], reps, backend, topk)
     return curves[0], slope_from(curves[0], curves[1], short, long)
 
 
-def _measure_curves(model, sizes, contexts, reps: int, backend: str, topk: int) -> list[dict[int, float]]:
+def _measure_curves(model, plan, reps: int, backend: str, topk: int) -> list[dict[int, float]]:
+    """Per ``(context, sizes)`` of ``plan``: the median ms of a verification by size over a cache of
+    that many tokens."""
     rng = random.Random(0)
     vocab = model.config.vocab_size
+    largest = max(n for _, sizes in plan for n in sizes)
     sessions = []
-    for context in contexts:
-        session = VerifierSession(model, topk, backend, capacity=context + max(sizes) + 1)
+    for context, _ in plan:
+        session = VerifierSession(model, topk, backend, capacity=context + largest + 1)
         session.prefill([rng.randrange(vocab) for _ in range(context)])
         sessions.append(session)
-    trees = {n: ([rng.randrange(vocab) for _ in range(n)], [-1, *range(n - 1)]) for n in sizes}
-    times: list[dict[int, list[float]]] = [{n: [] for n in sizes} for _ in contexts]
+    trees = {n: ([rng.randrange(vocab) for _ in range(n)], [-1, *range(n - 1)]) for _, sizes in plan for n in sizes}
+    times: list[dict[int, list[float]]] = [{n: [] for n in sizes} for _, sizes in plan]
     # Sizes (and contexts) interleaved within each repetition: on a shared machine the speed drifts,
     # and measuring one size after another would turn that drift into differences between sizes,
     # which is all the budget choice looks at. The first pass pays for kernel selection and is not
     # counted.
     for rep in range(reps + 1):
-        for n in sizes:
-            for session, context, out in zip(sessions, contexts, times):
+        for n in sorted(trees):
+            for session, (context, _), out in zip(sessions, plan, times):
+                if n not in out:
+                    continue
                 t0 = time.perf_counter()
                 session.verify(*trees[n])
                 if rep:
                     out[n].append((time.perf_counter() - t0) * 1e3)
                 session.truncate(context)
-    return [{n: statistics.median(out[n]) for n in sizes} for out in times]
+    return [{n: statistics.median(ts) for n, ts in out.items()} for out in times]
 
 
 def measure_prompt_rows(

@@ -118,23 +118,35 @@ def test_with_the_operators_template_the_base_model_serves_chat(templated, tok, 
         assert c.complete("Hello there!", system="Be brief.", max_new_tokens=N)[0] == ref
 
 
-def test_racer_stack_continues_a_base_models_prompt_as_text(tmp_path, tok, tiny_llama):
+def _cli_on_base_model(tmp_path, tok, tiny_llama, command: str, *flags: str, **env_more):
+    """``racer COMMAND PROMPT --model DIR ...`` on the base model saved in ``tmp_path``: (the model's
+    path, the process, what greedy decoding continues the prompt's text with)."""
     model = tmp_path / "base-model"
     tiny_llama.save_pretrained(model)
     tok.save_pretrained(model)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RACER_")}
-    env.update(RACER_THREADS="1", RACER_MEASURE_COST="0", OMP_NUM_THREADS="1", RACER_DTYPE="float32")
-    argv = ["stack", PROMPT, "--model", str(model), "--max-new-tokens", str(N), "--budget", "4", "--no-pin"]
-    argv += ["--any-ports", "--http-port", "0"]
+    env.update(RACER_THREADS="1", OMP_NUM_THREADS="1", **env_more)
+    argv = [command, PROMPT, "--model", str(model), "--max-new-tokens", str(N), "--budget", "4", *flags]
     proc = subprocess.run(
         [sys.executable, "-m", "racer.cli", *argv], env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ref = hf_greedy(tiny_llama, text_ids(tok, PROMPT), N, eos=(tiny_llama.config.eos_token_id,))
     assert proc.stdout == tok.decode(ref, skip_special_tokens=True) + "\n"
-    said = [line for line in proc.stderr.splitlines() if "no chat template" in line]
-    assert said == [f"racer: {model} has no chat template, so the prompt is continued as text "
-                    "(--chat-template FILE gives it one)"]  # fmt: skip
+    return model, proc, ref
+
+
+def _said(proc) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if "no chat template" in line]
+
+
+def test_racer_stack_continues_a_base_models_prompt_as_text(tmp_path, tok, tiny_llama):
+    model, proc, ref = _cli_on_base_model(
+        tmp_path, tok, tiny_llama, "stack", "--no-pin", "--any-ports", "--http-port", "0",
+        RACER_MEASURE_COST="0", RACER_DTYPE="float32",
+    )  # fmt: skip
+    assert _said(proc) == [f"racer: {model} has no chat template, so the prompt is continued as text "
+                           "(--chat-template FILE gives it one)"]  # fmt: skip
     assert f" tokens={len(ref)} " in proc.stderr and "MAT=" in proc.stderr  # the stats line
     assert "did not stop" not in proc.stderr
 
@@ -153,18 +165,5 @@ def test_the_stack_sends_text_only_for_a_model_without_a_template(tmp_path, tok,
 
 def test_racer_generate_continues_a_base_models_prompt_as_text(tmp_path, tok, tiny_llama):
     """In one process too: no chat template applied to a base model's prompt, and said once."""
-    model = tmp_path / "base-model"
-    tiny_llama.save_pretrained(model)
-    tok.save_pretrained(model)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RACER_")}
-    env.update(RACER_THREADS="1", OMP_NUM_THREADS="1")
-    argv = ["generate", PROMPT, "--model", str(model), "--max-new-tokens", str(N), "--budget", "4", "--no-prior"]
-    argv += ["--dtype", "float32"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "racer.cli", *argv], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ref = hf_greedy(tiny_llama, text_ids(tok, PROMPT), N, eos=(tiny_llama.config.eos_token_id,))
-    assert proc.stdout == tok.decode(ref, skip_special_tokens=True) + "\n"
-    said = [line for line in proc.stderr.splitlines() if "no chat template" in line]
-    assert said == [f"racer: {model} has no chat template, so the prompt is continued as text"]
+    model, proc, _ = _cli_on_base_model(tmp_path, tok, tiny_llama, "generate", "--no-prior", "--dtype", "float32")
+    assert _said(proc) == [f"racer: {model} has no chat template, so the prompt is continued as text"]

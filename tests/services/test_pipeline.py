@@ -685,7 +685,7 @@ def test_the_verifiers_context_slope_reaches_the_drafter_and_prices_each_round_a
     assert seen
     slope, first = seen[0]
     assert slope.context == core.slope.context
-    assert slope.per_token == pytest.approx({n: core.slope.per_token[n] for n in core.cost})
+    assert [slope.ms(n, 2000) for n in core.cost] == pytest.approx([core.slope.ms(n, 2000) for n in core.cost])
     lengths = [n for _, n in seen]
     assert first == len(p) and lengths == sorted(set(lengths)) and lengths[-1] < len(p) + 24
     # The curve's running average takes each forward back to the curve's length: a slope as if the
