@@ -697,7 +697,8 @@ def test_the_verifiers_context_slope_reaches_the_drafter_and_prices_each_round_a
     try:
         with Client(stack.gateway, timeout=60) as c:
             c.complete(prompt(96), max_new_tokens=12, budget=4)
-        assert core.cost[4] > before[4] + 40  # at least one forward of 4 nodes, 5% of ~1 s
+        risen = [n for n in core.cost if core.cost[n] > before[n] + 40]  # a forward moves its size 5% of ~1 s
+        assert risen and all(core.cost[n] >= before[n] for n in core.cost), (before, core.cost)
     finally:
         core.slope = kept
         core.cost.update(before)  # the later tests' curve as it was
