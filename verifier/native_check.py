@@ -169,7 +169,9 @@ def _check_panel(lib, width: int, dtype: torch.dtype, gen) -> str | None:
     return None
 
 
-def _attention64(q: torch.Tensor, kv: torch.Tensor, counts: torch.Tensor, scale: float) -> torch.Tensor:
+def _attention64(
+    q: torch.Tensor, kv: torch.Tensor, counts: torch.Tensor, scale: float, softcap: float | None = None
+) -> torch.Tensor:
     n, h, _ = q.shape
     group = h // kv.shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
@@ -178,23 +180,29 @@ def _attention64(q: torch.Tensor, kv: torch.Tensor, counts: torch.Tensor, scale:
         c = int(counts[r])
         for head in range(h):
             keys, vals = k64[head // group, :c], v64[head // group, :c]
-            p = torch.softmax((keys @ q[r, head].double()) * scale, dim=0)
+            s = (keys @ q[r, head].double()) * scale
+            p = torch.softmax(s if softcap is None else torch.tanh(s / softcap) * softcap, dim=0)
             out[r, head] = p @ vals
     return out
 
 
 def _check_attention(native, path: str, dtype: torch.dtype, block: int, gen) -> str | None:
     heads, kv_heads, dim = 4, 2, 64
-    for past, n in ((3, 1), (block + 5, 6)):  # within a block; across blocks, a chain of rows
+    # within a block; across blocks, a chain of rows; the vector path's soft-capped scores (Gemma 2's),
+    # a cap that bends every score
+    cases = [(3, 1, None), (block + 5, 6, None)] + ([(block + 5, 6, 0.5)] if path == "vector" else [])
+    for past, n, softcap in cases:
         kv = torch.randn((2, kv_heads, past + n, dim), generator=gen).to(dtype)
         q = torch.randn((n, heads, dim), generator=gen).to(dtype).float()
         counts = torch.arange(past + 1, past + n + 1, dtype=torch.long)
-        out = native.attention(q, kv, counts, counts.clone(), torch.zeros((n, 0), dtype=torch.long), dim**-0.5, path)
-        exact = _attention64(q.to(torch.bfloat16).float() if path == "amx" else q, kv, counts, dim**-0.5)
+        tail = torch.zeros((n, 0), dtype=torch.long)
+        out = native.attention(q, kv, counts, counts.clone(), tail, dim**-0.5, path, softcap=softcap)
+        exact = _attention64(q.to(torch.bfloat16).float() if path == "amx" else q, kv, counts, dim**-0.5, softcap)
         err = float((out.double() - exact).abs().max())
         tol = (3e-2 if path == "amx" else 1e-4) * (1 + float(exact.abs().max()))
         if not err <= tol:
-            return f"{n} rows after {past}: off by {err:.3g} (allowed {tol:.3g})"
+            capped = f", scores capped at {softcap}" if softcap else ""
+            return f"{n} rows after {past}{capped}: off by {err:.3g} (allowed {tol:.3g})"
     return None
 
 
