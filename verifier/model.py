@@ -86,13 +86,18 @@ def resolve_model_dir(model: str = DEFAULT_MODEL) -> Path:
     return target
 
 
+# What a conversion holds, as this code writes it: a conversion written otherwise is made again (2: a
+# tokenizer that would not load back as the file splits is kept under the generic class).
+CONVERSION = 2
+
+
 def gguf_cache_dir(gguf: Path) -> Path:
     """Where the float32 conversion of the GGUF file ``gguf`` is cached: ``<stem>-<digest>-fp32``
     under ``cache_root()/models``, the digest of its real path (links followed), size and
-    modification time (a file replaced in place converts again)."""
+    modification time (a file replaced in place converts again) and ``CONVERSION``."""
     real = gguf.resolve()  # a link to a file converts as the file
     st = real.stat()
-    key = f"{real}\0{st.st_size}\0{st.st_mtime_ns}"
+    key = f"{real}\0{st.st_size}\0{st.st_mtime_ns}\0{CONVERSION}"
     return cache_root() / "models" / f"{real.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}-fp32"
 
 
@@ -117,6 +122,7 @@ def _convert(gguf: Path, target: Path) -> None:
         raise ValueError(f"{gguf}: transformers cannot convert this GGUF file ({e})") from e
     # The chat template is the file's (``tokenizer.chat_template``), and none where it has none (a base model).
     tokenizer.chat_template = meta.get("tokenizer.chat_template")
+    tokenizer = _reloadable(tokenizer, gguf)
     # The weights are de-quantized in memory; drop the GGUF marker so they save as plain fp32.
     model_obj.hf_quantizer = None
     model_obj.is_quantized = False
@@ -160,8 +166,47 @@ def _write_tokenizer(gguf: Path, target: Path) -> None:
     except (ValueError, NotImplementedError) as e:
         raise ValueError(f"{gguf}: transformers cannot read this GGUF file's tokenizer ({e})") from e
     tokenizer.chat_template = metadata(gguf, ("tokenizer.chat_template",)).get("tokenizer.chat_template")
+    tokenizer = _reloadable(tokenizer, gguf)
     _publish(target, tokenizer, config, GenerationConfig.from_model_config(config))
     log.info("%s: tokenizer and config read in %.1f s; cached at %s", gguf.name, time.monotonic() - t0, target)
+
+
+# Text a tokenizer must split the same way once saved and loaded again (spaces, digits, punctuation,
+# a newline, non-ASCII letters).
+_PROBE = "Hello world, this is a test: 12345 tokens!\n  Ünïcödé — ok."
+
+
+def _reloadable(tokenizer, gguf: Path):
+    """``tokenizer`` as read from ``gguf``, or the same vocabulary and pipeline under the generic
+    class where the class transformers named for the file's architecture would not load it back
+    the same: a Gemma 3 file holding a byte-level BPE vocabulary became a GemmaTokenizer, which
+    loads from a directory with its own SentencePiece-style splitting (every space an unknown
+    token). The check is a save and a load of the tokenizer alone, and one probe text."""
+    import tempfile
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        again = AutoTokenizer.from_pretrained(tmp)
+    if again(_PROBE)["input_ids"] == tokenizer(_PROBE)["input_ids"]:
+        return tokenizer
+    specials = {k: getattr(tokenizer, k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    generic = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, **specials)
+    generic.chat_template = tokenizer.chat_template
+    log.warning(
+        "%s: its tokenizer as %s would not load back the same (its vocabulary is %s); kept under the generic class",
+        gguf.name,
+        type(tokenizer).__name__,
+        _tokenizer_kind(gguf),
+    )
+    return generic
+
+
+def _tokenizer_kind(gguf: Path) -> str:
+    from .gguf_file import metadata
+
+    return str(metadata(gguf, ("tokenizer.ggml.model",)).get("tokenizer.ggml.model", "unknown"))
 
 
 def _publish(target: Path, *parts) -> None:

@@ -41,3 +41,22 @@ def test_a_gguf_tokenizer_keeps_the_files_chat_template(tmp_path, monkeypatch):
     messages = [{"role": "user", "content": "hi there"}]
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert "hi there" in text and text != "hi there"
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "llama"])
+def test_a_byte_level_vocabulary_loads_back_as_the_file_splits_it(tmp_path, monkeypatch, family):
+    """A file whose vocabulary is byte-level BPE (``tokenizer.ggml.model`` gpt2) under an architecture
+    whose own tokenizer class is SentencePiece's (Gemma 3): the saved tokenizer loads back with the
+    file's splitting (transformers' class for the architecture rebuilt its own, every space an
+    unknown token), for the gateway's directory and the verifier's conversion alike."""
+    monkeypatch.setenv("RACER_CACHE", str(tmp_path / "cache"))
+    path = write(tmp_path / f"{family}.gguf", family, "Q8_0", True, False)
+    direct = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    text = "Hello world, this is a test: 12 tokens!"
+    want = direct.encode(text)
+    assert direct.decode(want) == text
+    for where in (tokenizer_dir(str(path)), resolve_model_dir(str(path))):
+        tok = AutoTokenizer.from_pretrained(where)
+        assert tok.encode(text) == want, where
+        assert tok.chat_template == direct.chat_template
+        assert (tok.bos_token, tok.eos_token) == (direct.bos_token, direct.eos_token)
