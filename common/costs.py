@@ -25,21 +25,22 @@ class ContextSlope:
         if not self.per_token or any(n < 1 or not (0 <= v < math.inf) for n, v in self.per_token.items()):
             raise ValueError("per_token: need finite values >= 0 for sizes >= 1")
 
+    def at(self, rows: float) -> float:
+        """Ms per token of context for a forward of ``rows`` rows: linear between the measured sizes,
+        in proportion to the rows beyond them."""
+        sizes = sorted(self.per_token)
+        if rows <= sizes[0] or rows >= sizes[-1]:
+            edge = sizes[0] if rows <= sizes[0] else sizes[-1]
+            return self.per_token[edge] * rows / edge
+        x1 = next(x for x in sizes if x >= rows)
+        x0 = sizes[sizes.index(x1) - 1]
+        y0, y1 = self.per_token[x0], self.per_token[x1]
+        return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
+
     def ms(self, rows: float, length: int) -> float:
         """What ``length`` tokens of context add to (or, below ``context``, take from) a forward of
-        ``rows`` rows: the per-token cost linear between the measured sizes, flat beyond them."""
-        sizes = sorted(self.per_token)
-        if rows <= sizes[0]:
-            slope = self.per_token[sizes[0]] * rows / sizes[0]
-        elif rows >= sizes[-1]:
-            slope = self.per_token[sizes[-1]] * rows / sizes[-1]
-        else:
-            for x0, x1 in zip(sizes, sizes[1:]):
-                if rows <= x1:
-                    y0, y1 = self.per_token[x0], self.per_token[x1]
-                    slope = y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
-                    break
-        return slope * (length - self.context)
+        ``rows`` rows."""
+        return self.at(rows) * (length - self.context)
 
 
 def slope_from(short: dict[int, float], long: dict[int, float], context: int, long_context: int) -> ContextSlope:

@@ -12,6 +12,7 @@ from typing import Iterator
 import torch
 
 from common import settings
+from common.costs import ContextSlope
 from common.loop import Stats, generate
 from common.params import GenerationParams, SamplingParams
 from drafter.draft_session import DrafterConfig, DraftSession
@@ -30,7 +31,7 @@ class InProcessStack:
     backend: str = settings.default("verifier", "--backend")
     prior: object = None  # [vocab, k] copy-logit prior shared by all sessions (verifier/prior.py)
     costs: dict | None = None  # verifier cost curve (ms by tree size) for the adaptive budget
-    slope: object = None  # what the context adds to it (common.costs.ContextSlope), None: not measured
+    slope: ContextSlope | None = None  # what the context adds to it (None: not measured)
     # the prompt rows whose top-k the drafter gets, as a verifier service's default sends (None:
     # all); with the cost curve measured, at most as many as cost one one-token step, as the service's
     prompt_topk: int | None = PROMPT_TOPK

@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from common import settings, tracing
+from common.costs import ContextSlope
 from common.cpus import confine
 from common.identity import PeerAuthInterceptor, load_tokens, require_peer_auth
 from common.identity import metadata as identity_metadata
@@ -185,7 +186,7 @@ async def load_model(args):
     return model if device == "cpu" else model.to(device)
 
 
-async def _measure(model, args) -> tuple[dict[int, float] | None, object, int | None]:
+async def _measure(model, args) -> tuple[dict[int, float] | None, ContextSlope | None, int | None]:
     """Before serving: the llama backend's kernels (measured, or read from the cache) and, with
     ``--measure-cost``, the cost curve the adaptive budget reads; and the prompt rows an open sends
     the top-k of: ``--prompt-topk``'s last positions, with ``--measure-cost`` at most as many as cost

@@ -111,7 +111,7 @@ def _convert(gguf: Path, target: Path) -> None:
 
     t0 = time.monotonic()
     log.info("%s: converting once to %s: reading its tokenizer and config", gguf, target)
-    meta = metadata(gguf, ("general.architecture", "tokenizer.chat_template"))
+    meta = metadata(gguf, ("general.architecture", "tokenizer.chat_template", "tokenizer.ggml.model"))
     arch = meta.get("general.architecture")
     try:
         with _one_parse():
@@ -122,7 +122,7 @@ def _convert(gguf: Path, target: Path) -> None:
         raise ValueError(f"{gguf}: transformers cannot convert this GGUF file ({e})") from e
     # The chat template is the file's (``tokenizer.chat_template``), and none where it has none (a base model).
     tokenizer.chat_template = meta.get("tokenizer.chat_template")
-    tokenizer = _reloadable(tokenizer, gguf)
+    tokenizer = _reloadable(tokenizer, gguf.name, meta.get("tokenizer.ggml.model"))
     # The weights are de-quantized in memory; drop the GGUF marker so they save as plain fp32.
     model_obj.hf_quantizer = None
     model_obj.is_quantized = False
@@ -165,8 +165,9 @@ def _write_tokenizer(gguf: Path, target: Path) -> None:
             config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except (ValueError, NotImplementedError) as e:
         raise ValueError(f"{gguf}: transformers cannot read this GGUF file's tokenizer ({e})") from e
-    tokenizer.chat_template = metadata(gguf, ("tokenizer.chat_template",)).get("tokenizer.chat_template")
-    tokenizer = _reloadable(tokenizer, gguf)
+    meta = metadata(gguf, ("tokenizer.chat_template", "tokenizer.ggml.model"))
+    tokenizer.chat_template = meta.get("tokenizer.chat_template")
+    tokenizer = _reloadable(tokenizer, gguf.name, meta.get("tokenizer.ggml.model"))
     _publish(target, tokenizer, config, GenerationConfig.from_model_config(config))
     log.info("%s: tokenizer and config read in %.1f s; cached at %s", gguf.name, time.monotonic() - t0, target)
 
@@ -176,12 +177,13 @@ def _write_tokenizer(gguf: Path, target: Path) -> None:
 _PROBE = "Hello world, this is a test: 12345 tokens!\n  Ünïcödé — ok."
 
 
-def _reloadable(tokenizer, gguf: Path):
-    """``tokenizer`` as read from ``gguf``, or the same vocabulary and pipeline under the generic
-    class where the class transformers named for the file's architecture would not load it back
-    the same: a Gemma 3 file holding a byte-level BPE vocabulary became a GemmaTokenizer, which
-    loads from a directory with its own SentencePiece-style splitting (every space an unknown
-    token). The check is a save and a load of the tokenizer alone, and one probe text."""
+def _reloadable(tokenizer, name: str, kind: str | None):
+    """``tokenizer`` as read from the GGUF file ``name`` (its vocabulary's ``kind``), or the same
+    vocabulary and pipeline under the generic class where the class transformers named for the
+    file's architecture would not load it back the same: a Gemma 3 file holding a byte-level BPE
+    vocabulary became a GemmaTokenizer, which loads from a directory with its own
+    SentencePiece-style splitting (every space an unknown token). The check is a save and a load of
+    the tokenizer alone, and one probe text."""
     import tempfile
 
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -196,17 +198,11 @@ def _reloadable(tokenizer, gguf: Path):
     generic.chat_template = tokenizer.chat_template
     log.warning(
         "%s: its tokenizer as %s would not load back the same (its vocabulary is %s); kept under the generic class",
-        gguf.name,
+        name,
         type(tokenizer).__name__,
-        _tokenizer_kind(gguf),
+        kind or "unknown",
     )
     return generic
-
-
-def _tokenizer_kind(gguf: Path) -> str:
-    from .gguf_file import metadata
-
-    return str(metadata(gguf, ("tokenizer.ggml.model",)).get("tokenizer.ggml.model", "unknown"))
 
 
 def _publish(target: Path, *parts) -> None:

@@ -306,5 +306,5 @@ def _cost_curve(verifier: Verifier) -> cpb.CostCurve:
     cost, slope = verifier.cost, verifier.slope
     if slope is None or not cost:
         return cpb.CostCurve(sizes=list(cost), ms=list(cost.values()))
-    per_token = [slope.ms(n, slope.context + 1) for n in cost]  # the slope at each size
+    per_token = [slope.at(n) for n in cost]
     return cpb.CostCurve(sizes=list(cost), ms=list(cost.values()), context=slope.context, ms_per_token=per_token)
