@@ -28,6 +28,26 @@ def test_the_slope_is_measured_at_a_second_length_over_the_slope_sizes(tiny_llam
     assert all(v >= 0 for v in slope.per_token.values())
 
 
+def test_each_measured_verification_follows_a_one_token_step(tiny_llama, monkeypatch):
+    """A decoding loop's round follows the round before it, most often a small one; a size timed
+    right after a large tree pays for what that tree left in the caches."""
+    calls = []
+    real = VerifierSession.verify
+
+    def verify(self, tokens, parents):
+        calls.append((id(self), self.length, len(tokens)))
+        return real(self, tokens, parents)
+
+    monkeypatch.setattr(VerifierSession, "verify", verify)
+    sizes = (1, 4, 64)
+    measure_cost_slope(tiny_llama, sizes=sizes, contexts=(32, 160), reps=2)
+    # per repetition (the first one untimed too) and size, each session: a one-token step, then the size
+    assert len(calls) == 3 * (len(sizes) + len([n for n in sizes if n in SLOPE_SIZES])) * 2
+    for (s1, len1, n1), (s2, len2, n2) in zip(calls[::2], calls[1::2]):
+        assert n1 == 1 and s1 == s2 and len1 == len2  # the step over the same cache, cut back after it
+    assert [n for _, _, n in calls[1::2]][:4] == [1, 1, 4, 4]  # sizes interleaved, both lengths each
+
+
 def _positions(n: int):
     model = make_tiny_llama()
     model.config.max_position_embeddings = n
