@@ -127,12 +127,15 @@ struct work {
 /* x in every lane (x - 0 is x for every x: a plain broadcast). */
 static inline vf splat(float x) { return x - (vf){0}; }
 
-/* Scaled scores of R head rows (q[r], float32 [D]) against the block's keys: s[r][j]. Every score is
- * the same chain of FMAs over d in order whatever R is: a row's bits do not depend on its company. */
+/* Scaled scores of R head rows (q[r], float32 [D]) against the block's first nb keys (and the keys
+ * after them up to a whole pass of CK vectors): s[r][j]. Every score is the same chain of FMAs over d
+ * in order whatever R and nb are: a row's bits do not depend on its company. A partial block (a
+ * row's last, which holds a tree node's ancestors) takes only the passes that reach its keys. */
 static inline __attribute__((always_inline)) void block_scores(int R, float *s, const float *const *q,
-                                                                const struct block *blk, long D, float scale)
+                                                                const struct block *blk, long nb, long D, float scale)
 {
-    for (int c0 = 0; c0 < BLOCK / VL; c0 += CK) {
+    const int passes = (int)((nb + CK * VL - 1) / (CK * VL)) * CK;
+    for (int c0 = 0; c0 < passes; c0 += CK) {
         vf acc[RB][CK];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++)
@@ -194,23 +197,26 @@ static inline vf pick(vi take, vf a, vf b)
     return a;
 }
 
-/* Scaled scores s[BLOCK] of one head row over nb keys -> its softmax weights, in place (0 past nb);
- * returns the block's max score and (*sum) the weights' sum: the vectors added in key order, then
- * their lanes in lane order. */
+/* Scaled scores s[BLOCK] of one head row over nb keys -> its softmax weights, in place (0 past nb,
+ * within the vectors that hold its keys; the vectors after them are left as they are, and no one
+ * reads them); returns the block's max score and (*sum) the weights' sum: the vectors added in key
+ * order, then their lanes in lane order. A vector past nb would add exact zeros (vexp gives 0 below
+ * -87): leaving it out changes no bit. */
 static float block_weights(float *s, long nb, float *sum)
 {
     vi lane;
     for (int i = 0; i < VL; i++) lane[i] = i;
     const vf ninf = (vf){0} - INFINITY;
+    const int vecs = (int)((nb + VL - 1) / VL);
     vf x[BLOCK / VL], top = ninf;
-    for (int c = 0; c < BLOCK / VL; c++) {
+    for (int c = 0; c < vecs; c++) {
         x[c] = pick(lane + c * VL < (int)nb, *(const vf *)(s + c * VL), ninf);
         top = pick(x[c] > top, x[c], top);
     }
     float mb = top[0]; /* a max is exact in any order */
     for (int i = 1; i < VL; i++) mb = top[i] > mb ? top[i] : mb;
     vf l = (vf){0};
-    for (int c = 0; c < BLOCK / VL; c++) {
+    for (int c = 0; c < vecs; c++) {
         vf e = vexp(x[c] - mb);
         *(vf *)(s + c * VL) = e;
         l += e;
@@ -235,10 +241,11 @@ static inline __attribute__((always_inline)) void attend_rows(int R, struct work
                                                                long nb, long D, float scale)
 {
     float mb[RB], lb[RB];
-    block_scores(R, w->s, q, blk, D, scale);
+    block_scores(R, w->s, q, blk, nb, D, scale);
     if (w->softcap > 0) /* Gemma 2's soft cap, as its attention takes it: (s / cap), tanh, times cap */
-        for (int i = 0; i < R * BLOCK; i += VL)
-            *(vf *)(w->s + i) = vtanh(*(const vf *)(w->s + i) / w->softcap) * w->softcap;
+        for (int r = 0; r < R; r++)
+            for (long j = 0; j < nb; j += VL)
+                *(vf *)(w->s + r * BLOCK + j) = vtanh(*(const vf *)(w->s + r * BLOCK + j) / w->softcap) * w->softcap;
     for (int r = 0; r < R; r++) mb[r] = block_weights(w->s + r * BLOCK, nb, &lb[r]);
     block_values(R, w->o, w->s, blk, nb, D);
     for (int r = 0; r < R; r++) merge(st[r], w->o + r * MAXD, mb[r], lb[r], D);
