@@ -43,7 +43,7 @@ def test_each_measured_verification_follows_a_one_token_step(tiny_llama, monkeyp
     measure_cost_slope(tiny_llama, sizes=sizes, contexts=(32, 160), reps=2)
     # per repetition (the first one untimed too) and size, each session: a one-token step, then the size
     assert len(calls) == 3 * (len(sizes) + len([n for n in sizes if n in SLOPE_SIZES])) * 2
-    for (s1, len1, n1), (s2, len2, n2) in zip(calls[::2], calls[1::2]):
+    for (s1, len1, n1), (s2, len2, _) in zip(calls[::2], calls[1::2]):
         assert n1 == 1 and s1 == s2 and len1 == len2  # the step over the same cache, cut back after it
     assert [n for _, _, n in calls[1::2]][:4] == [1, 1, 4, 4]  # sizes interleaved, both lengths each
 
