@@ -198,16 +198,18 @@ def add_logits(trie: _Trie, table_get, root_breadth: int, rank_prob=RANK_PRIOR) 
     queue = [(0, trie.tokens[0], root_breadth)]
     head = 0
     last = len(rank_prob) - 1
-    while head < len(queue) and not trie.full():
+    add, value, tokens, budget = trie.add, trie.value, trie.tokens, trie.budget  # bound once: a round adds ~64
+    while head < len(queue) and len(tokens) < budget:
         node, tok, breadth = queue[head]
         head += 1
         nxt = table_get(tok)
         if not nxt:
             continue
         child_breadth = breadth
+        parent_value = value[node]  # adding a child changes only the child's value
         for rank, t in enumerate(nxt[:breadth]):
-            child_breadth = max(1, child_breadth // 2)
-            child = trie.add(node, t, trie.value[node] * rank_prob[min(rank, last)])
+            child_breadth = child_breadth // 2 or 1
+            child = add(node, t, parent_value * rank_prob[rank if rank < last else last])
             if child < 0:
                 return
             queue.append((child, t, child_breadth))

@@ -13,7 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from drafter.automaton import Automaton
-from drafter.tree import _Trie, add_logits, add_logits_best_first, add_retrieval, retrieval_borders
+from drafter.tree import RANK_PRIOR, _Trie, add_logits, add_logits_best_first, add_retrieval, retrieval_borders
 
 from .refs import (
     best_first_frontier,
@@ -221,6 +221,10 @@ def test_add_logits_matches_reference_bfs(root, table, breadth, budget):
     for i, ch in enumerate(kids):
         allowed = table.get(tree.tokens[i], ())
         assert [tree.tokens[c] for c in ch] == list(allowed[: len(ch)]), "children are not a prefix of the row"
+    for i in range(1, len(trie.tokens)):  # a node's value: its parent's times the rank prior of its rank
+        parent = trie.parents[i]
+        rank = table[trie.tokens[parent]].index(trie.tokens[i])
+        assert trie.value[i] == trie.value[parent] * RANK_PRIOR[min(rank, len(RANK_PRIOR) - 1)]
 
 
 @FAST
