@@ -42,6 +42,11 @@ class ContextSlope:
         ``rows`` rows."""
         return self.at(rows) * (length - self.context)
 
+    def priced(self, ms: float, rows: float, length: int) -> float:
+        """``ms``, a forward of ``rows`` rows at the curve's context, priced at ``length`` tokens; never
+        below a tenth of it (a short session's slope takes time off, never all of it)."""
+        return max(0.1 * ms, ms + self.ms(rows, length))
+
 
 def slope_from(short: dict[int, float], long: dict[int, float], context: int, long_context: int) -> ContextSlope:
     """The slope between two curves measured at ``context`` and ``long_context`` tokens (each

@@ -120,9 +120,9 @@ class BudgetChooser:
             costs = [self.cost[c] for c in self.sizes]
         one = max(floor, self.forward_ms(other_rows + 1) - base) if other_rows > 0 else self.forward_ms(1)
         if self.slope is not None and length is not None:
-            # each size's own rows over this context; never below a tenth of the curve's cost
-            costs = [max(0.1 * c, c + self.slope.ms(n, length)) for n, c in zip(self.sizes, costs)]
-            one = max(0.1 * one, one + self.slope.ms(1, length))
+            # each size's own rows over this context
+            costs = [self.slope.priced(c, n, length) for n, c in zip(self.sizes, costs)]
+            one = self.slope.priced(one, 1, length)
         rates = [(1 + a) / (c + self.overhead_ms) for a, c in zip(acc, costs)]
         best = max(range(len(rates)), key=rates.__getitem__)
         self.last_choice = self.sizes[best]
