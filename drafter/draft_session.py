@@ -12,7 +12,7 @@ from common import settings
 from common.costs import ContextSlope
 from common.params import MODES
 
-from .adaptive import BudgetChooser
+from .adaptive import BudgetChooser, round_kind
 from .automaton import Automaton
 from .copy_logits import CopyLogitTable
 from .corpus import Evidence
@@ -232,7 +232,7 @@ class DraftSession:
                 raise ValueError("budget=0 (adaptive) needs the verifier's cost curve (set_costs)")
             full = self._draft(root, self.chooser.largest, mode, 0)
             self.chooser.drafted(len(self.history), full)
-            return full.prefix(self.chooser.choose(batch_rows, len(self.history)))
+            return full.prefix(self.chooser.choose(batch_rows, len(self.history), round_kind(full)))
         if budget < 0:  # (0 reaches here only with mode "off", which drafts nothing)
             raise ValueError("budget must be >= 1 (or 0: adaptive)")
         cfg = self.config

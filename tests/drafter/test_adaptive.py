@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.costs import ContextSlope, slope_from
-from drafter.adaptive import BudgetChooser
+from drafter.adaptive import GUESSED, RETRIEVED, BudgetChooser, round_kind
 from drafter.draft_session import AUTO, DrafterConfig, DraftSession
 
 
@@ -233,3 +233,48 @@ def test_a_context_slope_interpolates_between_sizes_and_refuses_bad_values():
         ContextSlope(-1, {1: 0.1})
     with pytest.raises(ValueError):
         slope_from({1: 5.0}, {1: 6.0}, 256, 256)
+
+
+def test_each_kind_of_round_chooses_from_its_own_statistics():
+    """A round whose tree holds a retrieved continuation gets its trees accepted far more often than
+    one with the copy-logit guess alone; pooled, the guesses' rounds would drag the retrieved ones'
+    choice down (and lift their own). Where the retrieved rounds are frequent enough to pay for
+    asking, a guessed round verifies one node and the drafter is asked again the next round."""
+    costs = {1: 10.0, 2: 11.5, 4: 14.0, 8: 20.0}
+    c = BudgetChooser(costs, overhead_ms=0.5, prior_rounds=0.0, plain_overhead_ms=0.0)
+    for _ in range(8):
+        c.record([0, 0.8, 2.0, 3.0], RETRIEVED)  # 3 tokens for 14.5 ms, where a step gives 1 for 10
+        for _ in range(3):
+            c.record([0, 0.1, 0.15, 0.15], GUESSED)
+    assert c.choose(kind=RETRIEVED) == 4 and c.rest == 0
+    assert c.choose(kind=GUESSED) == 1 and c.rest == 0  # a quarter of the rounds save 15.5 ms each
+    # pooled, a 4-node tree: 1.6 tokens for 14.5 ms, against 1 for 10: every round gets it
+    assert c.choose() == 4
+    # where the retrieved rounds are rare, asking for them does not pay for the drafter's hop
+    rare = BudgetChooser(costs, overhead_ms=0.5, prior_rounds=0.0, plain_overhead_ms=0.0)
+    rare.record([0, 0.8, 2.0, 3.0], RETRIEVED)
+    for _ in range(31):
+        rare.record([0, 0.1, 0.15, 0.15], GUESSED)
+    assert rare.choose(kind=RETRIEVED) == 4
+    assert rare.choose(kind=GUESSED) == 1 and rare.rest == 1
+
+
+def test_a_trees_kind_is_whether_it_holds_a_retrieved_continuation():
+    s = DraftSession(DrafterConfig(window=8, max_nodes=1000, topk=2))
+    text = [1, 2, 3, 4, 5, 6]
+    s.extend(text * 3, [[t % 6 + 1, 9] for t in text * 3])
+    assert round_kind(s.draft(1, 8, "racer")) == RETRIEVED  # "..., 6, 1" went on with "2, 3, 4"
+    assert round_kind(s.draft(7, 8, "racer")) == GUESSED  # 7 never came: its row's guesses only
+
+
+def test_the_drafted_tree_stops_at_the_largest_size_that_could_pay():
+    costs = {1: 10.0, 2: 11.0, 4: 13.0, 8: 17.0, 16: 30.0, 32: 60.0, 64: 120.0}
+    c = BudgetChooser(costs, overhead_ms=0.0, prior_rounds=0.0)
+    assert c.largest == 64  # nothing known yet
+    c.record([0, 0, 1, 1, 1, 1, 1], GUESSED)  # at most one token accepted: 4 tokens pay up to 30 ms
+    assert c.largest == 16
+    c.record([0, 1, 2, 3, 5, 8, 8], RETRIEVED)  # a run of 8: 11 tokens pay up to 110 ms
+    assert c.largest == 32
+    flat = BudgetChooser({1: 10.0, 64: 11.0}, overhead_ms=0.0)
+    flat.record([0, 0], GUESSED)
+    assert flat.largest == 64  # on a flat curve every size could pay

@@ -673,9 +673,9 @@ def test_the_verifiers_context_slope_reaches_the_drafter_and_prices_each_round_a
     seen = []
     real = BudgetChooser.choose
 
-    def choose(self, other_rows=0, length=None):
+    def choose(self, other_rows=0, length=None, kind=None):
         seen.append((self.slope, length))
-        return real(self, other_rows, length)
+        return real(self, other_rows, length, kind)
 
     monkeypatch.setattr(BudgetChooser, "choose", choose)
     p = prompt(95)
