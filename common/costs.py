@@ -28,14 +28,22 @@ class ContextSlope:
     def at(self, rows: float) -> float:
         """Ms per token of context for a forward of ``rows`` rows: linear between the measured sizes,
         in proportion to the rows beyond them."""
+        memo = self.__dict__.setdefault("_at", {})  # the budget prices a dozen sizes every round
+        known = memo.get(rows)
+        if known is not None:
+            return known
         sizes = sorted(self.per_token)
         if rows <= sizes[0] or rows >= sizes[-1]:
             edge = sizes[0] if rows <= sizes[0] else sizes[-1]
-            return self.per_token[edge] * rows / edge
-        x1 = next(x for x in sizes if x >= rows)
-        x0 = sizes[sizes.index(x1) - 1]
-        y0, y1 = self.per_token[x0], self.per_token[x1]
-        return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
+            value = self.per_token[edge] * rows / edge
+        else:
+            x1 = next(x for x in sizes if x >= rows)
+            x0 = sizes[sizes.index(x1) - 1]
+            y0, y1 = self.per_token[x0], self.per_token[x1]
+            value = y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
+        if len(memo) < 4096:  # row counts: the sizes, and the sizes beside other sessions' rows
+            memo[rows] = value
+        return value
 
     def ms(self, rows: float, length: int) -> float:
         """What ``length`` tokens of context add to (or, below ``context``, take from) a forward of

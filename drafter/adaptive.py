@@ -96,9 +96,11 @@ class BudgetChooser:
         self.overhead_ms = overhead_ms
         self.window = window
         self.prior_rounds = prior_rounds
-        self.history: deque[list[int]] = deque(maxlen=window)  # per evaluated round: accepted per size
+        self.history: deque[list[float]] = deque(maxlen=window)  # per evaluated round: accepted per size
         self.by_kind = {k: deque(maxlen=window) for k in KINDS}  # the same, per kind of round
         self.kinds: deque[int] = deque(maxlen=window)  # the kinds of the last evaluated rounds
+        # each window's sums by size, kept as rounds come and go (``record``)
+        self._sums: dict[int | None, list[float]] = {k: [0.0] * len(self.sizes) for k in (None, *KINDS)}
         # Trees still waiting for the tokens that decide them: (position of the root, tree, children
         # index, inner nodes, kind).
         self.pending: deque[tuple[int, DraftTree, dict, set, int]] = deque(maxlen=8)
@@ -126,8 +128,7 @@ class BudgetChooser:
         """E[accepted draft tokens | C] per candidate size: over every round with a weak prior
         (log-shaped), or over rounds of ``kind`` with that as its prior."""
         n, w = len(self.history), self.prior_rounds
-        sums = [sum(col) for col in zip(*self.history)] if n else [0] * len(self.sizes)
-        pooled = [(t + w * 0.5 * math.log2(c)) / (n + w) for t, c in zip(sums, self.sizes)]
+        pooled = [(t + w * 0.5 * math.log2(c)) / (n + w) for t, c in zip(self._sums[None], self.sizes)]
         return pooled if kind is None else self._of_kind(kind, pooled)
 
     def _of_kind(self, kind: int, pooled: list[float]) -> list[float]:
@@ -135,7 +136,7 @@ class BudgetChooser:
         own, w = self.by_kind[kind], max(self.prior_rounds, 1.0)
         if not own:
             return pooled
-        return [(t + w * p) / (len(own) + w) for t, p in zip(map(sum, zip(*own)), pooled)]
+        return [(t + w * p) / (len(own) + w) for t, p in zip(self._sums[kind], pooled)]
 
     def forward_ms(self, rows: float) -> float:
         """The envelope at ``rows`` (linear between sizes, extended with the last slope)."""
@@ -223,8 +224,16 @@ class BudgetChooser:
             self.pending.popleft()
             self.record([sum(1 for r in ranks if r < c) for c in self.sizes], kind)
 
-    def record(self, accepted: list[int], kind: int) -> None:
+    def record(self, accepted: list[float], kind: int) -> None:
         """One evaluated round of ``kind``: the draft tokens each candidate size had accepted."""
-        self.history.append(accepted)
-        self.by_kind[kind].append(accepted)
+        if len(accepted) != len(self.sizes):
+            raise ValueError(f"accepted: {len(accepted)} values for {len(self.sizes)} sizes")
+        for window, key in ((self.history, None), (self.by_kind[kind], kind)):
+            sums = self._sums[key]
+            if len(window) == window.maxlen:
+                for j, a in enumerate(window[0]):
+                    sums[j] -= a
+            window.append(accepted)
+            for j, a in enumerate(accepted):
+                sums[j] += a
         self.kinds.append(kind)

@@ -1,6 +1,7 @@
 """The adaptive budget: prefixes of the big tree are the smaller trees, and the choice follows
 acceptance and cost."""
 
+import math
 import random
 
 import pytest
@@ -39,6 +40,12 @@ def test_the_tree_of_budget_c_is_the_prefix_of_the_big_tree(seed, vocab, mode):
             assert _paths(small) == _paths(s.draft(root, c, mode))
             assert len(small.tokens) <= c and small.parents[0] == -1
             assert all(p < i for i, p in enumerate(small.parents) if i)
+
+
+def _rounds(chooser: BudgetChooser, accepted: list[float], n: int) -> None:
+    """``n`` evaluated rounds that each had ``accepted`` tokens accepted by size."""
+    for _ in range(n):
+        chooser.record(accepted, GUESSED)
 
 
 def _session_with(costs):
@@ -109,7 +116,7 @@ def test_other_sessions_rows_make_speculation_cost_its_marginal_forward_time():
     costs = {1: 40.0, 2: 45.0, 4: 55.0, 8: 75.0, 16: 115.0, 32: 195.0, 64: 355.0}
     c = BudgetChooser(costs, overhead_ms=0.0, prior_rounds=0.0)
     for _ in range(8):  # half a token accepted per node up to 4 nodes, nothing deeper
-        c.history.append([0, 0.5, 1.5, 1.5, 1.5, 1.5, 1.5])
+        c.record([0, 0.5, 1.5, 1.5, 1.5, 1.5, 1.5], GUESSED)
     assert c.choose(0) == 4  # alone: 2.5 tokens for 55 ms beats 1 for 40
     assert c.choose(60) == 1  # 60 other rows: each extra row costs 5 ms, speculation does not pay
     assert c.forward_ms(100) == pytest.approx(355.0 + 5.0 * 36)
@@ -121,20 +128,20 @@ def test_a_priced_plain_round_lets_the_budget_rest_1_2_4_up_to_32_rounds_while_n
     costs = {1: 10.0, 2: 11.0, 4: 13.0, 8: 17.0}
     c = BudgetChooser(costs, overhead_ms=2.0, prior_rounds=0.0, plain_overhead_ms=0.5)
     for _ in range(8):  # a fifth of a token per tree, whatever its size
-        c.history.append([0, 0.2, 0.2, 0.2])
+        c.record([0, 0.2, 0.2, 0.2], GUESSED)
     # the best tree: 1.2 tokens for 13 ms (size 2), against 1 token for 10.5 ms without the drafter
     rests = []
     for _ in range(8):
         assert c.choose() == 1
         rests.append(c.rest)
     assert rests == [1, 2, 4, 8, 16, 32, 32, 32]
-    c.history.extend([[0, 0.9, 1.5, 2.0]] * 32)  # trees pay again: the next choice drafts
+    _rounds(c, [0, 0.9, 1.5, 2.0], 32)  # trees pay again: the next choice drafts
     assert c.choose() == 4 and c.rest == 0
-    c.history.extend([[0, 0.0, 0.0, 0.0]] * 32)
+    _rounds(c, [0, 0.0, 0.0, 0.0], 32)
     assert c.choose() == 1 and c.rest == 1  # a new rest starts short
     # without the price of a plain round, every round is drafted (a one-node tree at worst)
     unpriced = BudgetChooser(costs, overhead_ms=2.0, prior_rounds=0.0)
-    unpriced.history.extend([[0, 0.0, 0.0, 0.0]] * 8)
+    _rounds(unpriced, [0, 0.0, 0.0, 0.0], 8)
     assert unpriced.choose() == 1 and unpriced.rest == 0
     with pytest.raises(ValueError, match="plain_overhead_ms"):
         BudgetChooser(costs, plain_overhead_ms=float("inf"))
@@ -144,7 +151,7 @@ def test_a_rest_counts_the_marginal_cost_of_a_row_among_other_sessions():
     # alone a tree pays; among 60 other rows every extra row costs 5 ms, and the budget rests
     costs = {1: 40.0, 2: 45.0, 4: 55.0, 8: 75.0, 16: 115.0, 32: 195.0, 64: 355.0}
     c = BudgetChooser(costs, overhead_ms=1.0, prior_rounds=0.0, plain_overhead_ms=0.5)
-    c.history.extend([[0, 0.5, 1.5, 1.5, 1.5, 1.5, 1.5]] * 8)
+    _rounds(c, [0, 0.5, 1.5, 1.5, 1.5, 1.5, 1.5], 8)
     assert c.choose(0) == 4 and c.rest == 0
     assert c.choose(60) == 1 and c.rest == 1
 
@@ -207,14 +214,14 @@ def test_a_long_session_prices_its_trees_at_its_own_length():
     costs = {1: 5.0, 2: 5.5, 4: 6.0, 8: 8.0}
     slope = ContextSlope(256, {1: 0.002, 2: 0.004, 4: 0.008, 8: 0.016})
     c = BudgetChooser(costs, overhead_ms=0.5, prior_rounds=0.0, plain_overhead_ms=0.0, slope=slope)
-    c.history.extend([[0, 0.3, 0.45, 0.5]] * 8)  # what a chat turn's trees get accepted
+    _rounds(c, [0, 0.3, 0.45, 0.5], 8)  # what a chat turn's trees get accepted
     assert c.choose(0, 256) == 4  # 1.45 tokens for 6.5 ms beats 1 for 5 ms
     assert c.choose(0, 100) == 4 and c.rest == 0  # shorter: cheaper still
     # 2,000 tokens later the 4-node tree costs 22 ms against a step's 9: no tree pays, the budget rests
     assert c.choose(0, 2256) == 1 and c.rest == 1
     assert c.choose(0) == 4  # a length not given: the curve as measured
     flat = BudgetChooser(costs, overhead_ms=0.5, prior_rounds=0.0, plain_overhead_ms=0.0)
-    flat.history.extend([[0, 0.3, 0.45, 0.5]] * 8)
+    _rounds(flat, [0, 0.3, 0.45, 0.5], 8)
     assert flat.choose(0, 2256) == 4  # without the slope the length changes nothing
 
 
@@ -278,3 +285,22 @@ def test_the_drafted_tree_stops_at_the_largest_size_that_could_pay():
     flat = BudgetChooser({1: 10.0, 64: 11.0}, overhead_ms=0.0)
     flat.record([0, 0], GUESSED)
     assert flat.largest == 64  # on a flat curve every size could pay
+
+
+def test_the_windows_sums_follow_the_rounds_that_leave_them():
+    rng = random.Random(5)
+    c = BudgetChooser({1: 1.0, 2: 1.5, 4: 2.0}, window=8, prior_rounds=1.0)
+    rounds = []
+    for _ in range(100):
+        row, kind = [0, rng.randrange(2), rng.randrange(4)], rng.choice((GUESSED, RETRIEVED))
+        c.record(row, kind)
+        rounds.append((row, kind))
+    last = [r for r, _ in rounds[-8:]]
+    pooled = [(sum(r[j] for r in last) + 0.5 * math.log2(n)) / 9 for j, n in enumerate((1, 2, 4))]
+    assert c.expected_accepted() == pytest.approx(pooled)
+    for kind in (GUESSED, RETRIEVED):
+        own = [r for r, k in rounds if k == kind][-8:]
+        want = [(sum(r[j] for r in own) + p) / (len(own) + 1) for j, p in enumerate(pooled)]
+        assert c.expected_accepted(kind) == pytest.approx(want)
+    with pytest.raises(ValueError, match="accepted"):
+        c.record([0, 1], GUESSED)
