@@ -70,8 +70,16 @@ def placement(split: tuple[list[int], list[int]], service: str) -> dict[str, str
     work between a round's forwards. Measured on two cores (``racer bench-llama-cpp``): 20% more
     tok/s than a verifier confined to its own core, which prefilled long prompts on one thread. A
     lone stream's rounds take every CPU too (``verifier.native.lone_stream``): its drafter and
-    gateway wait for each forward."""
+    gateway wait for each forward.
+
+    A verifier with one CPU of its own (two or three CPUs in all) runs its rounds on every CPU as
+    well: a batch of several sessions' trees on one thread is a compute-bound forward on half the
+    machine, while the gateway and the drafter keep a core busy about a quarter of the time (both
+    sampled while 8 sessions streamed). On two cores (``racer bench-batch --sessions 4,8
+    --max-new-tokens 64 --budget auto``, alternated, two runs each): 4 sessions batched made 204-220
+    tok/s with their rounds on one thread against 255-262 on both, 8 sessions 229-230 against 285-290."""
     mine, others = split
     if service != "verifier":
         return {"RACER_CPUS": format_list(others)}
-    return {"RACER_CPUS": format_list(mine + others), "RACER_ROUND_THREADS": str(len(mine))}
+    rounds = str(len(mine)) if len(mine) > 1 else "0"  # 0: every thread (``verifier.native.round_threads``)
+    return {"RACER_CPUS": format_list(mine + others), "RACER_ROUND_THREADS": rounds}

@@ -135,6 +135,19 @@ def how_clients_authenticate(environ: Mapping[str, str] | None = None) -> str:
     )
 
 
+def _placed(split, envs) -> str:
+    """Where ``common.cpus.placement`` put the services, in words."""
+    from common import cpus
+
+    everywhere, others = envs["verifier"]["RACER_CPUS"], envs["gateway"]["RACER_CPUS"]
+    if envs["verifier"].get("RACER_ROUND_THREADS") == "0":
+        return f"verifier on CPUs {everywhere}, the others on {others}"
+    return (
+        f"verifier rounds on CPUs {cpus.format_list(split[0])}, prefills and a lone stream's rounds on"
+        f" {everywhere}, the others on {others}"
+    )
+
+
 def _environments(
     model: str,
     port_base: int,
@@ -307,9 +320,7 @@ def running(
                 + (f", OpenAI API http://127.0.0.1:{http}/v1" if http else "")
                 + ", metrics on "
                 + ", ".join(f"{s} :{found[s]['metrics']}" for s in ports)
-                + (f"; verifier rounds on CPUs {cpus.format_list(split[0])}" if split else "")
-                + (f", prefills and a lone stream's rounds on {envs['verifier']['RACER_CPUS']}" if split else "")
-                + (f", the others on {envs['gateway']['RACER_CPUS']}" if split else "")
+                + (f"; {_placed(split, envs)}" if split else "")
                 + f"\n{how_clients_authenticate(envs['gateway'])}",
                 file=sys.stderr,
             )

@@ -34,6 +34,10 @@ def test_the_verifiers_rounds_keep_its_cpus_count_and_its_prefills_take_every_cp
     split = cpus.split_for_verifier([0, 1, 2, 3, 4])
     assert cpus.placement(split, "verifier") == {"RACER_CPUS": "0,1,2,3,4", "RACER_ROUND_THREADS": "2"}
     assert cpus.placement(split, "drafter") == cpus.placement(split, "gateway") == {"RACER_CPUS": "0,1,2"}
+    # one CPU of its own: a batch of trees on one thread would be a forward on half the machine
+    two = cpus.split_for_verifier([0, 1])
+    assert cpus.placement(two, "verifier") == {"RACER_CPUS": "0,1", "RACER_ROUND_THREADS": "0"}
+    assert cpus.placement(two, "gateway") == {"RACER_CPUS": "0"}
 
 
 def _threads_cpus(pid: int) -> dict[str, str]:
