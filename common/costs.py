@@ -56,6 +56,20 @@ class ContextSlope:
         return max(0.1 * ms, ms + self.ms(rows, length))
 
 
+FOLLOW = 0.05  # a forward's weight in the curve's running average (``follow``)
+
+
+def follow(curve: dict[int, float], slope: ContextSlope | None, rows: int, length: int, ms: float) -> None:
+    """Moves ``curve[rows]`` toward a forward of ``rows`` rows that took ``ms`` over ``length`` tokens
+    of context: an exponential average that follows the machine's drift (its load, its speed), with
+    the context's part taken out where the slope is known (else the average follows the lengths
+    too); never below a tenth of what it was. A size the curve does not hold is left alone."""
+    if rows not in curve:
+        return
+    at_curve = ms - (slope.ms(rows, length) if slope is not None else 0.0)
+    curve[rows] = max(0.1 * curve[rows], curve[rows] + FOLLOW * (at_curve - curve[rows]))
+
+
 def slope_from(short: dict[int, float], long: dict[int, float], context: int, long_context: int) -> ContextSlope:
     """The slope between two curves measured at ``context`` and ``long_context`` tokens (each
     size's difference per token, none below 0: a size measured faster at the longer context only

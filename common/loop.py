@@ -44,6 +44,7 @@ class Stats:
     verify_s: float = 0.0
     total_s: float = 0.0
     draft_step_s: list[float] = field(default_factory=list)  # per round, for latency percentiles
+    forwards: list[tuple[int, int, float]] = field(default_factory=list)  # per round: (nodes, cache tokens, ms)
 
     def count_round(self, tree_nodes: int, accepted_nodes: int) -> None:
         """One verification of ``tree_nodes`` nodes whose accepted path had ``accepted_nodes`` (root included)."""
@@ -136,9 +137,10 @@ def generate(
             return
         if rest:
             rest -= 1
-            t = time.perf_counter()
+            t, length = time.perf_counter(), verifier.length
             res = verifier.verify([rounds.root], [-1])
             stats.verify_s += time.perf_counter() - t
+            stats.forwards.append((1, length, (time.perf_counter() - t) * 1e3))
             out, fed, done = rounds.settle([rounds.root], res.accepted, res.bonus)
             plain.extend(fed)
             plain_topk.extend(res.topk[: len(fed)])
@@ -152,9 +154,10 @@ def generate(
         t_draft = time.perf_counter() - t
         if not rounds.check_tree(tree.tokens):
             raise ValueError(f"drafter returned a tree rooted at {tree.tokens[:1]}, expected root {rounds.root}")
-        t = time.perf_counter()
+        t, length = time.perf_counter(), verifier.length
         res = verifier.verify(list(tree.tokens), list(tree.parents))
         stats.verify_s += time.perf_counter() - t
+        stats.forwards.append((len(tree.tokens), length, (time.perf_counter() - t) * 1e3))
         out, fed, done = rounds.settle(tree.tokens, res.accepted, res.bonus)
         if len(fed) < len(res.accepted):  # the verifier cached the whole accepted path
             verifier.truncate(verifier.length - (len(res.accepted) - len(fed)))

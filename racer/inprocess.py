@@ -12,7 +12,7 @@ from typing import Iterator
 import torch
 
 from common import settings
-from common.costs import ContextSlope
+from common.costs import ContextSlope, follow
 from common.loop import Stats, generate
 from common.params import GenerationParams, SamplingParams
 from drafter.draft_session import DrafterConfig, DraftSession
@@ -130,6 +130,9 @@ class InProcessStack:
         yield from generate(drafter, verifier, prompt_ids, params, stats, prompt_topk=self.prompt_topk)
         if stats.draft_step_s:
             self.overhead_ms = statistics.median(stats.draft_step_s) * 1e3
+        if self.costs is not None:  # the next streams' curve follows what forwards take, as a verifier's does
+            for n, length, ms in stats.forwards:
+                follow(self.costs, self.slope, n, length, ms)
 
     def default_params(self, **kw) -> GenerationParams:
         kw.setdefault("stop_token_ids", self.loaded.eos_token_ids)

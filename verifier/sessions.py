@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common import settings
-from common.costs import ContextSlope
+from common.costs import ContextSlope, follow
 from common.errors import Abort, Status
 from common.params import SamplingParams
 from common.prefix import child_key
@@ -986,10 +986,8 @@ class Verifier(Holder):
             raise Abort(Status.INVALID_ARGUMENT, f"tree: {res}")
         n, length = len(tokens), len(entry.tokens)
         entry.tokens.extend(tokens[i] for i in res.accepted)
-        if n in self.cost and others == 0:  # an exponential average follows drift (load; the context's
-            # part taken out where the slope is known, else the average follows the lengths too)
-            at_curve = forward_ms - (self.slope.ms(n, length) if self.slope is not None else 0.0)
-            self.cost[n] = max(0.1 * self.cost[n], self.cost[n] + 0.05 * (at_curve - self.cost[n]))
+        if others == 0:  # a batch's forward is not one tree's
+            follow(self.cost, self.slope, n, length, forward_ms)
         entry.touch()
         elapsed = (time.perf_counter() - t0) * 1e3
         M.VERIFY_SECONDS.observe(elapsed / 1e3)
