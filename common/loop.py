@@ -46,6 +46,11 @@ class Stats:
     draft_step_s: list[float] = field(default_factory=list)  # per round, for latency percentiles
     forwards: list[tuple[int, int, float]] = field(default_factory=list)  # per round: (nodes, cache tokens, ms)
 
+    def forward(self, nodes: int, length: int, seconds: float) -> None:
+        """One verification of ``nodes`` nodes over ``length`` cached tokens took ``seconds``."""
+        self.verify_s += seconds
+        self.forwards.append((nodes, length, seconds * 1e3))
+
     def count_round(self, tree_nodes: int, accepted_nodes: int) -> None:
         """One verification of ``tree_nodes`` nodes whose accepted path had ``accepted_nodes`` (root included)."""
         self.rounds += 1
@@ -139,8 +144,7 @@ def generate(
             rest -= 1
             t, length = time.perf_counter(), verifier.length
             res = verifier.verify([rounds.root], [-1])
-            stats.verify_s += time.perf_counter() - t
-            stats.forwards.append((1, length, (time.perf_counter() - t) * 1e3))
+            stats.forward(1, length, time.perf_counter() - t)
             out, fed, done = rounds.settle([rounds.root], res.accepted, res.bonus)
             plain.extend(fed)
             plain_topk.extend(res.topk[: len(fed)])
@@ -156,8 +160,7 @@ def generate(
             raise ValueError(f"drafter returned a tree rooted at {tree.tokens[:1]}, expected root {rounds.root}")
         t, length = time.perf_counter(), verifier.length
         res = verifier.verify(list(tree.tokens), list(tree.parents))
-        stats.verify_s += time.perf_counter() - t
-        stats.forwards.append((len(tree.tokens), length, (time.perf_counter() - t) * 1e3))
+        stats.forward(len(tree.tokens), length, time.perf_counter() - t)
         out, fed, done = rounds.settle(tree.tokens, res.accepted, res.bonus)
         if len(fed) < len(res.accepted):  # the verifier cached the whole accepted path
             verifier.truncate(verifier.length - (len(res.accepted) - len(fed)))
