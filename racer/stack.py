@@ -157,10 +157,12 @@ def _environments(
     dtype: str | None,
     http_port: int,
     ports_dir: str | None = None,
+    any_ports: bool = False,
 ) -> tuple[dict[str, str], dict[str, tuple[int, int]], dict[str, dict[str, str]]]:
     """(the environment all three share, each service's ports, each service's environment).
-    ``ports_dir``: every listener on a port the OS picks, written to ``ports_dir/SERVICE.json``
-    (the gateway's drafter and verifier are set once they listen: ``start_healthy``)."""
+    ``ports_dir``: each service writes where it listens to ``ports_dir/SERVICE.json`` once it does.
+    ``any_ports``: every listener on a port the OS picks (the gateway's drafter and verifier are set
+    once they listen: ``start_healthy``)."""
     base = dict(os.environ, RACER_MODEL=model, RACER_HOST="127.0.0.1", RACER_LOG_LEVEL=log_level, **(env or {}))
     if dtype:
         base["RACER_DTYPE"] = dtype
@@ -171,16 +173,19 @@ def _environments(
     if not base.get("RACER_INTERNAL_TOKEN") and not base.get("RACER_INTERNAL_TOKEN_FILE"):
         base["RACER_INTERNAL_TOKEN"] = _TOKEN
     ports = _ports(port_base, metrics_base)
-    if ports_dir:
+    if any_ports:
         anywhere = dict(RACER_PORT="0", RACER_METRICS_PORT="-1")
-        envs = {s: dict(base, **anywhere, RACER_PORTS_FILE=os.path.join(ports_dir, f"{s}.json")) for s in ports}
+        envs = {s: dict(base, **anywhere) for s in ports}
     else:
         envs = {s: dict(base, RACER_PORT=str(p), RACER_METRICS_PORT=str(m)) for s, (p, m) in ports.items()}
         envs["gateway"].update(
             RACER_DRAFTERS=f"127.0.0.1:{ports['drafter'][0]}", RACER_VERIFIERS=f"127.0.0.1:{ports['verifier'][0]}"
         )
+    if ports_dir:
+        for service, e in envs.items():
+            e["RACER_PORTS_FILE"] = os.path.join(ports_dir, f"{service}.json")
     if http_port:
-        envs["gateway"]["RACER_HTTP_PORT"] = "-1" if ports_dir else str(http_port)
+        envs["gateway"]["RACER_HTTP_PORT"] = "-1" if any_ports else str(http_port)
     for service, e in envs.items():  # a malformed RACER_* variable stops the stack here, in one line
         settings.parse(service, environ=e)
     client_key(envs["gateway"])
@@ -195,19 +200,26 @@ def start_healthy(
     cost curve (the adaptive budget's input) at start-up: on a machine this small, the others'
     start-up would skew it, so they start once it is up. ``targets``: fixed gRPC targets; without
     them each service's ``RACER_PORTS_FILE`` says where it listens, and the gateway is given the
-    drafter's and verifier's addresses from theirs."""
+    drafter's and verifier's addresses from theirs.
+
+    A service with a ``RACER_PORTS_FILE`` is asked for its health only once it has written the
+    file, which it does once its own listeners are up: at a fixed target that another process
+    serves (another stack's service, which answers SERVING), a service that could not bind exits
+    without the file, and the stack stops with its reason instead of going on with the other's."""
     from common.health import wait_serving
 
     from .procs import wait_for
 
     def listening(s: str) -> dict:
-        if targets is not None:
-            metrics = int(envs[s]["RACER_METRICS_PORT"])
-            return {"grpc": targets[s], "metrics": metrics, "http": int(envs[s].get("RACER_HTTP_PORT", 0))}
-        path = envs[s]["RACER_PORTS_FILE"]
-        wait_for(lambda: os.path.exists(path), 300, f"{s} listening", alive=lambda: procs[s].poll() is None)
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        path = envs[s].get("RACER_PORTS_FILE")
+        if path:
+            wait_for(lambda: os.path.exists(path), 300, f"{s} listening", alive=lambda: procs[s].poll() is None)
+            with open(path, encoding="utf-8") as f:
+                where = json.load(f)
+            if targets is None:
+                return where
+        metrics = int(envs[s]["RACER_METRICS_PORT"])
+        return {"grpc": targets[s], "metrics": metrics, "http": int(envs[s].get("RACER_HTTP_PORT", 0))}
 
     def serving(s: str) -> dict:
         """What ``s`` listens on once it serves; ``ServiceFailed`` (one line: why) if it exits first."""
@@ -295,8 +307,10 @@ def running(
     from verifier.model import resolve_model_dir
 
     with contextlib.ExitStack() as cleanup:
-        ports_dir = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="racer-stack-")) if any_ports else None
-        base, ports, envs = _environments(model, port_base, metrics_base, log_level, env, dtype, http_port, ports_dir)
+        ports_dir = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="racer-stack-"))
+        base, ports, envs = _environments(
+            model, port_base, metrics_base, log_level, env, dtype, http_port, ports_dir, any_ports
+        )
         resolve_model_dir(model)  # convert the default model once, before two services want it
         before = cpus.available()
         mine = _outer[0] if _outer else before  # a stack started inside another splits the same CPUs

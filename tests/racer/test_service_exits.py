@@ -143,3 +143,64 @@ def test_a_stack_whose_verifier_cannot_start_says_which_and_why_in_one_line(slid
         f"racer: verifier exited before it served: {HF_REFUSES}"
     ]
     assert proc.stdout == ""
+
+
+# -- a fixed port another process serves --------------------------------------------------------------
+
+# A service as ``racer stack`` starts it, imitated: it writes its ports file once it "listens", or,
+# when it cannot bind, exits with the one line a real one ends with (nothing listens here: the
+# addresses are served by a foreign server, as another stack's services would be).
+_FAKE_SERVICE = """
+import json, os, sys, time
+from racer.exits import fatal_line
+service, target = sys.argv[1], sys.argv[2]
+if service == "gateway":
+    print(fatal_line(service, f"RuntimeError: {service}: cannot bind {target}"), file=sys.stderr, flush=True)
+    sys.exit(1)
+with open(os.environ["RACER_PORTS_FILE"], "w") as f:
+    json.dump({"grpc": target, "metrics": 0, "http": 0}, f)
+time.sleep(600)
+"""
+
+
+def test_a_stack_whose_fixed_port_another_server_serves_stops_instead_of_using_that_server(tmp_path, monkeypatch):
+    """Another stack's gateway answers SERVING at this stack's fixed gateway address; this stack's
+    gateway cannot bind it and exits. The stack must say so, not report itself up (its clients would
+    then talk to the other stack)."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from common.settings import HEALTH_SERVICES
+    from racer import stack
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    for name in HEALTH_SERVICES.values():
+        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    target = f"127.0.0.1:{port}"
+    targets = {s: target for s in ("verifier", "drafter", "gateway")}
+    envs = {
+        s: _env(RACER_PORTS_FILE=str(tmp_path / f"{s}.json"), RACER_METRICS_PORT="0", PYTHONPATH=os.getcwd())
+        for s in targets
+    }
+
+    def spawn(service, env):
+        proc = subprocess.Popen([sys.executable, "-c", _FAKE_SERVICE, service, target], env=env, stderr=subprocess.PIPE)
+        proc.output = stack._Output(proc.stderr)
+        return proc
+
+    monkeypatch.setattr(stack, "_spawn", spawn)
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        with pytest.raises(ServiceFailed) as e:
+            stack.start_healthy(procs, envs, targets)
+        assert e.value.service == "gateway"
+        assert f"cannot bind {target}" in str(e.value)
+    finally:
+        stack.stop(procs.items())
+        server.stop(None)

@@ -3,6 +3,8 @@ token (or the one the environment names), and this process can still call the ba
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from common import identity
@@ -24,6 +26,9 @@ def spawned(monkeypatch):
 
     def spawn(service, env):
         envs[service] = env
+        if env.get("RACER_PORTS_FILE"):  # where it listens, as a service writes it once it does
+            with open(env["RACER_PORTS_FILE"], "w", encoding="utf-8") as f:
+                json.dump({"grpc": "127.0.0.1:1", "metrics": 0, "http": 0}, f)
         return _Done()
 
     monkeypatch.setattr(stack, "_spawn", spawn)
