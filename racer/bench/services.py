@@ -290,10 +290,12 @@ def _batch_table(rows: list[BatchRow], args) -> str:
         f"mode={args.mode} budget={'auto' if args.budget == 0 else args.budget} max_new_tokens={args.max_new_tokens}",
         table(head, cells),
     ]
-    one = {r.name: r.tps for r in rows if r.n == 1}
+    one = {r.name: r.tps for r in rows if r.n == 1 and not r.errors}
     for r in rows:
-        if r.n > 1 and r.name == "batched" and "batched" in one:
+        if r.n > 1 and r.name == "batched" and one.get("batched"):
             lines.append(f"{r.n} sessions batched: {r.tps / one['batched']:.2f}x one session's tok/s")
+    if any(r.errors for r in rows):
+        lines.append("some sessions failed (the errors column): their rows are not comparable")
     return "\n".join(lines)
 
 
