@@ -29,6 +29,13 @@ best is the least disturbed):
 
     PYTHONPATH=. python scripts/bench_kernels.py --blocks Q5_0/packed,Q4_1/packed,Q5_0/rows \
         --weights 576x1536,1536x576 --sizes 1,4,16 --threads 1,2 --reps 15
+
+``--sessions`` times what batching pays instead: N sessions' one-node steps in one forward
+(``verify_batch``, each session over its own ``--context``-token cache) beside one session's chain
+tree of N nodes, interleaved the same way. The weights are read once either way; what differs is
+that each session's rows attend over a cache of their own, which the chain's rows share:
+
+    PYTHONPATH=. python scripts/bench_kernels.py --dtype gguf --plans auto --sessions 1,2,4,8 --reps 15
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from verifier.engine import VerifierSession  # noqa: E402
+from verifier.engine import VerifierSession, verify_batch  # noqa: E402
 from verifier.kernels import Timing  # noqa: E402
 from verifier.model import DEFAULT_MODEL, load  # noqa: E402
 from verifier.tuning import kernel_plan  # noqa: E402
@@ -206,6 +213,58 @@ def time_sizes(sessions: dict, sizes: list[int], args, stream: Stream | None) ->
     return times
 
 
+def time_sessions(sessions: dict, counts: list[int], args) -> dict:
+    """(plan, n, "batch" | "chain") -> ms of each counted forward: n sessions' one-node steps
+    verified together, and one session's chain of n nodes; each after an untimed one-token step
+    of every session it times, as in ``time_sizes``."""
+    rng = random.Random(0)
+    vocab = next(iter(sessions.values())).vocab_size
+    pools = {}
+    for spec, first in sessions.items():  # the first session and the others, each over its own cache
+        pools[spec] = [first]
+        for i in range(1, max(counts)):
+            other = VerifierSession(first.model)
+            other.prefill([random.Random(100 + i).randrange(vocab) for _ in range(args.context)])
+            pools[spec].append(other)
+    times = {(spec, n, kind): [] for spec in sessions for n in counts for kind in ("batch", "chain")}
+    for rep in range(args.reps + 1):  # the first pass warms up and is not counted
+        for n in counts:
+            for spec, pool in pools.items():
+                for kind in ("batch", "chain"):
+                    group = pool[:n] if kind == "batch" else pool[:1]
+                    verify_batch([(s, [rng.randrange(vocab)], [-1]) for s in group])
+                    for s in group:
+                        s.truncate(args.context)
+                    if kind == "batch":
+                        items = [(s, [rng.randrange(vocab)], [-1]) for s in group]
+                    else:
+                        items = [(pool[0], [rng.randrange(vocab) for _ in range(n)], [-1, *range(n - 1)])]
+                    t0 = time.perf_counter()
+                    verify_batch(items)
+                    if rep:
+                        times[(spec, n, kind)].append((time.perf_counter() - t0) * 1e3)
+                    for s in group:
+                        s.truncate(args.context)
+    return times
+
+
+def session_table(sessions: dict, args) -> None:
+    counts = [int(s) for s in args.sessions.split(",")]
+    times = time_sessions(sessions, counts, args)
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    print(
+        f"\n{cpu}, {args.threads} thread(s), {args.dtype}, each session over {args.context} tokens, "
+        f"medians of {args.reps} (ms a forward)"
+    )
+    print("| plan | n | n sessions, one node each | one session, a chain of n nodes | sessions / chain |")
+    print("|---|---|---|---|---|")
+    for spec in sessions:
+        for n in counts:
+            batch = statistics.median(times[(spec, n, "batch")])
+            chain = statistics.median(times[(spec, n, "chain")])
+            print(f"| {spec} | {n} | {batch:.1f} | {chain:.1f} | {batch / chain:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
@@ -219,6 +278,7 @@ def main() -> None:
     ap.add_argument("--blocks", default="", help="FORMAT/packed or FORMAT/rows, comma-separated: the kernel alone")
     ap.add_argument("--weights", default="576x1536,1536x576", help="--blocks: weight shapes, out x in")
     ap.add_argument("--calls", type=int, default=20, help="--blocks: calls per timed batch")
+    ap.add_argument("--sessions", default="", help="counts of sessions batched, beside chains as long (1,2,4,8)")
     ap.add_argument(
         "--stream-mib",
         type=int,
@@ -235,6 +295,9 @@ def main() -> None:
     dtypes = args.dtype.split(",")
     plans = [f"{d} {p}" if len(dtypes) > 1 else p for d in dtypes for p in args.plans.split(",")]
     sessions = {label: plan_session(args, label, dtypes) for label in plans}
+    if args.sessions:
+        session_table(sessions, args)
+        return
     stream = Stream(args.threads, args.stream_mib) if args.stream_mib and block_bytes(sessions) else None
     times = time_sizes(sessions, sizes, args, stream)
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
