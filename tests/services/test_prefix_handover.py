@@ -1,7 +1,7 @@
 """KV rows moved with a session off a draining verifier (a hand-over), and a joining verifier warmed.
 
 Verifiers in this process on their own addresses, real gRPC between them and from a gateway whose
-sessions live in Redis (``verifier/sessions.py``: ``serve_prefix``, ``warm``, ``handed_over``).
+sessions live in Redis (``verifier/prefix_transfer.py``: ``serve_prefix``, ``warm``, ``handed_over``).
 
 * A session with a few turns on verifier A; A drains (SIGTERM's drain, held open by another
   gateway's stream, so it is still up): the session's next turn goes to B, which fetches A's rows
