@@ -58,6 +58,18 @@ class _Sent:
         return WireBlock(index, key, scope, data, self.prev, tuple(tokens), parent)
 
 
+def _chained(item: WireBlock, i: int, total: int, prev: bytes, max_bytes: int) -> tuple[int, bytes]:
+    """Block ``i`` received: its bytes counted against ``max_bytes`` and its digest checked against
+    the chain so far (``prev``); the new total and chain, or ``Refused``."""
+    total += len(item.rows)
+    if total > max_bytes:
+        raise Refused("budget", f"more than {max_bytes} bytes")
+    prev = link(prev, item.key, item.rows)
+    if item.digest != prev:
+        raise Refused("hash", f"block {i}'s digest does not chain")
+    return total, prev
+
+
 class PrefixTransfer:
     """The ``Verifier``'s prefix-block transfers (this module's docstring)."""
 
@@ -212,12 +224,7 @@ class PrefixTransfer:
                 raise Refused("scope", f"block {i} is of another scope")
             if item.key != keys[i]:
                 raise Refused("hash", f"block {i}'s key is not its tokens' in this scope")
-            total += len(item.rows)
-            if total > ask.max_bytes:
-                raise Refused("budget", f"more than {ask.max_bytes} bytes")
-            prev = link(prev, item.key, item.rows)
-            if item.digest != prev:
-                raise Refused("hash", f"block {i}'s digest does not chain")
+            total, prev = _chained(item, i, total, prev, ask.max_bytes)
             out.append(unpack_rows(item.rows, self.row_layout))
         if header is None or len(out) < header.blocks:
             raise Refused("source", "the transfer ended early")
@@ -428,12 +435,7 @@ class PrefixTransfer:
                     raise Refused("scope", f"block {i}'s parent is of another scope, or not sent before it")
             if child_key(cache.scope_key(item.scope), parent, item.tokens) != item.key:
                 raise Refused("hash", f"block {i}'s key is not its tokens' in its scope")
-            total += len(item.rows)
-            if total > ask.max_bytes:
-                raise Refused("budget", f"more than {ask.max_bytes} bytes")
-            prev = link(prev, item.key, item.rows)
-            if item.digest != prev:
-                raise Refused("hash", f"block {i}'s digest does not chain")
+            total, prev = _chained(item, i, total, prev, ask.max_bytes)
             out.append((item.key, parent, tuple(item.tokens), item.scope, unpack_rows(item.rows, self.row_layout)))
             scopes[item.key] = item.scope
         if header is None or len(out) < header.blocks:
