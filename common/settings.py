@@ -134,7 +134,8 @@ COMMON = [
         "RACER_PORTS_FILE",
         "",
         "once serving, write what this process listens on (grpc address, port, health, metrics, http) as JSON to "
-        "this file: how a supervisor learns the ports of listeners set to -1",
+        "this file: how a supervisor learns the ports of listeners set to -1, and that this process (not another "
+        "one on the same port) is the one listening",
     ),
     Setting("--log-level", "RACER_LOG_LEVEL", "INFO", "logging level"),
     Setting("--drain-seconds", "RACER_DRAIN_SECONDS", 20.0, "on SIGTERM, time in-flight streams get to finish", float),
