@@ -116,8 +116,8 @@ def format_stats(last: pb.GenerateResponse) -> str:
     s, u = last.stats, last.usage
     return (
         f"[{last.finish_reason}] tokens={u.completion_tokens} rounds={s.rounds} MAT={s.mat:.2f} "
-        f"tok/s={s.tokens_per_second:.1f} prefill={s.prefill_ms:.0f}ms draft={s.draft_ms:.0f}ms "
-        f"verify={s.verify_ms:.0f}ms total={s.total_ms:.0f}ms session={last.session_id}"
+        f"drafted={s.drafted} accepted={s.accepted} tok/s={s.tokens_per_second:.1f} prefill={s.prefill_ms:.0f}ms "
+        f"draft={s.draft_ms:.0f}ms verify={s.verify_ms:.0f}ms total={s.total_ms:.0f}ms session={last.session_id}"
     )
 
 
