@@ -232,6 +232,20 @@ class BatchRow:
     same: int  # sessions whose output equals the first output of their prompt
     done: int
     errors: int
+    forwards: int = 0  # the verifier's tree forwards meanwhile (0: not read)
+    rounds: int = 0  # the sessions' rounds those forwards verified
+
+
+def _verifier_forwards(target) -> tuple[int, int]:
+    """(tree forwards, rounds verified in them) the verifier of the stack at ``target`` has counted."""
+    from ..procs import scrape
+
+    port = getattr(target, "metrics", {}).get("verifier")
+    if not port:
+        return 0, 0
+    got = scrape(port)
+    count = got.get(("racer_verify_batch_size_count", ()), 0.0)
+    return int(count), int(got.get(("racer_verify_batch_size_sum", ()), 0.0))
 
 
 def _concurrent(target: str, n: int, prompts: list[str], args, reference: dict[int, list[int]]) -> BatchRow:
@@ -282,10 +296,31 @@ def _batch_table(rows: list[BatchRow], args) -> str:
     for r in sorted(rows, key=lambda r: (r.n, r.name)):
         p50 = statistics.median(r.latencies) if r.latencies else float("nan")
         slowest = max(r.latencies) if r.latencies else float("nan")
+        per = f"{r.rounds / r.forwards:.1f}" if r.forwards else "-"
         cells.append(
-            (str(r.n), r.name, f"{r.tps:.1f}", f"{p50:.1f}", f"{slowest:.1f}", f"{r.same}/{r.done}", str(r.errors))
+            (
+                str(r.n),
+                r.name,
+                f"{r.tps:.1f}",
+                f"{p50:.1f}",
+                f"{slowest:.1f}",
+                f"{r.same}/{r.done}",
+                str(r.errors),
+                str(r.forwards or "-"),
+                per,
+            )
         )
-    head = ("sessions", "batching", "aggregate tok/s", "session latency p50 s", "slowest s", "identical", "errors")
+    head = (
+        "sessions",
+        "batching",
+        "aggregate tok/s",
+        "session latency p50 s",
+        "slowest s",
+        "identical",
+        "errors",
+        "verifier forwards",
+        "rounds a forward",
+    )
     lines = [
         f"mode={args.mode} budget={'auto' if args.budget == 0 else args.budget} max_new_tokens={args.max_new_tokens}",
         table(head, cells),
@@ -324,8 +359,10 @@ def bench_batch(args) -> int:
         targets = {"batched": g_on, "unbatched": g_off}
         for n in args.sessions:
             for name in ("batched", "unbatched") if len(rows) % 2 == 0 else ("unbatched", "batched"):
+                before = _verifier_forwards(targets[name])
                 row = _concurrent(targets[name], n, prompts, args, reference)
-                row.name = name
+                after = _verifier_forwards(targets[name])
+                row.name, row.forwards, row.rounds = name, after[0] - before[0], after[1] - before[1]
                 rows.append(row)
                 print(f"{name:9s} sessions={n:2d} tok/s={row.tps:6.1f} errors={row.errors}", file=sys.stderr)
     print(_batch_table(rows, args))
