@@ -156,7 +156,7 @@ def _environments(
     env: dict | None,
     dtype: str | None,
     http_port: int,
-    ports_dir: str | None = None,
+    ports_dir: str,
     any_ports: bool = False,
 ) -> tuple[dict[str, str], dict[str, tuple[int, int]], dict[str, dict[str, str]]]:
     """(the environment all three share, each service's ports, each service's environment).
@@ -181,9 +181,8 @@ def _environments(
         envs["gateway"].update(
             RACER_DRAFTERS=f"127.0.0.1:{ports['drafter'][0]}", RACER_VERIFIERS=f"127.0.0.1:{ports['verifier'][0]}"
         )
-    if ports_dir:
-        for service, e in envs.items():
-            e["RACER_PORTS_FILE"] = os.path.join(ports_dir, f"{service}.json")
+    for service, e in envs.items():
+        e["RACER_PORTS_FILE"] = os.path.join(ports_dir, f"{service}.json")
     if http_port:
         envs["gateway"]["RACER_HTTP_PORT"] = "-1" if any_ports else str(http_port)
     for service, e in envs.items():  # a malformed RACER_* variable stops the stack here, in one line

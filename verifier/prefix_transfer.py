@@ -21,8 +21,10 @@ from common.prefix import child_key
 
 from . import metrics as M
 from .entry import Entry
-from .prefix_fetch import Ask, Clock, Header, Refused, WireBlock, link, pack, seed
+from .gguf_blocks import cache_dtype
+from .prefix_fetch import Ask, Clock, Header, Rates, Refused, WireBlock, faults, fingerprint, layout, link, pack, seed
 from .prefix_fetch import unpack as unpack_rows
+from .tuning import kernel_plan
 
 log = logging.getLogger("racer.verifier")
 
@@ -73,6 +75,49 @@ def _chained(item: WireBlock, i: int, total: int, prev: bytes, max_bytes: int) -
 class PrefixTransfer:
     """The ``Verifier``'s prefix-block transfers (this module's docstring)."""
 
+    def _init_transfers(
+        self,
+        setup,
+        prefix_block: int,
+        prefix_fetch: str,
+        prefix_fetch_seconds: float,
+        prefix_fetch_bytes: int,
+        prefix_warm_share: float,
+    ) -> None:
+        """The transfers' settings and state (``Verifier.__init__``'s, once its prefix cache, KV memory
+        and cost curve are set): the fetch rule's rates, and the fingerprint blocks move under."""
+        if prefix_fetch not in ("auto", "always", "off"):
+            raise ValueError(f"prefix_fetch: {prefix_fetch!r}, one of auto, always, off")
+        self.prefix_fetch = prefix_fetch
+        self.prefix_fetch_seconds = prefix_fetch_seconds
+        self.prefix_fetch_bytes = prefix_fetch_bytes
+        # fetcher(address, Ask, seconds): the Header, then the WireBlocks, of another verifier (the service's)
+        self.fetcher = None
+        if not 0.0 <= prefix_warm_share <= 1.0:
+            raise ValueError(f"prefix_warm_share: {prefix_warm_share}, from 0 to 1")
+        self.prefix_warm_share = prefix_warm_share
+        self.warming = False  # a warm-up in progress (one at a time)
+        self.warmed = 0  # blocks warm-ups took in: a warm verifier is not warmed again
+        self.serving = 0  # PrefixBlocks transfers being sent
+        # Sessions whose stream a drain refused (they move): the drain serves their hand-over first
+        self.moving: set[tuple[str, str]] = set()
+        self._background: set[asyncio.Future] = set()
+        self.faults = faults()  # tests only: a holder that misbehaves (``prefix_fetch.FAULTS``)
+        self.rates = Rates()
+        if self.cost:  # until a prefill is measured: the largest tree's forward, per token
+            n = max(self.cost)
+            self.rates.prefilled(n, self.cost[n] / 1e3)
+        self.fingerprint, self.row_layout = "", None
+        if self.prefix is not None:
+            self.row_layout = layout(self.model.config, setup.backend, cache_dtype(self.model), prefix_block)
+            if self.row_layout.nbytes == self.prefix.block_bytes:
+                if setup.backend == "llama":  # the plan its sessions will run, made now (the first
+                    kernel_plan(self.model, held_ok=True)  # session's open would): the fingerprint names it
+                self.fingerprint, what = fingerprint(self.model, setup, self.row_layout, prefix_block)
+                log.info("prefix fingerprint", extra={"fingerprint": self.fingerprint, "of": what})
+            else:  # rows not shaped as this module knows them: none move
+                log.warning("prefix blocks do not move: rows of %s", self.row_layout.describe())
+
     async def _prefix_fetch(
         self, entry: Entry, history: list[int], reuse: int, source: tuple, timeout: float | None
     ) -> int:
@@ -104,13 +149,13 @@ class PrefixTransfer:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _fetch_blocks(
-        self, entry: Entry, history: list[int], reuse: int, address: str, held: int, session: str, timeout
-    ) -> int | None:
-        """``_prefix_fetch``'s transfer: the tokens fetched, 0 for a transfer that failed, None where
-        none was asked for."""
+    def _plan_fetch(
+        self, entry: Entry, history: list[int], reuse: int, address: str, held: int, session: str, use: str
+    ) -> tuple[Ask, list[bytes], list] | None:
+        """What an open would fetch of ``history`` from the verifier at ``address`` (holding its first
+        ``held`` blocks): (the ``Ask``, the chain keys, the blocks added for it, pinned, their KV memory
+        reserved), or None where nothing is worth fetching or nothing fits."""
         cache, mem = self.prefix, self.kv_memory
-        use = "handover" if session else "fetch"
         if (
             cache is None
             or self.fetcher is None
@@ -161,6 +206,19 @@ class PrefixTransfer:
             fit * cache.block_bytes,
             session,
         )
+        return ask, keys, blocks
+
+    async def _fetch_blocks(
+        self, entry: Entry, history: list[int], reuse: int, address: str, held: int, session: str, timeout
+    ) -> int | None:
+        """``_prefix_fetch``'s transfer: the tokens fetched, 0 for a transfer that failed, None where
+        none was asked for."""
+        use = "handover" if session else "fetch"
+        plan = self._plan_fetch(entry, history, reuse, address, held, session, use)
+        if plan is None:
+            return None
+        ask, keys, blocks = plan
+        cache, size, first, fit = self.prefix, self.prefix.block, ask.first, len(blocks)
         seconds = self.prefix_fetch_seconds if timeout is None else max(0.0, min(self.prefix_fetch_seconds, timeout))
         clock, rows = Clock(), None
         try:

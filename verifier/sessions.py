@@ -42,9 +42,7 @@ from .fair import ModelThread
 from .gguf_blocks import cache_dtype
 from .kv_memory import KVMemory, default_kv_bytes, kv_bytes_per_token
 from .prefix_cache import BLOCK_TOKENS, Match, PrefixCache
-from .prefix_fetch import Rates, faults, fingerprint, layout
 from .prefix_transfer import PREFIX_KEY, PrefixTransfer, RowsMoved
-from .tuning import kernel_plan
 
 log = logging.getLogger("racer.verifier")
 
@@ -170,37 +168,9 @@ class Verifier(PrefixTransfer, Holder):
         for check in setup.kernel_checks:
             M.KERNEL_REFUSED.labels(check.kernel).set(0 if check.ok else 1)
         M.KERNEL_CHECK_SECONDS.set(setup.kernel_check_seconds)
-        if prefix_fetch not in ("auto", "always", "off"):
-            raise ValueError(f"prefix_fetch: {prefix_fetch!r}, one of auto, always, off")
-        self.prefix_fetch = prefix_fetch
-        self.prefix_fetch_seconds = prefix_fetch_seconds
-        self.prefix_fetch_bytes = prefix_fetch_bytes
-        # fetcher(address, Ask, seconds): the Header, then the WireBlocks, of another verifier (the service's)
-        self.fetcher = None
-        if not 0.0 <= prefix_warm_share <= 1.0:
-            raise ValueError(f"prefix_warm_share: {prefix_warm_share}, from 0 to 1")
-        self.prefix_warm_share = prefix_warm_share
-        self.warming = False  # a warm-up in progress (one at a time)
-        self.warmed = 0  # blocks warm-ups took in: a warm verifier is not warmed again
-        self.serving = 0  # PrefixBlocks transfers being sent
-        # Sessions whose stream a drain refused (they move): the drain serves their hand-over first
-        self.moving: set[tuple[str, str]] = set()
-        self._background: set[asyncio.Future] = set()
-        self.faults = faults()  # tests only: a holder that misbehaves (``prefix_fetch.FAULTS``)
-        self.rates = Rates()
-        if self.cost:  # until a prefill is measured: the largest tree's forward, per token
-            n = max(self.cost)
-            self.rates.prefilled(n, self.cost[n] / 1e3)
-        self.fingerprint, self.row_layout = "", None
-        if self.prefix is not None:
-            self.row_layout = layout(model.config, setup.backend, cache_dtype(model), prefix_block)
-            if self.row_layout.nbytes == self.prefix.block_bytes:
-                if setup.backend == "llama":  # the plan its sessions will run, made now (the first
-                    kernel_plan(model, held_ok=True)  # session's open would): the fingerprint names it
-                self.fingerprint, what = fingerprint(model, setup, self.row_layout, prefix_block)
-                log.info("prefix fingerprint", extra={"fingerprint": self.fingerprint, "of": what})
-            else:  # rows not shaped as this module knows them: none move
-                log.warning("prefix blocks do not move: rows of %s", self.row_layout.describe())
+        self._init_transfers(
+            setup, prefix_block, prefix_fetch, prefix_fetch_seconds, prefix_fetch_bytes, prefix_warm_share
+        )
 
     def setup(self):
         """What this verifier computes with (``verifier/setup.py``)."""
@@ -437,13 +407,33 @@ class Verifier(PrefixTransfer, Holder):
         # work only truncates to them and appends. A cancelled stream (the worker may still run a
         # chunk) thus keeps a cache the next open can reuse.
         entry.tokens = have[:reuse]
-        session = entry.session
         fetched = 0
         if source is not None:
             fetched = await self._prefix_fetch(entry, history, reuse, source, timeout)
         match = self._prefix_match(entry, history, reuse)
         t_prefill = time.perf_counter()
         start = reuse if match is None else match.tokens  # the first token to prefill
+        res, topk = await self._prefill_chunks(entry, history, reuse, start, rows, match, prompt_topk)
+        elapsed = (time.perf_counter() - t0) * 1e3
+        M.PREFILL_SECONDS.observe(elapsed / 1e3)
+        M.REUSED_TOKENS.inc(reuse)
+        prefilled = len(history) - start
+        if self.prefix is not None and prefilled >= self.prefix.block:  # what the fetch rule weighs against
+            self.rates.prefilled(prefilled, time.perf_counter() - t_prefill)
+            M.PREFIX_PREFILL_PER_TOKEN.set(self.rates.prefill_per_token)
+        self._prefix_insert(entry, history)
+        self._gauge()
+        fetched = min(fetched, max(0, start - reuse))
+        return Prefilled(res.next_token, topk, reuse, len(entry.tokens), elapsed, res.logprobs, start - reuse, fetched)
+
+    async def _prefill_chunks(
+        self, entry: Entry, history: list[int], reuse: int, start: int, rows: int, match, prompt_topk: int | None
+    ):
+        """``history[start:]`` prefilled in chunks of ``prefill_chunk``, each its own job; the first
+        truncates the cache to ``reuse``, sizes it to the ``rows`` reserved and copies the prefix
+        cache's blocks of ``match`` past the session's own (``entry.tokens`` follows). The last chunk's
+        result and the top-k ids of the prompt rows asked for."""
+        session = entry.session
         size = self.prefix.block if self.prefix is not None else 0
         cached = [] if match is None else [(i * size, b.rows) for i, b in enumerate(match.blocks)]
         new = history[start:]
@@ -482,16 +472,7 @@ class Verifier(PrefixTransfer, Holder):
                 entry.tokens = history[:start]  # the cache's copy ran with the first chunk
             entry.tokens.extend(chunk)
             topk.extend(t for row in res.topk for t in row)
-        elapsed = (time.perf_counter() - t0) * 1e3
-        M.PREFILL_SECONDS.observe(elapsed / 1e3)
-        M.REUSED_TOKENS.inc(reuse)
-        if self.prefix is not None and len(new) >= self.prefix.block:  # what the fetch rule weighs against
-            self.rates.prefilled(len(new), time.perf_counter() - t_prefill)
-            M.PREFIX_PREFILL_PER_TOKEN.set(self.rates.prefill_per_token)
-        self._prefix_insert(entry, history)
-        self._gauge()
-        fetched = min(fetched, max(0, start - reuse))
-        return Prefilled(res.next_token, topk, reuse, len(entry.tokens), elapsed, res.logprobs, start - reuse, fetched)
+        return res, topk
 
     def _prompt_rows(self, asked: int | None) -> int | None:
         """The prompt rows an open sends the top-k of: at most ``asked`` and this verifier's
