@@ -13,8 +13,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import json
 import logging
 import os
+import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -94,7 +96,8 @@ CONVERSION = 2
 def gguf_cache_dir(gguf: Path) -> Path:
     """Where the float32 conversion of the GGUF file ``gguf`` is cached: ``<stem>-<digest>-fp32``
     under ``cache_root()/models``, the digest of its real path (links followed), size and
-    modification time (a file replaced in place converts again) and ``CONVERSION``."""
+    modification time (a file replaced in place converts again) and ``CONVERSION``; the stale ones
+    are removed as new ones are made (``prune_stale``)."""
     real = gguf.resolve()  # a link to a file converts as the file
     st = real.stat()
     key = f"{real}\0{st.st_size}\0{st.st_mtime_ns}\0{CONVERSION}"
@@ -129,7 +132,7 @@ def _convert(gguf: Path, target: Path) -> None:
     if hasattr(model_obj.config, "quantization_config"):
         del model_obj.config.quantization_config
     log.info("%s: writing %s", gguf.name, target)
-    _publish(target, model_obj, tokenizer)
+    _publish(target, gguf, model_obj, tokenizer)
     size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
     log.info("%s: converted in %.1f s; cached at %s (%.0f MiB)", gguf.name, time.monotonic() - t0, target, size / 2**20)
 
@@ -168,7 +171,7 @@ def _write_tokenizer(gguf: Path, target: Path) -> None:
     meta = metadata(gguf, ("tokenizer.chat_template", "tokenizer.ggml.model"))
     tokenizer.chat_template = meta.get("tokenizer.chat_template")
     tokenizer = _reloadable(tokenizer, gguf.name, meta.get("tokenizer.ggml.model"))
-    _publish(target, tokenizer, config, GenerationConfig.from_model_config(config))
+    _publish(target, gguf, tokenizer, config, GenerationConfig.from_model_config(config))
     log.info("%s: tokenizer and config read in %.1f s; cached at %s", gguf.name, time.monotonic() - t0, target)
 
 
@@ -205,21 +208,61 @@ def _reloadable(tokenizer, name: str, kind: str | None):
     return generic
 
 
-def _publish(target: Path, *parts) -> None:
-    """Each of ``parts`` saved (``save_pretrained``) into a directory beside ``target``, marked
-    complete and renamed into place: a concurrent writer that finishes first is kept."""
+def _publish(target: Path, source: Path, *parts) -> None:
+    """Each of ``parts`` saved (``save_pretrained``) into a directory beside ``target``, with what
+    it was made from (``_SOURCE``), marked complete and renamed into place: a concurrent writer that
+    finishes first is kept. Then the conversions of files gone or replaced are removed
+    (``prune_stale``)."""
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     for part in parts:
         part.save_pretrained(tmp)
+    (tmp / _SOURCE).write_text(json.dumps(_stamp(source.resolve())))
     (tmp / ".complete").touch()
     try:
         tmp.rename(target)
     except OSError:  # a concurrent writer won; keep theirs
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
         if not (target / ".complete").exists():
             raise
+    prune_stale(target.parent)
+
+
+# The file in each cached directory naming the GGUF file it was made from, its size and mtime.
+_SOURCE = ".source.json"
+
+
+def _stamp(real: Path) -> dict:
+    st = real.stat()
+    return {"path": str(real), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def prune_stale(models: Path) -> list[Path]:
+    """Removes from ``models`` each complete conversion (or tokenizer directory) whose GGUF file is
+    gone or was replaced (another size or mtime), as its ``_SOURCE`` records it, and returns them.
+    The cache is keyed by the file's path, so without this every virtual environment, clone or
+    download that once held a model would keep its ~4 bytes a weight for good. A directory that
+    records no source (written before this record existed) is left alone."""
+    removed = []
+    for entry in sorted(models.iterdir()) if models.is_dir() else ():
+        record = entry / _SOURCE
+        if not (entry / ".complete").exists() or not record.exists():
+            continue
+        try:
+            made_from = json.loads(record.read_text())
+            source = Path(made_from["path"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # unreadable or removed meanwhile: not ours to judge
+        try:
+            current = _stamp(source)
+        except FileNotFoundError:
+            current = None
+        except OSError:
+            continue  # unreadable now (permissions, a mount away): not ours to judge
+        if current != made_from:
+            log.info("removing %s: %s is gone or was replaced since", entry, made_from.get("path"))
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
 
 
 @contextmanager

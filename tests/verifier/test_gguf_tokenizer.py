@@ -60,3 +60,30 @@ def test_a_byte_level_vocabulary_loads_back_as_the_file_splits_it(tmp_path, monk
         assert tok.encode(text) == want, where
         assert tok.chat_template == direct.chat_template
         assert (tok.bos_token, tok.eos_token) == (direct.bos_token, direct.eos_token)
+
+
+def test_the_conversions_of_a_file_replaced_or_removed_are_pruned_when_another_is_made(tmp_path, monkeypatch):
+    """The cache is keyed by the GGUF file's path, size and mtime: a file replaced in place, or a
+    virtual environment's copy removed, must not leave its float32 copy behind for good."""
+    monkeypatch.setenv("RACER_CACHE", str(tmp_path / "cache"))
+    models = tmp_path / "cache" / "models"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = write(tmp_path / "a" / "m.gguf", "llama", "Q8_0", False, False)
+    old_full, old_tok = resolve_model_dir(str(first)), tokenizer_dir(str(write(tmp_path / "t.gguf", "llama")))
+    assert old_full.exists() and old_tok.exists()
+    unrecorded = models / "made-before-sources-were-recorded-fp32"  # no record: left alone
+    unrecorded.mkdir()
+    (unrecorded / ".complete").touch()
+
+    write(first, "llama", "Q8_0", False, False, seed=1)  # replaced in place: another size or mtime
+    (tmp_path / "t.gguf").unlink()  # removed
+    kept = write(tmp_path / "b" / "m.gguf", "llama", "Q8_0", False, False)
+    new_full = resolve_model_dir(str(kept))  # the next conversion prunes
+
+    assert new_full.exists() and unrecorded.exists()
+    assert not old_full.exists(), "the replaced file's conversion was kept"
+    assert not old_tok.exists(), "the removed file's tokenizer directory was kept"
+    again = resolve_model_dir(str(first))  # the replaced file converts again, under its new key
+    assert again != old_full and again.exists() and new_full.exists()
+    assert sorted(p.name for p in models.iterdir()) == sorted([again.name, new_full.name, unrecorded.name])
