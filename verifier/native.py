@@ -63,8 +63,11 @@ ISA_LEVELS = {
 }
 # ``RACER_NATIVE_FAULT``: comma-separated faults compiled into the library (tests only: a kernel that
 # gives wrong values, which the start-up check must refuse). "packed": the packed block kernel's
-# integer sums with the wrong sign.
-FAULTS = {"packed": "-DRACER_FAULT_PACKED"}
+# integer sums with the wrong sign; "amx": the same on its AMX-INT8 tiles alone.
+FAULTS = {"packed": "-DRACER_FAULT_PACKED", "amx": "-DRACER_FAULT_AMX"}
+# ``RACER_NATIVE_EMULATE``: instructions the CPU lacks, written in C into the library (tests only: the
+# code of a path this machine cannot run, run here). "amx-int8": the block kernel's AMX-INT8 tiles.
+EMULATE = {"amx-int8": "-DRACER_AMX_EMULATE"}
 
 # The reference build (``reference_build()``): the block kernel's C code, for the baseline of the
 # architecture, with vectorization off, so the compiler cannot turn a reference loop into other
@@ -99,7 +102,11 @@ def build_flags() -> tuple[str, ...]:
     unknown = sorted(set(faults) - set(FAULTS))
     if unknown:
         raise ValueError(f"RACER_NATIVE_FAULT: unknown {unknown} (one of {', '.join(FAULTS)})")
-    return (*FLAGS, *ISA_LEVELS[isa_level()], *(FAULTS[f] for f in sorted(set(faults))))
+    emulated = [e.strip() for e in os.environ.get("RACER_NATIVE_EMULATE", "").split(",") if e.strip()]
+    if unknown := sorted(set(emulated) - set(EMULATE)):
+        raise ValueError(f"RACER_NATIVE_EMULATE: unknown {unknown} (one of {', '.join(EMULATE)})")
+    options = [FAULTS[f] for f in sorted(set(faults))] + [EMULATE[e] for e in sorted(set(emulated))]
+    return (*FLAGS, *ISA_LEVELS[isa_level()], *options)
 
 
 def _reference_flags() -> tuple[str, ...]:
@@ -241,6 +248,9 @@ def _declare_quant(lib: ctypes.CDLL) -> None:
     lib.racer_quant_isa.restype = ctypes.c_int
     lib.racer_quant_stream_rows.restype = None
     lib.racer_quant_stream_rows.argtypes = [ctypes.c_long]
+    lib.racer_quant_amx.restype = ctypes.c_int
+    lib.racer_quant_amx_rows.restype = None
+    lib.racer_quant_amx_rows.argtypes = [ctypes.c_long]
     lib.racer_quant.restype = ctypes.c_int
     lib.racer_quant.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.racer_quant_rows.restype = ctypes.c_int
@@ -565,6 +575,25 @@ def quant_isa() -> str:
     """The integer instructions the block kernel was built with (all give the same bits)."""
     lib = library()
     return {2: "avx512-vnni", 1: "avx-vnni", 0: "avx2", -1: "generic"}[lib.racer_quant_isa()] if lib else "none"
+
+
+def quant_amx() -> bool:
+    """Whether the block kernel can multiply on AMX-INT8 tiles here: built with them (or with them
+    emulated, ``RACER_NATIVE_EMULATE``), the CPU has them, Linux lets the process use them, and the
+    start-up check found the tiles' bits equal to the reference build's."""
+    lib = library()
+    if lib is None or not lib.racer_quant_amx():
+        return False
+    tiles = [v for k, v in _checks.items() if k.startswith("amx quant")]
+    return bool(tiles) and all(v.ok for v in tiles)
+
+
+def quant_amx_rows(rows: int) -> None:
+    """Packed-block calls of at least ``rows`` rows multiply pairs of groups on AMX-INT8 tiles (0:
+    none; nothing where ``quant_amx`` says no). The same values either way."""
+    lib = library()
+    if lib is not None:
+        lib.racer_quant_amx_rows(int(rows) if quant_amx() else 0)
 
 
 def quant_stream_rows(rows: int) -> None:

@@ -6,9 +6,10 @@ a loop into other arithmetic there (GCC 12 once made a signed-byte loop into AVX
 unsigned-by-signed products) would go unnoticed by tests run elsewhere. So every kernel the library
 offers is run on a few random rows of each format and shape class it serves and compared:
 
-* the block kernel (``native_quant.c``), rows as stored and packed, embedding lookups and packing,
-  with the reference build (``native.reference_build()``: the same C code for the architecture's baseline,
-  vectorization off), bit for bit: every build makes the same integers and the same float32 steps;
+* the block kernel (``native_quant.c``), rows as stored and packed (packed on AMX-INT8 tiles too,
+  where the CPU has them: "amx quant ..."), embedding lookups and packing, with the reference build
+  (``native.reference_build()``: the same C code for the architecture's baseline, vectorization
+  off), bit for bit: every build makes the same integers and the same float32 steps;
 * the float kernels (row tiles, panels, attention) with a float64 computation on the same values,
   within what float32 rounding allows: for a product over K terms, ``|y - y64| <= 2 K u sum|x w|``
   (u = 2^-24; the bound holds for any order of the sums, fused or not); attention within 1e-4 of the
@@ -43,6 +44,7 @@ FORMATS = {
     "Q6_K": (14, 210, 256, (208,)),
 }
 PACKABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+AMX_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # what the block kernel multiplies on AMX-INT8 tiles
 PACKED = 256  # a packed weight's type number: its GGML number + PACKED (native_quant.c)
 QUANT_SHAPE = (16, 512)  # weight rows (two packed groups), columns (two K-quant super-blocks)
 QUANT_ROWS = (1, 3, 4, 19)  # x rows: one; a tail of the 4-row tile; one tile; past a 16-row pass
@@ -123,6 +125,15 @@ def _check_quant(lib, ref, fmt: str, packed: bool, gen: torch.Generator) -> str 
             if why := _differs(_quant(lib, kind, x, w, n, b), _quant(ref, kind, x, w, n, b)):
                 return f"{m} rows{' with a bias' if b is not None else ''}: {why}"
     return None
+
+
+def _check_quant_amx(lib, ref, fmt: str, gen: torch.Generator) -> str | None:
+    """``_check_quant`` of a packed format with every call of two rows or more on AMX-INT8 tiles."""
+    lib.racer_quant_amx_rows(1)
+    try:
+        return _check_quant(lib, ref, fmt, True, gen)
+    finally:
+        lib.racer_quant_amx_rows(0)
 
 
 def _beyond_bound(y: torch.Tensor, x64: torch.Tensor, w64: torch.Tensor, slack: float = 2.0) -> str | None:
@@ -243,6 +254,12 @@ def run(native, lib: ctypes.CDLL, ref: ctypes.CDLL | None) -> tuple[list[Verdict
                 out.append(
                     _verdict(name, "bits equal to the reference build", _check_quant, lib, ref, fmt, packed, gen)
                 )
+    for fmt in AMX_FORMATS if lib.racer_quant_amx() else ():
+        name = f"amx quant {fmt} packed"
+        if ref is None:
+            out.append(Verdict(name, False, f"no reference build: {native.why_reference()}"))
+        else:
+            out.append(_verdict(name, "bits equal to the reference build", _check_quant_amx, lib, ref, fmt, gen))
     bits, pairs = lib.racer_vector_bits(), bool(lib.racer_bf16_pairs())
     for name, (tile, width) in native.VARIANTS.items():
         if width != bits or (name in native.PAIRS and not pairs):

@@ -1195,6 +1195,149 @@ static inline __attribute__((always_inline)) void pair_pass512(int type, int R, 
 #undef LOAD2
 #endif
 
+/* -- AMX-INT8 tiles: a pair of groups (16 weight rows) against up to 15 x rows a block --------------
+ *
+ * One tdpbusd a block: the A tile holds the pass's x rows as unsigned bytes (x + 128) and a row of
+ * ones, the B tile the pair's values in the layout group_values makes (row t: values 4t .. 4t + 3 of
+ * the 16 weight rows, 4 bytes each, which is the instruction's own layout for B), so that C[r][n] =
+ * sum((x + 128) w) and the ones row's C[15][n] = sum(w). The integer sum of the other paths is
+ * C[r][n] - 128 C[15][n] (exact in 32 bits: |C| < 2^21), then the float steps of group_pass, lane by
+ * lane in the same order: the same bits as every other path, and a row's bits never depend on the
+ * rows beside it in the tile. The nibble formats and Q8_0 (the K-quants keep the vector path). Used
+ * for calls of at least ``amx_rows`` rows (racer_quant_amx_rows: measured at start-up; 0, the
+ * default, never), where the CPU has AMX-INT8 and Linux lets the process use the tiles.
+ *
+ * RACER_AMX_EMULATE (tests only) builds the path with the tile instructions written in C, so that a
+ * machine without AMX runs its layout and float steps; only the instructions are then not the CPU's. */
+#if defined(QUANT_AVX2) && ((defined(__AMX_TILE__) && defined(__AMX_INT8__)) || defined(RACER_AMX_EMULATE))
+#define QUANT_AMX 1
+#define AMX_ROWS 15 /* x rows a pass: the A tile's 16th row is the ones */
+
+struct amx_cfg {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+#if defined(RACER_AMX_EMULATE)
+static __thread struct {
+    int rows, colsb;
+    uint8_t d[16][64];
+} emu[8];
+static void emu_config(const struct amx_cfg *c)
+{
+    for (int t = 0; t < 8; t++) emu[t].rows = c->rows[t], emu[t].colsb = c->colsb[t];
+}
+static void emu_load(int t, const void *p, long stride)
+{
+    for (int r = 0; r < emu[t].rows; r++) memcpy(emu[t].d[r], (const uint8_t *)p + r * stride, emu[t].colsb);
+}
+static void emu_store(int t, void *p, long stride)
+{
+    for (int r = 0; r < emu[t].rows; r++) memcpy((uint8_t *)p + r * stride, emu[t].d[r], emu[t].colsb);
+}
+static void emu_dpbusd(int c, int a, int b) /* Intel's TDPBUSD: unsigned bytes of A times signed of B */
+{
+    for (int m = 0; m < emu[c].rows; m++)
+        for (int n = 0; n < emu[c].colsb / 4; n++) {
+            int32_t s;
+            memcpy(&s, &emu[c].d[m][4 * n], 4);
+            for (int k = 0; k < emu[a].colsb / 4; k++)
+                for (int i = 0; i < 4; i++) s += (int32_t)emu[a].d[m][4 * k + i] * (int32_t)(int8_t)emu[b].d[k][4 * n + i];
+            memcpy(&emu[c].d[m][4 * n], &s, 4);
+        }
+}
+#define TILE_CONFIG(c) emu_config(c)
+#define TILE_ZERO(t) memset(emu[t].d, 0, sizeof emu[t].d)
+#define TILE_LOAD(t, p, s) emu_load(t, p, s)
+#define TILE_STORE(t, p, s) emu_store(t, p, s)
+#define TILE_DPBUSD(c, a, b) emu_dpbusd(c, a, b)
+static int amx_usable(void) { return 1; }
+#else
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TILE_CONFIG(c) _tile_loadconfig(c)
+#define TILE_ZERO(t) _tile_zero(t)
+#define TILE_LOAD(t, p, s) _tile_loadd(t, p, s)
+#define TILE_STORE(t, p, s) _tile_stored(t, p, s)
+#define TILE_DPBUSD(c, a, b) _tile_dpbusd(c, a, b)
+static int amx_usable(void) /* AMX-TILE and AMX-INT8, and Linux's leave to use the tiles' state */
+{
+    unsigned a, b, c, d;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    return (d >> 24 & 1) && (d >> 25 & 1) && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
+}
+#endif
+
+/* Tile 0: C (16 rows of 16 int32), 1: A (16 rows of 32 bytes), 2: B (8 rows of 64 bytes). Loaded by
+ * each call on the thread that makes it (the configuration is a thread's, and the attention's tiles
+ * configure their own). */
+static void amx_tiles(void)
+{
+    struct amx_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    cfg.rows[0] = 16, cfg.colsb[0] = 64;
+    cfg.rows[1] = 16, cfg.colsb[1] = 32;
+    cfg.rows[2] = 8, cfg.colsb[2] = 64;
+    TILE_CONFIG(&cfg);
+}
+
+/* A pair of groups (g, g + gstride) against x rows m0 .. m0 + R - 1 (R <= AMX_ROWS). */
+static void amx_pair_pass(int type, int R, const uint8_t *g, long gstride, const struct xp *X, long m0, float *y,
+                          long ys, const __m256 *bias)
+{
+    const long M = X->M, unit = packed_bytes(type);
+    const long dat = type == GQ8_0 ? 256 : 128;
+    uint8_t a[16][32] __attribute__((aligned(64)));
+    uint8_t bt[8][64] __attribute__((aligned(64)));
+    int32_t c[16][16] __attribute__((aligned(64)));
+    memset(a, 0, sizeof a);
+    memset(a[AMX_ROWS], 1, sizeof a[AMX_ROWS]);
+    __m256 acc[AMX_ROWS][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (long b = 0; b < X->nb; b++) {
+        const uint8_t *p[2] = {g + b * unit, g + gstride + b * unit};
+        for (int t = 0; t < 8; t++)
+            for (int i = 0; i < 2; i++) _mm256_store_si256((__m256i *)(bt[t] + 32 * i), group_values(type, p[i], t));
+        const int8_t *xq = X->q + (b * M + m0) * 32;
+        for (int r = 0; r < R; r++)
+            _mm256_store_si256((__m256i *)a[r], _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(xq + 32 * r)),
+                                                                 _mm256_set1_epi8((char)0x80)));
+        TILE_ZERO(0);
+        TILE_LOAD(1, a, 32);
+        TILE_LOAD(2, bt, 64);
+        TILE_DPBUSD(0, 1, 2);
+        TILE_STORE(0, c, 64);
+        for (int i = 0; i < 2; i++) {
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p[i] + dat)));
+            const __m256i wsum = _mm256_slli_epi32(_mm256_load_si256((const __m256i *)(c[AMX_ROWS] + 8 * i)), 7);
+            for (int r = 0; r < R; r++) {
+                __m256i is = _mm256_sub_epi32(_mm256_load_si256((const __m256i *)(c[r] + 8 * i)), wsum);
+                if (value_offset(type))
+                    is = _mm256_sub_epi32(is, _mm256_set1_epi32(value_offset(type) * X->sum[b * M + m0 + r]));
+#if defined(RACER_FAULT_PACKED) || defined(RACER_FAULT_AMX)
+                is = _mm256_sub_epi32(_mm256_setzero_si256(), is); /* a wrong sign, for the check's tests */
+#endif
+                const __m256 scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(X->d + b * M + m0 + r));
+                acc[r][i] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(is), acc[r][i]);
+            }
+        }
+    }
+    for (int i = 0; i < 2; i++)
+        for (int r = 0; r < R; r++) {
+            __m256 msum = _mm256_setzero_ps(); /* group_pass's minimums' chain, blocks in order */
+            if (has_min(type))
+                for (long b = 0; b < X->nb; b++)
+                    msum = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + i * gstride + b * unit + 144))),
+                                           _mm256_broadcast_ss(X->s + b * M + m0 + r), msum);
+            _mm256_storeu_ps(y + (m0 + r) * ys + 8 * i, _mm256_add_ps(_mm256_add_ps(acc[r][i], msum), bias[i]));
+        }
+}
+#endif
+
+
 /* G groups against every x row: passes of PASS_ROWS rows (G = 1) or PAIR_ROWS (G = 2), then one of
  * the rows left. */
 static inline __attribute__((always_inline)) void group_rows(int type, int G, const uint8_t *g, long gstride,
@@ -1242,6 +1385,24 @@ GROUP_ROWS(GQ5_K)
 GROUP_ROWS(GQ6_K)
 #endif
 
+/* Calls of at least this many rows multiply pairs of groups on AMX tiles (0: none). */
+static _Atomic long amx_rows = 0;
+
+/* Whether this build has the AMX-INT8 path and the CPU and Linux let it run (asked once). */
+int racer_quant_amx(void)
+{
+#if defined(QUANT_AMX)
+    static int state = -1;
+    if (state < 0) state = amx_usable();
+    return state;
+#else
+    return 0;
+#endif
+}
+
+/* Calls of at least ``rows`` rows take the AMX path where there is one (0: none). */
+void racer_quant_amx_rows(long rows) { amx_rows = racer_quant_amx() ? rows : 0; }
+
 /* ``count`` groups (1 or 2) from ``g`` (rows n0 .. n0 + 8 count - 1 of a [M, N] output) against every
  * x row. A group's outputs are the same whichever groups it is computed with. */
 static void group_all(int type, int count, const uint8_t *g, const struct xp *X, float *y, long N, long n0,
@@ -1252,6 +1413,15 @@ static void group_all(int type, int count, const uint8_t *g, const struct xp *X,
     if (simd) {
         __m256 bv[2];
         for (int i = 0; i < count; i++) bv[i] = bias ? _mm256_loadu_ps(bias + n0 + 8 * i) : _mm256_setzero_ps();
+#if defined(QUANT_AMX)
+        const long tiles_from = amx_rows;
+        if (count == 2 && !is_k(type) && tiles_from > 0 && X->M >= tiles_from) {
+            amx_tiles();
+            for (long m = 0; m < X->M; m += AMX_ROWS)
+                amx_pair_pass(type, (int)(X->M - m < AMX_ROWS ? X->M - m : AMX_ROWS), g, gstride, X, m, y + n0, N, bv);
+            return;
+        }
+#endif
         switch (type) {
         case GQ4_0: group_rows_GQ4_0(count, g, gstride, X, y + n0, N, bv); break;
         case GQ4_1: group_rows_GQ4_1(count, g, gstride, X, y + n0, N, bv); break;

@@ -88,6 +88,7 @@ def kernel_plan(
         arena.pack(model)  # before anything is measured: the weights as every forward will read them
         if stream:
             block_stream_rows(model)
+            block_amx_rows(model)
     if spec not in ("auto", "tune", ""):
         plan = forced(spec, weights, invariant)
     else:
@@ -117,25 +118,15 @@ def block_stream_rows(model, reps: int = 6, clock=None) -> int:
     threads, a one-token step 10% faster); a call of more rows computes more per byte, where short
     runs keep the threads even. The same values either way. Set for the process and returned; 0:
     every call by runs of 4."""
-    blocks = [
-        m.racer_blocks
-        for m in model.modules()
-        if getattr(m, "racer_blocks", None) is not None and m.racer_blocks.kind > native.PACKED
-    ]
-
-    def every_block(stream: int):
-        def run(xs):
-            for b in blocks:
-                b.matmul(xs[b.k])
-
-        run.before = lambda: native.quant_stream_rows(stream)
-        return run
-
+    blocks = _packed_blocks(model)
     chosen = 0
     gen = torch.Generator().manual_seed(0)
     for rows in STREAM_ROWS if blocks else ():
         xs = {k: torch.randn(rows, k, generator=gen) for k in {b.k for b in blocks}}
-        fns = {("long", rows): every_block(rows), ("short", rows): every_block(0)}
+        fns = {
+            ("long", rows): _every_block(blocks, native.quant_stream_rows, rows),
+            ("short", rows): _every_block(blocks, native.quant_stream_rows, 0),
+        }
         t = _time(fns, {rows: xs}, reps, clock)
         if t[("long", rows)] >= t[("short", rows)]:
             break
@@ -144,6 +135,54 @@ def block_stream_rows(model, reps: int = 6, clock=None) -> int:
     if blocks:
         log.info("block kernel: calls of at most %d rows hand out long runs", chosen)
     return chosen
+
+
+AMX_ROWS = (2, 4, 8, 16)  # row counts tried for the block kernel's AMX-INT8 tiles, in order
+
+
+def block_amx_rows(model, reps: int = 6, clock=None) -> int:
+    """From how many rows a call of the block kernel multiplies on AMX-INT8 tiles
+    (``native.quant_amx_rows``), measured where the CPU has them (``native.quant_amx``): for each row
+    count of ``AMX_ROWS`` in turn, a pass over every packed projection of the model on tiles and one
+    on vectors, interleaved, and the first count at which the tiles win by the medians taken (calls
+    of more rows carry more work a tile). The same values either way. Set for the process and
+    returned; 0: none (no AMX, or the tiles never won)."""
+    blocks = _packed_blocks(model) if native.quant_amx() else []
+    chosen = 0
+    gen = torch.Generator().manual_seed(0)
+    for rows in AMX_ROWS if blocks else ():
+        xs = {k: torch.randn(rows, k, generator=gen) for k in {b.k for b in blocks}}
+        fns = {
+            ("tiles", rows): _every_block(blocks, native.quant_amx_rows, 1),
+            ("vectors", rows): _every_block(blocks, native.quant_amx_rows, 0),
+        }
+        t = _time(fns, {rows: xs}, reps, clock)
+        if t[("tiles", rows)] < t[("vectors", rows)]:
+            chosen = rows
+            break
+    native.quant_amx_rows(chosen)
+    if blocks:
+        log.info("block kernel: calls of at least %d rows on AMX-INT8 tiles (0: none)", chosen)
+    return chosen
+
+
+def _packed_blocks(model) -> list:
+    return [
+        m.racer_blocks
+        for m in model.modules()
+        if getattr(m, "racer_blocks", None) is not None and m.racer_blocks.kind > native.PACKED
+    ]
+
+
+def _every_block(blocks: list, setting, value: int):
+    """A pass over every packed projection of ``blocks``, with ``setting(value)`` before it is timed."""
+
+    def run(xs):
+        for b in blocks:
+            b.matmul(xs[b.k])
+
+    run.before = lambda: setting(value)
+    return run
 
 
 def _block_model_tile(w0: torch.Tensor) -> str:

@@ -161,6 +161,38 @@ def test_the_long_runs_row_count_is_the_last_one_they_win_at(monkeypatch):
     assert tuning.block_stream_rows(no_blocks) == 0 and setting["rows"] == 0
 
 
+def test_the_amx_row_count_is_the_first_one_the_tiles_win_at_and_none_without_amx(monkeypatch):
+    """``block_amx_rows`` times the model's packed projections on tiles and on vectors, row count
+    after row count, and keeps the first count where the tiles were faster (here 4: 1.2 against 1 at
+    2 rows, 0.8 from 4 on); without AMX (``native.quant_amx`` false) it times nothing and sets 0."""
+    from types import SimpleNamespace
+
+    from verifier import tuning
+
+    setting = {"rows": 0}
+    clock = {"t": 0.0}
+    calls = []
+
+    def matmul(x):
+        rows = x.shape[0]
+        clock["t"] += 1.0 if not setting["rows"] else (1.2 if rows < 4 else 0.8)
+        calls.append(rows)
+        return x
+
+    proj = SimpleNamespace(racer_blocks=SimpleNamespace(kind=native.PACKED + 3, k=64, matmul=matmul))
+    model = SimpleNamespace(modules=lambda: [proj, SimpleNamespace()])
+    monkeypatch.setattr(native, "quant_amx_rows", lambda rows: setting.update(rows=rows))
+    monkeypatch.setattr(native, "quant_amx", lambda: True)
+    assert tuning.block_amx_rows(model, reps=3, clock=lambda: clock["t"]) == 4
+    assert setting["rows"] == 4  # set for the process
+    assert sorted(set(calls)) == [2, 4]  # 8 and 16 not tried once 4 won
+
+    monkeypatch.setattr(native, "quant_amx", lambda: False)
+    calls.clear()
+    assert tuning.block_amx_rows(model, reps=3, clock=lambda: clock["t"]) == 0
+    assert setting["rows"] == 0 and calls == []
+
+
 @needs_kernel
 @pytest.mark.parametrize("name", PACKABLE)
 def test_packed_groups_vector_code_gives_the_c_codes_bits(name):

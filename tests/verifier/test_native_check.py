@@ -47,6 +47,8 @@ def _expected_kernels(lib) -> set[str]:
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         d = str(dtype).replace("torch.", "")
         names |= {f"attention {p} {d}" for p in native.attention_paths(dtype, 4, 2, 64, checked=False)}
+    if lib.racer_quant_amx():
+        names |= {f"amx quant {f} packed" for f in native_check.AMX_FORMATS}
     return names | {"top_rows"}
 
 
@@ -99,7 +101,8 @@ def test_a_kernel_built_wrong_is_refused_at_start_up_and_the_fallback_serves_ide
     clean = _probe("--tokens", "12")
     broken = _probe("--tokens", "12", RACER_NATIVE_FAULT="packed")
     refused = {k for k, (ok, _) in broken["checks"].items() if not ok}
-    assert refused == {f"quant {f} packed" for f in native_check.PACKABLE}
+    tiles = {f"amx quant {f} packed" for f in native_check.AMX_FORMATS} if broken["amx_here"] else set()
+    assert refused == {f"quant {f} packed" for f in native_check.PACKABLE} | tiles  # a CPU with AMX: its tiles too
     assert all(ok for ok, _ in clean["checks"].values())
     for fmt in native_check.PACKABLE:  # the fault is real: the library's own kernel is wrong ...
         assert broken["outputs"][f"{fmt} packed, unchecked"] != clean["outputs"][f"{fmt} packed"]
@@ -152,3 +155,30 @@ def test_the_bound_catches_a_wrong_sign_and_passes_rounding():
     assert native_check._beyond_bound(y, x.double(), w.double()) is None
     y[1, 5] = -y[1, 5]
     assert "1 of 111 outputs off" in native_check._beyond_bound(y, x.double(), w.double())
+
+
+@needs_native
+def test_the_amx_int8_tiles_give_the_block_kernels_bits_and_a_wrong_tile_path_is_refused_alone():
+    """The block kernel's AMX-INT8 path (pairs of groups on tiles), built with the tile instructions
+    emulated where the CPU has none (``RACER_NATIVE_EMULATE=amx-int8``; the real instructions where it
+    has them): checked at start-up against the reference, and with every call of 2 rows or more on
+    tiles, the block kernel's outputs are bit for bit the vector build's. Negative control: a sign
+    fault in the tile path alone (``RACER_NATIVE_FAULT=amx``) is refused, only it, and the tiles are
+    then never used: the served outputs stay the clean ones."""
+    here = _probe()
+    tiles = {f"amx quant {f} packed" for f in native_check.AMX_FORMATS}
+    there = _probe("--amx-rows", "2", RACER_NATIVE_EMULATE="amx-int8")
+    assert there["amx"] is True and there["amx_here"]
+    assert tiles <= set(there["checks"]) and all(there["checks"][k][0] for k in tiles)
+    assert [k for k, (ok, _) in there["checks"].items() if not ok] == []
+    assert there["outputs"] == here["outputs"]  # 19 rows: a pass of 15 and one of 4, on tiles
+
+    broken = _probe("--amx-rows", "2", RACER_NATIVE_EMULATE="amx-int8", RACER_NATIVE_FAULT="amx")
+    assert {k for k, (ok, _) in broken["checks"].items() if not ok} == tiles
+    assert broken["amx"] is False
+    for fmt in native_check.AMX_FORMATS:  # the fault is real on the tiles ...
+        assert broken["outputs"][f"{fmt} packed, unchecked"] != here["outputs"][f"{fmt} packed"]
+    served = {k: v for k, v in broken["outputs"].items() if "unchecked" not in k}
+    assert served == {k: v for k, v in here["outputs"].items() if "unchecked" not in k}  # ... and not served
+    for fmt in ("Q4_K", "Q5_K", "Q6_K"):  # the K-quants never take the tiles
+        assert broken["outputs"][f"{fmt} packed, unchecked"] == here["outputs"][f"{fmt} packed"]
