@@ -1284,7 +1284,9 @@ static void amx_tiles(void)
     TILE_CONFIG(&cfg);
 }
 
-/* A pair of groups (g, g + gstride) against x rows m0 .. m0 + R - 1 (R <= AMX_ROWS). */
+/* A pair of groups (g, g + gstride) against x rows m0 .. m0 + R - 1 (R <= AMX_ROWS). The float steps
+ * in 16 lanes where the build has AVX-512 (as pair_pass512's), else in two halves of 8 (as
+ * group_pass's): the same steps lane by lane either way. */
 static void amx_pair_pass(int type, int R, const uint8_t *g, long gstride, const struct xp *X, long m0, float *y,
                           long ys, const __m256 *bias)
 {
@@ -1295,10 +1297,20 @@ static void amx_pair_pass(int type, int R, const uint8_t *g, long gstride, const
     int32_t c[16][16] __attribute__((aligned(64)));
     memset(a, 0, sizeof a);
     memset(a[AMX_ROWS], 1, sizeof a[AMX_ROWS]);
+#if defined(QUANT_512)
+    __m512 acc[AMX_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+#else
     __m256 acc[AMX_ROWS][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+#endif
     for (long b = 0; b < X->nb; b++) {
         const uint8_t *p[2] = {g + b * unit, g + gstride + b * unit};
+#if PREFETCH_BLOCKS > 0
+        const long skip = b + PREFETCH_BLOCKS >= X->nb ? gstride : 0; /* as group_pass's */
+        for (long o = 0; o < unit; o += 64)
+            for (int i = 0; i < 2; i++) _mm_prefetch((const char *)p[i] + PREFETCH_BLOCKS * unit + skip + o, _MM_HINT_T0);
+#endif
         for (int t = 0; t < 8; t++)
             for (int i = 0; i < 2; i++) _mm256_store_si256((__m256i *)(bt[t] + 32 * i), group_values(type, p[i], t));
         const int8_t *xq = X->q + (b * M + m0) * 32;
@@ -1310,6 +1322,20 @@ static void amx_pair_pass(int type, int R, const uint8_t *g, long gstride, const
         TILE_LOAD(2, bt, 64);
         TILE_DPBUSD(0, 1, 2);
         TILE_STORE(0, c, 64);
+#if defined(QUANT_512)
+        const __m512 dw = pair_halves(p[0], p[1], dat);
+        const __m512i wsum = _mm512_slli_epi32(_mm512_load_si512(c[AMX_ROWS]), 7);
+        for (int r = 0; r < R; r++) {
+            __m512i is = _mm512_sub_epi32(_mm512_load_si512(c[r]), wsum);
+            if (value_offset(type))
+                is = _mm512_sub_epi32(is, _mm512_set1_epi32(value_offset(type) * X->sum[b * M + m0 + r]));
+#if defined(RACER_FAULT_PACKED) || defined(RACER_FAULT_AMX)
+            is = _mm512_sub_epi32(_mm512_setzero_si512(), is); /* a wrong sign, for the check's tests */
+#endif
+            const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(X->d[b * M + m0 + r]));
+            acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(is), acc[r]);
+        }
+#else
         for (int i = 0; i < 2; i++) {
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p[i] + dat)));
             const __m256i wsum = _mm256_slli_epi32(_mm256_load_si256((const __m256i *)(c[AMX_ROWS] + 8 * i)), 7);
@@ -1324,7 +1350,20 @@ static void amx_pair_pass(int type, int R, const uint8_t *g, long gstride, const
                 acc[r][i] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(is), acc[r][i]);
             }
         }
+#endif
     }
+#if defined(QUANT_512)
+    const __m512 bv = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_castps_si256(bias[0])),
+                                                             _mm256_castps_si256(bias[1]), 1));
+    for (int r = 0; r < R; r++) {
+        __m512 msum = _mm512_setzero_ps(); /* pair_pass512's minimums' chain, blocks in order */
+        if (has_min(type))
+            for (long b = 0; b < X->nb; b++)
+                msum = _mm512_fmadd_ps(pair_halves(g + b * unit, g + gstride + b * unit, 144),
+                                       _mm512_set1_ps(X->s[b * M + m0 + r]), msum);
+        _mm512_storeu_ps(y + (m0 + r) * ys, _mm512_add_ps(_mm512_add_ps(acc[r], msum), bv));
+    }
+#else
     for (int i = 0; i < 2; i++)
         for (int r = 0; r < R; r++) {
             __m256 msum = _mm256_setzero_ps(); /* group_pass's minimums' chain, blocks in order */
@@ -1334,6 +1373,7 @@ static void amx_pair_pass(int type, int R, const uint8_t *g, long gstride, const
                                            _mm256_broadcast_ss(X->s + b * M + m0 + r), msum);
             _mm256_storeu_ps(y + (m0 + r) * ys + 8 * i, _mm256_add_ps(_mm256_add_ps(acc[r][i], msum), bias[i]));
         }
+#endif
 }
 #endif
 
