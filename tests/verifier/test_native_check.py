@@ -165,7 +165,9 @@ def test_the_amx_int8_tiles_give_the_block_kernels_bits_and_a_wrong_tile_path_is
     tiles, the block kernel's outputs are bit for bit the vector build's. Negative control: a sign
     fault in the tile path alone (``RACER_NATIVE_FAULT=amx``) is refused, only it, and the tiles are
     then never used: the served outputs stay the clean ones."""
-    here = _probe()
+    from tests.support.native_probe import quant_outputs
+
+    here = {"outputs": quant_outputs()}  # this process's build, its tiles (where it has them) unused
     tiles = {f"amx quant {f} packed" for f in native_check.AMX_FORMATS}
     there = _probe("--amx-rows", "2", RACER_NATIVE_EMULATE="amx-int8")
     assert there["amx"] is True and there["amx_here"]
