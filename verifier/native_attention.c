@@ -587,8 +587,11 @@ struct tilecfg {
     uint8_t rows[16];
 };
 
+extern __thread int racer_tiles_quant; /* native_quant.c: its tiles' configuration, replaced here */
+
 static void tiles_on(void)
 {
+    racer_tiles_quant = 0;
     struct tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;

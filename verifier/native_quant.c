@@ -30,6 +30,10 @@
 
 #include "native_pool.h"
 
+/* Whether this thread's tiles hold the block kernel's configuration (AMX: native_attention.c's tiles
+ * clear it when they load theirs). */
+__thread int racer_tiles_quant = 0;
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define QUANT_AVX2 1
@@ -1270,11 +1274,12 @@ static int amx_usable(void) /* AMX-TILE and AMX-INT8, and Linux's leave to use t
 }
 #endif
 
-/* Tile 0: C (16 rows of 16 int32), 1: A (16 rows of 32 bytes), 2: B (8 rows of 64 bytes). Loaded by
- * each call on the thread that makes it (the configuration is a thread's, and the attention's tiles
- * configure their own). */
+/* Tile 0: C (16 rows of 16 int32), 1: A (16 rows of 32 bytes), 2: B (8 rows of 64 bytes). A thread's
+ * configuration is its own, loaded once (racer_tiles_quant) until the attention's tiles load theirs. */
 static void amx_tiles(void)
 {
+    if (racer_tiles_quant) return;
+    racer_tiles_quant = 1;
     struct amx_cfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
