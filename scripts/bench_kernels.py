@@ -22,12 +22,13 @@ loop, one contiguous run per thread, interleaved with the verifications): how ne
 one-token step runs.
 
 ``--blocks`` times the block kernel (``native_quant.c``) alone instead, on random weights of the
-given formats and shapes (``out x in``), each as the file stores its rows or packed in groups of 8,
-at each of ``--sizes`` rows and each of ``--threads`` (a list here), all interleaved, microseconds a
-call: the median and the best of ``--reps`` batches of ``--calls`` calls (on a shared machine the
+given formats and shapes (``out x in``), each as the file stores its rows (``rows``), packed in
+groups of 8 (``packed``) or packed and multiplied on AMX-INT8 tiles (``amx``, where the CPU has
+them), at each of ``--sizes`` rows and each of ``--threads`` (a list here), all interleaved,
+microseconds a call: the median and the best of ``--reps`` batches of ``--calls`` calls (on a shared machine the
 best is the least disturbed):
 
-    PYTHONPATH=. python scripts/bench_kernels.py --blocks Q5_0/packed,Q4_1/packed,Q5_0/rows \
+    PYTHONPATH=. python scripts/bench_kernels.py --blocks Q5_0/packed,Q4_1/packed,Q5_0/rows,Q4_1/amx \
         --weights 576x1536,1536x576 --sizes 1,4,16 --threads 1,2 --reps 15
 
 ``--sessions`` times what batching pays instead: N sessions' one-node steps in one forward
@@ -93,7 +94,9 @@ def block_table(args) -> None:
         for fmt, layout in specs:
             kind = native_check.FORMATS[fmt][0]
             data = native_check._blocks(fmt, n, k, gen)
-            if layout == "packed":
+            if layout == "amx" and not native.quant_amx():
+                raise SystemExit("no AMX-INT8 tiles here (the CPU, Linux or the start-up check said no)")
+            if layout in ("packed", "amx"):
                 packed = native.quant_pack(kind, data, n, k)
                 if packed is None:
                     raise SystemExit(f"{fmt} is not packed here")
@@ -109,6 +112,7 @@ def block_table(args) -> None:
             kind, data = weights[(n, k, fmt, layout)]
             x = xs[(k, m)]
             lib.racer_pool_hold(1)  # as a forward holds the pool over its calls
+            native.quant_amx_rows(1 if layout == "amx" else 0)  # tiles for every call of 2 rows or more
             t0 = time.perf_counter()
             for _ in range(args.calls):
                 native.quant_linear(x, kind, data, n, k)
@@ -275,7 +279,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--shapes", action="store_true", help="also print each plan's per-shape tuner timings")
-    ap.add_argument("--blocks", default="", help="FORMAT/packed or FORMAT/rows, comma-separated: the kernel alone")
+    ap.add_argument(
+        "--blocks", default="", help="FORMAT/packed, FORMAT/rows or FORMAT/amx, comma-separated: the kernel alone"
+    )
     ap.add_argument("--weights", default="576x1536,1536x576", help="--blocks: weight shapes, out x in")
     ap.add_argument("--calls", type=int, default=20, help="--blocks: calls per timed batch")
     ap.add_argument("--sessions", default="", help="counts of sessions batched, beside chains as long (1,2,4,8)")
