@@ -23,15 +23,35 @@ needs_native = pytest.mark.skipif(native.library() is None, reason=f"native kern
 
 def _probe(*args: str, **env: str) -> dict:
     """``tests.support.native_probe`` in a process of its own, with ``env`` added."""
-    run = subprocess.run(
-        [sys.executable, "-m", "tests.support.native_probe", *args],
-        env=dict(os.environ, **env),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout)
+    return _probes((args, env))[0]
+
+
+def _probes(*runs: tuple[tuple[str, ...], dict]) -> list[dict]:
+    """Several probes (``(args, env)`` each) in processes of their own, side by side; their reports
+    in order. The same run asked again (this module's plain one) is answered from the first."""
+    todo = [run for run in dict.fromkeys(_key(r) for r in runs) if run not in _REPORTS]
+    procs = {
+        run: subprocess.Popen(
+            [sys.executable, "-m", "tests.support.native_probe", *run[0]],
+            env=dict(os.environ, **dict(run[1])),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for run in todo
+    }
+    for run, proc in procs.items():
+        out, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, err[-3000:]
+        _REPORTS[run] = json.loads(out)
+    return [_REPORTS[_key(r)] for r in runs]
+
+
+def _key(run: tuple[tuple[str, ...], dict]) -> tuple:
+    return tuple(run[0]), tuple(sorted(run[1].items()))
+
+
+_REPORTS: dict = {}
 
 
 def _expected_kernels(lib) -> set[str]:
@@ -98,8 +118,7 @@ def test_a_kernel_built_wrong_is_refused_at_start_up_and_the_fallback_serves_ide
     """Negative control: a build whose packed block kernel sums with the wrong sign. The check
     refuses exactly those kernels; their calls (the native decoder's included) come from the
     reference build, so the bundled model's greedy tokens are the clean build's."""
-    clean = _probe("--tokens", "12")
-    broken = _probe("--tokens", "12", RACER_NATIVE_FAULT="packed")
+    clean, broken = _probes((("--tokens", "12"), {}), (("--tokens", "12"), {"RACER_NATIVE_FAULT": "packed"}))
     refused = {k for k, (ok, _) in broken["checks"].items() if not ok}
     tiles = {f"amx quant {f} packed" for f in native_check.AMX_FORMATS} if broken["amx_here"] else set()
     assert refused == {f"quant {f} packed" for f in native_check.PACKABLE} | tiles  # a CPU with AMX: its tiles too
@@ -121,8 +140,9 @@ def _levels() -> list[str]:
 def test_each_isa_level_builds_checks_clean_and_gives_the_block_kernels_bits(level):
     """The library built as a CPU of a lower ISA level would build it (on this one): every kernel
     agrees with its reference, and the block kernel's outputs are bit for bit this build's."""
-    here = _probe()
-    there = _probe(RACER_NATIVE_ISA=level)
+    levels = [((), {"RACER_NATIVE_ISA": other}) for other in _levels()]  # built side by side, once
+    here, *theres = _probes(((), {}), *levels)
+    there = theres[_levels().index(level)]
     assert there["level"] == level
     assert [k for k, (ok, _) in there["checks"].items() if not ok] == []
     assert there["outputs"] == here["outputs"]
@@ -169,13 +189,14 @@ def test_the_amx_int8_tiles_give_the_block_kernels_bits_and_a_wrong_tile_path_is
 
     here = {"outputs": quant_outputs()}  # this process's build, its tiles (where it has them) unused
     tiles = {f"amx quant {f} packed" for f in native_check.AMX_FORMATS}
-    there = _probe("--amx-rows", "2", RACER_NATIVE_EMULATE="amx-int8")
+    emulated = {"RACER_NATIVE_EMULATE": "amx-int8"}
+    faulty = {**emulated, "RACER_NATIVE_FAULT": "amx"}
+    there, broken = _probes((("--amx-rows", "2"), emulated), (("--amx-rows", "2"), faulty))
     assert there["amx"] is True and there["amx_here"]
     assert tiles <= set(there["checks"]) and all(there["checks"][k][0] for k in tiles)
     assert [k for k, (ok, _) in there["checks"].items() if not ok] == []
     assert there["outputs"] == here["outputs"]  # 19 rows: a pass of 15 and one of 4, on tiles
 
-    broken = _probe("--amx-rows", "2", RACER_NATIVE_EMULATE="amx-int8", RACER_NATIVE_FAULT="amx")
     assert {k for k, (ok, _) in broken["checks"].items() if not ok} == tiles
     assert broken["amx"] is False
     for fmt in native_check.AMX_FORMATS:  # the fault is real on the tiles ...
