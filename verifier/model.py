@@ -231,6 +231,22 @@ def _publish(target: Path, source: Path, *parts) -> None:
 _SOURCE = ".source.json"
 
 
+_ABANDONED = 24 * 3600  # seconds since an unfinished directory was last written
+
+
+def _abandoned(entry: Path) -> bool:
+    """Whether ``entry`` is a writer's unfinished directory (``<name>.tmp<pid>``) last written more
+    than ``_ABANDONED`` seconds ago. By age, not by whether the pid lives: a writer in another
+    container sharing the cache has a pid this process cannot see."""
+    stem, sep, pid = entry.name.rpartition(".tmp")
+    if not (sep and stem and pid.isdigit()):
+        return False
+    try:
+        return time.time() - entry.stat().st_mtime > _ABANDONED
+    except OSError:
+        return False
+
+
 def _stamp(real: Path) -> dict:
     st = real.stat()
     return {"path": str(real), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
@@ -241,9 +257,16 @@ def prune_stale(models: Path) -> list[Path]:
     gone or was replaced (another size or mtime), as its ``_SOURCE`` records it, and returns them.
     The cache is keyed by the file's path, so without this every virtual environment, clone or
     download that once held a model would keep its ~4 bytes a weight for good. A directory that
-    records no source (written before this record existed) is left alone."""
+    records no source (written before this record existed) is left alone. A writer's unfinished
+    directory (``<name>.tmp<pid>``, ``_publish``) untouched for ``_ABANDONED`` seconds is removed
+    too: its writer was killed (a conversion takes minutes), and nothing else would ever take it."""
     removed = []
     for entry in sorted(models.iterdir()) if models.is_dir() else ():
+        if _abandoned(entry):
+            log.info("removing %s: a conversion left unfinished", entry)
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+            continue
         record = entry / _SOURCE
         if not (entry / ".complete").exists() or not record.exists():
             continue
