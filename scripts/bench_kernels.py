@@ -55,6 +55,7 @@ import torch  # noqa: E402
 
 from verifier.engine import VerifierSession, verify_batch  # noqa: E402
 from verifier.kernels import Timing  # noqa: E402
+from verifier.machine import fingerprint  # noqa: E402
 from verifier.model import DEFAULT_MODEL, load  # noqa: E402
 from verifier.tuning import kernel_plan  # noqa: E402
 
@@ -90,12 +91,12 @@ def block_table(args) -> None:
     counts = [int(t) for t in str(args.threads).split(",")]
     gen = torch.Generator().manual_seed(0)
     weights = {}
+    if any(layout == "amx" for _, layout in specs) and not native.quant_amx():
+        raise SystemExit("no AMX-INT8 tiles here (the CPU, Linux or the start-up check said no)")
     for n, k in shapes:
         for fmt, layout in specs:
             kind = native_check.FORMATS[fmt][0]
             data = native_check._blocks(fmt, n, k, gen)
-            if layout == "amx" and not native.quant_amx():
-                raise SystemExit("no AMX-INT8 tiles here (the CPU, Linux or the start-up check said no)")
             if layout in ("packed", "amx"):
                 packed = native.quant_pack(kind, data, n, k)
                 if packed is None:
@@ -120,7 +121,7 @@ def block_table(args) -> None:
             lib.racer_pool_hold(0)
             if rep:
                 times[(t, (n, k, fmt, layout), m)].append(elapsed / args.calls * 1e6)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    cpu = fingerprint()["cpu"]
     print(f"\n{cpu}, block kernel {native.quant_isa()}, {args.reps} x {args.calls} calls: median / best (us a call)")
     head = " | ".join(f"{t} thr, {m} rows" for t in counts for m in sizes)
     print(f"| weight | format | {head} |")
@@ -255,7 +256,7 @@ def time_sessions(sessions: dict, counts: list[int], args) -> dict:
 def session_table(sessions: dict, args) -> None:
     counts = [int(s) for s in args.sessions.split(",")]
     times = time_sessions(sessions, counts, args)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    cpu = fingerprint()["cpu"]
     print(
         f"\n{cpu}, {args.threads} thread(s), {args.dtype}, each session over {args.context} tokens, "
         f"medians of {args.reps} (ms a forward)"
@@ -306,7 +307,7 @@ def main() -> None:
         return
     stream = Stream(args.threads, args.stream_mib) if args.stream_mib and block_bytes(sessions) else None
     times = time_sizes(sessions, sizes, args, stream)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    cpu = fingerprint()["cpu"]
     print(
         f"\n{cpu}, {args.threads} thread(s), {args.dtype}, {args.context}-token context, chain trees, "
         f"medians of {args.reps} (ms)"
