@@ -185,8 +185,47 @@ struct xq {
 };
 
 /* 32 values of x to 8 bits: scale max|x| / 127, rounded to nearest. Returns the scale; *sum the
- * values' integer sum. */
-static float quantize_block(const float *xb, int8_t *q, int *sum)
+ * values' integer sum, and *first (where not NULL) that of the first 16. The AVX2 build's vectors make
+ * the same bits as the loops: a maximum and integer sums are the same in any order, a NaN is passed
+ * over by either, each value takes the same multiply and the same rounding (to nearest even, as
+ * nearbyintf under the default mode), and a byte is the low 8 bits of its 32-bit value. */
+#if defined(QUANT_AVX2)
+static float quantize_block(const float *xb, int8_t *q, int *sum, int *first)
+{
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        m = _mm256_max_ps(_mm256_and_ps(v[i], magnitude), m); /* a NaN's lane keeps m's value */
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    const float db = amax / 127.f, id = db != 0.f ? 127.f / amax : 0.f;
+    const __m256 ids = _mm256_set1_ps(id);
+    /* byte 0 of each 32-bit lane to the lane's low 4 bytes of its 128-bit half */
+    const __m256i low = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12,
+                                         -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    __m256i s[2];
+    for (int i = 0; i < 4; i++) {
+        const __m256i n = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], ids));
+        s[i / 2] = i % 2 ? _mm256_add_epi32(s[i / 2], n) : n;
+        const __m256i b = _mm256_shuffle_epi8(n, low);
+        int32_t lo = _mm256_cvtsi256_si32(b), hi = _mm256_extract_epi32(b, 4);
+        memcpy(q + 8 * i, &lo, 4);
+        memcpy(q + 8 * i + 4, &hi, 4);
+    }
+    int32_t lanes[2][8];
+    _mm256_storeu_si256((__m256i *)lanes[0], s[0]);
+    _mm256_storeu_si256((__m256i *)lanes[1], s[1]);
+    int a = 0, b = 0;
+    for (int j = 0; j < 8; j++) a += lanes[0][j], b += lanes[1][j];
+    *sum = (int)((unsigned)a + (unsigned)b);
+    if (first) *first = a;
+    return db;
+}
+#else
+static float quantize_block(const float *xb, int8_t *q, int *sum, int *first)
 {
     float amax = 0.f;
     for (int i = 0; i < 32; i++) {
@@ -199,15 +238,17 @@ static float quantize_block(const float *xb, int8_t *q, int *sum)
         const int v = (int)nearbyintf(xb[i] * id);
         q[i] = (int8_t)v;
         *sum += v;
+        if (i == 15 && first) *first = *sum;
     }
     return db;
 }
+#endif
 
 static void quantize_row(const float *x, long K, int8_t *q, float *d, float *s)
 {
     for (long b = 0; b < K / 32; b++) {
         int sum;
-        d[b] = quantize_block(x + 32 * b, q + 32 * b, &sum);
+        d[b] = quantize_block(x + 32 * b, q + 32 * b, &sum, NULL);
         s[b] = d[b] * (float)sum;
     }
 }
@@ -749,13 +790,11 @@ static void quantize_body(void *ctx, long lo, long hi, int tid)
     (void)tid;
     for (long m = lo; m < hi; m++)
         for (long b = 0; b < X->nb; b++) {
-            int sum;
-            const float db = quantize_block(c->x + m * K + 32 * b, X->q + (b * M + m) * 32, &sum);
+            int sum, lo;
+            const float db = quantize_block(c->x + m * K + 32 * b, X->q + (b * M + m) * 32, &sum, &lo);
             X->d[b * M + m] = db;
             X->s[b * M + m] = db * (float)sum;
             X->sum[b * M + m] = sum;
-            int lo = 0;
-            for (int i = 0; i < 16; i++) lo += X->q[(b * M + m) * 32 + i];
             X->half[b * M + m] = (int32_t)((uint32_t)(uint16_t)lo | (uint32_t)(uint16_t)(sum - lo) << 16);
         }
 }

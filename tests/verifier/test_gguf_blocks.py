@@ -208,6 +208,44 @@ def test_packed_groups_vector_code_gives_the_c_codes_bits(name):
     assert not torch.equal(_run(x, name, raw, n, k, packed=True), simd)  # the bias is in it
 
 
+def _edge_activations(k: int) -> torch.Tensor:
+    """Rows whose blocks of 32 test the activations' 8-bit rounding at its edges: an all-zero block,
+    values that land exactly halfway between two steps (max |x| 127, so each value is its own step
+    count: ties go to the even neighbour), one lone value, tiny values, a block of one sign; the
+    other blocks random, some large."""
+    x = torch.randn((3, k), generator=torch.Generator().manual_seed(11))
+    x[0, 0:32] = 0.0
+    x[0, 32:64] = torch.arange(32) - 15.5
+    x[0, 32] = 127.0
+    x[1, 32:64] = -(torch.arange(32) - 15.5)
+    x[1, 63] = -127.0
+    x[0, 64:96] = 0.0
+    x[0, 70] = -3.0
+    x[1, 0:32] = torch.rand(32, generator=torch.Generator().manual_seed(12)) * 1e-30
+    x[1, 64:96] = -torch.rand(32, generator=torch.Generator().manual_seed(13))
+    x[2] *= 1e3
+    return x
+
+
+@needs_kernel
+@pytest.mark.parametrize("name,packed", [("Q4_1", False), ("Q8_0", True), ("Q4_1", True), ("Q6_K", True)])
+def test_the_activations_rounding_is_the_c_codes_at_ties_zeros_and_extremes(name, packed):
+    """The vector build quantizes each block of activations (its maximum, the rounding to nearest
+    even, the sums of its values and of its first half) as the reference build's C loops do: equal
+    outputs at the rounding's edges, for the kernel over rows as stored and over packed groups."""
+    rng = np.random.default_rng(14)
+    n, k = 16, 512
+    raw = _blocks(name, n, k, rng)
+    x = _edge_activations(k)
+    mine = _run(x, name, raw, n, k, packed=packed)
+    kernel = f"quant {name}{' packed' if packed else ''}"
+    assert not native.refused(kernel), f"the start-up check refused {kernel}"
+    assert torch.equal(_run(x, name, raw, n, k, packed=packed, reference=True), mine)
+    moved = x.clone()
+    moved[0, 33] = -14.5 - 2**-18  # just past the tie: -15 where the tie gave -14
+    assert not torch.equal(_run(moved, name, raw, n, k, packed=packed), mine)
+
+
 @needs_kernel
 @pytest.mark.parametrize("name", PACKABLE)
 def test_a_groups_bits_are_the_same_paired_with_its_neighbour_or_alone(name):
