@@ -31,6 +31,11 @@ best is the least disturbed):
     PYTHONPATH=. python scripts/bench_kernels.py --blocks Q5_0/packed,Q4_1/packed,Q5_0/rows,Q4_1/amx \
         --weights 576x1536,1536x576 --sizes 1,4,16 --threads 1,2 --reps 15
 
+With ``--peak`` it also prints each cell as multiply-adds a second per thread, against the fastest 8-bit
+multiply-add instruction this CPU has, timed alone on as many threads at once (``scripts/int8_peak.c``:
+vpmaddubsw on AVX2, vpdpbusd on 256 and 512 bits with VNNI): how much of the integer rate the
+kernel's unpacking, scales and float steps leave.
+
 ``--sessions`` times what batching pays instead: N sessions' one-node steps in one forward
 (``verify_batch``, each session over its own ``--context``-token cache) beside one session's chain
 tree of N nodes, interleaved the same way. The weights are read once either way; what differs is
@@ -129,6 +134,54 @@ def block_table(args) -> None:
     for n, k, fmt, layout in weights:
         cells = [times[(t, (n, k, fmt, layout), m)] for t in counts for m in sizes]
         cells = [f"{statistics.median(c):.1f} / {min(c):.1f}" for c in cells]
+        print(f"| {n}x{k} | {fmt} {layout} | " + " | ".join(cells) + " |")
+    if args.peak:
+        peak_table(args, weights, times, counts, sizes)
+
+
+def int8_peak(threads: int) -> tuple[float, dict[str, float]]:
+    """scripts/int8_peak.c built for this CPU and run on ``threads`` threads at once: the clock (GHz)
+    and, per instruction it has, G multiply-adds a second of each thread."""
+    import subprocess
+    import tempfile
+
+    from verifier import native
+
+    cc = native._compiler()
+    if cc is None:
+        raise SystemExit("--peak: no C compiler")
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = Path(tmp) / "int8_peak"
+        src = Path(__file__).with_name("int8_peak.c")
+        subprocess.run([cc, "-O2", "-march=native", "-pthread", str(src), "-o", str(exe)], check=True)
+        out = subprocess.run([str(exe), str(threads)], check=True, capture_output=True, text=True).stdout
+    lines = out.splitlines()
+    ghz = float(lines[0].split()[1])
+    rates = {}
+    for line in lines[1:]:
+        name, rate, _ = line.rsplit(" ", 2)
+        rates[name] = float(rate)
+    return ghz, rates
+
+
+def peak_table(args, weights, times, counts, sizes) -> None:
+    """Each cell's best time as G multiply-adds a second per thread, and its share of the fastest
+    8-bit multiply-add instruction's peak on as many threads at once (scripts/int8_peak.c)."""
+    peaks = {t: int8_peak(t) for t in counts}
+    for t, (ghz, rates) in peaks.items():
+        listed = ", ".join(f"{name} {rate:.1f}" for name, rate in rates.items())
+        print(f"\npeak, {t} thread(s) at once (clock {ghz:.2f} GHz): {listed} G multiply-adds a second per thread")
+    head = " | ".join(f"{t} thr, {m} rows" for t in counts for m in sizes)
+    print("\nG multiply-adds a second per thread (best time) / share of the fastest instruction's peak")
+    print(f"| weight | format | {head} |")
+    print("|---|---|" + "---|" * (len(counts) * len(sizes)))
+    for n, k, fmt, layout in weights:
+        cells = []
+        for t in counts:
+            top = max(peaks[t][1].values())
+            for m in sizes:
+                rate = n * k * m / (min(times[(t, (n, k, fmt, layout), m)]) * 1e-6) / 1e9 / t
+                cells.append(f"{rate:.1f} / {rate / top:.0%}")
         print(f"| {n}x{k} | {fmt} {layout} | " + " | ".join(cells) + " |")
 
 
@@ -285,6 +338,11 @@ def main() -> None:
     )
     ap.add_argument("--weights", default="576x1536,1536x576", help="--blocks: weight shapes, out x in")
     ap.add_argument("--calls", type=int, default=20, help="--blocks: calls per timed batch")
+    ap.add_argument(
+        "--peak",
+        action="store_true",
+        help="--blocks: also each cell's multiply-adds a second against the CPU's 8-bit peak (scripts/int8_peak.c)",
+    )
     ap.add_argument("--sessions", default="", help="counts of sessions batched, beside chains as long (1,2,4,8)")
     ap.add_argument(
         "--stream-mib",
