@@ -8,9 +8,10 @@
  * whatever else shares the call, wherever its keys are read from and however the threads split the
  * work: a tree node computes exactly what a one-token step at its position computes.
  *
- * A row's first ``inplace`` keys are cache rows 0, 1, ...: the committed context. A block of it is
- * converted once for all the rows of a work item, and their products with it are made a few rows at
- * a time, each load of a key or value shared by the rows of the tile while the block sits in L1.
+ * A row's first ``inplace`` keys are cache rows 0, 1, ...: the committed context. A block of its keys
+ * is converted once for all the rows of a work item (its values are widened where the weighted sums
+ * load them), and their products with it are made a few rows at a time, each load of a key or value
+ * shared by the rows of the tile while the block sits in L1.
  * A row's other keys are cache rows named by ``tail`` (its ancestors, at most the tree's depth): the
  * one block holding them is gathered for that row alone.
  *
@@ -31,15 +32,15 @@
 #define BLOCK 64
 #define MAXD 256
 
-/* One block of a KV head converted to float32: kt[d][j] = K[key j][d] (keys along the vector lanes,
- * so scores need no horizontal sums) and v[j][d] = V[key j][d]: ``vb``, or a float32 cache's own
- * rows where the block's keys are consecutive cache rows (read in place, the same values). Only keys
- * below a row's count are ever used: the others are masked out of its scores and left out of its
- * sums. */
+/* One block of a KV head: its keys converted to float32, kt[d][j] = K[key j][d] (keys along the
+ * vector lanes, so scores need no horizontal sums), and where each key's value row lies in the cache
+ * (``vr[j]``, of element type ``vtype``): the weighted sums widen a value as they load it (exact, so
+ * the same values a float32 copy would hold, without writing and reading one). Only keys below a
+ * row's count are ever used: the others are masked out of its scores and left out of its sums. */
 struct block {
     float kt[MAXD * BLOCK] __attribute__((aligned(64)));
-    float vb[BLOCK * MAXD] __attribute__((aligned(64)));
-    const float *v;
+    const char *vr[BLOCK];
+    int vtype;
 };
 
 #if defined(__AVX2__)
@@ -78,13 +79,12 @@ static inline void transpose8(float *kt, const char *const *rows, long d0, int t
 #endif
 
 /* Keys j0 .. nb - 1 of a block (j0 a multiple of 8; key j at byte offset off[j] of kbase, vbase)
- * converted into ``blk``: their values too unless ``blk->v`` reads them in place. */
+ * converted into ``blk``, and their value rows located. */
 static void convert(struct block *blk, const char *kbase, const char *vbase, const long *off, long j0, long nb,
                     long D, int type)
 {
-    if (blk->v == blk->vb)
-        for (long j = j0; j < nb; j++)
-            for (long d = 0; d < D; d += VL) *(vf *)(blk->vb + j * D + d) = load_as_f32(vbase + off[j], d, type);
+    blk->vtype = type;
+    for (long j = j0; j < nb; j++) blk->vr[j] = vbase + off[j];
 #if defined(__AVX2__)
     for (long j8 = j0; j8 < nb; j8 += 8) {
         const char *rows[8];
@@ -100,11 +100,12 @@ static void convert(struct block *blk, const char *kbase, const char *vbase, con
 #endif
 }
 
-/* Keys 0 .. nb - 1 of ``dst`` (values in ``vb``) copied from ``src`` (converted already). */
+/* Keys 0 .. nb - 1 of ``dst`` (and their value rows) copied from ``src`` (converted already). */
 static void copy_keys(struct block *dst, const struct block *src, long nb, long D)
 {
     for (long d = 0; d < D; d++) memcpy(dst->kt + d * BLOCK, src->kt + d * BLOCK, sizeof(float) * nb);
-    memcpy(dst->vb, src->v, sizeof(float) * nb * D);
+    memcpy(dst->vr, src->vr, sizeof(dst->vr[0]) * nb);
+    dst->vtype = src->vtype;
 }
 
 /* A query's running softmax state: max, sum of weights, weighted values (float32). */
@@ -122,6 +123,7 @@ struct work {
     float s[RB * BLOCK] __attribute__((aligned(64)));
     float o[RB * MAXD] __attribute__((aligned(64)));
     float softcap; /* the call's: > 0 caps each scaled score s to softcap * tanh(s / softcap) */
+    int record;    /* 1: a block's state is stored as it is (m, l, weighted values), not merged */
 };
 
 /* x in every lane (x - 0 is x for every x: a plain broadcast). */
@@ -156,9 +158,9 @@ static inline __attribute__((always_inline)) void block_scores(int R, float *s, 
 }
 
 /* NV value vectors from dim d0 on of R head rows' weighted sums over the block's first nb keys
- * (weights p[r][j]): o[r][d] = sum over j in order of p[r][j] V[j][d]. */
-static inline __attribute__((always_inline)) void values_pass(int R, int NV, float *o, const float *p,
-                                                               const struct block *blk, long nb, long D, long d0)
+ * (weights p[r][j]; values of element type T): o[r][d] = sum over j in order of p[r][j] V[j][d]. */
+static inline __attribute__((always_inline)) void values_pass(int R, int NV, int T, float *o, const float *p,
+                                                               const struct block *blk, long nb, long d0)
 {
     vf acc[RB][DV];
 #pragma GCC unroll 8
@@ -166,7 +168,7 @@ static inline __attribute__((always_inline)) void values_pass(int R, int NV, flo
         for (int k = 0; k < NV; k++) acc[r][k] = (vf){0};
     for (long j = 0; j < nb; j++) {
         vf vv[DV];
-        for (int k = 0; k < NV; k++) vv[k] = load_f32(blk->v + j * D + d0 + k * VL);
+        for (int k = 0; k < NV; k++) vv[k] = load_as_f32(blk->vr[j], d0 + k * VL, T);
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             vf pj = splat(p[r * BLOCK + j]);
@@ -178,12 +180,22 @@ static inline __attribute__((always_inline)) void values_pass(int R, int NV, flo
         for (int k = 0; k < NV; k++) *(vf *)(o + r * MAXD + d0 + k * VL) = acc[r][k];
 }
 
+static inline __attribute__((always_inline)) void values_of(int R, int T, float *o, const float *p,
+                                                             const struct block *blk, long nb, long D)
+{
+    long d0 = 0;
+    for (; d0 + DV * VL <= D; d0 += DV * VL) values_pass(R, DV, T, o, p, blk, nb, d0);
+    for (; d0 < D; d0 += VL) values_pass(R, 1, T, o, p, blk, nb, d0);
+}
+
 static inline __attribute__((always_inline)) void block_values(int R, float *o, const float *p,
                                                                 const struct block *blk, long nb, long D)
 {
-    long d0 = 0;
-    for (; d0 + DV * VL <= D; d0 += DV * VL) values_pass(R, DV, o, p, blk, nb, D, d0);
-    for (; d0 < D; d0 += VL) values_pass(R, 1, o, p, blk, nb, D, d0);
+    switch (blk->vtype) {
+    case F32: values_of(R, F32, o, p, blk, nb, D); break;
+    case BF16: values_of(R, BF16, o, p, blk, nb, D); break;
+    default: values_of(R, F16, o, p, blk, nb, D); break;
+    }
 }
 
 /* Lanes of ``a`` where ``take`` is set, else of ``b``. */
@@ -248,7 +260,14 @@ static inline __attribute__((always_inline)) void attend_rows(int R, struct work
                 *(vf *)(w->s + r * BLOCK + j) = vtanh(*(const vf *)(w->s + r * BLOCK + j) / w->softcap) * w->softcap;
     for (int r = 0; r < R; r++) mb[r] = block_weights(w->s + r * BLOCK, nb, &lb[r]);
     block_values(R, w->o, w->s, blk, nb, D);
-    for (int r = 0; r < R; r++) merge(st[r], w->o + r * MAXD, mb[r], lb[r], D);
+    for (int r = 0; r < R; r++)
+        if (w->record) { /* the block's own state, for the merges of racer_attention's block items */
+            st[r]->m = mb[r];
+            st[r]->l = lb[r];
+            memcpy(st[r]->acc, w->o + r * MAXD, sizeof(float) * D);
+        } else {
+            merge(st[r], w->o + r * MAXD, mb[r], lb[r], D);
+        }
 }
 
 /* ``count`` head rows over one block, RB at a time (each a separate instance: the same operations
@@ -293,11 +312,10 @@ struct item {
 };
 
 /* The in-place conversion of block b0 (its first *have keys) extended to its first ``nb``: cache rows
- * b0, b0 + 1, ..., so a float32 cache's values are read where they are. */
+ * b0, b0 + 1, .... */
 static void extend(struct block *blk, long *have, long nb, long b0, const char *kb, const char *vb, long esize,
                    long D, int type)
 {
-    blk->v = type == F32 ? (const float *)(vb + b0 * D * esize) : blk->vb;
     if (nb <= *have) return;
     long off[BLOCK], from = *have / 8 * 8;
     for (long j = from; j < nb; j++) off[j] = (b0 + j) * D * esize;
@@ -332,7 +350,6 @@ static void item_block(struct item *it, long b0, long r0, long r1, long group, c
         } else { /* its context keys copied from the in-place conversion, the others converted */
             long ctx = inplace[r] > b0 ? (inplace[r] - b0) / 8 * 8 : 0;
             extend(it->shared, &partial, ctx, b0, kb, vb, esize, D, type);
-            it->own->v = it->own->vb; /* its keys are not all consecutive cache rows */
             copy_keys(it->own, it->shared, ctx, D);
             for (long j = ctx; j < nb; j++) {
                 long o = b0 + j;
@@ -364,6 +381,10 @@ static void item_chunk(struct item *it, long lo, long hi, long r0, long r1, long
 }
 
 #define CHUNK (4 * BLOCK) /* keys whose block states are merged before the chunks' states are */
+/* A call with fewer chunk items than BLOCK_ITEMS a thread takes an item per block (at most
+ * BLOCK_STATES head-row states recorded): speed only, the same bits. */
+#define BLOCK_ITEMS 4
+#define BLOCK_STATES 16384
 
 /* A head row's result: its chunk states (chunk c's at p + c * step: m, l | acc) merged in order. */
 static void merge_chunks(float *out, const float *p, long step, long chunks, long count, long D)
@@ -448,6 +469,8 @@ struct attention_call {
     float scale, softcap;
     int type;
     long esize, group, ps, chunks, runs, span;
+    long blocks;          /* > 0: the items are blocks, not chunks (``BLOCK_ITEMS``), this many a KV head */
+    struct state *record; /* then each block's states: [blocks][Hkv][n][group] */
 };
 
 /* Work items [lo, hi): one KV head, one chunk and a run of rows each; their chunk states into part. */
@@ -462,6 +485,20 @@ static void attention_items(void *ctx, long lo, long hi, int tid)
         return;
     }
     it->w->softcap = c->softcap;
+    it->w->record = c->blocks > 0;
+    if (c->blocks > 0) { /* one block each: its states recorded where attention_merges reads them */
+        struct state *own = it->st;
+        for (long x = lo; x < hi; x++) {
+            const long kh = x / (c->blocks * c->runs), bu = x % (c->blocks * c->runs), b = bu / c->runs, u = bu % c->runs;
+            const long r0 = u * span, r1 = r0 + span < n ? r0 + span : n;
+            it->st = c->record + ((b * c->Hkv + kh) * n + r0) * group;
+            item_block(it, b * BLOCK, r0, r1, group, c->q, H, kh, (const char *)c->k + kh * c->cap * D * c->esize,
+                       (const char *)c->v + kh * c->cap * D * c->esize, c->esize, c->counts, c->inplace, c->tail, c->T,
+                       D, c->type, c->scale);
+        }
+        it->st = own;
+        return;
+    }
     for (long x = lo; x < hi; x++) {
         const long kh = x / (c->chunks * c->runs), cu = x % (c->chunks * c->runs), ch = cu / c->runs, u = cu % c->runs;
         long r0 = u * span, r1 = r0 + span < n ? r0 + span : n, top = 0, lo_key = ch * CHUNK;
@@ -489,9 +526,27 @@ static void attention_merges(void *ctx, long lo, long hi, int tid)
 {
     const struct attention_call *c = ctx;
     (void)tid;
-    for (long rh = lo; rh < hi; rh++)
+    for (long rh = lo; rh < hi; rh++) {
+        if (c->blocks > 0) { /* each chunk's state first: its blocks' recorded states merged in order */
+            const long r = rh / c->H, kh = rh % c->H / c->group, g = rh % c->group, count = c->counts[r];
+            float *p = c->part + rh * c->ps;
+            for (long ch = 0; ch * CHUNK < count; ch++, p += c->n * c->H * c->ps) {
+                struct state s;
+                s.m = -INFINITY;
+                s.l = 0.f;
+                memset(s.acc, 0, sizeof(float) * c->D);
+                for (long b = ch * CHUNK / BLOCK; b * BLOCK < count && b * BLOCK < (ch + 1) * CHUNK; b++) {
+                    const struct state *e = &c->record[((b * c->Hkv + kh) * c->n + r) * c->group + g];
+                    merge(&s, e->acc, e->m, e->l, c->D);
+                }
+                p[0] = s.m;
+                p[1] = s.l;
+                memcpy(p + VL, s.acc, sizeof(float) * c->D);
+            }
+        }
         merge_chunks(c->out + rh * c->D, c->part + rh * c->ps, c->n * c->H * c->ps, c->chunks, c->counts[rh / c->H],
                      c->D);
+    }
 }
 
 /* q [n, H, D] float32; k, v: one layer's cache [Hkv, cap, D] of ``type``; out [n, H, D] float32.
@@ -502,7 +557,12 @@ static void attention_merges(void *ctx, long lo, long hi, int tid)
  * A row's keys fall into chunks of CHUNK at fixed ordinals: within a chunk its block states are
  * merged in order, then the chunks' states in order. A work item is one KV head, one chunk and a run
  * of rows: every block read in place is converted once for all the rows of its item, and the items
- * (about twice the threads, or more) keep every thread busy even for one token. */
+ * (about twice the threads, or more) keep every thread busy. Where the chunks give fewer than
+ * BLOCK_ITEMS items a thread (a one-token step over a short context: 3 KV heads, 1 or 2 chunks, on 2
+ * threads), an item is one block instead: its states are recorded, and each head row's are merged
+ * into its chunks' in order afterwards, by the same steps (on AMD EPYC Zen 3, 2 threads, the default
+ * model's 30 layers of a one-token step over 257 keys: 0.86 ms against 0.96, medians of 5 runs
+ * alternated, together with the values widened in place). */
 int racer_attention_capped(int type, const float *q, const void *k, const void *v, float *out, long n, long H,
                            long Hkv, long D, long cap, const int64_t *counts, const int64_t *inplace,
                            const int64_t *tail, long T, float scale, float softcap, int threads);
@@ -535,10 +595,19 @@ int racer_attention_capped(int type, const float *q, const void *k, const void *
     float *part = aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
     if (!part) return -2;
     struct attention_call c = {0, part, q, k, v, out, n, H, Hkv, D, cap, counts, inplace, tail, T, scale, softcap,
-                               type, esize, group, ps, chunks, runs, span};
-    racer_pfor(Hkv * chunks * runs, 1, nth, attention_items, &c);
+                               type, esize, group, ps, chunks, runs, span, 0, NULL};
+    /* Too few items to keep the threads even (a one-token step: a chunk per KV head, 3 items on 2
+     * threads): an item per block instead, its states recorded and merged into the chunks' in
+     * order afterwards, by the same steps as item_chunk's. */
+    const long blocks = (most + BLOCK - 1) / BLOCK;
+    if (nth > 1 && Hkv * chunks * runs < BLOCK_ITEMS * nth && blocks > chunks && blocks * n * H <= BLOCK_STATES) {
+        c.record = aligned_alloc(64, sizeof(struct state) * (size_t)(blocks * n * H));
+        if (c.record) c.blocks = blocks; /* else the chunks', the same bits */
+    }
+    racer_pfor(Hkv * (c.blocks ? c.blocks : chunks) * runs, 1, nth, attention_items, &c);
     const int ok = !atomic_load(&c.failed);
     if (ok) racer_pfor(n * H, (n * H + nth - 1) / nth, nth, attention_merges, &c);
+    free(c.record);
     free(part);
     return ok ? 0 : -2;
 }
