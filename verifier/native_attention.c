@@ -399,10 +399,11 @@ static void merge_chunks(float *out, const float *p, long step, long chunks, lon
 }
 
 
-/* A thread's work space, kept across calls (freed when the thread ends): allocating and zeroing
- * 256 KiB of blocks per thread in every call of every layer cost a forward more than its smallest
- * trees' attention. Zeroed once, when allocated; after that a block's keys past a row's count hold
- * an earlier call's values, finite and never used (masked out of the scores, left out of the sums). */
+/* A thread's work space, kept across calls (freed when the thread ends): allocating and zeroing a
+ * thread's blocks (256 KiB when it was measured) in every call of every layer cost a forward more
+ * than its smallest trees' attention. Zeroed once, when allocated; after that a block's keys past a
+ * row's count hold an earlier call's values, finite and never used (masked out of the scores, left
+ * out of the sums). */
 struct space {
     struct item it;
     long states; /* head rows st, stp and qp hold */
