@@ -139,9 +139,9 @@ def block_table(args) -> None:
         peak_table(args, weights, times, counts, sizes)
 
 
-def int8_peak(threads: int) -> tuple[float, dict[str, float]]:
-    """scripts/int8_peak.c built for this CPU and run on ``threads`` threads at once: the clock (GHz)
-    and, per instruction it has, G multiply-adds a second of each thread."""
+def int8_peaks(counts: list[int]) -> dict[int, tuple[float, dict[str, float]]]:
+    """scripts/int8_peak.c built once for this CPU and run on each of ``counts`` threads at once:
+    per count, the clock (GHz) and, per instruction it has, G multiply-adds a second of each thread."""
     import subprocess
     import tempfile
 
@@ -150,24 +150,26 @@ def int8_peak(threads: int) -> tuple[float, dict[str, float]]:
     cc = native._compiler()
     if cc is None:
         raise SystemExit("--peak: no C compiler")
+    peaks = {}
     with tempfile.TemporaryDirectory() as tmp:
         exe = Path(tmp) / "int8_peak"
         src = Path(__file__).with_name("int8_peak.c")
         subprocess.run([cc, "-O2", "-march=native", "-pthread", str(src), "-o", str(exe)], check=True)
-        out = subprocess.run([str(exe), str(threads)], check=True, capture_output=True, text=True).stdout
-    lines = out.splitlines()
-    ghz = float(lines[0].split()[1])
-    rates = {}
-    for line in lines[1:]:
-        name, rate, _ = line.rsplit(" ", 2)
-        rates[name] = float(rate)
-    return ghz, rates
+        for threads in counts:
+            out = subprocess.run([str(exe), str(threads)], check=True, capture_output=True, text=True).stdout
+            lines = out.splitlines()
+            rates = {}
+            for line in lines[1:]:
+                name, rate, _ = line.rsplit(" ", 2)
+                rates[name] = float(rate)
+            peaks[threads] = (float(lines[0].split()[1]), rates)
+    return peaks
 
 
 def peak_table(args, weights, times, counts, sizes) -> None:
     """Each cell's best time as G multiply-adds a second per thread, and its share of the fastest
     8-bit multiply-add instruction's peak on as many threads at once (scripts/int8_peak.c)."""
-    peaks = {t: int8_peak(t) for t in counts}
+    peaks = int8_peaks(counts)
     for t, (ghz, rates) in peaks.items():
         listed = ", ".join(f"{name} {rate:.1f}" for name, rate in rates.items())
         print(f"\npeak, {t} thread(s) at once (clock {ghz:.2f} GHz): {listed} G multiply-adds a second per thread")

@@ -38,27 +38,26 @@ typedef long (*loop_fn)(void);
 
 #define X(o) _mm256_castps_si256(_mm256_broadcast_ss((const float *)(p + (o))))
 
-static long loop_maddubs(void)
-{
-    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-    const __m256i w0 = _mm256_set1_epi8(3), w1 = _mm256_set1_epi8(5);
-    for (long it = 0; it < ITERS; it++) {
-        const int8_t *p = xs + (it & 127) * 32;
-        const __m256i x0 = X(0), x1 = X(4), x2 = X(8), x3 = X(12);
-        a0 = _mm256_add_epi16(a0, _mm256_maddubs_epi16(w0, x0));
-        a1 = _mm256_add_epi16(a1, _mm256_maddubs_epi16(w1, x0));
-        a2 = _mm256_add_epi16(a2, _mm256_maddubs_epi16(w0, x1));
-        a3 = _mm256_add_epi16(a3, _mm256_maddubs_epi16(w1, x1));
-        a4 = _mm256_add_epi16(a4, _mm256_maddubs_epi16(w0, x2));
-        a5 = _mm256_add_epi16(a5, _mm256_maddubs_epi16(w1, x2));
-        a6 = _mm256_add_epi16(a6, _mm256_maddubs_epi16(w0, x3));
-        a7 = _mm256_add_epi16(a7, _mm256_maddubs_epi16(w1, x3));
-        __asm__("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5), "+x"(a6), "+x"(a7));
+/* A 256-bit loop: ``STEP(a, w, x)`` one instruction's products added into the sums a; ``ADD`` the
+ * sums' add (16-bit for vpmaddubsw's pairs, 32-bit for vpdpbusd's). */
+#define LOOP256(name, STEP, ADD)                                                                               \
+    static long name(void)                                                                                     \
+    {                                                                                                          \
+        __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;    \
+        const __m256i w0 = _mm256_set1_epi8(3), w1 = _mm256_set1_epi8(5);                                     \
+        for (long it = 0; it < ITERS; it++) {                                                                  \
+            const int8_t *p = xs + (it & 127) * 32;                                                            \
+            const __m256i x0 = X(0), x1 = X(4), x2 = X(8), x3 = X(12);                                         \
+            a0 = STEP(a0, w0, x0), a1 = STEP(a1, w1, x0), a2 = STEP(a2, w0, x1), a3 = STEP(a3, w1, x1);        \
+            a4 = STEP(a4, w0, x2), a5 = STEP(a5, w1, x2), a6 = STEP(a6, w0, x3), a7 = STEP(a7, w1, x3);        \
+            __asm__("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5), "+x"(a6), "+x"(a7));     \
+        }                                                                                                      \
+        const __m256i s = ADD(ADD(ADD(a0, a1), ADD(a2, a3)), ADD(ADD(a4, a5), ADD(a6, a7)));                   \
+        return _mm256_extract_epi32(s, 0);                                                                     \
     }
-    const __m256i s = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(a0, a1), _mm256_add_epi16(a2, a3)),
-                                       _mm256_add_epi16(_mm256_add_epi16(a4, a5), _mm256_add_epi16(a6, a7)));
-    return _mm256_extract_epi16(s, 0);
-}
+
+#define MADDUBS(a, w, x) _mm256_add_epi16(a, _mm256_maddubs_epi16(w, x))
+LOOP256(loop_maddubs, MADDUBS, _mm256_add_epi16)
 
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -66,21 +65,7 @@ static long loop_maddubs(void)
 #else
 #define DP256(a, u, s) _mm256_dpbusd_avx_epi32(a, u, s)
 #endif
-static long loop_dpbusd256(void)
-{
-    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-    const __m256i w0 = _mm256_set1_epi8(3), w1 = _mm256_set1_epi8(5);
-    for (long it = 0; it < ITERS; it++) {
-        const int8_t *p = xs + (it & 127) * 32;
-        const __m256i x0 = X(0), x1 = X(4), x2 = X(8), x3 = X(12);
-        a0 = DP256(a0, w0, x0), a1 = DP256(a1, w1, x0), a2 = DP256(a2, w0, x1), a3 = DP256(a3, w1, x1);
-        a4 = DP256(a4, w0, x2), a5 = DP256(a5, w1, x2), a6 = DP256(a6, w0, x3), a7 = DP256(a7, w1, x3);
-        __asm__("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5), "+x"(a6), "+x"(a7));
-    }
-    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(a0, a1), _mm256_add_epi32(a2, a3)),
-                                       _mm256_add_epi32(_mm256_add_epi32(a4, a5), _mm256_add_epi32(a6, a7)));
-    return _mm256_extract_epi32(s, 0);
-}
+LOOP256(loop_dpbusd256, DP256, _mm256_add_epi32)
 #endif
 
 #if defined(__AVX512VNNI__)

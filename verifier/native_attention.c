@@ -255,6 +255,14 @@ static void merge(struct state *s, const float *o, float mb, float lb, long D)
     s->m = mn;
 }
 
+/* An empty state: no keys yet (what every merge sequence starts from). */
+static void empty_state(struct state *s, long D)
+{
+    s->m = -INFINITY;
+    s->l = 0.f;
+    memset(s->acc, 0, sizeof(float) * D);
+}
+
 /* R head rows (queries q[r], states st[r]) over one block of nb keys, merged into their states. */
 static inline __attribute__((always_inline)) void attend_rows(int R, struct work *w, struct state *const *st,
                                                                const float *const *q, const struct block *blk,
@@ -380,9 +388,7 @@ static void item_chunk(struct item *it, long lo, long hi, long r0, long r1, long
                        const int64_t *inplace, const int64_t *tail, long T, long D, int type, float scale)
 {
     for (long m = 0; m < (r1 - r0) * group; m++) {
-        it->st[m].m = -INFINITY;
-        it->st[m].l = 0.f;
-        memset(it->st[m].acc, 0, sizeof(float) * D);
+        empty_state(&it->st[m], D);
     }
     for (long b0 = lo; b0 < hi; b0 += BLOCK)
         item_block(it, b0, r0, r1, group, q, H, kh, kb, vb, esize, counts, inplace, tail, T, D, type, scale);
@@ -398,9 +404,7 @@ static void item_chunk(struct item *it, long lo, long hi, long r0, long r1, long
 static void merge_chunks(float *out, const float *p, long step, long chunks, long count, long D)
 {
     struct state s;
-    s.m = -INFINITY;
-    s.l = 0.f;
-    memset(s.acc, 0, sizeof(float) * D);
+    empty_state(&s, D);
     for (long c = 0; c < chunks && c * CHUNK < count; c++) merge(&s, p + c * step + VL, p[c * step], p[c * step + 1], D);
     float inv = s.l > 0.f ? 1.0f / s.l : 0.f;
     for (long d = 0; d < D; d++) out[d] = s.acc[d] * inv;
@@ -541,9 +545,7 @@ static void attention_merges(void *ctx, long lo, long hi, int tid)
             float *p = c->part + rh * c->ps;
             for (long ch = 0; ch * CHUNK < count; ch++, p += c->n * c->H * c->ps) {
                 struct state s;
-                s.m = -INFINITY;
-                s.l = 0.f;
-                memset(s.acc, 0, sizeof(float) * c->D);
+                empty_state(&s, c->D);
                 for (long b = ch * CHUNK / BLOCK; b * BLOCK < count && b * BLOCK < (ch + 1) * CHUNK; b++) {
                     const struct state *e = &c->record[((b * c->Hkv + kh) * c->n + r) * c->group + g];
                     merge(&s, e->acc, e->m, e->l, c->D);
@@ -845,9 +847,7 @@ int racer_attention_tiles(const uint16_t *q, const uint16_t *k, const uint16_t *
                     for (long g = 0; g < group; g++) {
                         long m = HEAD_ROW(r, g);
                         memcpy(qt + m * D, q + (r * H + kh * group + g) * D, D * 2);
-                        st[m].m = -INFINITY;
-                        st[m].l = 0.f;
-                        for (long d = 0; d < D; d++) st[m].acc[d] = 0.f;
+                        empty_state(&st[m], D);
                     }
                 }
                 for (long b0 = 0; b0 < most; b0 += BLOCK) {
